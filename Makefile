@@ -1,0 +1,40 @@
+# Quickstart: `make run` (the tiny CPU GRPO job) and `make test` (the CPU test suite). Both set up .venv first.
+# Python 3.12 is found by scripts/find_python312.sh (override with PYTHON=...). Exact pins: constraints.txt.
+
+SHELL := bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint gpu-test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@set -e; \
+	if [ ! -x $(PY) ]; then \
+	  py="$${PYTHON:-$$(scripts/find_python312.sh)}"; \
+	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); \
+	fi; \
+	$(PY) -m pip install -q --upgrade pip; \
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	@touch $@
+
+run: setup
+	$(VENV)/bin/miles-vl check configs/geo3k_tiny_cpu.yaml
+
+test: setup
+	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests; that is a failure here" >&2; fi; \
+	exit $$rc
+
+lint: setup
+	$(VENV)/bin/ruff format --check miles_vl tests benchmarks examples
+	$(VENV)/bin/ruff check miles_vl tests benchmarks examples
+
+gpu-test: setup
+	scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,178 @@
+"""YAML + `key.sub=value` overrides -> a validated `JobConfig`, or one `ConfigError` listing every problem.
+
+OmegaConf loads, merges and resolves (`${...}` interpolations work); pydantic validates. Each problem names
+the dotted key, where it came from (the YAML file or the command line), what was expected and what was
+found, with a did-you-mean for misspelt keys.
+
+    cfg = load_config("configs/geo3k_tiny_cpu.yaml", ["rollout.n_samples_per_prompt=8"])
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ValidationError
+
+from miles_vl.config.schema import JobConfig, cross_field_errors
+
+
+class ConfigError(ValueError):
+    """All problems of one config, collected. `problems` holds one line each."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        head = f"invalid config {source}" if source else "invalid config"
+        super().__init__(
+            f"{head} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n  - " + "\n  - ".join(problems)
+        )
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Load `path`, apply `overrides` (`a.b=value`, YAML-typed values), validate.
+
+    Raises:
+        ConfigError: missing or malformed file, malformed override, unknown key, wrong type, inconsistent values.
+    """
+    raw = load_raw(path, overrides)
+    return validate(raw, source=str(path), override_keys=_override_keys(overrides))
+
+
+def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The merged, resolved config as plain containers, before validation."""
+    path = Path(path)
+    if not path.is_file():
+        hint = ""
+        if path.parent.is_dir():
+            near = difflib.get_close_matches(path.name, [p.name for p in path.parent.glob("*.yaml")], n=1)
+            hint = f"; did you mean {path.parent / near[0]}?" if near else ""
+        raise ConfigError([f"config file not found: {path}{hint}"])
+    text = path.read_text()
+    try:
+        # yaml first for a precise line/column on syntax errors; OmegaConf then owns merging and interpolation.
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"malformed YAML{where}: {getattr(e, 'problem', None) or e}"], str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a mapping of sections, found {type(data).__name__}"], str(path))
+    problems = [f"malformed override {o!r}: expected key.sub=value" for o in overrides if not _is_override(o)]
+    if problems:
+        raise ConfigError(problems, str(path))
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+        resolved = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError([f"cannot merge or resolve: {e}".splitlines()[0]], str(path)) from None
+    assert isinstance(resolved, dict)
+    return resolved
+
+
+def validate(raw: dict[str, Any], source: str | None = None, override_keys: set[str] | None = None) -> JobConfig:
+    """Validate plain containers into a `JobConfig`, or raise one `ConfigError` with every problem."""
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        errors = e.errors()
+    problems = [line for err in errors for line in _describe(err, source, override_keys or set()).splitlines()]
+    bad = [tuple(map(str, err["loc"])) for err in errors]
+    if all(bad):  # no top-level error: the cross-field validator has not run yet
+        problems += _cross_field_problems_without(raw, bad, source)
+    raise ConfigError(problems, source)
+
+
+def _cross_field_problems_without(raw: dict[str, Any], bad: list[tuple[str, ...]], source: str | None) -> list[str]:
+    """Cross-field problems among the keys that are individually valid, so that one run reports everything.
+
+    Pydantic skips the cross-field validator when any field fails; here the failing keys are removed (their
+    defaults stand in) and the rest is checked again. Messages that mention a removed key are left out.
+    """
+    pruned = copy.deepcopy(raw)
+    for loc in bad:
+        node: Any = pruned
+        for part in loc[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(loc[-1], None)
+    try:
+        cfg = JobConfig.model_validate(pruned, context={"skip_cross_checks": True})
+    except ValidationError:
+        return []
+    removed = {".".join(loc) for loc in bad}
+    where = f" in {source}" if source else ""
+    return [f"{p}{where}" for p in cross_field_errors(cfg) if not any(k and k in p for k in removed)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _is_override(text: str) -> bool:
+    key, sep, _ = text.partition("=")
+    return bool(sep) and bool(key) and all(part.isidentifier() for part in key.split("."))
+
+
+def _override_keys(overrides: Sequence[str]) -> set[str]:
+    return {o.partition("=")[0] for o in overrides}
+
+
+def _describe(err: dict[str, Any], source: str | None, override_keys: set[str]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    origin = _origin(key, source, override_keys)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        known = _known_fields(loc[:-1])
+        near = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        hint = f"; did you mean '{'.'.join([*loc[:-1], near[0]])}'?" if near else ""
+        section = ".".join(loc[:-1]) or "the top level"
+        return f"unknown key '{key}'{origin}{hint} (known keys of {section}: {', '.join(known)})"
+    if kind == "missing":
+        return f"missing required key '{key}'{origin}"
+    msg = err["msg"]
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        if not key:  # cross-field rules: one line each
+            return "\n".join(f"{line}{origin}" for line in msg.splitlines())
+        return f"'{key}': {msg}{origin}"
+    found = err.get("input")
+    return f"'{key}'{origin}: {msg}, found {found!r}"
+
+
+def _origin(key: str, source: str | None, override_keys: set[str]) -> str:
+    for ok in override_keys:
+        if key == ok or key.startswith(ok + ".") or ok.startswith(key + ".") and key:
+            return f" (from the command-line override {ok}=...)"
+    return f" in {source}" if source else ""
+
+
+def _known_fields(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = JobConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        sub = _model_of(field.annotation) if field else None
+        if sub is None:
+            return []
+        model = sub
+    return list(model.model_fields)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        for arg in typing.get_args(annotation):
+            if (m := _model_of(arg)) is not None:
+                return m
+    return None

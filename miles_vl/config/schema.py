@@ -1,0 +1,362 @@
+"""The typed job config: every knob, its default, its type and the rules that tie knobs together.
+
+This module is the single home of every default (STYLE §2.3). Code reads typed fields from these models,
+never `cfg.get("key", fallback)`. Every model forbids unknown keys; `loader.load_config` turns pydantic's
+errors into messages that name the key, the file and a did-you-mean.
+
+Cross-field rules live in `JobConfig._cross_checks` and are reported together with the per-field errors.
+Values that are derived (e.g. the data-parallel size) are exposed as properties and printed by
+`miles-vl check`, never written back over what the user gave.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# model
+
+
+class TinyModelConfig(_Section):
+    """Architecture of a random-init Qwen3-VL, used when `model.init: random` (tests, CPU demos)."""
+
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    head_dim: int = Field(16, gt=0)
+    vision_depth: int = Field(2, gt=0)
+    vision_hidden_size: int = Field(32, gt=0)
+    vision_num_heads: int = Field(2, gt=0)
+    vision_intermediate_size: int = Field(64, gt=0)
+    deepstack_visual_indexes: list[int] = Field(default_factory=lambda: [0])
+
+
+class ModelConfig(_Section):
+    """Which Qwen3-VL to train and how to build its processor."""
+
+    path: str | None = Field(None, description="HF checkpoint directory (or hub id when a local cache has it).")
+    init: Literal["pretrained", "random"] = "pretrained"
+    processor: str | None = Field(
+        None, description="Processor directory; defaults to `path`. `offline` uses the built-in offline processor."
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+
+    @model_validator(mode="after")
+    def _path_or_random(self) -> ModelConfig:
+        if self.init == "pretrained" and not self.path:
+            raise ValueError("model.init is 'pretrained' but model.path is empty: set model.path or model.init=random")
+        if self.init == "random" and self.processor is None and self.path is None:
+            raise ValueError("model.init=random needs a processor: set model.processor (e.g. 'offline') or model.path")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# data
+
+
+class DataConfig(_Section):
+    """Datasets and prompt building. Over-long prompts are dropped (never truncated) and counted."""
+
+    train_path: str | None = Field(None, description="parquet or jsonl file; null with `synthetic_n` > 0.")
+    eval_path: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out fraction of train when no eval_path.")
+    synthetic_n: int = Field(0, ge=0, description="generate this many geo3k-style rows instead of reading a file.")
+    format: Literal["auto", "geometry3k", "geo3k_imgurl", "generic"] = "auto"
+    dataset_fn: str | None = Field(None, description="custom row mapper `module:function` (see examples/).")
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    system_prompt: str | None = None
+    instruction: str | None = Field(
+        "Think step by step inside <think></think>, then put the final answer in \\boxed{}.",
+        description="appended after the problem text.",
+    )
+    max_prompt_len: int = Field(2048, gt=0, description="prompts longer than this (in tokens) are dropped.")
+    min_pixels: int = Field(256 * 32 * 32, gt=0)
+    max_pixels: int = Field(1024 * 32 * 32, gt=0)
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _source(self) -> DataConfig:
+        if self.train_path is None and self.synthetic_n == 0:
+            raise ValueError("no training data: set data.train_path or data.synthetic_n > 0")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels})")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rollout
+
+
+class SGLangConfig(_Section):
+    host: str = Field("127.0.0.1", description="bind address; anything else requires api_key.")
+    port: int = Field(30000, gt=0, lt=65536, description="first port; engine i uses port + i.")
+    api_key: str | None = None
+    mem_fraction_static: float = Field(0.6, gt=0.0, le=1.0)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    extra_args: list[str] = Field(default_factory=list, description="passed verbatim to the SGLang server.")
+
+    @model_validator(mode="after")
+    def _open_needs_key(self) -> SGLangConfig:
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
+            raise ValueError(f"rollout.sglang.host={self.host!r} opens the server beyond loopback: set an api_key")
+        return self
+
+
+class DynamicSamplingConfig(_Section):
+    """DAPO-style: drop groups whose rewards are all equal, over-sample prompts to refill the batch."""
+
+    enabled: bool = False
+    max_rounds: int = Field(3, ge=1, description="extra rollout rounds at most before training on what we have.")
+
+
+class RolloutConfig(_Section):
+    backend: Literal["hf", "sglang"] = "hf"
+    batch_size: int = Field(8, gt=0, description="prompts per RL step.")
+    n_samples_per_prompt: int = Field(4, gt=0)
+    max_response_len: int = Field(512, gt=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 disables top-k.")
+    num_engines: int = Field(1, gt=0)
+    gpus_per_engine: int = Field(1, ge=0)
+    ban_vision_tokens: bool = Field(True, description="forbid sampling <|image_pad|> and friends.")
+    max_restarts: int = Field(2, ge=0, description="restarts of a dead rollout actor per step before failing.")
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# train
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TrainConfig(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    num_gpus: int = Field(0, ge=0, description="training world size; 0 = CPU (torch backend only).")
+    tp: int = Field(1, gt=0, description="tensor parallel size.")
+    pp: int = Field(1, gt=0, description="pipeline parallel size.")
+    cp: int = Field(1, gt=0, description="context parallel size.")
+    ep: int = Field(1, gt=0, description="expert parallel size (MoE).")
+    sp: bool = Field(False, description="sequence parallel (needs tp > 1).")
+    packing: Literal["thd", "padded"] = "thd"
+    micro_batch_max_tokens: int = Field(8192, gt=0, description="token budget of one packed micro-batch per CP group.")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="samples per optimizer step; null = all samples of the RL step (one update)."
+    )
+    ppo_epochs: int = Field(1, gt=0)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    freeze_vision: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
+    seed: int = 1234
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# algo
+
+
+class TISConfig(_Section):
+    """Truncated importance sampling against the rollout engine's logprobs."""
+
+    enabled: bool = False
+    mode: Literal["clip", "mask"] = "clip"
+    cap: float = Field(2.0, gt=0)
+
+
+class AlgoConfig(_Section):
+    estimator: Literal["grpo", "reinforce_pp_baseline"] = "grpo"
+    norm_adv_by_std: bool = Field(True, description="false = Dr.GRPO (no std normalisation).")
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages, e.g. 3.0.")
+    loss_reduction: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0)
+    tis: TISConfig = Field(default_factory=TISConfig)
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl_coef > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reward, ray, logging, checkpoint, eval
+
+
+class RewardConfig(_Section):
+    name: str = Field("geo3k", description="registry name or `module:function`.")
+    format_weight: float = Field(0.1, ge=0, le=1, description="overall = (1-w)*acc + w*format; 0 = binary.")
+    format_pattern: str | None = Field(None, description="regex the whole response must match; null = default.")
+    timeout_s: float = Field(10.0, gt=0)
+
+
+class RayConfig(_Section):
+    address: str | None = Field(None, description="null = start Ray locally; else `ray.init(address=...)`.")
+    placement: Literal["colocate", "disaggregate"] = "colocate"
+    num_cpus: int | None = Field(None, gt=0, description="CPUs for a local Ray; null = all.")
+    dashboard: bool = Field(False, description="start the dashboard (bound to 127.0.0.1) on a local Ray.")
+
+
+class WandbConfig(_Section):
+    project: str = "miles-vl"
+    entity: str | None = None
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="auto: online when WANDB_API_KEY is set, else offline."
+    )
+
+
+class LoggingConfig(_Section):
+    output_dir: str = "runs"
+    run_name: str | None = Field(None, description="null = config file stem + timestamp.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    progress: bool = True
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = Field(None, description="null = <run dir>/checkpoints.")
+    interval: int = Field(0, ge=0, description="save every N steps; 0 = only at the end.")
+    keep_last: int = Field(2, gt=0)
+    resume: str = Field("auto", description="auto (newest in dir), never, or a checkpoint path.")
+
+
+class EvalConfig(_Section):
+    interval: int = Field(0, ge=0, description="evaluate every N steps; 0 = never.")
+    max_prompts: int | None = Field(None, gt=0)
+    n_samples_per_prompt: int = Field(1, gt=0)
+    temperature: float = Field(0.0, ge=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the job
+
+
+class JobConfig(_Section):
+    num_steps: int = Field(1, gt=0, description="RL steps (rollout -> train -> sync).")
+    seed: int = 1234
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    # Derived values, printed by `miles-vl check`.
+    @property
+    def model_parallel_size(self) -> int:
+        return self.train.tp * self.train.pp * self.train.cp
+
+    @property
+    def dp_size(self) -> int:
+        if self.train.num_gpus == 0:  # CPU: one process
+            return 1
+        return max(self.train.num_gpus // self.model_parallel_size, 1)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        return self.train.global_batch_size or self.samples_per_step
+
+    def derived(self) -> dict[str, int]:
+        return {
+            "dp_size": self.dp_size,
+            "samples_per_step": self.samples_per_step,
+            "global_batch_size": self.effective_global_batch_size,
+            "optimizer_steps_per_rl_step": self.samples_per_step
+            // self.effective_global_batch_size
+            * self.train.ppo_epochs,
+        }
+
+    @model_validator(mode="after")
+    def _cross_checks(self, info: ValidationInfo) -> JobConfig:
+        if info.context and info.context.get("skip_cross_checks"):
+            return self
+        errors = cross_field_errors(self)
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+
+def cross_field_errors(cfg: JobConfig) -> list[str]:
+    """Every inconsistency between sections, as one message each (key, found, expected, fix)."""
+    t, r, a = cfg.train, cfg.rollout, cfg.algo
+    errors: list[str] = []
+    if t.backend == "torch":
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(t, key) > 1:
+                errors.append(
+                    f"train.{key}={getattr(t, key)} needs a backend with model parallelism, but train.backend=torch; "
+                    "set train.backend=megatron or train." + key + "=1"
+                )
+        if t.num_gpus > 1:
+            errors.append(
+                f"train.num_gpus={t.num_gpus} with train.backend=torch: the embedded backend trains on one device; "
+                "set train.backend=megatron for several GPUs"
+            )
+    if t.backend == "megatron" and t.num_gpus == 0:
+        errors.append("train.backend=megatron needs GPUs: set train.num_gpus (e.g. 8)")
+    if t.cp > 1 and t.packing != "thd":
+        errors.append(f"train.cp={t.cp} needs THD packing, found train.packing={t.packing}; set train.packing=thd")
+    if t.sp and t.tp == 1:
+        errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
+    if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:
+        errors.append(
+            f"train.num_gpus={t.num_gpus} is not divisible by tp*pp*cp={cfg.model_parallel_size}; "
+            "change the GPU count or the parallel sizes"
+        )
+    elif cfg.effective_global_batch_size % cfg.dp_size:
+        errors.append(
+            f"train.global_batch_size={cfg.effective_global_batch_size} is not divisible by the data-parallel size "
+            f"{cfg.dp_size} (num_gpus / (tp*pp*cp)); pick a multiple of {cfg.dp_size}"
+        )
+    if cfg.samples_per_step % cfg.effective_global_batch_size:
+        errors.append(
+            f"rollout.batch_size * rollout.n_samples_per_prompt = {cfg.samples_per_step} samples per step is not "
+            f"divisible by train.global_batch_size={t.global_batch_size}; pick a divisor"
+        )
+    if a.estimator == "grpo" and r.n_samples_per_prompt < 2:
+        errors.append(
+            "algo.estimator=grpo compares responses within a group, but rollout.n_samples_per_prompt=1 makes every "
+            "advantage zero; set rollout.n_samples_per_prompt >= 2"
+        )
+    if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
+        errors.append(
+            f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} cannot hold one sample of data.max_prompt_len "
+            f"({cfg.data.max_prompt_len}) + rollout.max_response_len ({r.max_response_len}); raise the budget"
+        )
+    if r.backend == "sglang" and r.gpus_per_engine == 0:
+        errors.append("rollout.backend=sglang needs rollout.gpus_per_engine >= 1")
+    if a.tis.enabled and r.backend == "hf" and r.temperature == 0:
+        errors.append("algo.tis.enabled with greedy rollouts (rollout.temperature=0) has no sampling distribution")
+    return errors

@@ -1,0 +1,200 @@
+"""Contract: a YAML job config + `key=value` overrides validate into `JobConfig`, or fail with one
+`ConfigError` whose lines name the key, where it came from, and the fix (DESIGN §6)."""
+
+from pathlib import Path
+
+import pytest
+
+from miles_vl.config import ConfigError, JobConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = """\
+model:
+  init: random
+  processor: offline
+data:
+  synthetic_n: 8
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def problems(path: Path, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides or [])
+    return info.value.problems
+
+
+def test_minimal_config_gets_schema_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert isinstance(cfg, JobConfig)
+    assert cfg.train.backend == "torch" and cfg.train.cp == 1
+    assert cfg.reward.format_weight == 0.1
+    assert cfg.samples_per_step == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+
+
+def test_overrides_merge_with_yaml_types(tmp_path):
+    cfg = load_config(
+        write(tmp_path, MINIMAL),
+        [
+            "rollout.n_samples_per_prompt=8",
+            "train.optimizer.lr=3e-6",
+            "data.system_prompt=null",
+            "algo.tis.enabled=true",
+        ],
+    )
+    assert cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.train.optimizer.lr == pytest.approx(3e-6)
+    assert cfg.data.system_prompt is None
+    assert cfg.algo.tis.enabled is True
+
+
+def test_interpolation_resolves(tmp_path):
+    cfg = load_config(
+        write(tmp_path, MINIMAL + "logging:\n  output_dir: /tmp/x\ncheckpoint:\n  dir: ${logging.output_dir}/ckpt\n")
+    )
+    assert cfg.checkpoint.dir == "/tmp/x/ckpt"
+
+
+def test_unknown_key_in_file_names_file_and_suggests(tmp_path):
+    path = write(tmp_path, MINIMAL + "rollout:\n  n_sample_per_prompt: 4\n")
+    (msg,) = problems(path)
+    assert "unknown key 'rollout.n_sample_per_prompt'" in msg
+    assert str(path) in msg
+    assert "did you mean 'rollout.n_samples_per_prompt'?" in msg
+
+
+def test_unknown_key_from_override_names_the_override(tmp_path):
+    (msg,) = problems(write(tmp_path, MINIMAL), ["train.optimzer.lr=1e-5"])
+    assert "unknown key 'train.optimzer'" in msg
+    assert "command-line override train.optimzer.lr" in msg
+    assert "did you mean 'train.optimizer'?" in msg
+
+
+def test_unknown_top_level_section(tmp_path):
+    (msg,) = problems(write(tmp_path, MINIMAL + "rolout:\n  batch_size: 2\n"))
+    assert "unknown key 'rolout'" in msg and "did you mean 'rollout'?" in msg
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    (msg,) = problems(write(tmp_path, MINIMAL), ["rollout.batch_size=many"])
+    assert "'rollout.batch_size'" in msg and "'many'" in msg and "integer" in msg
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["rollout.batch_size=-1", "train.tp=zero", "algo.clip_lo=0.1"])
+    assert len(found) == 3, found
+
+
+def test_cp_needs_a_backend_with_cp(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["train.cp=2"])
+    assert any(
+        "train.cp=2 needs a backend with model parallelism" in p and "train.backend=megatron" in p for p in found
+    )
+
+
+def test_cp_needs_thd_packing(tmp_path):
+    found = problems(
+        write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=8", "train.cp=2", "train.packing=padded"]
+    )
+    assert any("train.cp=2 needs THD packing" in p for p in found), found
+
+
+def test_gpus_not_divisible_by_model_parallel(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=6", "train.tp=4"])
+    assert any("train.num_gpus=6 is not divisible by tp*pp*cp=4" in p for p in found), found
+
+
+def test_global_batch_not_divisible_by_dp(tmp_path):
+    # 8 GPUs / (tp 2 * cp 1) = dp 4; global batch 6 is not a multiple of 4.
+    found = problems(
+        write(tmp_path, MINIMAL),
+        [
+            "train.backend=megatron",
+            "train.num_gpus=8",
+            "train.tp=2",
+            "rollout.batch_size=3",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=6",
+        ],
+    )
+    assert any("not divisible by the data-parallel size 4" in p for p in found), found
+
+
+def test_step_samples_not_divisible_by_global_batch(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["train.global_batch_size=5"])
+    assert any("32 samples per step is not divisible by train.global_batch_size=5" in p for p in found), found
+
+
+def test_sp_needs_tp(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=1", "train.sp=true"])
+    assert any("train.sp=true needs train.tp > 1" in p for p in found), found
+
+
+def test_grpo_needs_groups(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["rollout.n_samples_per_prompt=1"])
+    assert any("n_samples_per_prompt >= 2" in p for p in found), found
+
+
+def test_sglang_open_host_needs_api_key(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["rollout.sglang.host=0.0.0.0"])
+    assert any("set an api_key" in p for p in found), found
+
+
+def test_micro_batch_budget_must_hold_one_sample(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["train.micro_batch_max_tokens=100"])
+    assert any("cannot hold one sample" in p for p in found), found
+
+
+def test_missing_file_suggests_neighbour(tmp_path):
+    write(tmp_path, MINIMAL, "geo3k_tiny.yaml")
+    (msg,) = problems(tmp_path / "geo3k_tinny.yaml")
+    assert "config file not found" in msg and "geo3k_tiny.yaml" in msg
+
+
+def test_malformed_yaml_gives_line(tmp_path):
+    (msg,) = problems(write(tmp_path, "model:\n  init: random\n data: [\n"))
+    assert "malformed YAML at line" in msg
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    (msg,) = problems(write(tmp_path, "- a\n- b\n"))
+    assert "top level must be a mapping" in msg and "list" in msg
+
+
+def test_malformed_override(tmp_path):
+    (msg,) = problems(write(tmp_path, MINIMAL), ["rollout.batch_size"])
+    assert "malformed override 'rollout.batch_size'" in msg
+
+
+def test_missing_required_section(tmp_path):
+    found = problems(write(tmp_path, "model:\n  init: random\n  processor: offline\n"))
+    assert any("missing required key 'data'" in p for p in found), found
+
+
+def test_pretrained_without_path(tmp_path):
+    found = problems(write(tmp_path, "model: {}\ndata:\n  synthetic_n: 4\n"))
+    assert any("model.path is empty" in p for p in found), found
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    load_config(path)
+
+
+def test_several_cross_field_problems_are_separate_lines(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["train.cp=2", "train.tp=2", "rollout.n_samples_per_prompt=1"])
+    assert sum("needs a backend with model parallelism" in p for p in found) == 2
+    assert any("n_samples_per_prompt >= 2" in p for p in found)
+    assert all("\n" not in p for p in found)
+
+
+def test_field_and_cross_field_problems_reported_together(tmp_path):
+    found = problems(write(tmp_path, MINIMAL), ["rollout.temprature=0.5", "train.cp=2"])
+    assert any("did you mean 'rollout.temperature'" in p for p in found)
+    assert any("train.cp=2 needs a backend" in p for p in found)
