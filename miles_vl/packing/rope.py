@@ -1,0 +1,240 @@
+"""Qwen3-VL multimodal RoPE (MRoPE) positions, per segment, vectorized.
+
+Every segment (one sample of a packed THD row) gets the positions that transformers'
+`Qwen3VLModel.get_rope_index` gives that sample alone, starting at 0:
+
+- a text token advances the position by 1 (all three rows equal);
+- a vision block of grid `(t, h, w)` with spatial merge `m` is `t * (h/m) * (w/m)` tokens whose rows are the
+  temporal, height and width indices of the token in the merged grid, each offset by the position `s` of the block;
+- the next token after the block starts at `s + max(h, w) / m` (transformers' rule; equal to the block's
+  maximum + 1 for every grid Qwen3-VL produces, where `t = 1` per block);
+- a video grid row `(t, h, w)` is `t` blocks of `(1, h, w)`: Qwen3-VL separates frame groups by timestamp text.
+
+A vision block is a maximal run of image (or video) tokens inside one segment and before that segment's
+`media_end`; tokens after `media_end` (e.g. `<|image_pad|>` sampled by the policy) are text. Runs take the grid
+rows of their modality in order. Everything is computed with tensor ops over the whole row: no Python loop over
+tokens or segments, only a few host reads of per-run aggregates for validation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import LongTensor, Tensor
+
+IMAGE, VIDEO = 1, 2
+
+
+def get_rope_index(
+    input_ids: LongTensor,
+    image_grid_thw: LongTensor | None = None,
+    video_grid_thw: LongTensor | None = None,
+    *,
+    spatial_merge_size: int,
+    image_token_id: int,
+    video_token_id: int,
+    vision_start_token_id: int,
+    media_end: int | None = None,
+) -> LongTensor:
+    """MRoPE positions of one unpacked Qwen3-VL sample.
+
+    Args:
+        input_ids: LongTensor[L], image/video tokens already expanded (as the processor returns them).
+        image_grid_thw: LongTensor[n_images, 3] of this sample, in order, or None.
+        video_grid_thw: LongTensor[n_videos, 3] of this sample (unsplit; rows are expanded by `t` here), or None.
+        spatial_merge_size: the vision tower's spatial merge (2 for Qwen3-VL).
+        image_token_id, video_token_id: ids of `<|image_pad|>` and `<|video_pad|>`.
+        vision_start_token_id: id of `<|vision_start|>`; accepted for signature parity with megatron-bridge.
+            Blocks are found as runs of media tokens, as transformers does.
+        media_end: media tokens at index >= media_end are text (the prompt ends there). None: the whole sample.
+
+    Returns:
+        LongTensor[3, L] (temporal, height, width rows), on `input_ids.device`.
+
+    Raises:
+        ValueError: the media runs do not match the grid rows (count or size), or a grid is not divisible by the merge.
+    """
+    del vision_start_token_id  # blocks are runs of media tokens; see the docstring
+    length = input_ids.shape[-1]
+    if input_ids.dim() != 1:
+        raise ValueError(
+            f"get_rope_index takes one unpacked sample, input_ids [L]; found shape {tuple(input_ids.shape)}"
+        )
+    cu_seqlens = torch.tensor([0, length], dtype=torch.int32, device=input_ids.device)
+    ends = None if media_end is None else [media_end]
+    return packed_position_ids(
+        input_ids,
+        cu_seqlens,
+        image_grid_thw,
+        video_grid_thw,
+        spatial_merge_size=spatial_merge_size,
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        media_ends=ends,
+    )
+
+
+def packed_position_ids(
+    input_ids: LongTensor,
+    cu_seqlens: Tensor,
+    image_grid_thw: LongTensor | None,
+    video_grid_thw: LongTensor | None,
+    *,
+    spatial_merge_size: int,
+    image_token_id: int,
+    video_token_id: int,
+    media_ends: list[int] | Tensor | None = None,
+    grid_rows_per_segment: tuple[list[int], list[int]] | None = None,
+) -> LongTensor:
+    """Per-segment MRoPE positions of a full THD row (each segment starts at 0).
+
+    Args:
+        input_ids: LongTensor[T], the full row.
+        cu_seqlens: [n_seg + 1] segment boundaries of the row (`cu_seqlens[-1] == T`).
+        image_grid_thw: LongTensor[n_images, 3], all segments' image grids in row order, or None.
+        video_grid_thw: LongTensor[n_videos, 3], all segments' video grids in row order (unsplit), or None.
+        media_ends: per segment, the segment-relative index from which media tokens are text; None = no limit.
+        grid_rows_per_segment: optional (images, videos) grid-row counts per segment (after video expansion is
+            NOT applied: count original video rows). When given, each segment's runs are checked against its own
+            rows, so that a mismatch is reported for the segment that has it.
+
+    Returns:
+        LongTensor[3, T].
+
+    Raises:
+        ValueError: media runs and grid rows disagree, or grids are not divisible by the merge size.
+    """
+    device = input_ids.device
+    total = input_ids.shape[0]
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens[-1]={int(cu[-1])} does not match the row length {total}")
+    seg_lens = cu[1:] - cu[:-1]
+    n_seg = seg_lens.numel()
+    pos_in_row = torch.arange(total, device=device)
+    seg_id = torch.repeat_interleave(torch.arange(n_seg, device=device), seg_lens, output_size=total)  # [T]
+    seg_start = cu[:-1][seg_id]  # [T]
+
+    modality = torch.zeros(total, dtype=torch.long, device=device)
+    modality[input_ids == image_token_id] = IMAGE
+    modality[input_ids == video_token_id] = VIDEO
+    if media_ends is not None:
+        ends = torch.as_tensor(media_ends, dtype=torch.long, device=device)
+        if ends.numel() != n_seg:
+            raise ValueError(f"media_ends has {ends.numel()} entries for {n_seg} segments")
+        modality[(pos_in_row - seg_start) >= ends[seg_id]] = 0
+    is_media = modality > 0
+
+    # A run (vision block) starts where the modality changes to a media one, or at a segment start.
+    prev_modality = torch.cat([modality.new_zeros(1), modality[:-1]])
+    run_start = is_media & ((modality != prev_modality) | (pos_in_row == seg_start))
+    run_start_idx = run_start.nonzero().squeeze(1)  # [R]
+    n_runs = run_start_idx.numel()
+    run_id = torch.cumsum(run_start.long(), 0) - 1  # [T], valid on media tokens
+    run_modality = modality[run_start_idx]  # [R]
+
+    if grid_rows_per_segment is not None:
+        _check_rows_per_segment(run_modality, seg_id[run_start_idx], grid_rows_per_segment, video_grid_thw, n_seg)
+    grid = _grids_for_runs(run_modality, image_grid_thw, video_grid_thw, spatial_merge_size, device)  # [R, 3] merged
+    run_len = torch.bincount(run_id[is_media], minlength=n_runs)  # [R]
+    expected = grid.prod(dim=1)
+    if n_runs and not torch.equal(run_len, expected):
+        bad = int((run_len != expected).nonzero()[0, 0])
+        s = int(seg_id[run_start_idx[bad]])
+        kind = "image" if int(run_modality[bad]) == IMAGE else "video frame"
+        raise ValueError(
+            f"vision block {bad} ({kind}) in segment {s} at segment offset {int(run_start_idx[bad] - cu[s])} has "
+            f"{int(run_len[bad])} media tokens, but its grid row gives t*(h/m)*(w/m) = {int(expected[bad])}; the grid "
+            "rows must be the ones the processor returned for these ids, in order"
+        )
+
+    # Position base of every token: text tokens before it in its segment + advances of blocks ended before it.
+    is_text = (~is_media).long()
+    advance = torch.zeros(total, dtype=torch.long, device=device)
+    if n_runs:
+        run_end_idx = run_start_idx + run_len - 1  # last media token of each run
+        advance[run_end_idx] = torch.maximum(grid[:, 1], grid[:, 2])
+    base = _exclusive_segment_cumsum(is_text, seg_id, cu) + _exclusive_segment_cumsum(advance, seg_id, cu)  # [T]
+
+    positions = base.unsqueeze(0).repeat(3, 1)  # [3, T]
+    if n_runs:
+        media_idx = is_media.nonzero().squeeze(1)
+        rid = run_id[media_idx]
+        offset = media_idx - run_start_idx[rid]
+        hh, ww = grid[rid, 1], grid[rid, 2]
+        positions[0, media_idx] += offset // (hh * ww)
+        positions[1, media_idx] += (offset // ww) % hh
+        positions[2, media_idx] += offset % ww
+    return positions
+
+
+def _exclusive_segment_cumsum(values: Tensor, seg_id: Tensor, cu: Tensor) -> Tensor:
+    """For each position, the sum of `values` before it within its segment. values, seg_id: [T]."""
+    exclusive = torch.cumsum(values, 0) - values
+    if exclusive.numel() == 0:
+        return exclusive
+    starts = cu[:-1].clamp(max=values.numel() - 1)
+    return exclusive - exclusive[starts][seg_id]
+
+
+def _grids_for_runs(
+    run_modality: Tensor,
+    image_grid_thw: Tensor | None,
+    video_grid_thw: Tensor | None,
+    merge: int,
+    device: torch.device,
+) -> Tensor:
+    """Merged grid `(t, h/m, w/m)` of every run, taking each modality's rows in order. Returns LongTensor[R, 3]."""
+    grid = torch.zeros(run_modality.numel(), 3, dtype=torch.long, device=device)
+    for kind, name, rows in (
+        (IMAGE, "image_grid_thw", image_grid_thw),
+        (VIDEO, "video_grid_thw", _split_video_rows(video_grid_thw)),
+    ):
+        rows = torch.zeros(0, 3, dtype=torch.long, device=device) if rows is None else rows.to(device, torch.long)
+        if rows.dim() != 2 or rows.shape[1] != 3:
+            raise ValueError(f"{name} must be [n, 3] (t, h, w); found shape {tuple(rows.shape)}")
+        n_runs = int((run_modality == kind).sum())
+        if n_runs != rows.shape[0]:
+            tokens = "<|image_pad|>" if kind == IMAGE else "<|video_pad|> frame"
+            what = f"{name} has {rows.shape[0]} rows" + (
+                " (after splitting videos into frames)" if kind == VIDEO else ""
+            )
+            raise ValueError(
+                f"{what}, but the ids contain {n_runs} {tokens} blocks before media_end; pass the grids the "
+                "processor returned with these ids (and media_end = prompt length if the response has media tokens)"
+            )
+        if rows.numel() and bool(((rows[:, 1:] % merge) != 0).any()):
+            raise ValueError(f"{name} rows {rows.tolist()} have h or w not divisible by spatial_merge_size={merge}")
+        grid[run_modality == kind] = torch.stack([rows[:, 0], rows[:, 1] // merge, rows[:, 2] // merge], dim=1)
+    return grid
+
+
+def _split_video_rows(video_grid_thw: Tensor | None) -> Tensor | None:
+    """Qwen3-VL: a video row (t, h, w) is t frame groups (1, h, w), separated by timestamp text."""
+    if video_grid_thw is None or video_grid_thw.numel() == 0:
+        return video_grid_thw
+    rows = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0).clone()
+    rows[:, 0] = 1
+    return rows
+
+
+def _check_rows_per_segment(
+    run_modality: Tensor,
+    run_segment: Tensor,
+    rows_per_segment: tuple[list[int], list[int]],
+    video_grid_thw: Tensor | None,
+    n_seg: int,
+) -> None:
+    images, videos = rows_per_segment
+    found_images = torch.bincount(run_segment[run_modality == IMAGE], minlength=n_seg).tolist()
+    found_frames = torch.bincount(run_segment[run_modality == VIDEO], minlength=n_seg).tolist()
+    frames_per_video = [] if video_grid_thw is None else video_grid_thw[:, 0].tolist()
+    start = 0
+    for s in range(n_seg):
+        want_frames = sum(frames_per_video[start : start + videos[s]])
+        start += videos[s]
+        if found_images[s] != images[s] or found_frames[s] != want_frames:
+            raise ValueError(
+                f"segment {s}: its ids contain {found_images[s]} image blocks and {found_frames[s]} video frame blocks "
+                f"before media_end, but it has {images[s]} image grid rows and {want_frames} video frames "
+                f"({videos[s]} video rows); each sample's grids must match its own media tokens"
+            )
