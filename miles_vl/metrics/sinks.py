@@ -1,0 +1,106 @@
+"""Where step metrics go: a JSONL file in the run dir (always), wandb (offline unless a key is set), and a rich
+progress line. Metrics are flat `{name: float}` dicts, one per RL step, with `step` set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class JsonlSink:
+    """Appends one JSON object per step to `<run_dir>/metrics.jsonl`; on resume, drops steps >= the resume step
+    so that the file reads as one uninterrupted run."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int = 0):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All step records of a metrics.jsonl (a run dir or the file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no {METRICS_FILE} at {path}; is this a miles-vl run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no nan/inf
+    return v
+
+
+class WandbSink:
+    """wandb in offline mode unless `mode=online`, or `mode=auto` with WANDB_API_KEY set."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        project: str,
+        entity: str | None,
+        mode: str,
+        name: str,
+        config: dict[str, Any],
+        resume_step: int = 0,
+    ):
+        import wandb
+
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        self.resume_step = resume_step
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            mode=mode,
+            name=name,
+            dir=str(run_dir),
+            config=config,
+            reinit="finish_previous",
+            settings=wandb.Settings(silent=True),
+        )
+        log.info("wandb: %s mode, files under %s", mode, Path(run_dir) / "wandb")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Sinks:
+    """Fan out to several sinks."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        for s in self.sinks:
+            s.log(metrics)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
