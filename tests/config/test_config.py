@@ -198,3 +198,10 @@ def test_field_and_cross_field_problems_reported_together(tmp_path):
     found = problems(write(tmp_path, MINIMAL), ["rollout.temprature=0.5", "train.cp=2"])
     assert any("did you mean 'rollout.temperature'" in p for p in found)
     assert any("train.cp=2 needs a backend" in p for p in found)
+
+
+def test_config_reference_doc_is_up_to_date():
+    from miles_vl.config.reference import render
+
+    doc = (REPO / "docs" / "configs.md").read_text()
+    assert doc == render(), "docs/configs.md is stale: run `python -m miles_vl.config.reference > docs/configs.md`"

@@ -1,0 +1,81 @@
+"""The config reference (docs/configs.md) generated from the schema, so that the docs cannot drift from it.
+
+python -m miles_vl.config.reference > docs/configs.md     # tests/config checks it is up to date
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from miles_vl.config.schema import JobConfig
+
+HEADER = """# Config reference
+
+A job is one YAML file plus `key.sub=value` overrides on the command line:
+
+    miles-vl check configs/geo3k_tiny_cpu.yaml rollout.n_samples_per_prompt=8 train.optimizer.lr=1e-6
+
+Unknown keys, wrong types and inconsistent settings are reported together, each naming the key, the file (or the
+override) and a fix; `miles-vl check` prints the resolved config with the derived values (data-parallel size,
+samples per step). This page is generated from `miles_vl/config/schema.py` by
+`python -m miles_vl.config.reference`; a test keeps it in sync.
+
+Cross-field rules (checked together with the field types):
+- `train.tp/pp/cp/ep > 1` need `train.backend: megatron`; the torch backend trains on one device.
+- `train.cp > 1` needs `train.packing: thd`; `train.sp` needs `train.tp > 1`.
+- `train.num_gpus` must be divisible by `tp * pp * cp`; `train.global_batch_size` by the data-parallel size,
+  and the samples of one step (`rollout.batch_size * rollout.n_samples_per_prompt`) by `train.global_batch_size`.
+- GRPO needs `rollout.n_samples_per_prompt >= 2`.
+- `train.micro_batch_max_tokens` must hold one sample of `data.max_prompt_len + rollout.max_response_len`.
+- `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
+"""
+
+
+def render() -> str:
+    lines = [HEADER]
+    _section(JobConfig, "", lines)
+    return "\n".join(lines) + "\n"
+
+
+def _section(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    rows, subs = [], []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        sub = _model(field.annotation)
+        if sub is not None:
+            subs.append((sub, key))
+            continue
+        default = (
+            "required"
+            if field.default is PydanticUndefined and field.default_factory is None
+            else (json.dumps(field.default_factory() if field.default_factory else field.default))
+        )
+        cells = [f"`{key}`", f"`{_type(field.annotation)}`", f"`{default}`", field.description or ""]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if rows:
+        lines += [
+            f"\n## `{prefix.rstrip('.') or 'top level'}`\n",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    for sub, key in subs:
+        _section(sub, key + ".", lines)
+
+
+def _model(annotation) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _type(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation)).replace("'", "")
+    return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+
+
+if __name__ == "__main__":
+    print(render(), end="")
