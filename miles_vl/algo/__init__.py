@@ -1,0 +1,53 @@
+"""RL algorithms: group advantages, the PPO-style policy loss, KL estimators, TIS and split-safe loss weights.
+
+    adv = compute_advantages(rewards, n_samples_per_prompt, estimator="grpo")       # [N] fp32 + zero-adv fraction
+    weights = loss_token_weights(loss_mask, seq_ids, seq_loss_tokens, denominators, reduction="token_mean")
+    out = policy_loss(logprobs, old_logprobs, adv_per_token, weights, clip_low=0.2, clip_high=0.28)
+    out.loss.backward(); log(out.metrics.as_dict())
+
+Every function takes plain numbers (clip_low, kl_coef, ...), never the config.
+"""
+
+from miles_vl.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    Advantages,
+    Estimator,
+    compute_advantages,
+    grpo_advantages,
+    reinforce_pp_baseline_advantages,
+)
+from miles_vl.algo.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
+from miles_vl.algo.loss_weights import (
+    LOSS_REDUCTIONS,
+    LossDenominators,
+    LossReduction,
+    loss_denominators,
+    loss_token_weights,
+    sequence_loss_tokens,
+)
+from miles_vl.algo.policy_loss import PolicyLossMetrics, PolicyLossOutput, combine_metrics, policy_loss
+from miles_vl.algo.tis import TISMode, tis_weights
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_REDUCTIONS",
+    "Advantages",
+    "Estimator",
+    "KLEstimator",
+    "LossDenominators",
+    "LossReduction",
+    "PolicyLossMetrics",
+    "PolicyLossOutput",
+    "TISMode",
+    "combine_metrics",
+    "compute_advantages",
+    "grpo_advantages",
+    "kl_penalty",
+    "loss_denominators",
+    "loss_token_weights",
+    "policy_loss",
+    "reinforce_pp_baseline_advantages",
+    "sequence_loss_tokens",
+    "tis_weights",
+]

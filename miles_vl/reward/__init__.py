@@ -1,0 +1,33 @@
+"""Rewards: the registry (`resolve_reward`), the geo3k and math rewards, and batch scoring with time limits.
+
+    fn = resolve_reward("geo3k", format_weight=0.1)            # or "my_pkg.rewards:score"
+    results, stats = score_batch(fn, [RewardSample(response, label)], timeout_s=10.0)
+
+A reward function takes one `RewardSample` and returns a `RewardResult` or a float, sync or async (`types`).
+"""
+
+from miles_vl.reward.geo3k import DEFAULT_FORMAT_PATTERN, check_geo3k_options, format_score, geo3k_reward
+from miles_vl.reward.math_answer import answers_match, extract_last_boxed, math_reward
+from miles_vl.reward.registry import REWARD_REGISTRY, RewardResolutionError, resolve_reward
+from miles_vl.reward.scoring import RewardStats, score_batch, score_batch_async
+from miles_vl.reward.types import RewardFn, RewardResult, RewardSample, to_reward_result
+
+__all__ = [
+    "DEFAULT_FORMAT_PATTERN",
+    "REWARD_REGISTRY",
+    "RewardFn",
+    "RewardResolutionError",
+    "RewardResult",
+    "RewardSample",
+    "RewardStats",
+    "answers_match",
+    "check_geo3k_options",
+    "extract_last_boxed",
+    "format_score",
+    "geo3k_reward",
+    "math_reward",
+    "resolve_reward",
+    "score_batch",
+    "score_batch_async",
+    "to_reward_result",
+]

@@ -1,0 +1,3 @@
+"""A module that imports a dependency that does not exist."""
+
+import miles_vl_no_such_dependency  # noqa: F401
