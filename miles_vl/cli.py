@@ -18,6 +18,7 @@ import yaml
 
 import miles_vl
 from miles_vl.config import ConfigError, JobConfig, load_config
+from miles_vl.data import cli as data_cli
 from miles_vl.logs import setup_logging
 
 log = logging.getLogger("miles_vl")
@@ -74,6 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "check": ("validate a config and print it resolved (exit 2 on errors)", _add_config_args, cmd_check),
     "train": ("run an RL job from a config", _add_config_args, cmd_train),
+    "data": ("generate (data synth) or inspect (data inspect) datasets", data_cli.configure, data_cli.cmd_data),
 }
 
 

@@ -1,0 +1,83 @@
+"""The one place the data package reads the config: `DataConfig` -> train and eval `PromptDataset`s.
+
+    splits = build_datasets(cfg.data, processor, seed=cfg.seed)
+    batch = splits.train.next_batch(cfg.rollout.batch_size)
+
+Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated geo3k-style problems (`synth`, seeded by the job
+seed). Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted
+and logged (`LoadReport`); a training set with no usable row is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_vl.config.schema import DataConfig
+from miles_vl.data.dataset import PromptDataset, split_train_eval
+from miles_vl.data.layouts import load_dataset_fn
+from miles_vl.data.loading import load_prompt_file, load_prompt_records
+from miles_vl.data.prompt import PromptEncoder
+from miles_vl.data.records import LoadReport, PromptRow
+from miles_vl.data.synth import synth_records
+
+
+@dataclass
+class DataSplits:
+    train: PromptDataset
+    eval: PromptDataset | None  # None when neither eval_path nor eval_fraction is set
+    reports: list[LoadReport] = field(default_factory=list)  # one per load (train, then eval_path if any)
+
+
+def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
+    """Load, validate and split the data of one job.
+
+    Args:
+        cfg: the `data` section of the job config.
+        processor: from `load_processor(..., cfg.min_pixels, cfg.max_pixels)`.
+        seed: the job seed: synthetic problems, the eval hold-out and the shuffling order derive from it.
+
+    Returns:
+        The train dataset (shuffled per `cfg.shuffle`), the eval dataset (load order) or None, and the load reports.
+
+    Raises:
+        ValueError: both train_path and synthetic_n set; no usable training row; errors of the loaders.
+    """
+    if cfg.train_path and cfg.synthetic_n:
+        raise ValueError(
+            f"data.train_path={cfg.train_path!r} and data.synthetic_n={cfg.synthetic_n} are both set; "
+            "set data.synthetic_n=0 to train on the file, or data.train_path=null for generated problems"
+        )
+    encoder = PromptEncoder(processor, system_prompt=cfg.system_prompt, instruction=cfg.instruction)
+    file_kwargs: dict[str, Any] = dict(
+        max_prompt_len=cfg.max_prompt_len,
+        layout=cfg.format,
+        prompt_key=cfg.prompt_key,
+        answer_key=cfg.answer_key,
+        image_key=cfg.image_key,
+        dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
+    )
+    if cfg.train_path:
+        train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
+    else:
+        train_rows, report = load_prompt_records(
+            synth_records(cfg.synthetic_n, seed),
+            encoder,
+            max_prompt_len=cfg.max_prompt_len,
+            source=f"synthetic(n={cfg.synthetic_n}, seed={seed})",
+            layout="geometry3k",
+        )
+    reports = [report]
+    if not train_rows:
+        raise ValueError(f"no usable training rows: {report.summary()}; fix the data or the limits (see the log)")
+    eval_rows: list[PromptRow] | None = None
+    if cfg.eval_path:
+        eval_rows, eval_report = load_prompt_file(cfg.eval_path, encoder, **file_kwargs)
+        reports.append(eval_report)
+    elif cfg.eval_fraction > 0:
+        train_rows, eval_rows = split_train_eval(train_rows, cfg.eval_fraction, seed)
+    return DataSplits(
+        train=PromptDataset(train_rows, encoder, seed=seed, shuffle=cfg.shuffle),
+        eval=PromptDataset(eval_rows, encoder, seed=seed, shuffle=False) if eval_rows is not None else None,
+        reports=reports,
+    )

@@ -1,0 +1,204 @@
+"""Dataset files and the row layouts users already have, mapped to one shape: (problem, images, answer, metadata).
+
+Files: `.parquet` (pyarrow) or `.jsonl` (one JSON object per line). Layouts:
+
+    geometry3k    hiyouga/geometry3k: `problem` (with `<image>`), `images` = list of {bytes, path}, `answer`
+    geo3k_imgurl  chenhegu/geo3k_imgurl: the same columns, `images` = list of strings (paths, file:// or data URLs)
+    generic       any columns: the prompt, answer and image columns are named by `prompt_key`, `answer_key`,
+                  `image_key` (the image column may be absent for text-only prompts, or hold one image per row)
+
+`auto` picks geometry3k or geo3k_imgurl when the file has `problem`, `answer` and `images` and the keys are the
+defaults (by the type of the first image value), else generic. Any image value `images.image_ref` understands works
+in every layout; the layout fixes the columns. A custom `dataset_fn` (`module:function`, see `load_dataset_fn`)
+maps each raw record to the geometry3k shape instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Layout = Literal["geometry3k", "geo3k_imgurl", "generic"]
+LAYOUT_CHOICES = ("auto", "geometry3k", "geo3k_imgurl", "generic")
+GEO3K_KEYS = ("problem", "answer", "images")  # prompt, answer, image columns of both geo3k layouts
+
+# A custom row mapper: one raw record -> {"problem": str, "answer": str, "images": list, "metadata": dict?} or None.
+DatasetFn = Callable[[dict[str, Any]], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class RowFields:
+    """One record's prompt, images and answer as found (not yet validated)."""
+
+    problem: Any
+    images: list[Any]
+    answer: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayoutKeys:
+    layout: Layout
+    prompt_key: str
+    answer_key: str
+    image_key: str
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a parquet or jsonl file, as dicts (parquet structs become dicts, lists stay lists).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: another suffix, or a jsonl line that is not a JSON object (names the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}; check data.train_path / data.eval_path")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix == ".jsonl":
+        records = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err}); fix or remove the line") from err
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}")
+                records.append(record)
+        return records
+    raise ValueError(f"{path}: unsupported file type {suffix!r}; use .parquet or .jsonl")
+
+
+def resolve_layout(
+    records: Sequence[Mapping[str, Any]],
+    layout: str = "auto",
+    *,
+    prompt_key: str = "problem",
+    answer_key: str = "answer",
+    image_key: str = "images",
+    source: str = "dataset",
+) -> LayoutKeys:
+    """Decide the layout and the columns to read, and check that the columns exist.
+
+    Args:
+        records: the raw records (only their keys and the first image value are looked at).
+        layout: auto | geometry3k | geo3k_imgurl | generic.
+        prompt_key, answer_key, image_key: the columns of the generic layout.
+        source: the file name, for messages.
+
+    Returns:
+        The layout and its three column names.
+
+    Raises:
+        ValueError: an unknown layout; a geo3k layout combined with non-default keys; a prompt or answer column that
+            no record has (the message lists the columns found).
+    """
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"unknown data format {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    keys = (prompt_key, answer_key, image_key)
+    columns = sorted({k for r in records for k in r})
+    if layout in ("geometry3k", "geo3k_imgurl") and keys != GEO3K_KEYS:
+        raise ValueError(
+            f"data.format={layout} reads the columns {GEO3K_KEYS}, but prompt_key/answer_key/image_key are {keys}; "
+            "set data.format=generic to use your own column names"
+        )
+    if layout == "auto":
+        layout = "generic"
+        if keys == GEO3K_KEYS and set(GEO3K_KEYS) <= set(columns):
+            first = next((v for r in records for v in as_image_list(r.get("images"))), None)
+            if isinstance(first, dict):
+                layout = "geometry3k"
+            elif isinstance(first, str):
+                layout = "geo3k_imgurl"
+    for what, key in (("prompt", prompt_key), ("answer", answer_key)):
+        if records and key not in columns:
+            raise ValueError(
+                f"{source}: no {what} column {key!r} (layout {layout}); the columns are {columns}; "
+                f"set data.{what}_key (with data.format=generic) or data.dataset_fn"
+            )
+    return LayoutKeys(layout, prompt_key, answer_key, image_key)
+
+
+def row_fields(record: Mapping[str, Any], keys: LayoutKeys) -> RowFields:
+    """The prompt, images and answer of one record; its other scalar columns become metadata."""
+    metadata = {
+        k: v for k, v in record.items() if k not in (keys.prompt_key, keys.answer_key, keys.image_key) and _is_scalar(v)
+    }
+    return RowFields(
+        problem=record.get(keys.prompt_key),
+        images=as_image_list(record.get(keys.image_key)),
+        answer=record.get(keys.answer_key),
+        metadata=metadata,
+    )
+
+
+def as_image_list(value: Any) -> list[Any]:
+    """An image column value as a list: None -> [], a list/tuple -> itself, one image -> [it]."""
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return list(value)
+    return [value]
+
+
+def load_dataset_fn(spec: str) -> DatasetFn:
+    """Import a custom row mapper given as `package.module:function`.
+
+    The function takes one raw record (dict) and returns `{"problem": str, "answer": str, "images": [...],
+    "metadata": {...}}` (images and metadata optional) in the geometry3k shape, or None to skip the record (counted
+    as `skipped_by_dataset_fn`).
+
+    Raises:
+        ValueError: malformed spec, module not importable, attribute missing or not callable (names the spec).
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"data.dataset_fn={spec!r} must look like 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"data.dataset_fn={spec!r}: cannot import {module_name!r}: {err}") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"data.dataset_fn={spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"data.dataset_fn={spec!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def apply_dataset_fn(fn: DatasetFn, record: dict[str, Any]) -> RowFields | None:
+    """Run a custom row mapper on one record; None means skip.
+
+    Raises:
+        TypeError: the mapper returned something other than None or a mapping with `problem` and `answer`.
+    """
+    out = fn(record)
+    if out is None:
+        return None
+    if not isinstance(out, Mapping) or "problem" not in out or "answer" not in out:
+        raise TypeError(
+            f"dataset_fn {getattr(fn, '__name__', fn)!r} returned {type(out).__name__}; it must return None or a "
+            "mapping with 'problem' and 'answer' (and optionally 'images', 'metadata')"
+        )
+    return RowFields(
+        problem=out["problem"],
+        images=as_image_list(out.get("images")),
+        answer=out["answer"],
+        metadata=dict(out.get("metadata") or {}),
+    )
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)

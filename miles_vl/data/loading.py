@@ -1,0 +1,176 @@
+"""Load a dataset into validated `PromptRow`s, dropping (never repairing) the rows that cannot be used.
+
+    rows, report = load_prompt_file("geo3k/train.parquet", encoder, max_prompt_len=2048)
+    # report: kept 2099 of 2101 rows (layout geometry3k); dropped 2: corrupt_image=1, prompt_too_long=1
+
+Checks, in order, for every row (the first failure is its drop reason, see `records.DropReason`):
+prompt and answer present -> as many `<image>` placeholders as images -> every image resolves (no remote URLs,
+no missing files) and decodes -> the canonical prompt (image tokens expanded) fits `max_prompt_len`.
+The report is logged (`logging`, logger `miles_vl.data.loading`) when the load ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_vl.data.images import ImageError, image_ref, open_image
+from miles_vl.data.layouts import (
+    DatasetFn,
+    LayoutKeys,
+    RowFields,
+    apply_dataset_fn,
+    read_records,
+    resolve_layout,
+    row_fields,
+)
+from miles_vl.data.prompt import IMAGE_PLACEHOLDER, PromptEncoder
+from miles_vl.data.records import DropReason, LoadReport, PromptRow
+
+log = logging.getLogger(__name__)
+
+
+def load_prompt_file(
+    path: str | Path,
+    encoder: PromptEncoder,
+    *,
+    max_prompt_len: int,
+    layout: str = "auto",
+    prompt_key: str = "problem",
+    answer_key: str = "answer",
+    image_key: str = "images",
+    dataset_fn: DatasetFn | None = None,
+) -> tuple[list[PromptRow], LoadReport]:
+    """Read a parquet/jsonl file and validate every row (see `load_prompt_records`).
+
+    Relative image paths are looked up in the file's folder first, then in the working directory.
+
+    Raises:
+        FileNotFoundError, ValueError: from `layouts.read_records` / `layouts.resolve_layout`.
+    """
+    path = Path(path)
+    return load_prompt_records(
+        read_records(path),
+        encoder,
+        max_prompt_len=max_prompt_len,
+        source=str(path),
+        layout=layout,
+        prompt_key=prompt_key,
+        answer_key=answer_key,
+        image_key=image_key,
+        dataset_fn=dataset_fn,
+        base_dir=path.parent,
+    )
+
+
+def load_prompt_records(
+    records: Sequence[dict[str, Any]],
+    encoder: PromptEncoder,
+    *,
+    max_prompt_len: int,
+    source: str,
+    layout: str = "auto",
+    prompt_key: str = "problem",
+    answer_key: str = "answer",
+    image_key: str = "images",
+    dataset_fn: DatasetFn | None = None,
+    base_dir: Path | None = None,
+) -> tuple[list[PromptRow], LoadReport]:
+    """Validate raw records into `PromptRow`s; count and log every dropped row.
+
+    Args:
+        records: raw rows (dicts) in one of the layouts of `miles_vl.data.layouts`.
+        encoder: renders and counts prompts (its processor fixes the image token counts).
+        max_prompt_len: longest allowed canonical prompt, in tokens; longer rows are dropped.
+        source: name of the data for the report and the log.
+        layout: auto | geometry3k | geo3k_imgurl | generic (ignored with `dataset_fn`).
+        prompt_key, answer_key, image_key: columns of the generic layout.
+        dataset_fn: custom mapper from a raw record to the geometry3k shape (or None to skip it).
+        base_dir: folder relative image paths are looked up in first.
+
+    Returns:
+        The kept rows in record order, and the `LoadReport`.
+
+    Raises:
+        ValueError: a bad `max_prompt_len`, layout or missing column (see `resolve_layout`).
+        TypeError: a `dataset_fn` that returns something other than None or a mapping with problem and answer.
+    """
+    if max_prompt_len <= 0:
+        raise ValueError(f"max_prompt_len must be positive, found {max_prompt_len}; fix data.max_prompt_len")
+    keys: LayoutKeys | None = None
+    if dataset_fn is None:
+        keys = resolve_layout(
+            records, layout, prompt_key=prompt_key, answer_key=answer_key, image_key=image_key, source=source
+        )
+    report = LoadReport(source=source, layout=keys.layout if keys else "custom", n_rows=len(records))
+    rows: list[PromptRow] = []
+    for index, record in enumerate(records):
+        fields = row_fields(record, keys) if keys else apply_dataset_fn(dataset_fn, record)
+        if fields is None:
+            report.drop(index, DropReason.SKIPPED_BY_DATASET_FN, "dataset_fn returned None")
+            continue
+        row = _validate(index, fields, encoder, max_prompt_len, base_dir, report)
+        if row is not None:
+            rows.append(row)
+    report.n_kept = len(rows)
+    report.log(log)
+    return rows, report
+
+
+def _validate(
+    index: int,
+    fields: RowFields,
+    encoder: PromptEncoder,
+    max_prompt_len: int,
+    base_dir: Path | None,
+    report: LoadReport,
+) -> PromptRow | None:
+    problem, answer = fields.problem, fields.answer
+    if not isinstance(problem, str) or not problem.strip():
+        report.drop(index, DropReason.MISSING_FIELD, f"prompt is {_describe(problem)}, expected non-empty text")
+        return None
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+        report.drop(index, DropReason.MISSING_FIELD, f"answer is {_describe(answer)}")
+        return None
+    n_placeholders = problem.count(IMAGE_PLACEHOLDER)
+    if n_placeholders != len(fields.images):
+        report.drop(
+            index,
+            DropReason.PLACEHOLDER_MISMATCH,
+            f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(fields.images)} images",
+        )
+        return None
+    try:
+        refs = tuple(image_ref(value, base_dir) for value in fields.images)
+        sizes = [open_image(ref).size for ref in refs]  # (width, height); decoding all of it catches truncation
+    except ImageError as err:
+        report.drop(index, err.reason, str(err))
+        return None
+    for width, height in sizes:
+        try:
+            encoder.image_tokens(width, height)
+        except ValueError as err:  # e.g. an aspect ratio above 200, which Qwen's smart_resize refuses
+            report.drop(index, DropReason.CORRUPT_IMAGE, f"the processor cannot take a {width}x{height} image: {err}")
+            return None
+    prompt_len = encoder.count_tokens(problem, sizes)
+    if prompt_len > max_prompt_len:
+        report.drop(
+            index,
+            DropReason.PROMPT_TOO_LONG,
+            f"{prompt_len} tokens > max_prompt_len {max_prompt_len} (images {sizes})",
+        )
+        return None
+    return PromptRow(
+        index=index,
+        problem=problem,
+        images=refs,
+        label=str(answer).strip(),
+        prompt_len=prompt_len,
+        metadata=fields.metadata,
+    )
+
+
+def _describe(value: Any) -> str:
+    return "missing" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"

@@ -1,0 +1,152 @@
+"""Prompt building: `problem` text with `<image>` placeholders -> chat messages -> canonical prompt ids.
+
+    encoder = PromptEncoder(processor, system_prompt=None, instruction="... put the final answer in \\boxed{}.")
+    encoder.messages("<image>Find x.")
+    # [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x. ... \\boxed{}."}]}]
+    n = encoder.count_tokens("<image>Find x.", [(224, 224)])   # exact canonical length, without pixel work
+    sample = encoder.encode(row)                                # PromptSample: prompt_ids, pixel_values, grids
+
+The text is rendered by the processor's own chat template (`apply_chat_template`, generation prompt added) and
+encoded by the processor itself (`processor(text=..., images=...)`), so `prompt_ids` are exactly the ids of a real
+run: each image becomes `<|vision_start|>` + t*h*w/merge^2 `<|image_pad|>` + `<|vision_end|>`. Of the
+processor's outputs only `input_ids` (as `prompt_ids`), `pixel_values` and `image_grid_thw` are kept.
+
+`count_tokens` predicts that length at load time from the image sizes alone (the image processor's own
+`get_number_of_image_patches`), so over-long prompts are dropped before any pixel is processed; `encode` checks the
+prediction against the processor's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from miles_vl.data.images import open_image
+from miles_vl.data.records import PromptRow, PromptSample
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def build_messages(
+    problem: str, *, system_prompt: str | None = None, instruction: str | None = None
+) -> list[dict[str, Any]]:
+    """Chat messages for one problem: `<image>` placeholders become typed image parts, in order.
+
+    Args:
+        problem: the prompt text; each `<image>` marks where one image goes.
+        system_prompt: a system message, or None for none.
+        instruction: appended after the problem text (trailing whitespace of the problem trimmed, one space between),
+            e.g. "put the final answer in \\boxed{}"; None or "" for none.
+
+    Returns:
+        `[{"role": "system", ...}?, {"role": "user", "content": [{"type": "image"} | {"type": "text", "text": ...}]}]`.
+    """
+    parts: list[dict[str, Any]] = []
+    for i, segment in enumerate(problem.split(IMAGE_PLACEHOLDER)):
+        if i > 0:
+            parts.append({"type": "image"})
+        if segment:
+            parts.append({"type": "text", "text": segment})
+    if instruction:
+        if parts and parts[-1]["type"] == "text" and parts[-1]["text"].strip():
+            parts[-1] = {"type": "text", "text": parts[-1]["text"].rstrip() + " " + instruction}
+        else:
+            parts.append({"type": "text", "text": instruction})
+    messages: list[dict[str, Any]] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": parts})
+    return messages
+
+
+class PromptEncoder:
+    """Renders and encodes prompts with one processor and one set of prompt settings."""
+
+    def __init__(self, processor: Any, *, system_prompt: str | None = None, instruction: str | None = None):
+        """
+        Args:
+            processor: a Qwen-VL processor (e.g. from `load_processor`), with its pixel range already fixed.
+            system_prompt: system message for every prompt, or None.
+            instruction: text appended to every problem, or None.
+        """
+        self.processor = processor
+        self.system_prompt = system_prompt
+        self.instruction = instruction
+        self.image_token_id = int(processor.image_token_id)
+        self.merge_size = int(processor.image_processor.merge_size)
+
+    def messages(self, problem: str) -> list[dict[str, Any]]:
+        return build_messages(problem, system_prompt=self.system_prompt, instruction=self.instruction)
+
+    def render(self, problem: str) -> str:
+        """The chat-templated prompt text (generation prompt included), one `<|image_pad|>` per image."""
+        return self.processor.apply_chat_template(self.messages(problem), tokenize=False, add_generation_prompt=True)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """`<|image_pad|>` tokens for one image of this size: t*h*w/merge^2 of its resized patch grid."""
+        patches = self.processor.image_processor.get_number_of_image_patches(height, width, {})
+        return int(patches) // self.merge_size**2
+
+    def count_tokens(self, problem: str, image_sizes: Sequence[tuple[int, int]]) -> int:
+        """Exact length of the canonical prompt ids, computed from the image sizes without processing pixels.
+
+        Args:
+            problem: the prompt text with one `<image>` per entry of `image_sizes`.
+            image_sizes: (width, height) of each image, in placeholder order.
+
+        Returns:
+            The number of ids `encode` will produce.
+
+        Raises:
+            ValueError: the rendered text does not hold one image token per image (a chat template that drops or
+                repeats image parts).
+        """
+        ids = self.processor.tokenizer(self.render(problem))["input_ids"]
+        n_placeholders = sum(1 for i in ids if i == self.image_token_id)
+        if n_placeholders != len(image_sizes):
+            raise ValueError(
+                f"the chat template rendered {n_placeholders} image tokens for {len(image_sizes)} images; "
+                "use a processor whose template renders one `<|vision_start|><|image_pad|><|vision_end|>` per image"
+            )
+        # Each image's single `<|image_pad|>` expands to its token count; the text around it tokenizes the same.
+        return len(ids) + sum(self.image_tokens(w, h) - 1 for w, h in image_sizes)
+
+    def encode(self, row: PromptRow) -> PromptSample:
+        """Run one loaded row through the processor.
+
+        Args:
+            row: a row from the loader (its `prompt_len` was computed with this encoder's settings).
+
+        Returns:
+            The `PromptSample` with the processor's `input_ids` as `prompt_ids` ([L], int64), `pixel_values`
+            ([n_patches, C*T*P*P]) and `image_grid_thw` ([n_images, 3]); the latter two None without images.
+
+        Raises:
+            ImageError: an image that decoded at load time no longer does (a file removed since).
+            ValueError: the processor produced a different length than predicted at load time (its pixel range or
+                template changed after loading: build the dataset with the processor you encode with).
+        """
+        images = [open_image(ref) for ref in row.images]
+        text = self.render(row.problem)
+        # mm_token_type_ids are dropped anyway (engines derive them from the ids): do not compute them.
+        out = self.processor(text=[text], images=images or None, return_tensors="pt", return_mm_token_type_ids=False)
+        prompt_ids = out["input_ids"][0].to(torch.long)
+        if prompt_ids.numel() != row.prompt_len:
+            raise ValueError(
+                f"row {row.index}: the processor produced {prompt_ids.numel()} prompt ids, the load-time count was "
+                f"{row.prompt_len}; the processor's pixel range or template changed after loading: build the "
+                "dataset with the processor you encode with"
+            )
+        grid = out.get("image_grid_thw")
+        return PromptSample(
+            index=row.index,
+            prompt_ids=prompt_ids,
+            pixel_values=out.get("pixel_values") if images else None,
+            image_grid_thw=grid.to(torch.long) if images and grid is not None else None,
+            label=row.label,
+            images=images,
+            prompt_text=text,
+            metadata=dict(row.metadata),
+        )

@@ -1,0 +1,315 @@
+"""Procedural geo3k-style problems: real diagrams drawn with PIL, exact answers, deterministic given a seed.
+
+    miles-vl data synth data/synth.parquet --n 256 --seed 0      # a geometry3k-layout parquet file
+    problems = generate_problems(8, seed=0)                      # SynthProblem: problem, answer, params, image
+
+Four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to scale:
+
+    triangle_angle   a triangle with two interior angles labelled, the third is x°        answer: 180 - a - b
+    right_triangle   a right triangle with two sides labelled, the third is x              answer: Pythagoras
+    parallel_lines   two parallel lines m, n and a transversal; one angle given, one is x° answer: x or 180 - x
+    circle           a circle with its radius or diameter labelled; circumference or area answer: to the tenth
+
+`params` holds the geometry as drawn, in image pixels (y down): vertex coordinates, segment end points, the scale
+(pixels per unit), so that the answer can be recomputed from the picture's geometry alone. Problem i draws from
+its own `random.Random` seeded by (seed, i): the first n problems are the same for every larger n.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
+
+KINDS = ("triangle_angle", "right_triangle", "parallel_lines", "circle")
+IMAGE_SIZE = 256  # pixels, square
+_MARGIN = 36
+_LINE = 2
+_FONT_SIZE = 15
+_TRIPLES = ((3, 4, 5), (5, 12, 13), (8, 15, 17), (7, 24, 25), (20, 21, 29), (9, 40, 41), (12, 35, 37))
+
+Point = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class SynthProblem:
+    kind: str  # one of KINDS
+    problem: str  # "<image>Find x." style text, one <image>
+    answer: str  # exact: an integer, or rounded to the tenth when the problem says so
+    params: dict[str, Any]  # the drawn geometry (pixels, y down) and the labelled values
+    image: Image.Image = field(repr=False)  # RGB, IMAGE_SIZE x IMAGE_SIZE
+
+
+def generate_problems(n: int, seed: int = 0) -> list[SynthProblem]:
+    """`n` problems; the same (n, seed) always gives the same problems and pixels.
+
+    Raises:
+        ValueError: n < 0.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, found {n}")
+    return [generate_problem(i, seed) for i in range(n)]
+
+
+def generate_problem(i: int, seed: int = 0) -> SynthProblem:
+    """Problem number `i` of the stream `seed` (kind KINDS[i % 4])."""
+    rng = random.Random(f"miles-vl-synth:{seed}:{i}")  # str seeds hash with sha512: stable across Python versions
+    kind = KINDS[i % len(KINDS)]
+    return _BUILDERS[kind](rng)
+
+
+def synth_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` problems as geometry3k-layout records: images [{bytes, path}], problem, answer, plus kind and params (JSON).
+
+    Raises:
+        ValueError: n < 0.
+    """
+    records = []
+    for i, p in enumerate(generate_problems(n, seed)):
+        buf = io.BytesIO()
+        p.image.save(buf, format="PNG")
+        records.append(
+            {
+                "images": [{"bytes": buf.getvalue(), "path": f"synth_{seed}_{i:06d}.png"}],
+                "problem": p.problem,
+                "answer": p.answer,
+                "kind": p.kind,
+                "params": json.dumps(p.params, sort_keys=True),
+            }
+        )
+    return records
+
+
+def write_synth_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
+    """Write `synth_records(n, seed)` to a parquet file (the hiyouga/geometry3k schema plus kind and params).
+
+    Returns:
+        The path written (parent folders are created).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+            ("problem", pa.string()),
+            ("answer", pa.string()),
+            ("kind", pa.string()),
+            ("params", pa.string()),
+        ]
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(synth_records(n, seed), schema=schema), path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the four kinds
+
+
+def _triangle_angle(rng: random.Random) -> SynthProblem:
+    while True:
+        a, b = rng.randint(25, 85), rng.randint(25, 85)
+        if a + b <= 155:
+            break
+    angles = {"A": a, "B": b, "C": 180 - a - b}
+    unknown = rng.choice("ABC")
+    # A at the origin, B at (1, 0); C from the angles at A and B (law of sines), then scaled to the canvas.
+    t = math.sin(math.radians(b)) / math.sin(math.radians(a + b))
+    pts, _ = _fit(
+        {"A": (0.0, 0.0), "B": (1.0, 0.0), "C": (t * math.cos(math.radians(a)), t * math.sin(math.radians(a)))}
+    )
+    img, draw, font = _canvas()
+    draw.polygon([pts["A"], pts["B"], pts["C"]], outline="black", width=_LINE)
+    centroid = _mean(list(pts.values()))
+    for name, p in pts.items():
+        draw.text(_toward(p, centroid, -16), name, fill="black", font=font, anchor="mm")
+        others = [q for k, q in pts.items() if k != name]
+        u, v = _unit(p, others[0]), _unit(p, others[1])
+        bisector = _unit((0.0, 0.0), (u[0] + v[0], u[1] + v[1]))
+        reach = min(max(16 / math.sin(math.radians(angles[name]) / 2), 26.0), 64.0)  # clear of both sides
+        label = "x°" if name == unknown else f"{angles[name]}°"
+        draw.text((p[0] + reach * bisector[0], p[1] + reach * bisector[1]), label, fill="black", font=font, anchor="mm")
+    params = {"vertices": _as_lists(pts), "angles": angles, "unknown": unknown}
+    return SynthProblem("triangle_angle", "<image>Find x.", str(angles[unknown]), params, img)
+
+
+def _right_triangle(rng: random.Random) -> SynthProblem:
+    unknown = rng.choice(("AB", "CA", "CB"))  # AB is the hypotenuse; CA = a and CB = b are the legs
+    if rng.random() < 0.6:
+        k = rng.randint(1, 3)
+        a, b, _ = (k * s for s in rng.choice(_TRIPLES))
+        if rng.random() < 0.5:
+            a, b = b, a
+    elif unknown == "AB":
+        a, b = rng.randint(2, 15), rng.randint(2, 15)
+    else:  # the given sides are a leg and the hypotenuse, both integers; the other leg follows
+        leg = rng.randint(2, 12)
+        hyp = rng.randint(leg + 1, leg + 10)
+        other = math.sqrt(hyp * hyp - leg * leg)
+        a, b = (other, leg) if unknown == "CA" else (leg, other)
+    sides = {"CA": float(a), "CB": float(b), "AB": math.hypot(a, b)}
+    exact = abs(sides[unknown] - round(sides[unknown])) < 1e-9
+    answer = str(round(sides[unknown])) if exact else f"{sides[unknown]:.1f}"
+    # Right angle at C (origin), A along x, B along y.
+    pts, scale = _fit({"C": (0.0, 0.0), "A": (float(a), 0.0), "B": (0.0, float(b))})  # scale: pixels per unit
+    img, draw, font = _canvas()
+    draw.polygon([pts["A"], pts["B"], pts["C"]], outline="black", width=_LINE)
+    ux, uy = _unit(pts["C"], pts["A"])
+    vx, vy = _unit(pts["C"], pts["B"])
+    cx, cy = pts["C"]
+    q = 12  # right-angle marker
+    draw.line(
+        [(cx + q * ux, cy + q * uy), (cx + q * (ux + vx), cy + q * (uy + vy)), (cx + q * vx, cy + q * vy)],
+        fill="black",
+        width=1,
+    )
+    centroid = _mean(list(pts.values()))
+    for name, p in pts.items():
+        draw.text(_toward(p, centroid, -16), name, fill="black", font=font, anchor="mm")
+    for side, value in sides.items():
+        mid = _mean([pts[side[0]], pts[side[1]]])
+        label = "x" if side == unknown else str(round(value))  # the given sides are integers
+        draw.text(_toward(mid, centroid, -18), label, fill="black", font=font, anchor="mm")
+    question = "<image>Find x." if exact else "<image>Find x. Round to the nearest tenth."
+    params = {
+        "vertices": _as_lists(pts),
+        "scale": scale,
+        "sides": {k: round(v) for k, v in sides.items() if k != unknown},  # the labelled (integer) sides
+        "unknown": unknown,
+        "rounded": not exact,
+    }
+    return SynthProblem("right_triangle", question, answer, params, img)
+
+
+def _parallel_lines(rng: random.Random) -> SynthProblem:
+    theta = rng.choice([d for d in range(40, 141) if not 80 <= d <= 100])
+    s = IMAGE_SIZE
+    top, bottom, mid = 80.0, 176.0, s / 2
+    d = (math.cos(math.radians(theta)), -math.sin(math.radians(theta)))  # transversal direction, "up" (y down)
+    reach = (mid - top) / math.sin(math.radians(theta))
+    i_top = (mid + d[0] * reach, top)
+    i_bottom = (mid - d[0] * reach, bottom)
+    lines = {"m": [(16.0, top), (s - 16.0, top)], "n": [(16.0, bottom), (s - 16.0, bottom)]}
+    ext = 52.0
+    transversal = [(i_top[0] + d[0] * ext, i_top[1] + d[1] * ext), (i_bottom[0] - d[0] * ext, i_bottom[1] - d[1] * ext)]
+    # The eight angles: (intersection, horizontal ray, transversal ray).
+    rays_h = {"right": (1.0, 0.0), "left": (-1.0, 0.0)}
+    rays_t = {"up": d, "down": (-d[0], -d[1])}
+    positions = [(v, h, t) for v in ("top", "bottom") for h in rays_h for t in rays_t]
+    known_pos, unknown_pos = rng.sample(positions, 2)
+    vertex = {"top": i_top, "bottom": i_bottom}
+
+    def value(pos: tuple[str, str, str]) -> int:  # right/up and left/down are theta, the others its supplement
+        return theta if (pos[1] == "right") == (pos[2] == "up") else 180 - theta
+
+    img, draw, font = _canvas()
+    for name, (p0, p1) in lines.items():
+        draw.line([p0, p1], fill="black", width=_LINE)
+        draw.text((p1[0] - 4, p1[1] - 12), name, fill="black", font=font, anchor="mm")
+        ax = p0[0] + 30  # the parallel marks: one arrow head on each line
+        draw.line([(ax - 6, p0[1] - 5), (ax, p0[1]), (ax - 6, p0[1] + 5)], fill="black", width=_LINE)
+    draw.line(transversal, fill="black", width=_LINE)
+    angles = []
+    for pos, label in ((known_pos, f"{value(known_pos)}°"), (unknown_pos, "x°")):
+        v, h, t = pos
+        bis = _unit((0.0, 0.0), (rays_h[h][0] + rays_t[t][0], rays_h[h][1] + rays_t[t][1]))
+        at = (vertex[v][0] + 28 * bis[0], vertex[v][1] + 28 * bis[1])
+        draw.text(at, label, fill="black", font=font, anchor="mm")
+        angles.append({"vertex": list(vertex[v]), "rays": [list(rays_h[h]), list(rays_t[t])], "label": label})
+    params = {
+        "lines": {k: [list(p) for p in seg] for k, seg in lines.items()},
+        "transversal": [list(p) for p in transversal],
+        "angles": angles,  # [known, unknown]; each angle lies between its two rays from its vertex
+    }
+    problem = "<image>Lines m and n are parallel. Find x."
+    return SynthProblem("parallel_lines", problem, str(value(unknown_pos)), params, img)
+
+
+def _circle(rng: random.Random) -> SynthProblem:
+    r = rng.randint(3, 20)
+    kind = rng.choice(("radius", "diameter"))
+    ask = rng.choice(("circumference", "area"))
+    center = (IMAGE_SIZE / 2, IMAGE_SIZE / 2 + 6)
+    radius_px = 84.0
+    phi = math.radians(rng.choice((-30, -20, 20, 30, 150, 160, 200, 210)))
+    edge = (center[0] + radius_px * math.cos(phi), center[1] - radius_px * math.sin(phi))
+    segment = [center, edge] if kind == "radius" else [(2 * center[0] - edge[0], 2 * center[1] - edge[1]), edge]
+    label = r if kind == "radius" else 2 * r
+    img, draw, font = _canvas()
+    cx, cy = center
+    draw.ellipse([cx - radius_px, cy - radius_px, cx + radius_px, cy + radius_px], outline="black", width=_LINE)
+    draw.line(segment, fill="black", width=_LINE)
+    draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill="black")
+    draw.text((cx - 4, cy + 14), "O", fill="black", font=font, anchor="mm")
+    mid = _mean([center, edge])  # the label sits on the radius half (clear of "O" for a diameter too)
+    ux, uy = _unit(center, edge)
+    draw.text((mid[0] - 14 * uy, mid[1] + 14 * ux), str(label), fill="black", font=font, anchor="mm")
+    value = 2 * math.pi * r if ask == "circumference" else math.pi * r * r
+    params = {
+        "center": list(center),
+        "radius_px": radius_px,
+        "scale": radius_px / r,
+        "segment": [list(p) for p in segment],
+        "segment_kind": kind,
+        "label": label,
+        "ask": ask,
+    }
+    problem = f"<image>Find the {ask} of \\odot O. Round to the nearest tenth."
+    return SynthProblem("circle", problem, f"{value:.1f}", params, img)
+
+
+_BUILDERS = {
+    "triangle_angle": _triangle_angle,
+    "right_triangle": _right_triangle,
+    "parallel_lines": _parallel_lines,
+    "circle": _circle,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# drawing helpers
+
+
+def _canvas() -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.FreeTypeFont | ImageFont.ImageFont]:
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "white")
+    return img, ImageDraw.Draw(img), ImageFont.load_default(size=_FONT_SIZE)
+
+
+def _fit(points: dict[str, Point]) -> tuple[dict[str, Point], float]:
+    """Scale math coordinates (y up) uniformly into the canvas (y down), centred, inside the margin."""
+    xs, ys = [p[0] for p in points.values()], [p[1] for p in points.values()]
+    span = max(max(xs) - min(xs), max(ys) - min(ys))
+    scale = (IMAGE_SIZE - 2 * _MARGIN) / span
+    ox = (IMAGE_SIZE - scale * (max(xs) - min(xs))) / 2
+    oy = (IMAGE_SIZE - scale * (max(ys) - min(ys))) / 2
+    return {
+        k: (ox + scale * (x - min(xs)), IMAGE_SIZE - oy - scale * (y - min(ys))) for k, (x, y) in points.items()
+    }, scale
+
+
+def _toward(p: Point, target: Point, distance: float) -> Point:
+    """`p` moved `distance` pixels toward `target` (away from it when negative)."""
+    ux, uy = _unit(p, target)
+    return (p[0] + distance * ux, p[1] + distance * uy)
+
+
+def _unit(p: Point, q: Point) -> Point:
+    dx, dy = q[0] - p[0], q[1] - p[1]
+    n = math.hypot(dx, dy)
+    return (dx / n, dy / n)
+
+
+def _mean(points: list[Point]) -> Point:
+    return (sum(p[0] for p in points) / len(points), sum(p[1] for p in points) / len(points))
+
+
+def _as_lists(points: dict[str, Point]) -> dict[str, list[float]]:
+    return {k: [float(x), float(y)] for k, (x, y) in points.items()}
