@@ -33,11 +33,7 @@ class HFRolloutEngine:
         self.model = model.eval()
         self.tokens = tokens
         self.max_batch_size = max_batch_size
-        self.banned = (
-            [tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id]
-            if ban_vision_tokens
-            else []
-        )
+        self.banned = list(vision_token_ids(tokens)) if ban_vision_tokens else []
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +118,11 @@ class HFRolloutEngine:
         home = getattr(self, "_home", None)
         if home is not None and home != self.device:
             self.model.to(home)
+
+
+def vision_token_ids(tokens: SpecialTokens) -> tuple[int, ...]:
+    """The tokens a policy must not generate: they only make sense with an image behind them."""
+    return (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
 
 
 def _cat(parts: list[Tensor | None]) -> Tensor | None:

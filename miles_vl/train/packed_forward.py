@@ -13,6 +13,8 @@ Vision embeddings are inserted here rather than by `Qwen3VLModel.forward`, becau
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
@@ -115,23 +117,30 @@ def label_logprobs(
     pixel_values_videos: Tensor | None = None,
     *,
     temperature: float = 1.0,
+    suppress_token_ids: Sequence[int] = (),
     with_entropy: bool = False,
     chunk_tokens: int = 4096,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability [T] of `packed.labels` (the next token) at every position, and optionally the entropy [T].
 
-    Logits are divided by `temperature` (the rollout's) so that these logprobs and the engine's describe the same
-    distribution. The vocabulary projection runs in chunks of `chunk_tokens` to bound memory.
+    The distribution is the one the rollout engine samples from: logits divided by `temperature`, and the tokens
+    the engine bans (`suppress_token_ids`, e.g. vision special tokens) removed. The vocabulary projection runs in
+    chunks of `chunk_tokens` to bound memory. Labels that are suppressed tokens (only ever prompt positions,
+    which carry no loss) get -inf.
     """
     hidden = packed_hidden_states(model, packed, pixel_values, pixel_values_videos)
     labels = packed.labels.to(hidden.device)
+    banned = torch.tensor(list(suppress_token_ids), dtype=torch.long, device=hidden.device)
     logps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         logits = model.lm_head(hidden[start : start + chunk_tokens]).float()
         if temperature != 1.0:
             logits = logits / temperature
+        if banned.numel():
+            logits = logits.index_fill(-1, banned, float("-inf"))
         logp = torch.log_softmax(logits, dim=-1)
         logps.append(logp.gather(-1, labels[start : start + chunk_tokens, None]).squeeze(-1))
         if with_entropy:
-            ents.append(-(logp.exp() * logp).sum(-1))
+            p = logp.exp()
+            ents.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)

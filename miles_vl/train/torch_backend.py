@@ -62,6 +62,7 @@ class TorchTrainBackend:
         ppo_epochs: int = 1,
         freeze_vision: bool = False,
         temperature: float = 1.0,
+        suppress_token_ids: Sequence[int] = (),
         clip_low: float = 0.2,
         clip_high: float = 0.28,
         dual_clip_c: float | None = None,
@@ -88,6 +89,7 @@ class TorchTrainBackend:
         self.global_batch_size = global_batch_size
         self.ppo_epochs = ppo_epochs
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: score the plain softmax
+        self.suppress = tuple(suppress_token_ids)  # tokens the engine bans: scored out of the same distribution
         self.loss_kwargs = dict(
             clip_low=clip_low,
             clip_high=clip_high,
@@ -144,7 +146,9 @@ class TorchTrainBackend:
         out: list[Tensor | None] = [None] * len(samples)
         for mb in self._micro_batches(samples):
             packed, pv, pvv = self._pack([samples[i] for i in mb])
-            logp, _ = label_logprobs(model, packed, pv, pvv, temperature=self.temperature)
+            logp, _ = label_logprobs(
+                model, packed, pv, pvv, temperature=self.temperature, suppress_token_ids=self.suppress
+            )
             logp = logp.float().cpu()
             for j, i in enumerate(mb):
                 start = int(packed.cu_seqlens[j]) + samples[i].prompt_len - 1  # logits before the first response token
@@ -224,6 +228,7 @@ class TorchTrainBackend:
                 pv,
                 pvv,
                 temperature=self.temperature,
+                suppress_token_ids=self.suppress,
                 with_entropy=self.loss_kwargs["entropy_coef"] > 0,
             )
             at = (mb, sample, resp_idx)  # where each label position reads per-sample response arrays

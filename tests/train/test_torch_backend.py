@@ -154,3 +154,14 @@ def test_rollout_logprob_length_checked(base_model):
     samples[1].rollout_logprobs = torch.zeros(5)
     with pytest.raises(ValueError, match="sample 1: 5 rollout logprobs for 2 response tokens"):
         backend(copy.deepcopy(base_model)).train(samples)
+
+
+def test_old_and_new_logprobs_agree_at_the_first_micro_step(base_model):
+    """The no-grad scoring pass and the training forward must describe the same distribution (temperature and
+    banned tokens included), or every ratio starts away from 1."""
+    samples = make_samples()
+    b = backend(copy.deepcopy(base_model), temperature=0.7, suppress_token_ids=(IMAGE, VIDEO, VSTART, VEND))
+    metrics, _ = grads(b, samples)
+    d = metrics.as_dict()
+    assert d["ratio_min"] == pytest.approx(1.0, abs=1e-5) and d["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(d["approx_kl"]) < 1e-6
