@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 run: setup
-	$(VENV)/bin/miles-vl check configs/geo3k_tiny_cpu.yaml
+	$(VENV)/bin/miles-vl train configs/geo3k_tiny_cpu.yaml
 
 test: setup
 	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \

@@ -1,0 +1,128 @@
+"""Ray actors for the two roles: a rollout worker per engine and the train worker.
+
+They are thin: each builds its engine or backend from the job config (builders may read the config; the
+libraries they call take plain arguments) and forwards calls. Tensors cross between actors through Ray's
+object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+import torch
+
+from miles_vl.config import JobConfig
+from miles_vl.model import SpecialTokens, build_model
+from miles_vl.rollout import Generation, HFRolloutEngine, SamplingParams
+from miles_vl.rollout.hf_engine import vision_token_ids
+from miles_vl.train import TorchTrainBackend, TrainSample
+
+log = logging.getLogger(__name__)
+
+# Test-only fault injection: when the driver's environment names a file here and that file exists, the next
+# generate() call deletes it and kills its process, as a crashed engine would. The driver must replace the engine
+# and lose no sample (tests/orchestration/test_loop.py).
+FAULT_FILE_ENV = "MILES_VL_FAULT_KILL_ROLLOUT_FILE"
+
+
+def torch_dtype(cfg: JobConfig, device: str) -> torch.dtype:
+    if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and device == "cpu"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_policy(cfg: JobConfig, tokens: SpecialTokens, device: str):
+    """The policy model both roles start from (same seed: identical random init on every actor)."""
+    return build_model(
+        tokens,
+        path=cfg.model.path if cfg.model.init == "pretrained" else None,
+        tiny=cfg.model.tiny.model_dump(),
+        seed=cfg.seed,
+        dtype=torch_dtype(cfg, device),
+        device=device,
+    )
+
+
+def _set_threads(cfg: JobConfig) -> None:
+    if cfg.ray.num_cpus:
+        torch.set_num_threads(cfg.ray.num_cpus)
+
+
+@ray.remote
+class RolloutWorker:
+    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, fault_file: str | None = None):
+        _set_threads(cfg)
+        device = _device()
+        self.fault_file = fault_file
+        self.engine = HFRolloutEngine(
+            build_policy(cfg, tokens, device), tokens, ban_vision_tokens=cfg.rollout.ban_vision_tokens
+        )
+
+    def generate(self, prompts: Sequence, params: SamplingParams) -> list[list[Generation]]:
+        if self.fault_file and Path(self.fault_file).exists():
+            Path(self.fault_file).unlink()
+            os._exit(1)
+        return self.engine.generate(prompts, params)
+
+    def load_weights(self, named_tensors) -> None:
+        self.engine.load_weights(named_tensors)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+
+@ray.remote
+class TrainWorker:
+    def __init__(self, cfg: JobConfig, tokens: SpecialTokens):
+        _set_threads(cfg)
+        device = _device()
+        t, a = cfg.train, cfg.algo
+        o = t.optimizer
+        self.backend = TorchTrainBackend(
+            build_policy(cfg, tokens, device),
+            tokens,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=o.betas,
+            eps=o.eps,
+            grad_clip=o.grad_clip,
+            warmup_steps=o.warmup_steps,
+            micro_batch_max_tokens=t.micro_batch_max_tokens,
+            global_batch_size=t.global_batch_size,
+            ppo_epochs=t.ppo_epochs,
+            freeze_vision=t.freeze_vision,
+            temperature=cfg.rollout.temperature,
+            suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            dual_clip_c=a.dual_clip_c,
+            loss_reduction=a.loss_reduction,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            entropy_coef=a.entropy_coef,
+            tis_mode=a.tis.mode if a.tis.enabled else None,
+            tis_cap=a.tis.cap,
+        )
+
+    def train(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        return self.backend.train(samples)
+
+    def export_weights(self) -> list:
+        return list(self.backend.export_weights())
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.backend.save_checkpoint(Path(directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.backend.load_checkpoint(Path(directory))
