@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -71,11 +72,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Plot the curves of a run directory's metrics.jsonl."""
+    from miles_vl.metrics import write_report
+
+    try:
+        paths = write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        log.error("%s", e)
+        return 1
+    for path in paths:
+        sys.stdout.write(f"{path}\n")
+    return 0
+
+
 # name -> (help, configure parser, handler). Later subcommands (doctor, data, report) register here.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "check": ("validate a config and print it resolved (exit 2 on errors)", _add_config_args, cmd_check),
     "train": ("run an RL job from a config", _add_config_args, cmd_train),
     "data": ("generate (data synth) or inspect (data inspect) datasets", data_cli.configure, data_cli.cmd_data),
+    "report": ("write PNG plots of a run's metrics (RUN_DIR/plots)", lambda p: p.add_argument("run_dir"), cmd_report),
 }
 
 
@@ -103,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     setup_logging(args.log_level)
+    # `module:function` extension points (rewards, dataset mappers) resolve from the working directory, as with
+    # `python -m`: a console script's sys.path does not include it.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.handler(args)
     except ConfigError as e:

@@ -33,7 +33,7 @@ from miles_vl.metrics import JsonlSink, Sinks, WandbSink, write_report
 from miles_vl.model import SpecialTokens
 from miles_vl.orchestration.actors import FAULT_FILE_ENV, RolloutWorker, TrainWorker
 from miles_vl.orchestration.checkpoint import read_driver_state, resolve_resume, save_checkpoint
-from miles_vl.orchestration.placement import ray_session
+from miles_vl.orchestration.placement import actor_resources, ray_session
 from miles_vl.orchestration.progress import Progress
 from miles_vl.reward import RewardSample, resolve_reward, score_batch
 from miles_vl.rollout import Generation, SamplingParams
@@ -117,7 +117,8 @@ class Job:
     engines: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.trainer = TrainWorker.remote(self.cfg, self.tokens)
+        res = actor_resources("train", placement=self.cfg.ray.placement, gpus=min(self.cfg.train.num_gpus, 1))
+        self.trainer = TrainWorker.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(self.cfg, self.tokens)
         self.engines = [self.new_engine() for _ in range(self.cfg.rollout.num_engines)]
 
     # -- one RL step ---------------------------------------------------------------------------------------------
@@ -129,7 +130,9 @@ class Job:
         with timer("advantages"):
             samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
         with timer("train"):
+            self.engines_call("release_memory")  # colocated: the trainer gets the devices
             train_metrics = ray.get(self.trainer.train.remote(samples))
+            self.engines_call("resume_memory")
         with timer("sync"):
             self.sync_weights()
         self.completed_steps = step + 1
@@ -229,7 +232,11 @@ class Job:
         return [g for i in range(len(chunks)) for g in results.get(i, [])]
 
     def new_engine(self):
-        return RolloutWorker.options(max_restarts=0).remote(self.cfg, self.tokens, os.environ.get(FAULT_FILE_ENV))
+        gpus = self.cfg.rollout.gpus_per_engine if self.cfg.train.num_gpus > 0 else 0
+        res = actor_resources("rollout", placement=self.cfg.ray.placement, gpus=gpus)
+        return RolloutWorker.options(max_restarts=0, num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(
+            self.cfg, self.tokens, os.environ.get(FAULT_FILE_ENV)
+        )
 
     def score(self, prompts: Sequence, groups: list[list[Generation]]):
         decode = self.processor.tokenizer.decode
@@ -267,6 +274,10 @@ class Job:
                 )
                 k += 1
         return samples, {"rollout/zero_adv_group_fraction": adv.zero_adv_group_fraction}
+
+    def engines_call(self, method: str) -> None:
+        if self.cfg.ray.placement == "colocate":
+            ray.get([getattr(e, method).remote() for e in self.engines])
 
     def trainer_weights(self):
         return self.trainer.export_weights.remote()

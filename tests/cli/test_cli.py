@@ -44,3 +44,18 @@ def test_version_and_help_from_the_console_script():
     help_text = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True).stdout
     for word in ("check", "train", "make run", "key.sub=value"):
         assert word in help_text
+
+
+def test_report_writes_plots(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "reward/mean": 0.1, "time/step_s": 3.0}\n{"step": 2, "reward/mean": 0.4, "time/step_s": 2.5}\n'
+    )
+    assert main(["report", str(tmp_path)]) == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["reward.png", "time.png"]
+    assert (tmp_path / "plots" / "reward.png").stat().st_size > 1000
+
+
+def test_report_on_a_non_run_dir(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 1
+    assert "no metrics.jsonl" in capsys.readouterr().err
