@@ -19,8 +19,14 @@ from miles_vl.orchestration.loop import Job
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = [
-    "data.synthetic_n=24", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=6",
-    "eval.interval=2", "eval.max_prompts=2", "logging.progress=false", "logging.wandb.mode=disabled",
+    "data.synthetic_n=24",
+    "rollout.batch_size=2",
+    "rollout.n_samples_per_prompt=2",
+    "rollout.max_response_len=6",
+    "eval.interval=2",
+    "eval.max_prompts=2",
+    "logging.progress=false",
+    "logging.wandb.mode=disabled",
     "reward.name=tests.orchestration.rewards:length_reward",
 ]
 
@@ -94,3 +100,16 @@ def test_bad_reward_fails_before_any_actor(tmp_path):
     with pytest.raises(RewardResolutionError, match="no_such_module"):
         run_job(config(tmp_path, "bad", "reward.name=no_such_module:fn"))
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
+    run = run_job(
+        config(
+            tmp_path, "dapo", "num_steps=2", "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=8", "reward.name=tests.orchestration.rewards:half_constant_reward",
+        )
+    )
+    for r in metrics(run):
+        assert r["rollout/dynamic_sampling_drop_rate"] > 0  # even rows were drawn and dropped ...
+        assert r["rollout/prompts"] == 2  # ... and the batch was refilled
+        assert r["rollout/zero_adv_group_fraction"] == 0.0  # only groups with signal are trained on
