@@ -19,7 +19,7 @@ tokens or segments, only a few host reads of per-run aggregates for validation.
 from __future__ import annotations
 
 import torch
-from torch import LongTensor, Tensor
+from torch import BoolTensor, LongTensor, Tensor
 
 IMAGE, VIDEO = 1, 2
 
@@ -84,7 +84,8 @@ def packed_position_ids(
     video_token_id: int,
     media_ends: list[int] | Tensor | None = None,
     grid_rows_per_segment: tuple[list[int], list[int]] | None = None,
-) -> LongTensor:
+    return_media_mask: bool = False,
+) -> LongTensor | tuple[LongTensor, BoolTensor]:
     """Per-segment MRoPE positions of a full THD row (each segment starts at 0).
 
     Args:
@@ -96,9 +97,11 @@ def packed_position_ids(
         grid_rows_per_segment: optional (images, videos) grid-row counts per segment (after video expansion is
             NOT applied: count original video rows). When given, each segment's runs are checked against its own
             rows, so that a mismatch is reported for the segment that has it.
+        return_media_mask: also return the BoolTensor[T] of media tokens before their segment's media_end (the
+            vision mask), computed on the way.
 
     Returns:
-        LongTensor[3, T].
+        LongTensor[3, T], or (positions, media mask) with `return_media_mask`.
 
     Raises:
         ValueError: media runs and grid rows disagree, or grids are not divisible by the merge size.
@@ -110,70 +113,61 @@ def packed_position_ids(
         raise ValueError(f"cu_seqlens[-1]={int(cu[-1])} does not match the row length {total}")
     seg_lens = cu[1:] - cu[:-1]
     n_seg = seg_lens.numel()
-    pos_in_row = torch.arange(total, device=device)
-    seg_id = torch.repeat_interleave(torch.arange(n_seg, device=device), seg_lens, output_size=total)  # [T]
-    seg_start = cu[:-1][seg_id]  # [T]
+    pos_in_seg = torch.arange(total, device=device) - torch.repeat_interleave(cu[:-1], seg_lens, output_size=total)
 
-    modality = torch.zeros(total, dtype=torch.long, device=device)
-    modality[input_ids == image_token_id] = IMAGE
-    modality[input_ids == video_token_id] = VIDEO
+    is_image, is_video = input_ids == image_token_id, input_ids == video_token_id
     if media_ends is not None:
         ends = torch.as_tensor(media_ends, dtype=torch.long, device=device)
         if ends.numel() != n_seg:
             raise ValueError(f"media_ends has {ends.numel()} entries for {n_seg} segments")
-        modality[(pos_in_row - seg_start) >= ends[seg_id]] = 0
+        in_prompt = pos_in_seg < torch.repeat_interleave(ends, seg_lens, output_size=total)
+        is_image, is_video = is_image & in_prompt, is_video & in_prompt
+    modality = is_image.long() + VIDEO * is_video.long()  # 0 text, 1 image, 2 video
     is_media = modality > 0
 
     # A run (vision block) starts where the modality changes to a media one, or at a segment start.
     prev_modality = torch.cat([modality.new_zeros(1), modality[:-1]])
-    run_start = is_media & ((modality != prev_modality) | (pos_in_row == seg_start))
+    run_start = is_media & ((modality != prev_modality) | (pos_in_seg == 0))
     run_start_idx = run_start.nonzero().squeeze(1)  # [R]
     n_runs = run_start_idx.numel()
-    run_id = torch.cumsum(run_start.long(), 0) - 1  # [T], valid on media tokens
     run_modality = modality[run_start_idx]  # [R]
-
     if grid_rows_per_segment is not None:
-        _check_rows_per_segment(run_modality, seg_id[run_start_idx], grid_rows_per_segment, video_grid_thw, n_seg)
+        run_segment = torch.searchsorted(cu, run_start_idx, right=True) - 1
+        _check_rows_per_segment(run_modality, run_segment, grid_rows_per_segment, video_grid_thw, n_seg)
     grid = _grids_for_runs(run_modality, image_grid_thw, video_grid_thw, spatial_merge_size, device)  # [R, 3] merged
-    run_len = torch.bincount(run_id[is_media], minlength=n_runs)  # [R]
+
+    positions = torch.empty(3, total, dtype=torch.long, device=device)
+    if not n_runs:
+        positions[:] = pos_in_seg
+        return (positions, is_media) if return_media_mask else positions
+    media_idx = is_media.nonzero().squeeze(1)  # [M]
+    run_id = torch.cumsum(run_start.long(), 0)[media_idx] - 1  # [M] run of each media token
+    run_len = torch.bincount(run_id, minlength=n_runs)  # [R]
     expected = grid.prod(dim=1)
-    if n_runs and not torch.equal(run_len, expected):
+    if not torch.equal(run_len, expected):
         bad = int((run_len != expected).nonzero()[0, 0])
-        s = int(seg_id[run_start_idx[bad]])
+        seg = int(torch.searchsorted(cu, run_start_idx[bad : bad + 1], right=True)[0]) - 1
         kind = "image" if int(run_modality[bad]) == IMAGE else "video frame"
         raise ValueError(
-            f"vision block {bad} ({kind}) in segment {s} at segment offset {int(run_start_idx[bad] - cu[s])} has "
+            f"vision block {bad} ({kind}) in segment {seg} at segment offset {int(run_start_idx[bad] - cu[seg])} has "
             f"{int(run_len[bad])} media tokens, but its grid row gives t*(h/m)*(w/m) = {int(expected[bad])}; the grid "
             "rows must be the ones the processor returned for these ids, in order"
         )
 
-    # Position base of every token: text tokens before it in its segment + advances of blocks ended before it.
-    is_text = (~is_media).long()
-    advance = torch.zeros(total, dtype=torch.long, device=device)
-    if n_runs:
-        run_end_idx = run_start_idx + run_len - 1  # last media token of each run
-        advance[run_end_idx] = torch.maximum(grid[:, 1], grid[:, 2])
-    base = _exclusive_segment_cumsum(is_text, seg_id, cu) + _exclusive_segment_cumsum(advance, seg_id, cu)  # [T]
+    # Position base of every token: text tokens before it in its segment + advances of the blocks that ended
+    # before it. A block advances by max(h, w) / m, counted at its last token.
+    step = (~is_media).long()
+    step[run_start_idx + run_len - 1] = torch.maximum(grid[:, 1], grid[:, 2])
+    exclusive = torch.cumsum(step, 0) - step
+    starts = cu[:-1].clamp(max=total - 1)  # zero-length segments own no token; any index will do
+    base = exclusive - torch.repeat_interleave(exclusive[starts], seg_lens, output_size=total)  # [T]
 
-    positions = base.unsqueeze(0).repeat(3, 1)  # [3, T]
-    if n_runs:
-        media_idx = is_media.nonzero().squeeze(1)
-        rid = run_id[media_idx]
-        offset = media_idx - run_start_idx[rid]
-        hh, ww = grid[rid, 1], grid[rid, 2]
-        positions[0, media_idx] += offset // (hh * ww)
-        positions[1, media_idx] += (offset // ww) % hh
-        positions[2, media_idx] += offset % ww
-    return positions
-
-
-def _exclusive_segment_cumsum(values: Tensor, seg_id: Tensor, cu: Tensor) -> Tensor:
-    """For each position, the sum of `values` before it within its segment. values, seg_id: [T]."""
-    exclusive = torch.cumsum(values, 0) - values
-    if exclusive.numel() == 0:
-        return exclusive
-    starts = cu[:-1].clamp(max=values.numel() - 1)
-    return exclusive - exclusive[starts][seg_id]
+    positions[:] = base
+    offset = media_idx - run_start_idx[run_id]  # [M] index inside the block
+    hh, ww = grid[run_id, 1], grid[run_id, 2]
+    hw_index = offset % (hh * ww)  # index inside one temporal slice
+    positions[:, media_idx] = base[media_idx] + torch.stack([offset // (hh * ww), hw_index // ww, hw_index % ww])
+    return (positions, is_media) if return_media_mask else positions
 
 
 def _grids_for_runs(
@@ -184,27 +178,39 @@ def _grids_for_runs(
     device: torch.device,
 ) -> Tensor:
     """Merged grid `(t, h/m, w/m)` of every run, taking each modality's rows in order. Returns LongTensor[R, 3]."""
-    grid = torch.zeros(run_modality.numel(), 3, dtype=torch.long, device=device)
+    n_image_runs = int((run_modality == IMAGE).sum())
+    found = {IMAGE: n_image_runs, VIDEO: run_modality.numel() - n_image_runs}
+    parts = {}
     for kind, name, rows in (
         (IMAGE, "image_grid_thw", image_grid_thw),
         (VIDEO, "video_grid_thw", _split_video_rows(video_grid_thw)),
     ):
-        rows = torch.zeros(0, 3, dtype=torch.long, device=device) if rows is None else rows.to(device, torch.long)
-        if rows.dim() != 2 or rows.shape[1] != 3:
+        n_rows = 0 if rows is None else rows.shape[0]
+        if rows is not None and (rows.dim() != 2 or rows.shape[1] != 3):
             raise ValueError(f"{name} must be [n, 3] (t, h, w); found shape {tuple(rows.shape)}")
-        n_runs = int((run_modality == kind).sum())
-        if n_runs != rows.shape[0]:
+        if found[kind] != n_rows:
             tokens = "<|image_pad|>" if kind == IMAGE else "<|video_pad|> frame"
-            what = f"{name} has {rows.shape[0]} rows" + (
-                " (after splitting videos into frames)" if kind == VIDEO else ""
-            )
+            what = f"{name} has {n_rows} rows" + (" (after splitting videos into frames)" if kind == VIDEO else "")
             raise ValueError(
-                f"{what}, but the ids contain {n_runs} {tokens} blocks before media_end; pass the grids the "
+                f"{what}, but the ids contain {found[kind]} {tokens} blocks before media_end; pass the grids the "
                 "processor returned with these ids (and media_end = prompt length if the response has media tokens)"
             )
-        if rows.numel() and bool(((rows[:, 1:] % merge) != 0).any()):
-            raise ValueError(f"{name} rows {rows.tolist()} have h or w not divisible by spatial_merge_size={merge}")
-        grid[run_modality == kind] = torch.stack([rows[:, 0], rows[:, 1] // merge, rows[:, 2] // merge], dim=1)
+        if n_rows:
+            parts[kind] = rows.to(device=device, dtype=torch.long)
+    if not parts:
+        return torch.zeros(0, 3, dtype=torch.long, device=device)
+    if len(parts) == 1:  # one modality: its rows are the runs' grids in order
+        grid = next(iter(parts.values())).clone()
+    else:
+        grid = torch.empty(run_modality.numel(), 3, dtype=torch.long, device=device)
+        for kind, rows in parts.items():
+            grid[run_modality == kind] = rows
+    if bool((grid[:, 1:] % merge != 0).any()):
+        raise ValueError(
+            f"grid rows {grid.tolist()} have h or w not divisible by spatial_merge_size={merge}; "
+            "pass the processor's grids"
+        )
+    grid[:, 1:] //= merge
     return grid
 
 

@@ -200,7 +200,7 @@ def pack_thd(
     image_grid_thw = torch.cat(images) if images else None
     video_grid_thw = torch.cat(videos) if videos else None
     try:
-        position_ids = packed_position_ids(
+        position_ids, vision_mask = packed_position_ids(
             input_ids,
             cu,
             image_grid_thw,
@@ -210,6 +210,7 @@ def pack_thd(
             video_token_id=video_token_id,
             media_ends=media_ends,
             grid_rows_per_segment=(n_images, n_videos),
+            return_media_mask=True,
         )
     except ValueError as e:
         raise ValueError(f"pack_thd: {e}".replace("segment ", "sample ", 1)) from None
@@ -219,9 +220,6 @@ def pack_thd(
     sample_index = seg_id.clone()
     if trailing:
         sample_index[seg_id == len(samples)] = -1
-    pos_in_seg = torch.arange(input_ids.numel()) - cu[:-1].long()[seg_id]
-    is_media = (input_ids == image_token_id) | (input_ids == video_token_id)
-    vision_mask = is_media & (pos_in_seg < torch.tensor(media_ends)[seg_id])
 
     last_of_segment = torch.zeros_like(input_ids, dtype=torch.bool)
     last_of_segment[cu[1:].long() - 1] = True

@@ -57,15 +57,15 @@ def zigzag_index(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> LongTensor:
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), found {cp_rank}")
     cu = torch.as_tensor(cu_seqlens).to(torch.long)
-    local_lens = lens // cp_size  # two chunks per segment
     n_local = int(cu[-1]) // cp_size
-    seg = torch.repeat_interleave(torch.arange(lens.numel()), local_lens, output_size=n_local)  # [T/C]
-    local_start = (cu[:-1] // cp_size)[seg]
-    offset = torch.arange(n_local) - local_start  # offset inside this segment's two local chunks
-    chunk = (lens // (2 * cp_size))[seg]
-    second = offset >= chunk
-    chunk_no = torch.where(second, 2 * cp_size - 1 - cp_rank, cp_rank)
-    return cu[:-1][seg] + chunk_no * chunk + offset - second.long() * chunk
+    chunk = lens // (2 * cp_size)  # [n_seg]
+    # Each local chunk k (two per segment) is a contiguous run of the full row: local position l maps to
+    # l + shift[k]. The first chunk of segment i is full chunk r, the second full chunk 2C-1-r.
+    local_start = cu[:-1] // cp_size
+    first = cu[:-1] + cp_rank * chunk - local_start
+    second = cu[:-1] + (2 * cp_size - 1 - cp_rank) * chunk - (local_start + chunk)
+    shift = torch.stack([first, second], dim=1).reshape(-1)  # [2 n_seg]
+    return torch.arange(n_local) + torch.repeat_interleave(shift, chunk.repeat_interleave(2), output_size=n_local)
 
 
 def unzigzag(local_rows: Sequence[Tensor], cu_seqlens: Tensor, cp_size: int, dim: int = -1) -> Tensor:
