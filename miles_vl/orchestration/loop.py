@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from miles_vl.algo import compute_advantages
-from miles_vl.config import JobConfig
+from miles_vl.config import ConfigError, JobConfig
 from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
 from miles_vl.metrics import JsonlSink, Sinks, WandbSink, write_report
 from miles_vl.model import SpecialTokens
@@ -47,7 +47,12 @@ log = logging.getLogger(__name__)
 
 
 def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
-    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots)."""
+    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots).
+
+    Raises:
+        ConfigError: a backend this build does not have (before anything starts).
+    """
+    check_backends(cfg, config_path)
     run_dir = make_run_dir(cfg, config_path)
     processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
     tokens = special_tokens(processor)
@@ -79,6 +84,21 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     write_report(run_dir)
     log.info("run finished: %s", run_dir)
     return run_dir
+
+
+# The backends the driver can build today; the config schema already names the production ones.
+AVAILABLE_BACKENDS = {"train": ("torch",), "rollout": ("hf",)}
+
+
+def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
+    problems = [
+        f"{role}.backend={getattr(cfg, role).backend} is not available in this build (available: "
+        f"{', '.join(names)}); set {role}.backend={names[0]} or install a build that has it"
+        for role, names in AVAILABLE_BACKENDS.items()
+        if getattr(cfg, role).backend not in names
+    ]
+    if problems:
+        raise ConfigError(problems, config_path)
 
 
 def make_run_dir(cfg: JobConfig, config_path: str | None) -> Path:

@@ -113,3 +113,11 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
         assert r["rollout/dynamic_sampling_drop_rate"] > 0  # even rows were drawn and dropped ...
         assert r["rollout/prompts"] == 2  # ... and the batch was refilled
         assert r["rollout/zero_adv_group_fraction"] == 0.0  # only groups with signal are trained on
+
+
+def test_unavailable_backend_is_a_config_error(tmp_path):
+    from miles_vl.config import ConfigError
+
+    cfg = load_config(REPO / "configs" / "geo3k_qwen3vl_2b.yaml")
+    with pytest.raises(ConfigError, match="train.backend=megatron is not available in this build"):
+        run_job(cfg)

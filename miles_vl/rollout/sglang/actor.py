@@ -1,0 +1,220 @@
+"""One rollout engine as a process host: launch its SGLang server, wait for health, restart it when it dies.
+
+Ray runs one `SGLangRolloutHost` per engine (`sglang_actor_class(num_gpus=...)`); Ray's `CUDA_VISIBLE_DEVICES`
+for the actor is inherited by the server, which uses those GPUs from index 0 (`--tp-size` = GPUs of the engine).
+The host is a plain class so that it runs (and is tested) without Ray.
+
+    host = SGLangRolloutHost(ServerSpec(model_path=..., port=30000, tp_size=1), tokens)
+    groups = host.generate(prompts, params)      # RolloutEngine methods are forwarded to SGLangRolloutEngine
+    host.shutdown()
+
+Restarts: before every call, and when a call finds the server gone, the host relaunches it (same argv, port and
+log file), at most `max_restarts` times over its life. A restarted server has `model_path`'s weights again: when
+weights had been synced, the engine then refuses to generate until they are synced again (and an NCCL weight-update
+group must be formed again), so a crash can cost a sync but never silently yields samples from stale weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from miles_vl.model import SpecialTokens
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError
+from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
+from miles_vl.rollout.sglang.server import (
+    ServerProcess,
+    ServerSpec,
+    build_server_argv,
+    build_server_env,
+    check_port_free,
+    wait_until_healthy,
+    write_server_config,
+)
+from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport
+from miles_vl.rollout.types import Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SGLangRolloutHost:
+    """Owns one SGLang server process and the engine that drives it.
+
+    Args:
+        spec: what to launch.
+        tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
+        ban_vision_tokens: see `SGLangRolloutEngine`.
+        startup_timeout_s: how long a (re)start may take to become healthy (rollout.sglang.startup_timeout_s).
+        request_timeout_s: per-attempt timeout of every call (rollout.sglang.request_timeout_s).
+        max_retries: retries of a failed call (rollout.sglang.max_retries).
+        retry_backoff_s: first backoff between retries.
+        max_restarts: relaunches of a dead server over the host's life before giving up.
+        log_path: the server's log file; None: a file in the host's private directory.
+        max_concurrency: requests in flight at once.
+        weight_bucket_bytes: bound of one weight bucket.
+        python: the interpreter that runs the server.
+        launch_module: the module run with `python -m` (tests run a stand-in that takes SGLang's flags).
+        env: extra environment variables for the server process.
+        health_poll_s: pause between health polls while starting.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        tokens: SpecialTokens,
+        *,
+        ban_vision_tokens: bool = True,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        max_restarts: int = 2,
+        log_path: str | Path | None = None,
+        max_concurrency: int = 128,
+        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        python: str = sys.executable,
+        launch_module: str = "sglang.launch_server",
+        env: Mapping[str, str] | None = None,
+        health_poll_s: float = 1.0,
+    ):
+        self.spec = spec
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.health_poll_s = health_poll_s
+        self.restarts = 0
+        self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
+        config_file = write_server_config(spec, self._dir)
+        argv = build_server_argv(
+            spec, python=python, module=launch_module, config_file=None if config_file is None else str(config_file)
+        )
+        self.server = ServerProcess(
+            argv,
+            env={**build_server_env(spec), **(env or {})},
+            log_path=log_path if log_path is not None else self._dir / f"sglang_{spec.port}.log",
+        )
+        self.client = SGLangClient(
+            spec.url,
+            api_key=spec.api_key,
+            timeout_s=request_timeout_s,
+            max_retries=max_retries,
+            backoff_s=retry_backoff_s,
+            liveness=self.server.death_reason,
+        )
+        self.engine = SGLangRolloutEngine(
+            self.client,
+            tokens,
+            ban_vision_tokens=ban_vision_tokens,
+            tp_size=spec.tp_size,
+            max_concurrency=max_concurrency,
+            weight_bucket_bytes=weight_bucket_bytes,
+            weight_version=spec.weight_version,
+            memory_saver=spec.colocated,
+            weights_cpu_backup=spec.weights_cpu_backup,
+        )
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def log_path(self) -> Path:
+        return self.server.log_path
+
+    def _launch(self) -> None:
+        check_port_free(self.spec.host, self.spec.port)
+        self.server.start()
+        waited = wait_until_healthy(
+            self.client, self.server, timeout_s=self.startup_timeout_s, poll_s=self.health_poll_s
+        )
+        log.info("SGLang server %s healthy after %.1fs (pid %s)", self.url, waited, self.server.pid)
+
+    def _restart(self, why: str) -> None:
+        if self.restarts >= self.max_restarts:
+            raise SGLangServerDiedError(
+                f"SGLang server {self.url} died again after {self.restarts} restart(s) (max_restarts="
+                f"{self.max_restarts}): {why}"
+            )
+        self.restarts += 1
+        log.warning("SGLang server %s is down (%s); restart %d/%d", self.url, why, self.restarts, self.max_restarts)
+        self.server.stop()
+        self._launch()
+        self.engine.server_restarted()
+
+    def ensure_running(self) -> None:
+        """Relaunch the server if its process has exited (counts against `max_restarts`)."""
+        reason = self.server.death_reason()
+        if reason is not None:
+            self._restart(reason)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Forward to the engine; on a server death, restart and try once more (the engine refuses if weights
+        were lost, with a message that says to sync them again)."""
+        self.ensure_running()
+        try:
+            return getattr(self.engine, method)(*args, **kwargs)
+        except SGLangServerDiedError as e:
+            self._restart(str(e))
+            return getattr(self.engine, method)(*args, **kwargs)
+
+    # RolloutEngine ---------------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[SGLangPrompt], params: SamplingParams) -> list[list[Generation]]:
+        """`SGLangRolloutEngine.generate` with the restart rule of this module."""
+        return self._call("generate", prompts, params)
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str | None = None
+    ) -> SyncReport:
+        """`SGLangRolloutEngine.load_weights` (colocated sync). The tensors are kept as a list for the duration of
+        the call, so that a sync interrupted by a server death can be sent again in full to the relaunched server."""
+        return self._call("load_weights", list(named_tensors), weight_version=weight_version)
+
+    def release_memory(self) -> None:
+        """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        """`SGLangRolloutEngine.resume_memory`; sync weights before the next generate unless they are backed up."""
+        self._call("resume_memory")
+
+    def expect_weight_version(self, version: str) -> None:
+        """Record an NCCL sync the trainer drove (`DistributedWeightSender.send`) to this engine's server."""
+        self.engine.expect_weight_version(version)
+
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """The process runs and `/health_generate` answers 200."""
+        return self.server.is_alive() and self.client.is_healthy()
+
+    def shutdown(self) -> None:
+        """Stop the server (its whole process group) and delete the API-key file; the log stays for post-mortems
+        (the private directory is removed when it holds nothing else)."""
+        self.server.stop()
+        self.client.close()
+        for path in self._dir.glob("*.yaml"):
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self._dir.rmdir()
+
+
+def sglang_actor_class(**ray_options: Any):
+    """`SGLangRolloutHost` as a Ray actor class, e.g. `sglang_actor_class(num_gpus=1).remote(spec, tokens)`.
+
+    Ray is imported here, not at module import, so that the host runs where Ray is not installed.
+    """
+    import ray
+
+    return ray.remote(**ray_options)(SGLangRolloutHost) if ray_options else ray.remote(SGLangRolloutHost)

@@ -1,0 +1,303 @@
+"""The production rollout engine: `RolloutEngine` over one SGLang server's HTTP API.
+
+    engine = SGLangRolloutEngine(SGLangClient("http://127.0.0.1:30000"), tokens, weight_version="base")
+    groups = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))   # prompts carry `.images`
+
+Prompts: besides `prompt_ids`, `image_grid_thw` (and `pixel_values`, unused here) of `PromptLike`, every prompt with
+images needs `images`: the decoded images (PIL, or encoded bytes) in the order their blocks appear in `prompt_ids`,
+because SGLang runs its own image processor and takes no pixel values over HTTP (see generate.py). Every response
+is checked to have used exactly our prompt ids (`PromptMismatchError` names the first differing position).
+
+`n` samples per prompt are sent as `n` independent requests, each with its own `sampling_seed` (a pure function of
+`params.seed`, the prompt index and the sample index), rather than one request with `sampling_params.n`: results come
+back in a fixed order, one failed sample is retried alone, and runs with `--enable-deterministic-inference` are
+reproducible per sample. The shared prompt prefix is still computed once per batch wave by SGLang's radix cache.
+
+Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, weights.py); after an NCCL sync driven
+by the trainer (`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's
+`meta_info.weight_version` must equal the version last synced: a server that restarted (and reloaded `model_path`)
+cannot silently serve stale weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a
+server started with `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU
+backup) and `generate` refuses to run until `load_weights` has been called.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from miles_vl.model import SpecialTokens
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+from miles_vl.rollout.sglang.generate import (
+    GenerationAbortedError,
+    build_generate_payload,
+    image_data_url,
+    parse_generate_response,
+    prompt_images,
+    sampling_seed,
+)
+from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport, sync_weights_from_tensors
+from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SGLangPrompt(PromptLike, Protocol):
+    """A canonical prompt plus the images the sglang engine sends (PIL images or encoded bytes, prompt order)."""
+
+    images: Sequence[Image.Image | bytes]
+
+
+class WeightVersionError(SGLangError):
+    """The server's weights are not the ones last synced (restart, or a sync that did not complete)."""
+
+
+class EngineStateError(RuntimeError):
+    """A call that the engine's memory/weights state does not allow (e.g. generate while memory is released)."""
+
+
+class SGLangRolloutEngine:
+    """`RolloutEngine` backed by one SGLang server.
+
+    Args:
+        client: the server's client (timeouts and retries live there).
+        tokens: special token ids; EOS ids become `stop_token_ids`, vision ids are banned when asked.
+        ban_vision_tokens: give `<|image_pad|>` and friends a -1e9 logit bias (as the hf engine does).
+        tp_size: the server's TP size (one weight payload per rank).
+        max_concurrency: requests in flight at once.
+        weight_bucket_bytes: bound of one `/update_weights_from_tensor` bucket.
+        weight_device: where `load_weights` moves tensors before sharing them with the server ("cuda" needs this
+            process to see the engine's GPU); "auto": "cuda" when available, else the tensors stay where they are.
+        weight_version: the version the server starts with (`ServerSpec.weight_version`); None: unchecked until the
+            first sync.
+        memory_saver: the server runs with `--enable-memory-saver` (colocated); required by `release_memory`.
+        weights_cpu_backup: the server runs with `--enable-weights-cpu-backup` (weights survive release/resume).
+        flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
+        max_abort_retries: times a request that SGLang aborted is sent again.
+    """
+
+    def __init__(
+        self,
+        client: SGLangClient,
+        tokens: SpecialTokens,
+        *,
+        ban_vision_tokens: bool = True,
+        tp_size: int = 1,
+        max_concurrency: int = 128,
+        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_device: str | None = "auto",
+        weight_version: str | None = None,
+        memory_saver: bool = False,
+        weights_cpu_backup: bool = False,
+        flush_timeout_s: float = 60.0,
+        max_abort_retries: int = 2,
+    ):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
+        self.client = client
+        self.tokens = tokens
+        self.stop_token_ids = tuple(int(t) for t in tokens.eos_token_ids)
+        self.banned_token_ids = (
+            (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
+            if ban_vision_tokens
+            else ()
+        )
+        self.tp_size = tp_size
+        self.max_concurrency = max_concurrency
+        self.weight_bucket_bytes = weight_bucket_bytes
+        if weight_device == "auto":
+            weight_device = "cuda" if torch.cuda.is_available() else None
+        self.weight_device = weight_device
+        self.memory_saver = memory_saver
+        self.weights_cpu_backup = weights_cpu_backup
+        self.flush_timeout_s = flush_timeout_s
+        self.max_abort_retries = max_abort_retries
+        self.initial_weight_version = weight_version
+        self.weight_version = weight_version  # what every response must report
+        self.syncs = 0
+        self.released = False
+        self.weights_missing: str | None = None  # why the server's weights cannot be used now, if they cannot
+
+    # ------------------------------------------------------------------------------------------------------------
+    # generation
+
+    def generate(self, prompts: Sequence[SGLangPrompt], params: SamplingParams) -> list[list[Generation]]:
+        """`params.n` generations per prompt, in prompt order (see the module docstring for how n is sent).
+
+        Raises:
+            ValueError: bad sampling parameters or prompts without their images.
+            EngineStateError: memory released, or weights undefined since `resume_memory`.
+            PromptMismatchError: SGLang used other prompt ids than ours.
+            WeightVersionError: the server answers with other weights than the last synced ones.
+            SGLangError: the server failed (after the client's bounded retries).
+        """
+        _check_params(params)
+        self._check_ready()
+        if not prompts:
+            return []
+        images = [prompt_images(p, i) for i, p in enumerate(prompts)]  # fail on a bad prompt before any request
+        jobs = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        results: dict[tuple[int, int], Generation] = {}
+        with ThreadPoolExecutor(
+            max_workers=min(self.max_concurrency, len(jobs)), thread_name_prefix="sglang-gen"
+        ) as pool:
+            urls = list(pool.map(lambda ims: [image_data_url(im) for im in ims], images))
+            futures = {
+                pool.submit(self._generate_one, prompts[i].prompt_ids, urls[i], params, i, j): (i, j) for i, j in jobs
+            }
+            try:
+                for future in futures:
+                    results[futures[future]] = future.result()
+            except BaseException:
+                # Drop queued requests; those in flight end within the client's timeout.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        return [[results[(i, j)] for j in range(params.n)] for i in range(len(prompts))]
+
+    def _generate_one(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int, j: int) -> Generation:
+        ids = [int(t) for t in prompt_ids.tolist()]
+        payload = build_generate_payload(
+            ids,
+            urls,
+            params,
+            seed=sampling_seed(params.seed, i, j, params.n),
+            stop_token_ids=self.stop_token_ids,
+            banned_token_ids=self.banned_token_ids,
+        )
+        for attempt in range(self.max_abort_retries + 1):
+            body = self.client.generate(payload)
+            try:
+                generation, version = parse_generate_response(
+                    body,
+                    prompt_ids=ids,
+                    stop_token_ids=self.stop_token_ids,
+                    max_new_tokens=params.max_new_tokens,
+                    prompt_index=i,
+                )
+            except GenerationAbortedError as e:
+                if attempt == self.max_abort_retries:
+                    raise SGLangError(f"{e} ({attempt + 1} attempts); see the server log for why it aborts") from e
+                log.warning("%s; sending it again", e)
+                continue
+            self._check_version(version, i)
+            return generation
+        raise AssertionError("unreachable")
+
+    def _check_version(self, version: str | None, prompt_index: int) -> None:
+        if self.weight_version is not None and version is not None and version != self.weight_version:
+            raise WeightVersionError(
+                f"prompt {prompt_index} was answered with weights {version!r}, but {self.weight_version!r} were "
+                "synced last: the server restarted (reloading model_path) or a sync did not finish; check its log "
+                "and sync the weights again"
+            )
+
+    def _check_ready(self) -> None:
+        if self.released:
+            raise EngineStateError("generate() while the engine's memory is released: call resume_memory() first")
+        if self.weights_missing is not None:
+            raise EngineStateError(
+                f"generate() refused: {self.weights_missing}; call load_weights() (or sync over NCCL and call "
+                "expect_weight_version()) first"
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # weights
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str | None = None
+    ) -> SyncReport:
+        """Colocated sync: `/update_weights_from_tensor` per bucket, then the version label and `/flush_cache`.
+
+        Args:
+            named_tensors: HF-named tensors (all of them, or only those that changed).
+            weight_version: label for these weights; default `miles_vl-<k>` for the k-th sync of this engine.
+
+        Returns:
+            A `SyncReport`.
+        """
+        if self.released:
+            raise EngineStateError("load_weights() while the engine's memory is released: call resume_memory() first")
+        version = weight_version or f"miles_vl-{self.syncs + 1}"
+        # Until the sync completes the server holds a mix of old and new tensors.
+        self.weights_missing = f"the weight sync to {version!r} did not complete"
+        report = sync_weights_from_tensors(
+            self.client,
+            named_tensors,
+            weight_version=version,
+            tp_size=self.tp_size,
+            max_bucket_bytes=self.weight_bucket_bytes,
+            device=self.weight_device,
+            flush_timeout_s=self.flush_timeout_s,
+        )
+        self.expect_weight_version(version)
+        log.info(
+            "synced %d tensors (%.1f MB, %d buckets) to %s in %.2fs as %r",
+            report.tensors,
+            report.bytes / 1e6,
+            report.buckets,
+            self.client.base_url,
+            report.seconds,
+            version,
+        )
+        return report
+
+    def expect_weight_version(self, version: str) -> None:
+        """Record that the server now holds weights `version` (call after an NCCL sync driven by the trainer)."""
+        self.syncs += 1
+        self.weight_version = version
+        self.weights_missing = None
+
+    def server_restarted(self) -> None:
+        """The server was relaunched: its memory is resident and its weights are `model_path`'s again."""
+        self.released = False
+        if self.syncs:
+            self.weights_missing = (
+                f"the server restarted and reloaded model_path, losing the synced weights {self.weight_version!r}"
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # memory
+
+    def release_memory(self) -> None:
+        """Free the server's GPU memory (KV cache, weights, CUDA graphs) while the trainer runs."""
+        if not self.memory_saver:
+            raise EngineStateError(
+                "release_memory() needs a server started with --enable-memory-saver: launch colocated engines with "
+                "ServerSpec(colocated=True) and build the engine with memory_saver=True"
+            )
+        if self.released:
+            return
+        # 0.5.16 asserts the scheduler is idle when releasing (a failed assert kills the server): flushing with a
+        # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind).
+        self.client.flush_cache(timeout_s=self.flush_timeout_s)
+        self.client.release_memory_occupation()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        """Take the GPU memory back; without a CPU backup the weights must be synced before the next generate."""
+        if not self.released:
+            return
+        self.client.resume_memory_occupation()
+        self.released = False
+        if not self.weights_cpu_backup:
+            self.weights_missing = "the server released its weights and keeps no CPU backup, so they are undefined"
+
+
+def _check_params(params: SamplingParams) -> None:
+    problems = []
+    if params.n < 1:
+        problems.append(f"n={params.n} (need >= 1)")
+    if params.max_new_tokens < 1:
+        problems.append(f"max_new_tokens={params.max_new_tokens} (need >= 1)")
+    if params.temperature < 0:
+        problems.append(f"temperature={params.temperature} (need >= 0)")
+    if not 0 < params.top_p <= 1:
+        problems.append(f"top_p={params.top_p} (need 0 < top_p <= 1)")
+    if problems:
+        raise ValueError("invalid sampling parameters for SGLang: " + ", ".join(problems))

@@ -1,0 +1,298 @@
+"""The `/generate` exchange: request building, response parsing, and the check that SGLang saw our prompt ids.
+
+Schema source: SGLang 0.5.16 (see docs/sglang.md for the wheel and its hash):
+
+- request body `GenerateReqInput` (`python/sglang/srt/managers/io_struct.py`) with `input_ids`, `image_data`,
+  `sampling_params` (fields of `SamplingParams` in `python/sglang/srt/sampling/sampling_params.py`; an unknown key
+  is a TypeError there), `return_logprob` and `return_prompt_token_ids`;
+- response (`TokenizerManager._handle_batch_output` and `add_logprob_to_meta_info` in
+  `python/sglang/srt/managers/tokenizer_manager.py`): `output_ids` (the stop token included: the detokenizer trims
+  it from `text` only), `prompt_token_ids` (the ids after SGLang's multimodal processor, real image token ids,
+  before the scheduler's hash padding), and `meta_info` with `finish_reason` (`{"type": "stop", "matched": id}`,
+  `{"type": "length", "length": n}` or `{"type": "abort", "message": ...}`; `python/sglang/srt/managers/
+  schedule_batch.py`), `prompt_tokens`, `weight_version` and `output_token_logprobs` = `[[logprob, token_id,
+  text|null], ...]`, one per output id.
+
+How SGLang reads `input_ids` + `image_data` for Qwen3-VL (`python/sglang/srt/multimodal/processors/qwen_vl.py`,
+`base_processor.py`): it decodes the ids back to text, finds each expanded `<|vision_start|><|image_pad|>...
+<|vision_end|>` block, and runs the HF processor again on that text and the images. The prompt it finally uses can
+therefore differ from ours (other min/max pixels, an image that is not the one the prompt was built from, a text
+that re-tokenizes differently), so every response is checked against our ids with `return_prompt_token_ids`.
+
+Logprobs: 0.5.16 returns log softmax(logits / T) of the sampled token (`Sampler.forward` in
+`python/sglang/srt/layers/sampler.py`): top-p/top-k truncation is not applied to the reported value, and
+`logit_bias` is. With top_p=1 and top_k=-1 this is the distribution the trainer scores and equals the hf engine's.
+
+Images are sent as PNG data URLs of the decoded pixels: lossless, and the server never decodes a JPEG with nvJPEG
+(0.5.16 does so on the GPU in `python/sglang/srt/utils/common.py:_load_image`), whose output can differ from PIL's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from miles_vl.rollout.sglang.client import SGLangResponseError
+from miles_vl.rollout.types import Generation, SamplingParams
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+BANNED_LOGIT_BIAS = -1.0e9  # JSON has no -inf; exp(-1e9) is exactly 0 in fp32
+
+
+class PromptMismatchError(ValueError):
+    """SGLang's prompt ids differ from the canonical ones (DESIGN §2: a mismatch is an error)."""
+
+
+class GenerationAbortedError(RuntimeError):
+    """SGLang finished a request with `finish_reason.type == "abort"` (retried a bounded number of times)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# images
+
+
+def image_data_url(image: Image.Image | bytes | bytearray) -> str:
+    """A `data:image/png;base64,...` URL of the image's decoded pixels.
+
+    Args:
+        image: a PIL image, or encoded image bytes (PNG bytes are sent as they are; other formats are decoded with
+            PIL and re-encoded as PNG so the server sees the pixels our processor saw).
+
+    Returns:
+        The data URL SGLang's `load_image` accepts.
+
+    Raises:
+        TypeError: anything else (paths and URLs are not accepted: the server would fetch them itself).
+    """
+    if isinstance(image, bytes | bytearray):
+        raw = bytes(image)
+        if not raw.startswith(PNG_SIGNATURE):
+            with Image.open(io.BytesIO(raw)) as decoded:
+                raw = _png(decoded)
+    elif isinstance(image, Image.Image):
+        raw = _png(image)
+    else:
+        raise TypeError(
+            f"an image for SGLang must be a PIL image or encoded bytes, found {type(image).__name__}; "
+            "load paths/URLs into PIL images when building the prompt record"
+        )
+    return "data:image/png;base64," + base64.b64encode(raw).decode("ascii")
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=1)  # speed over size: the bytes only cross loopback
+    return buf.getvalue()
+
+
+def prompt_images(prompt: Any, index: int) -> list[Image.Image | bytes]:
+    """The images of prompt `index`, checked against its `image_grid_thw` rows.
+
+    The sglang engine needs `prompt.images` (PIL images or encoded bytes, in the order their blocks appear in
+    `prompt_ids`): SGLang re-runs the image processor on the original images and cannot take `pixel_values`.
+
+    Raises:
+        ValueError: images missing or not one per `image_grid_thw` row.
+    """
+    grid = getattr(prompt, "image_grid_thw", None)
+    n_grid = 0 if grid is None else int(grid.shape[0])
+    images = getattr(prompt, "images", None)
+    if images is None:
+        if n_grid:
+            raise ValueError(
+                f"prompt {index} has {n_grid} image(s) (image_grid_thw rows) but no `images` attribute: the sglang "
+                "engine sends the original images with the prompt ids (SGLang runs its own image processor and takes "
+                "no pixel_values). Keep the decoded images on the prompt record as `images` (PIL images or encoded "
+                "bytes, in prompt order)"
+            )
+        return []
+    images = list(images)
+    if len(images) != n_grid:
+        raise ValueError(
+            f"prompt {index} carries {len(images)} image(s) in `images` but {n_grid} image_grid_thw row(s); they "
+            "must be the same images, one per vision block of prompt_ids, in order"
+        )
+    return images
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# request
+
+
+def sampling_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> int:
+    """Per-request `sampling_seed`: distinct for every (prompt, sample) of a call, a pure function of the inputs.
+
+    SGLang honours it only with `--enable-deterministic-inference` (`SamplingBatchInfo` in
+    `python/sglang/srt/sampling/sampling_batch_info.py`); otherwise sampling is not reproducible by seed.
+    """
+    return (seed * 1_000_003 + prompt_index * n + sample_index) % (2**63)
+
+
+def build_generate_payload(
+    prompt_ids: Sequence[int],
+    image_urls: Sequence[str],
+    params: SamplingParams,
+    *,
+    seed: int,
+    stop_token_ids: Sequence[int],
+    banned_token_ids: Sequence[int] = (),
+) -> dict[str, Any]:
+    """One `GenerateReqInput` body: one prompt, one sample (`n` is expanded by the caller, see engine.py).
+
+    Args:
+        prompt_ids: canonical ids, image tokens expanded.
+        image_urls: `image_data_url` of each image, in prompt order.
+        params: sampling parameters (`params.n` is ignored here).
+        seed: this request's `sampling_seed`.
+        stop_token_ids: EOS ids; generation stops after emitting one (it stays in `output_ids`).
+        banned_token_ids: ids given a -1e9 logit bias (e.g. vision tokens, as the hf engine bans them).
+
+    Returns:
+        The JSON body.
+    """
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 disables top-k; 0 is rejected
+        "stop_token_ids": [int(t) for t in stop_token_ids],
+        "sampling_seed": seed,
+    }
+    if banned_token_ids:
+        sampling["logit_bias"] = {str(int(t)): BANNED_LOGIT_BIAS for t in banned_token_ids}
+    payload: dict[str, Any] = {
+        "input_ids": [int(t) for t in prompt_ids],
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "return_prompt_token_ids": True,
+        "stream": False,
+    }
+    if image_urls:
+        payload["image_data"] = list(image_urls)
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# response
+
+
+def parse_generate_response(
+    body: dict[str, Any],
+    *,
+    prompt_ids: Sequence[int],
+    stop_token_ids: Collection[int],
+    max_new_tokens: int,
+    prompt_index: int,
+) -> tuple[Generation, str | None]:
+    """Turn one `/generate` response into a `Generation`, checking it against what we sent.
+
+    Args:
+        body: the response dict.
+        prompt_ids: the canonical ids we sent.
+        stop_token_ids: the EOS ids we sent.
+        max_new_tokens: the limit we sent.
+        prompt_index: for error messages.
+
+    Returns:
+        (generation, meta_info.weight_version).
+
+    Raises:
+        GenerationAbortedError: the server aborted the request.
+        PromptMismatchError: SGLang's prompt ids differ from ours.
+        SGLangResponseError: the body breaks the 0.5.16 schema or contradicts itself.
+    """
+    where = f"/generate for prompt {prompt_index}"
+    meta = _field(body, "meta_info", dict, where)
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or "type" not in finish:
+        raise SGLangResponseError(f"{where}: meta_info.finish_reason is {finish!r}; expected {{'type': ...}}")
+    if finish["type"] == "abort":
+        raise GenerationAbortedError(f"{where}: SGLang aborted the request: {finish.get('message')}")
+
+    theirs = body.get("prompt_token_ids")
+    if theirs is not None:
+        check_prompt_tokens(prompt_ids, theirs, prompt_index=prompt_index)
+    prompt_tokens = meta.get("prompt_tokens")
+    if prompt_tokens is not None and int(prompt_tokens) != len(prompt_ids):
+        raise PromptMismatchError(
+            f"prompt {prompt_index}: SGLang counted {prompt_tokens} prompt tokens, miles_vl sent {len(prompt_ids)}. "
+            + _MISMATCH_HINT
+        )
+
+    output_ids = _field(body, "output_ids", list, where)
+    logprob_rows = _field(meta, "output_token_logprobs", list, where + " meta_info")
+    if len(logprob_rows) != len(output_ids):
+        raise SGLangResponseError(
+            f"{where}: {len(output_ids)} output ids but {len(logprob_rows)} output_token_logprobs; was "
+            "return_logprob sent?"
+        )
+    logprobs = []
+    for k, (row, token) in enumerate(zip(logprob_rows, output_ids, strict=True)):
+        if not isinstance(row, list | tuple) or len(row) < 2 or row[0] is None or int(row[1]) != int(token):
+            raise SGLangResponseError(
+                f"{where}: output_token_logprobs[{k}] = {row!r} does not score output_ids[{k}] = {token}"
+            )
+        logprobs.append(float(row[0]))
+    if not output_ids:
+        raise SGLangResponseError(f"{where}: empty output_ids (finish_reason {finish})")
+    if len(output_ids) > max_new_tokens:
+        raise SGLangResponseError(f"{where}: {len(output_ids)} tokens returned, max_new_tokens was {max_new_tokens}")
+
+    if finish["type"] == "stop":
+        if int(output_ids[-1]) not in stop_token_ids:
+            raise SGLangResponseError(
+                f"{where}: SGLang stopped (matched {finish.get('matched')!r}) but the last token {output_ids[-1]} "
+                f"is not one of our EOS ids {sorted(stop_token_ids)}; the server stops on the model's own EOS ids "
+                "too: add them to SpecialTokens.eos_token_ids"
+            )
+        reason = "stop"
+    elif finish["type"] == "length":
+        reason = "length"
+    else:
+        raise SGLangResponseError(f"{where}: unknown finish_reason type {finish['type']!r}")
+    generation = Generation(
+        response_ids=torch.tensor(output_ids, dtype=torch.long),
+        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        finish_reason=reason,
+    )
+    version = meta.get("weight_version")
+    return generation, None if version is None else str(version)
+
+
+_MISMATCH_HINT = (
+    "The engine must see exactly the canonical prompt ids (DESIGN §2). Likely causes: the server's image processor "
+    "resizes differently (set ServerSpec.image_min_pixels/image_max_pixels to data.min_pixels/max_pixels), the "
+    "`images` are not those the prompt was built from, or the prompt text does not survive decode + re-tokenize."
+)
+
+
+def check_prompt_tokens(ours: Sequence[int], theirs: Sequence[int], *, prompt_index: int) -> None:
+    """Raise `PromptMismatchError` naming the first position where SGLang's prompt ids differ from ours."""
+    ours = [int(t) for t in ours]
+    theirs = [int(t) for t in theirs]
+    if ours == theirs:
+        return
+    first = next((k for k, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
+    lo = max(0, first - 3)
+    raise PromptMismatchError(
+        f"prompt {prompt_index}: SGLang's prompt ids differ from miles_vl's at position {first} "
+        f"(miles_vl {_at(ours, first)}, SGLang {_at(theirs, first)}; lengths {len(ours)} vs {len(theirs)}; "
+        f"miles_vl[{lo}:{first + 4}] = {ours[lo : first + 4]}, SGLang[{lo}:{first + 4}] = {theirs[lo : first + 4]}). "
+        + _MISMATCH_HINT
+    )
+
+
+def _at(ids: list[int], k: int) -> str:
+    return str(ids[k]) if k < len(ids) else "<end>"
+
+
+def _field(body: dict, key: str, kind: type, where: str) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind):
+        raise SGLangResponseError(f"{where}: `{key}` is {value!r}; expected a {kind.__name__} (SGLang 0.5.16 schema)")
+    return value

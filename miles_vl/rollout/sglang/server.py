@@ -1,0 +1,373 @@
+"""Launching and supervising one SGLang server process: the command line, its environment, health, restarts.
+
+`build_server_argv` is a pure function of a `ServerSpec`: tests check the exact argv. The flag names are those of
+SGLang 0.5.16, whose `ServerArgs` dataclass (`python/sglang/srt/server_args.py`) derives each flag from a field
+name (`tp_size` -> `--tp-size`; booleans are `store_true`) through `python/sglang/srt/arg_groups/arg_utils.py`;
+the entry point is `python -m sglang.launch_server` (`python/sglang/launch_server.py`).
+
+Decisions (each one is also in docs/sglang.md):
+
+- The API key never goes on the command line (any local user can read `/proc/<pid>/cmdline`): it is written to a
+  private YAML file passed with `--config`, which 0.5.16 merges into the arguments
+  (`python/sglang/srt/server_args_config_parser.py`).
+- The server binds 127.0.0.1 unless the spec opens it, and an open server needs an API key (same rule as
+  `rollout.sglang` in the config schema).
+- `SGLANG_VLM_CACHE_SIZE_MB=0` by default. 0.5.16 caches vision-tower embeddings by image hash
+  (`python/sglang/srt/managers/mm_utils.py`, `embedding_cache`, 100 MB by default) and `/flush_cache` does not
+  clear that cache (`Scheduler.flush_cache` in `python/sglang/srt/managers/scheduler.py` resets the radix tree and
+  memory pools only), so after a weight sync the same image would reuse embeddings of the old vision tower. Set
+  `vision_cache_mb > 0` only when the vision tower is frozen.
+- Colocated engines get `--enable-memory-saver` so that `/release_memory_occupation` frees the GPU for the trainer.
+
+`ServerProcess` runs the command in its own session (process group), so stopping it also stops the scheduler and
+detokenizer processes SGLang forks; its log goes to a file whose tail is quoted when the server dies.
+`wait_until_healthy` polls `/health_generate` until it answers 200, the process dies, or the startup timeout ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+# Flags that miles_vl sets from the spec; `extra_args` may not set them again (argparse would silently keep the
+# last one). Values: the spec field (and config key) that owns the flag.
+OWNED_FLAGS: dict[str, str] = {
+    "--model-path": "model_path (model.path)",
+    "--model": "model_path (model.path)",
+    "--host": "host (rollout.sglang.host)",
+    "--port": "port (rollout.sglang.port)",
+    "--tp-size": "tp_size (rollout.gpus_per_engine)",
+    "--tensor-parallel-size": "tp_size (rollout.gpus_per_engine)",
+    "--mem-fraction-static": "mem_fraction_static (rollout.sglang.mem_fraction_static)",
+    "--api-key": "api_key (rollout.sglang.api_key)",
+    "--config": "api_key (rollout.sglang.api_key, written to a private --config file)",
+    "--enable-memory-saver": "colocated (ray.placement)",
+    "--enable-weights-cpu-backup": "weights_cpu_backup",
+    "--random-seed": "random_seed (seed)",
+    "--weight-version": "weight_version",
+    "--mm-process-config": "image_min_pixels / image_max_pixels (data.min_pixels / data.max_pixels)",
+}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything needed to launch one SGLang server for one rollout engine.
+
+    Args:
+        model_path: HF checkpoint directory the server loads at start (and again after a restart).
+        port: HTTP port.
+        host: bind address; anything but loopback requires `api_key`.
+        api_key: bearer token the server demands on every route but `/health*`.
+        tp_size: tensor-parallel size = GPUs of this engine (the GPUs Ray gave the actor, from index 0).
+        mem_fraction_static: share of GPU memory for weights + KV cache; None lets SGLang choose.
+        colocated: the engine shares its GPUs with the trainer: adds `--enable-memory-saver`.
+        weights_cpu_backup: keep a CPU copy of the weights across release/resume (`--enable-weights-cpu-backup`);
+            without it, resumed weights are undefined until the next weight sync.
+        random_seed: the server's `--random-seed`.
+        weight_version: the label `meta_info.weight_version` carries until the first sync.
+        image_min_pixels: the server's image processor `min_pixels` (must equal the one that built the prompt ids).
+        image_max_pixels: likewise `max_pixels`.
+        vision_cache_mb: `SGLANG_VLM_CACHE_SIZE_MB`; 0 (default) disables the vision-embedding cache that weight
+            syncs do not invalidate (see the module docstring). Only > 0 when the vision tower is frozen.
+        extra_args: passed verbatim after ours; may not repeat a flag of `OWNED_FLAGS`.
+    """
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    colocated: bool = False
+    weights_cpu_backup: bool = False
+    random_seed: int | None = None
+    weight_version: str = "base"
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
+    vision_cache_mb: int = 0
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("ServerSpec.model_path is empty: set model.path to the HF checkpoint SGLang should load")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"ServerSpec.port={self.port} is not a TCP port; set rollout.sglang.port in 1..65535")
+        if self.host not in LOOPBACK_HOSTS and not self.api_key:
+            raise ValueError(
+                f"ServerSpec.host={self.host!r} opens the server beyond loopback without an API key: "
+                "set rollout.sglang.api_key or bind 127.0.0.1"
+            )
+        if self.tp_size < 1:
+            raise ValueError(f"ServerSpec.tp_size={self.tp_size}; an engine needs >= 1 GPU (rollout.gpus_per_engine)")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"ServerSpec.mem_fraction_static={self.mem_fraction_static} is outside (0, 1]")
+        if self.vision_cache_mb < 0:
+            raise ValueError(f"ServerSpec.vision_cache_mb={self.vision_cache_mb} < 0; use 0 to disable the cache")
+        if isinstance(self.extra_args, str):
+            raise TypeError("ServerSpec.extra_args must be a sequence of strings, not one string; split it")
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        for arg in self.extra_args:
+            flag = arg.split("=", 1)[0]
+            if flag in OWNED_FLAGS:
+                raise ValueError(
+                    f"rollout.sglang.extra_args sets {flag}, which miles_vl sets itself from "
+                    f"{OWNED_FLAGS[flag]}; remove it from extra_args"
+                )
+
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches the server (a wildcard bind is reached over loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def mm_process_config(self) -> dict | None:
+        image = {}
+        if self.image_min_pixels is not None:
+            image["min_pixels"] = self.image_min_pixels
+        if self.image_max_pixels is not None:
+            image["max_pixels"] = self.image_max_pixels
+        return {"image": image} if image else None
+
+
+def build_server_argv(
+    spec: ServerSpec,
+    *,
+    python: str = sys.executable,
+    module: str = "sglang.launch_server",
+    config_file: str | None = None,
+) -> list[str]:
+    """The command that starts SGLang 0.5.16 for `spec` (pure: no I/O).
+
+    Args:
+        spec: what to launch.
+        python: interpreter that has `sglang` installed.
+        module: the entry module run with `python -m` (tests run a stand-in that takes the same flags).
+        config_file: the private YAML written by `write_server_config`; required when `spec.api_key` is set.
+
+    Returns:
+        argv, e.g. `[python, "-m", "sglang.launch_server", "--model-path", ..., "--host", "127.0.0.1", ...]`.
+
+    Raises:
+        ValueError: an API key without a config file.
+    """
+    if spec.api_key and config_file is None:
+        raise ValueError(
+            "the API key goes to SGLang in a private --config file, never on the command line (other local users "
+            "can read it there): pass config_file=write_server_config(spec, directory)"
+        )
+    argv = [python, "-m", module, "--model-path", spec.model_path]
+    argv += ["--host", spec.host, "--port", str(spec.port), "--tp-size", str(spec.tp_size)]
+    if spec.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", repr(spec.mem_fraction_static)]
+    if config_file is not None:
+        argv += ["--config", str(config_file)]
+    if spec.colocated:
+        argv.append("--enable-memory-saver")
+    if spec.weights_cpu_backup:
+        argv.append("--enable-weights-cpu-backup")
+    if spec.random_seed is not None:
+        argv += ["--random-seed", str(spec.random_seed)]
+    argv += ["--weight-version", spec.weight_version]
+    if spec.mm_process_config is not None:
+        argv += ["--mm-process-config", json.dumps(spec.mm_process_config, separators=(",", ":"))]
+    return argv + list(spec.extra_args)
+
+
+def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: `base` (default: ours) plus the settings miles_vl needs (pure).
+
+    Returns:
+        A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0).
+    """
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
+    return env
+
+
+def write_server_config(spec: ServerSpec, directory: str | Path) -> Path | None:
+    """Write the private `--config` YAML holding the API key (mode 0600); None when the spec has no key.
+
+    SGLang's config merger turns `api-key: <key>` into `--api-key <key>` inside the server process.
+    """
+    if not spec.api_key:
+        return None
+    path = Path(directory) / f"sglang_{spec.port}.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(spec.api_key)}\n")  # a JSON string is a valid YAML scalar
+    return path
+
+
+def check_port_free(host: str, port: int, *, wait_s: float = 5.0) -> None:
+    """Raise unless `host:port` can be bound (waits up to `wait_s` for a just-stopped server to let go of it).
+
+    Raises:
+        ValueError: naming the port and the fix.
+    """
+    deadline = time.monotonic() + wait_s
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn does: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+                return
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise ValueError(
+                        f"cannot start SGLang on {host}:{port}: the port is in use ({e}). Another server or job holds "
+                        "it: stop that process or choose another rollout.sglang.port (engine i uses port + i)"
+                    ) from e
+        time.sleep(0.1)
+
+
+class ServerProcess:
+    """One supervised server process (SGLang, or in tests a stand-in speaking its HTTP API).
+
+    Args:
+        argv: the command (e.g. `build_server_argv(spec, ...)`).
+        env: its environment (e.g. `build_server_env(spec)`); None inherits ours.
+        log_path: where stdout and stderr go (appended across restarts); None: a new temporary file.
+        stop_timeout_s: grace between SIGTERM and SIGKILL of the process group.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
+        stop_timeout_s: float = 30.0,
+    ):
+        if not argv:
+            raise ValueError("ServerProcess needs a command; argv is empty")
+        self.argv = list(argv)
+        self.env = None if env is None else dict(env)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="sglang_", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.stop_timeout_s = stop_timeout_s
+        self.starts = 0
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> None:
+        """Start the process in a new session (its own process group)."""
+        if self.is_alive():
+            raise RuntimeError(f"server process {self.pid} is already running; stop() it first")
+        self.starts += 1
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== miles_vl: start #{self.starts}: {' '.join(self.argv)}\n".encode())
+            out.flush()
+            self._proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        log.info("started server process %d (log: %s)", self._proc.pid, self.log_path)
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def death_reason(self) -> str | None:
+        """None while running (or never started); else the exit status and the end of the log."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        code = self._proc.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"process {self._proc.pid} {how}; last log lines ({self.log_path}):\n{self.log_tail()}"
+
+    def log_tail(self, max_lines: int = 30, max_bytes: int = 16384) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError as e:
+            return f"(log unreadable: {e})"
+        return "\n".join(lines[-max_lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after `stop_timeout_s`; a no-op when never started."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid  # start_new_session: the group id is the leader's pid
+        # Signal the group even when the leader has exited: SGLang's forked workers may outlive it.
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("server process %d ignored SIGTERM for %.0fs; killing it", pgid, self.stop_timeout_s)
+        _signal_group(pgid, signal.SIGKILL)
+        self._proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_until_healthy(
+    client: SGLangClient, process: ServerProcess | None, *, timeout_s: float, poll_s: float = 1.0
+) -> float:
+    """Poll `/health_generate` until it answers 200.
+
+    Args:
+        client: the server's client.
+        process: its process, to fail fast with its log if it dies; None when not supervised here.
+        timeout_s: give up after this long (rollout.sglang.startup_timeout_s).
+        poll_s: pause between polls.
+
+    Returns:
+        Seconds waited.
+
+    Raises:
+        SGLangServerDiedError: the process exited before becoming healthy.
+        SGLangUnavailableError: not healthy within `timeout_s`.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while True:
+        reason = process.death_reason() if process is not None else None
+        if reason is not None:
+            raise SGLangServerDiedError(f"SGLang server at {client.base_url} died while starting: {reason}")
+        remaining = deadline - time.monotonic()
+        if client.is_healthy(timeout_s=max(0.1, min(5.0, remaining))):
+            return time.monotonic() - start
+        if time.monotonic() >= deadline:
+            tail = f"\nlast log lines ({process.log_path}):\n{process.log_tail()}" if process is not None else ""
+            raise SGLangUnavailableError(
+                f"SGLang server at {client.base_url} was not healthy (/health_generate) after {timeout_s:.0f}s; "
+                f"raise rollout.sglang.startup_timeout_s if the model loads slowly, else see its log.{tail}"
+            )
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,68 @@
+"""Shared pieces of the sglang engine tests: the in-process stand-in server, prompts with images, quick clients."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from miles_vl.model import SpecialTokens
+from miles_vl.rollout.sglang import SGLangClient
+from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, FakeSGLang
+
+FAKE_SERVER = Path(__file__).with_name("fake_server.py")
+VIDEO, VEND, PAD, EOS = 151656, 151653, 151643, 151645
+TOKENS = SpecialTokens(IMAGE_TOKEN_ID, VIDEO, VISION_START_TOKEN_ID, VEND, PAD, (EOS,), vocab_size=151936)
+
+
+@dataclass
+class Prompt:
+    """A canonical prompt as miles_vl.data builds it, plus the `images` the sglang engine needs."""
+
+    prompt_ids: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    images: list | None = None
+
+
+def make_prompt(text: list[int], n_images: int = 0, *, color: int = 0, with_images: bool = True) -> Prompt:
+    """`text` followed by `n_images` vision blocks of 4 merged tokens each (grid 1x4x4, merge 2)."""
+    ids = list(text)
+    for _ in range(n_images):
+        ids += [VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * 4 + [VEND]
+    grid = torch.tensor([[1, 4, 4]] * n_images) if n_images else None
+    pixels = torch.zeros(16 * n_images, 1536) if n_images else None
+    images = [Image.new("RGB", (32, 32), (color, 10 * k, 200)) for k in range(n_images)]
+    return Prompt(torch.tensor(ids), pixels, grid, images if with_images else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_argv(argv: list[str]) -> list[str]:
+    """`build_server_argv`'s command with the stand-in script in place of `-m sglang.launch_server`."""
+    assert argv[1:3] == ["-m", "sglang.launch_server"], argv
+    return [sys.executable, str(FAKE_SERVER), *argv[3:]]
+
+
+def quick_client(url: str, **kwargs) -> SGLangClient:
+    """A client with test-sized timeouts and backoff (every retry loop here ends within a few seconds)."""
+    kwargs.setdefault("timeout_s", 5.0)
+    kwargs.setdefault("max_retries", 2)
+    kwargs.setdefault("backoff_s", 0.01)
+    return SGLangClient(url, **kwargs)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeSGLang]:
+    with FakeSGLang(weight_version="base") as server:
+        yield server

@@ -1,0 +1,703 @@
+"""A schema-level stand-in for an SGLang 0.5.16 server: the routes miles_vl calls, nothing else.
+
+It validates request bodies against the 0.5.16 request classes (field names copied below from
+`python/sglang/srt/managers/io_struct.py` and `python/sglang/srt/sampling/sampling_params.py` of the
+`sglang==0.5.16` wheel), answers with 0.5.16's response shapes (`python/sglang/srt/entrypoints/http_server.py`,
+`python/sglang/srt/managers/tokenizer_manager.py`), enforces 0.5.16's bearer auth (`python/sglang/srt/utils/auth.py`),
+deserializes `/update_weights_from_tensor` payloads under 0.5.16's unpickling allowlist
+(`SafeUnpickler` in `python/sglang/srt/utils/common.py`), and for the NCCL path joins the weight-update group the
+way 0.5.16's `init_custom_process_group` does and receives one broadcast per tensor from rank 0. It is stricter than
+SGLang in one way: unknown top-level request keys are refused (FastAPI would ignore them), to catch typos.
+
+The "model" is deterministic: output tokens are drawn from a generator seeded by the prompt, the sampling seed and
+the weight version; a response ends with the first stop token id unless its drawn length exceeds max_new_tokens.
+
+In-process (tests):      fake = FakeSGLang(); fake.start(); fake.url; fake.calls; fake.inject("/generate", "status",
+                         503, times=1); fake.stop()
+As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or -m tests.rollout.sglang.fake_server)
+                         --model-path M --host 127.0.0.1 --port P
+                         [--config secrets.yaml] [--fake-startup-delay S] [any flag build_server_argv emits];
+                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights.
+Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import pickle
+import random
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+VERSION = "0.5.16"
+IMAGE_TOKEN_ID = 151655  # Qwen3-VL <|image_pad|>
+VISION_START_TOKEN_ID = 151652  # Qwen3-VL <|vision_start|>
+VOCAB_SIZE = 151936
+
+# GenerateReqInput fields of 0.5.16, plus BaseReq's rid/http_worker_ipc on the other request classes.
+GENERATE_FIELDS = frozenset(
+    "rid session_id text input_ids input_embeds image_data video_data audio_data mm_hashes use_audio_in_video "
+    "sampling_params return_logprob logprob_start_len top_logprobs_num token_ids_logprob return_sampling_mask "
+    "return_text_in_logprobs stream log_metrics return_hidden_states return_routed_experts routed_experts_start_len "
+    "return_indexer_topk modalities session_params lora_path lora_id custom_logit_processor positional_embed_overrides "
+    "bootstrap_host bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size routed_dp_rank "
+    "disagg_prefill_dp_rank routing_key conversation_id http_worker_ipc background require_reasoning priority "
+    "extra_key "
+    "no_logs custom_labels return_bytes return_entropy return_prompt_token_ids external_trace_header received_time "
+    "need_wait_for_mm_inputs num_items_assigned mm_data_mooncake encoder_urls max_dynamic_patch min_dynamic_patch "
+    "image_max_dynamic_patch video_max_dynamic_patch images_config multi_item_delimiter_indices".split()
+)
+# SamplingParams API fields of 0.5.16 (an unknown keyword is a TypeError there).
+SAMPLING_FIELDS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty presence_penalty "
+    "repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos skip_special_tokens "
+    "spaces_between_special_tokens no_stop_trim custom_params stream_interval logit_bias sampling_seed".split()
+)
+BASE_REQ = {"rid", "http_worker_ipc"}
+REQUEST_FIELDS = {
+    "/update_weights_from_tensor": BASE_REQ
+    | {
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "disable_draft_model",
+        "torch_empty_cache",
+    },
+    "/update_weights_from_distributed": BASE_REQ
+    | {
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+        "torch_empty_cache",
+    },
+    "/init_weights_update_group": BASE_REQ
+    | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
+    "/destroy_weights_update_group": BASE_REQ | {"group_name"},
+    "/update_weight_version": BASE_REQ | {"new_version", "abort_all_requests"},
+    "/release_memory_occupation": BASE_REQ | {"tags"},
+    "/resume_memory_occupation": BASE_REQ | {"tags"},
+}
+MEMORY_TAGS = {"kv_cache", "weights", "cuda_graph"}
+# SafeUnpickler.ALLOWED_MODULE_PREFIXES of 0.5.16 (the prefixes a weight payload may reference).
+ALLOWED_MODULE_PREFIXES = (
+    "builtins.",
+    "collections.",
+    "copyreg.",
+    "functools.",
+    "itertools.",
+    "operator.",
+    "types.",
+    "weakref.",
+    "torch.",
+    "multiprocessing.resource_sharer.",
+    "multiprocessing.reduction.",
+    "pickletools.",
+    "peft.",
+    "transformers.",
+    "huggingface_hub.",
+    "sglang.srt.weight_sync.tensor_bucket.",
+    "sglang.srt.model_executor.model_runner.",
+    "sglang.srt.model_executor.model_runner_components.weight_updater.",
+    "sglang.srt.layers.",
+    "sglang.srt.utils.",
+    "sglang.srt.disaggregation.",
+    "sglang.srt.managers.",
+    "torch_npu.",
+)
+
+
+class BadRequest(Exception):
+    """Answered as HTTP 400 with the route's error shape."""
+
+
+@dataclass
+class Fault:
+    kind: str  # "status" | "delay" | "exit" | "abort" | "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
+    value: Any = None
+    times: int = 1
+
+
+@dataclass
+class FakeState:
+    model_path: str = "fake/model"
+    api_key: str | None = None
+    tp_size: int = 1
+    weight_version: str = "default"
+    startup_delay_s: float = 0.0
+    allow_exit: bool = False  # os._exit on an "exit" fault: only when this is its own process
+    started_at: float = field(default_factory=time.monotonic)
+    released: set[str] = field(default_factory=set)
+    groups: dict[str, Any] = field(default_factory=dict)
+    group_devices: dict[str, str] = field(default_factory=dict)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    weights: list[dict[str, Any]] = field(default_factory=list)
+    faults: dict[str, list[Fault]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
+        with self.lock:
+            for fault in self.faults.get(path, []):
+                if fault.kind in kinds and fault.times > 0:
+                    fault.times -= 1
+                    return fault
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the deterministic "model"
+
+
+def vision_blocks(input_ids: list[int]) -> int:
+    return sum(
+        1 for a, b in zip(input_ids, input_ids[1:], strict=False) if a == VISION_START_TOKEN_ID and b == IMAGE_TOKEN_ID
+    )
+
+
+def fake_tokens(input_ids: list[int], sampling: dict[str, Any], version: str) -> tuple[list[int], list[float], dict]:
+    greedy = float(sampling.get("temperature", 1.0)) == 0.0
+    seed = "greedy" if greedy else sampling.get("sampling_seed")
+    rng = random.Random(f"{input_ids}|{seed}|{version}")
+    max_new = int(sampling.get("max_new_tokens", 128))
+    stop_ids = [int(t) for t in sampling.get("stop_token_ids") or []]
+    banned = {int(k) for k, v in (sampling.get("logit_bias") or {}).items() if v <= -1e8}
+    length = rng.randint(1, max_new + max_new // 2 + 1)
+    pool = [t for t in range(1000, 1100) if t not in banned and t not in stop_ids]
+    if length <= max_new and stop_ids:
+        out = [rng.choice(pool) for _ in range(length - 1)] + [stop_ids[0]]
+        finish = {"type": "stop", "matched": stop_ids[0]}
+    else:
+        out = [rng.choice(pool) for _ in range(max_new)]
+        finish = {"type": "length", "length": max_new}
+    return out, [-4.0 * rng.random() for _ in out], finish
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# weights
+
+
+def _unpickle_allowlisted(data: bytes):
+    import torch  # noqa: F401  (torch.multiprocessing's rebuild functions must be importable)
+    import torch.multiprocessing.reductions as reductions
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not any((module + ".").startswith(p) for p in ALLOWED_MODULE_PREFIXES):
+                raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return _rebuild_cuda_tensor_from_uuid(reductions.rebuild_cuda_tensor)
+            return super().find_class(module, name)
+
+    return Unpickler(io.BytesIO(data)).load()
+
+
+def _rebuild_cuda_tensor_from_uuid(rebuild):
+    """0.5.16's patched rebuild accepts the device as an index or a GPU UUID (utils/patch_torch.py)."""
+    import torch
+
+    def wrapped(*args):
+        device = args[6]
+        if isinstance(device, str):
+            matches = [
+                i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device
+            ]
+            if not matches:
+                raise RuntimeError(f"Invalid device_uuid={device}")
+            args = (*args[:6], matches[0], *args[7:])
+        return rebuild(*args)
+
+    return wrapped
+
+
+def _summarize(named_tensors) -> dict[str, Any]:
+    import torch
+
+    if not isinstance(named_tensors, list) or not all(
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+        for x in named_tensors
+    ):
+        raise BadRequest(f"expected a list of (name, tensor) pairs, got {type(named_tensors).__name__}")
+    return {
+        "names": [n for n, _ in named_tensors],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+        "shapes": [list(t.shape) for _, t in named_tensors],
+        "sums": [float(t.double().sum()) for _, t in named_tensors],
+        "devices": [t.device.type for _, t in named_tensors],
+    }
+
+
+def _join_group(body: dict[str, Any], tp_rank: int):
+    """Server side of init_weights_update_group, as 0.5.16's init_custom_process_group builds it."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = timedelta(seconds=60)
+    rank = body["rank_offset"] + tp_rank
+    init = f"tcp://{body['master_address']}:{body['master_port']}"
+    store, rank, world_size = next(c10d.rendezvous(init, rank, body["world_size"], timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(body["group_name"], store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(body["backend"]), store, group_name=body["group_name"], timeout=timeout
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def _receive(body: dict[str, Any], group, device: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    tensors, handles = [], []
+    for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        handles.append(dist.broadcast(t, src=0, group=group, async_op=True))
+        tensors.append((name, t))
+    for h in handles:
+        h.wait()
+    return _summarize(tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# HTTP
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeHTTPServer
+
+    def log_message(self, format, *args):  # noqa: A002  (BaseHTTPRequestHandler's signature)
+        if self.server.state.allow_exit:
+            sys.stderr.write("fake-sglang: " + (format % args) + "\n")
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _dispatch(self, method: str) -> None:
+        state = self.server.state
+        url = urlparse(self.path)
+        path, query = url.path, {k: v[-1] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            return self._json(400, {"error": {"message": "body is not JSON"}})
+        authorized = self._authorized(path)
+        if not path.startswith("/_fake/"):
+            with state.lock:
+                state.calls.append({"method": method, "path": path, "query": query, "body": body, "auth": authorized})
+        if not authorized:
+            return self._json(401, {"error": "Unauthorized"})
+        fault = state.take_fault(path, ("status", "delay", "exit"))
+        if fault is not None:
+            if fault.kind == "exit" and state.allow_exit:
+                sys.stderr.write(f"fake-sglang: injected fatal error on {path}\n")
+                sys.stderr.flush()
+                os._exit(int(fault.value or 1))
+            if fault.kind == "delay":
+                time.sleep(float(fault.value))
+            if fault.kind == "status":
+                return self._json(int(fault.value), {"error": {"message": f"injected HTTP {fault.value}"}})
+        route = ROUTES.get((method, path))
+        if route is None:
+            return self._json(404, {"detail": "Not Found"})
+        try:
+            route(self, body, query)
+        except BadRequest as e:
+            if path == "/generate":
+                self._json(400, {"error": {"message": str(e)}})
+            else:
+                self._json(400, {"success": False, "message": str(e)})
+
+    def _authorized(self, path: str) -> bool:
+        key = self.server.state.api_key
+        if not key or path.startswith(("/health", "/metrics", "/_fake/")):
+            return True
+        return self.headers.get("Authorization") == f"Bearer {key}"
+
+    def _json(self, status: int, obj: Any) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    # routes --------------------------------------------------------------------------------------------------------
+
+    def health(self, body, query):
+        state = self.server.state
+        starting = time.monotonic() < state.started_at + state.startup_delay_s
+        self._send(503 if starting else 200, b"", "text/plain")
+
+    def model_info(self, body, query):
+        s = self.server.state
+        self._json(
+            200,
+            {
+                "model_path": s.model_path,
+                "tokenizer_path": s.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": s.weight_version,
+                "has_image_understanding": True,
+                "has_audio_understanding": False,
+                "model_type": "qwen3_vl",
+                "architectures": ["Qwen3VLForConditionalGeneration"],
+            },
+        )
+
+    def server_info(self, body, query):
+        s = self.server.state
+        self._json(200, {"model_path": s.model_path, "tp_size": s.tp_size, "weight_version": s.weight_version,
+                         "internal_states": [{}], "version": VERSION})  # fmt: skip
+
+    def generate(self, body, query):
+        s = self.server.state
+        _require_fields(body, GENERATE_FIELDS, "GenerateReqInput")
+        input_ids = body.get("input_ids")
+        if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
+            raise BadRequest("this stand-in takes one request with input_ids: a non-empty list of ints")
+        sampling = body.get("sampling_params") or {}
+        unknown = set(sampling) - SAMPLING_FIELDS
+        if unknown:
+            raise BadRequest(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        _verify_sampling(sampling)
+        images = body.get("image_data") or []
+        if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
+            raise BadRequest("image_data must be a list of strings (data URLs) here")
+        for u in images:
+            raw = base64.b64decode(u.split(",", 1)[1] if u.startswith("data:") else u, validate=True)
+            if not raw.startswith(b"\x89PNG"):
+                raise BadRequest("an image is not a PNG")
+        if len(images) != vision_blocks(input_ids):
+            raise BadRequest(f"{len(images)} images for {vision_blocks(input_ids)} vision blocks in input_ids")
+
+        version = s.weight_version
+        if (f := s.take_fault("/generate", ("weight_version",))) is not None:
+            version = str(f.value)
+        out, logprobs, finish = fake_tokens(input_ids, sampling, version)
+        if s.take_fault("/generate", ("abort",)) is not None:
+            out, logprobs, finish = out[:1], logprobs[:1], {"type": "abort", "message": "Abort before prefill",
+                                                            "status_code": None, "err_type": None}  # fmt: skip
+        prompt_ids = list(input_ids)
+        if (f := s.take_fault("/generate", ("prompt_ids",))) is not None:
+            prompt_ids[f.value["position"]] = f.value["token"]
+        prompt_tokens = len(input_ids)
+        if (f := s.take_fault("/generate", ("prompt_tokens",))) is not None:
+            prompt_tokens += int(f.value)
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "weight_version": version,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+        }
+        if body.get("return_logprob"):
+            rows = [[lp, t, None] for lp, t in zip(logprobs, out, strict=True)]
+            if s.take_fault("/generate", ("logprobs",)) is not None:
+                rows = rows[:-1]
+            meta.update(input_token_logprobs=[], output_token_logprobs=rows, output_token_logprobs_length=len(rows))
+        response = {"text": "", "output_ids": out, "meta_info": meta}
+        if body.get("return_prompt_token_ids"):
+            response["prompt_token_ids"] = prompt_ids
+        self._json(200, response)
+
+    def flush_cache(self, body, query):
+        timeout = float(query.get("timeout", 0.0))
+        if timeout < 0:
+            return self._json(422, {"detail": "timeout must be >= 0"})
+        self._send(200, b"Cache flushed.\nPlease check backend logs for more details.\n", "text/plain")
+
+    def update_weights_from_tensor(self, body, query):
+        s = self.server.state
+        _require_fields(body, REQUEST_FIELDS["/update_weights_from_tensor"], "UpdateWeightsFromTensorReqInput")
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or not all(isinstance(p, str) for p in payloads):
+            raise BadRequest("serialized_named_tensors must be a list of base64 strings")
+        if len(payloads) < s.tp_size:  # TpModelWorker indexes the list by tp_rank
+            raise BadRequest(f"list index out of range: {len(payloads)} payloads for tp_size {s.tp_size}")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(f"Unknown load_format={body.get('load_format')} (this stand-in loads lists of tensors)")
+        try:
+            summaries = [_summarize(_unpickle_allowlisted(base64.b64decode(p, validate=True))) for p in payloads]
+        except BadRequest:
+            raise
+        except Exception as e:
+            raise BadRequest(f"Failed to deserialize named tensors: {type(e).__name__}: {e}") from e
+        with s.lock:
+            s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0]})
+            if body.get("weight_version") is not None:
+                s.weight_version = body["weight_version"]
+        self._json(200, {"success": True, "message": "Success"})
+
+    def init_weights_update_group(self, body, query):
+        s = self.server.state
+        _require_fields(body, REQUEST_FIELDS["/init_weights_update_group"], "InitWeightsUpdateGroupReqInput")
+        for key, kind in (("master_address", str), ("master_port", int), ("rank_offset", int), ("world_size", int)):
+            if not isinstance(body.get(key), kind):
+                raise BadRequest(f"{key} must be {kind.__name__}")
+        body.setdefault("group_name", "weight_update_group")
+        body.setdefault("backend", "nccl")
+        if body["group_name"] in s.groups:
+            raise BadRequest(f"group {body['group_name']!r} already exists")
+        group = None if self.server.record_only_groups else _join_group(body, tp_rank=0)
+        s.groups[body["group_name"]] = group
+        s.group_devices[body["group_name"]] = "cuda" if body["backend"] == "nccl" else "cpu"
+        self._json(200, {"success": True, "message": "Succeeded to initialize custom process group."})
+
+    def update_weights_from_distributed(self, body, query):
+        s = self.server.state
+        _require_fields(
+            body, REQUEST_FIELDS["/update_weights_from_distributed"], "UpdateWeightsFromDistributedReqInput"
+        )
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise BadRequest("names, dtypes and shapes are required lists")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest("names, dtypes and shapes differ in length")
+        name = body.get("group_name", "weight_update_group")
+        if name not in s.groups:
+            raise BadRequest(f"Group {name} not in {list(s.groups)}. Please call `init_weights_update_group` first.")
+        group = s.groups[name]
+        summary = (
+            _receive(body, group, s.group_devices[name])
+            if group is not None
+            else {"names": names, "dtypes": dtypes, "shapes": shapes}
+        )
+        with s.lock:
+            s.weights.append({"path": "/update_weights_from_distributed", **summary})
+            if body.get("weight_version") is not None:
+                s.weight_version = body["weight_version"]
+        self._json(200, {"success": True, "message": "Succeeded to update parameter online."})
+
+    def destroy_weights_update_group(self, body, query):
+        s = self.server.state
+        _require_fields(body, REQUEST_FIELDS["/destroy_weights_update_group"], "DestroyWeightsUpdateGroupReqInput")
+        group = s.groups.pop((body or {}).get("group_name", "weight_update_group"), False)
+        if group is False:
+            raise BadRequest("The group to be destroyed does not exist.")
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+        self._json(200, {"success": True, "message": "Succeeded to destroy custom process group."})
+
+    def update_weight_version(self, body, query):
+        s = self.server.state
+        _require_fields(body, REQUEST_FIELDS["/update_weight_version"], "UpdateWeightVersionReqInput")
+        if not isinstance(body.get("new_version"), str):
+            raise BadRequest("new_version is a required string")
+        s.weight_version = body["new_version"]
+        self._json(200, {"success": True, "message": f"Weight version updated to {s.weight_version}",
+                         "new_version": s.weight_version})  # fmt: skip
+
+    def release_memory(self, body, query):
+        self._memory(body, "/release_memory_occupation", release=True)
+
+    def resume_memory(self, body, query):
+        self._memory(body, "/resume_memory_occupation", release=False)
+
+    def _memory(self, body, path, *, release: bool):
+        s = self.server.state
+        _require_fields(body or {}, REQUEST_FIELDS[path], path)
+        tags = (body or {}).get("tags") or sorted(MEMORY_TAGS)
+        if not set(tags) <= MEMORY_TAGS:
+            return self._json(400, {"error": {"message": f"unknown tags {sorted(set(tags) - MEMORY_TAGS)}"}})
+        with s.lock:
+            (s.released.update if release else s.released.difference_update)(tags)
+        self._json(200, None)  # the 0.5.16 handler returns None: FastAPI answers `null`
+
+    # fake-only control ---------------------------------------------------------------------------------------------
+
+    def fake_inject(self, body, query):
+        s = self.server.state
+        with s.lock:
+            s.faults.setdefault(body["path"], []).append(Fault(body["kind"], body.get("value"), body.get("times", 1)))
+        self._json(200, {"ok": True})
+
+    def fake_calls(self, body, query):
+        with self.server.state.lock:
+            self._json(200, self.server.state.calls)
+
+    def fake_weights(self, body, query):
+        with self.server.state.lock:
+            self._json(200, self.server.state.weights)
+
+
+ROUTES = {
+    ("GET", "/health"): Handler.health,
+    ("GET", "/health_generate"): Handler.health,
+    ("GET", "/model_info"): Handler.model_info,
+    ("GET", "/server_info"): Handler.server_info,
+    ("POST", "/generate"): Handler.generate,
+    ("GET", "/flush_cache"): Handler.flush_cache,
+    ("POST", "/flush_cache"): Handler.flush_cache,
+    ("POST", "/update_weights_from_tensor"): Handler.update_weights_from_tensor,
+    ("POST", "/init_weights_update_group"): Handler.init_weights_update_group,
+    ("POST", "/update_weights_from_distributed"): Handler.update_weights_from_distributed,
+    ("POST", "/destroy_weights_update_group"): Handler.destroy_weights_update_group,
+    ("POST", "/update_weight_version"): Handler.update_weight_version,
+    ("GET", "/release_memory_occupation"): Handler.release_memory,
+    ("POST", "/release_memory_occupation"): Handler.release_memory,
+    ("GET", "/resume_memory_occupation"): Handler.resume_memory,
+    ("POST", "/resume_memory_occupation"): Handler.resume_memory,
+    ("POST", "/_fake/inject"): Handler.fake_inject,
+    ("GET", "/_fake/calls"): Handler.fake_calls,
+    ("GET", "/_fake/weights"): Handler.fake_weights,
+}
+
+
+def _require_fields(body: Any, allowed: frozenset[str] | set[str], cls: str) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest(f"{cls}: the body must be a JSON object")
+    unknown = set(body) - set(allowed)
+    if unknown:
+        raise BadRequest(f"{cls}: unknown field(s) {sorted(unknown)}")
+
+
+def _verify_sampling(p: dict[str, Any]) -> None:
+    """SamplingParams.verify of 0.5.16, for the fields we send."""
+    if float(p.get("temperature", 1.0)) < 0:
+        raise BadRequest("temperature must be a non-negative finite number")
+    if not 0 < float(p.get("top_p", 1.0)) <= 1:
+        raise BadRequest("top_p must be in (0, 1]")
+    top_k = int(p.get("top_k", -1))
+    if top_k != -1 and top_k < 1:
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    if int(p.get("max_new_tokens", 128)) < 0:
+        raise BadRequest("max_new_tokens must be at least 0")
+    for key in p.get("logit_bias") or {}:
+        if not 0 <= int(key) < VOCAB_SIZE:
+            raise BadRequest(f"logit_bias must has keys in [0, {VOCAB_SIZE - 1}], got {key}.")
+
+
+class FakeHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, state: FakeState, *, record_only_groups: bool):
+        self.state = state
+        self.record_only_groups = record_only_groups
+        super().__init__(address, Handler)
+
+
+class FakeSGLang:
+    """The stand-in running in a thread of this process (groups are recorded, not joined: one process cannot hold
+    both ends of a process group with the same name).
+
+    Args:
+        port: 0 picks a free port.
+        state: initial state (api_key, weight_version, tp_size, ...).
+    """
+
+    def __init__(self, port: int = 0, **state: Any):
+        self.state = FakeState(**state)
+        self.httpd = FakeHTTPServer(("127.0.0.1", port), self.state, record_only_groups=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        with self.state.lock:
+            return list(self.state.calls)
+
+    def paths(self) -> list[str]:
+        return [c["path"] for c in self.calls]
+
+    def inject(self, path: str, kind: str, value: Any = None, *, times: int = 1) -> None:
+        with self.state.lock:
+            self.state.faults.setdefault(path, []).append(Fault(kind, value, times))
+
+    def start(self) -> FakeSGLang:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> FakeSGLang:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run as a process with the flags build_server_argv emits (unknown SGLang flags are accepted and ignored)."""
+    parser = argparse.ArgumentParser(prog="fake-sglang")
+    parser.add_argument("--model-path", "--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--config")
+    parser.add_argument("--api-key")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--fake-startup-delay", type=float, default=0.0)
+    parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
+    args, _ = parser.parse_known_args(argv)
+    api_key = args.api_key
+    if args.config:  # 0.5.16 merges the YAML into the arguments (server_args_config_parser.py)
+        import yaml
+
+        with open(args.config) as f:
+            api_key = (yaml.safe_load(f) or {}).get("api-key", api_key)
+    state = FakeState(
+        model_path=args.model_path,
+        api_key=api_key,
+        tp_size=args.tp_size,
+        weight_version=args.weight_version,
+        startup_delay_s=args.fake_startup_delay,
+        allow_exit=True,
+    )
+    if args.host not in ("127.0.0.1", "localhost"):
+        raise SystemExit(f"fake-sglang binds loopback only, got --host {args.host}")
+    httpd = FakeHTTPServer(("127.0.0.1", args.port), state, record_only_groups=False)
+    if args.fake_exit_after is not None:
+        threading.Timer(
+            args.fake_exit_after, lambda: (sys.stderr.write("fake-sglang: scheduled exit\n"), os._exit(3))
+        ).start()
+    sys.stderr.write(f"fake-sglang {VERSION} listening on 127.0.0.1:{args.port} (pid {os.getpid()})\n")
+    sys.stderr.flush()
+    httpd.serve_forever(poll_interval=0.05)
+
+
+if __name__ == "__main__":
+    main()

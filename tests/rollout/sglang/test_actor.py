@@ -1,0 +1,118 @@
+"""Contract: `SGLangRolloutHost` launches its server from `build_server_argv` (here with
+`-m tests.rollout.sglang.fake_server` in place of `-m sglang.launch_server`: every flag and the API-key config file
+are the real ones), waits for health, serves the `RolloutEngine` calls, and relaunches a dead server transparently
+while no weights were synced; once weights were synced, a relaunch makes the engine refuse to generate until they
+are synced again; restarts are bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
+from miles_vl.rollout.types import SamplingParams
+from tests.rollout.sglang.conftest import TOKENS, free_port, make_prompt
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=3)
+
+
+def host(tmp_path, *, extra_args=(), **kwargs) -> SGLangRolloutHost:
+    """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang."""
+    spec = ServerSpec(
+        model_path="/ckpt/m", port=free_port(), api_key="k3y", weight_version="base", extra_args=tuple(extra_args)
+    )
+    kwargs.setdefault("max_restarts", 2)
+    return SGLangRolloutHost(
+        spec,
+        TOKENS,
+        startup_timeout_s=20,
+        request_timeout_s=5,
+        max_retries=1,
+        retry_backoff_s=0.01,
+        log_path=tmp_path / "server.log",
+        launch_module="tests.rollout.sglang.fake_server",
+        env={"PYTHONPATH": str(REPO_ROOT)},
+        health_poll_s=0.05,
+        **kwargs,
+    )
+
+
+def kill(h: SGLangRolloutHost) -> None:
+    os.kill(h.server.pid, signal.SIGKILL)
+    h.server._proc.wait(timeout=5)
+
+
+def responses(groups) -> list[list[list[int]]]:
+    return [[g.response_ids.tolist() for g in gs] for gs in groups]
+
+
+def test_host_serves_with_the_real_argv_and_api_key(tmp_path):
+    h = host(tmp_path)
+    try:
+        assert "--api-key" not in h.server.argv and "k3y" not in " ".join(h.server.argv)
+        groups = h.generate([make_prompt([1, 2], 1), make_prompt([3])], PARAMS)
+        assert [len(g) for g in groups] == [2, 2]
+        assert h.health() and h.restarts == 0
+        calls = h.client.get_json("/_fake/calls")
+        assert {c["path"] for c in calls} >= {"/health_generate", "/generate"}
+        assert all(c["auth"] for c in calls)  # the key from the config file is enforced, and the client sends it
+        config = Path(h.server.argv[h.server.argv.index("--config") + 1])
+        assert config.exists()
+    finally:
+        h.shutdown()
+    assert not h.server.is_alive() and not config.exists()  # the API key does not outlive the server
+    assert "fake-sglang" in h.log_path.read_text()
+
+
+def test_a_dead_server_is_relaunched_transparently_before_any_sync(tmp_path):
+    h = host(tmp_path)
+    try:
+        before = responses(h.generate([make_prompt([4, 5], 1)], PARAMS))
+        kill(h)  # died between calls
+        assert responses(h.generate([make_prompt([4, 5], 1)], PARAMS)) == before
+        assert h.restarts == 1
+        h.client.post_json("/_fake/inject", {"path": "/generate", "kind": "exit", "value": 1, "times": 1})
+        assert responses(h.generate([make_prompt([4, 5], 1)], PARAMS)) == before  # died during the call
+        assert h.restarts == 2
+        h.client.post_json("/_fake/inject", {"path": "/generate", "kind": "exit", "value": 1, "times": 1})
+        with pytest.raises(SGLangServerDiedError, match=r"died again after 2 restart\(s\) \(max_restarts=2\)"):
+            h.generate([make_prompt([4, 5], 1)], PARAMS)
+    finally:
+        h.shutdown()
+
+
+def test_a_relaunch_after_a_sync_refuses_to_generate_until_the_next_sync(tmp_path):
+    h = host(tmp_path)
+    try:
+        h.expect_weight_version("step-3")  # as after an NCCL sync driven by the trainer
+        kill(h)
+        with pytest.raises(
+            EngineStateError, match="restarted and reloaded model_path, losing the synced weights 'step-3'"
+        ):
+            h.generate([make_prompt([1])], PARAMS)
+        assert h.restarts == 1
+        h.client.update_weight_version("step-4")  # the trainer re-syncs (weights themselves elided here)
+        h.expect_weight_version("step-4")
+        assert len(h.generate([make_prompt([1])], PARAMS)) == 1
+    finally:
+        h.shutdown()
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+    with pytest.raises(SGLangServerDiedError, match="(?s)died while starting.*scheduled exit"):
+        host(tmp_path, extra_args=("--fake-startup-delay", "30", "--fake-exit-after", "0.2"))
+
+
+def test_the_ray_actor_class_wraps_the_host_without_starting_ray():
+    ray = pytest.importorskip("ray")  # a project dependency; only bare GPU images lack it
+
+    from miles_vl.rollout.sglang import sglang_actor_class
+
+    actor = sglang_actor_class(num_gpus=1, max_restarts=0)
+    assert callable(actor.remote) and callable(actor.options)
+    assert not ray.is_initialized()

@@ -1,0 +1,99 @@
+"""Contract: every call has a timeout; 503s, 5xx, timeouts and refused connections are retried a bounded number of
+times and then reported with the last error; a 4xx is reported at once with the server's own message; calls that
+pair with collectives are never sent twice; a dead server process fails fast; the API key is sent as a bearer token
+and health checks need none (SGLang 0.5.16 auth)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from miles_vl.rollout.sglang import (
+    SGLangRequestError,
+    SGLangServerDiedError,
+    SGLangUnavailableError,
+)
+from tests.rollout.sglang.conftest import free_port, quick_client
+from tests.rollout.sglang.fake_server import FakeSGLang
+
+
+def test_503_then_200_succeeds_after_retries(fake):
+    fake.inject("/model_info", "status", 503, times=2)
+    info = quick_client(fake.url, max_retries=3).model_info()
+    assert info["weight_version"] == "base" and info["has_image_understanding"] is True
+    assert fake.paths() == ["/model_info"] * 3
+
+
+def test_retries_are_bounded_and_the_last_error_reported(fake):
+    fake.inject("/model_info", "status", 503, times=10)
+    with pytest.raises(SGLangUnavailableError, match=r"failed 3 time\(s\); last error: HTTP 503: injected HTTP 503"):
+        quick_client(fake.url, max_retries=2).model_info()
+    assert fake.paths() == ["/model_info"] * 3
+
+
+def test_a_timed_out_attempt_is_retried(fake):
+    fake.inject("/model_info", "delay", 1.5, times=1)
+    start = time.monotonic()
+    assert quick_client(fake.url, timeout_s=0.3, max_retries=1).model_info()["model_path"] == "fake/model"
+    assert time.monotonic() - start < 1.4  # the second attempt did not wait for the first
+    fake.inject("/model_info", "delay", 1.5, times=2)
+    with pytest.raises(SGLangUnavailableError, match=r"failed 2 time\(s\); last error: ReadTimeout"):
+        quick_client(fake.url, timeout_s=0.3, max_retries=1).model_info()
+
+
+def test_client_errors_are_not_retried_and_carry_the_server_message(fake):
+    with pytest.raises(
+        SGLangRequestError, match="HTTP 400: SamplingParams.*unexpected keyword argument 'temprature'"
+    ) as e:
+        quick_client(fake.url).generate({"input_ids": [1, 2], "sampling_params": {"temprature": 1.0}})
+    assert e.value.status_code == 400 and e.value.path == "/generate"
+    with pytest.raises(SGLangRequestError, match="Please call `init_weights_update_group` first"):
+        quick_client(fake.url).update_weights_from_distributed(
+            names=["w"], dtypes=["float32"], shapes=[[2]], group_name="g"
+        )
+    assert fake.paths() == ["/generate", "/update_weights_from_distributed"]
+
+
+def test_calls_paired_with_collectives_are_sent_once(fake):
+    fake.inject("/init_weights_update_group", "status", 503, times=5)
+    with pytest.raises(SGLangUnavailableError, match="not retried"):
+        quick_client(fake.url, max_retries=3).init_weights_update_group(
+            master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, group_name="g", backend="gloo"
+        )
+    assert fake.paths() == ["/init_weights_update_group"]
+
+
+def test_a_refused_connection_is_retried_then_reported():
+    start = time.monotonic()
+    with pytest.raises(SGLangUnavailableError, match=r"failed 3 time\(s\); last error: ConnectError"):
+        quick_client(f"http://127.0.0.1:{free_port()}").model_info()
+    assert time.monotonic() - start < 5
+
+
+def test_a_dead_server_fails_fast():
+    client = quick_client("http://127.0.0.1:9", liveness=lambda: "process 42 exited with code 1")
+    with pytest.raises(SGLangServerDiedError, match="exited with code 1"):
+        client.generate({"input_ids": [1]})
+
+
+def test_api_key_is_a_bearer_token_and_health_is_open():
+    with FakeSGLang(api_key="k3y") as server:
+        assert quick_client(server.url).is_healthy()
+        with pytest.raises(SGLangRequestError, match="HTTP 401: Unauthorized"):
+            quick_client(server.url).model_info()
+        assert quick_client(server.url, api_key="k3y").model_info()["model_type"] == "qwen3_vl"
+        assert [c["auth"] for c in server.calls] == [True, False, True]
+
+
+def test_flush_cache_passes_its_timeout_and_memory_calls_accept_null(fake):
+    client = quick_client(fake.url)
+    client.flush_cache(timeout_s=12.5)
+    client.release_memory_occupation(["kv_cache"])
+    client.resume_memory_occupation()
+    calls = fake.calls
+    assert [(c["method"], c["path"], c["query"], c["body"]) for c in calls] == [
+        ("POST", "/flush_cache", {"timeout": "12.5"}, None),
+        ("POST", "/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
+        ("POST", "/resume_memory_occupation", {}, {"tags": None}),
+    ]

@@ -1,0 +1,178 @@
+"""Contract: `SGLangRolloutEngine` implements `RolloutEngine` over the SGLang 0.5.16 HTTP API: `n` generations per
+prompt in order, one request per sample with the canonical ids and the prompt's images; a prompt-id mismatch, a
+prompt without its images, or a response from other weights than the last synced is a loud error; the colocated
+weight sync sends byte-bounded buckets of the exact tensors, then labels the version and flushes the cache; memory
+release/resume is refused when it cannot work and leaves the engine refusing to generate until weights are synced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_vl.rollout.sglang import (
+    EngineStateError,
+    PromptMismatchError,
+    SGLangError,
+    SGLangRolloutEngine,
+    WeightVersionError,
+)
+from miles_vl.rollout.types import RolloutEngine, SamplingParams
+from tests.rollout.sglang.conftest import EOS, TOKENS, make_prompt, quick_client
+from tests.rollout.sglang.fake_server import fake_tokens
+
+
+def engine(fake, **kwargs) -> SGLangRolloutEngine:
+    kwargs.setdefault("weight_version", "base")
+    # The stand-in runs in this process, where CUDA IPC handles of our own memory cannot be opened: keep the
+    # weights on the CPU (shared by file descriptor) even on a GPU machine. test_gpu.py covers the CUDA path.
+    kwargs.setdefault("weight_device", None)
+    return SGLangRolloutEngine(quick_client(fake.url), TOKENS, **kwargs)
+
+
+def prompts():
+    return [make_prompt([11, 12], 1, color=1), make_prompt([21, 22, 23]), make_prompt([31], 2, color=2)]
+
+
+def generate_bodies(fake) -> list[dict]:
+    return [c["body"] for c in fake.calls if c["path"] == "/generate"]
+
+
+def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(fake):
+    eng: RolloutEngine = engine(fake)
+    ps = prompts()
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=0.9, seed=11)
+    groups = eng.generate(ps, params)
+    assert [len(g) for g in groups] == [3, 3, 3]
+
+    bodies = generate_bodies(fake)
+    assert len(bodies) == 9
+    for body in bodies:
+        assert body["return_logprob"] is True and body["return_prompt_token_ids"] is True
+        assert body["sampling_params"]["stop_token_ids"] == [EOS]
+        assert set(body["sampling_params"]["logit_bias"]) == {str(t) for t in (151655, 151656, 151652, 151653)}
+    by_request = {(tuple(b["input_ids"]), b["sampling_params"]["sampling_seed"]): b for b in bodies}
+    assert len(by_request) == 9  # every sample has its own seed
+    for p, group in zip(ps, groups, strict=True):
+        ids = tuple(p.prompt_ids.tolist())
+        sent = [b for (i, _), b in by_request.items() if i == ids]
+        assert len(sent) == 3 and all(len(b.get("image_data", [])) == len(p.images) for b in sent)
+        # Each generation is exactly what the server produced for one of this prompt's requests.
+        expected = {tuple(fake_tokens(list(ids), b["sampling_params"], "base")[0]) for b in sent}
+        assert {tuple(g.response_ids.tolist()) for g in group} == expected
+        for g in group:
+            assert g.logprobs.shape == g.response_ids.shape and bool((g.logprobs <= 0).all())
+            assert (g.finish_reason == "stop") == (int(g.response_ids[-1]) == EOS)
+            assert g.finish_reason == "stop" or len(g.response_ids) == 6
+
+    again = eng.generate(ps, params)  # same seed, same prompts, same weights: same responses (deterministic server)
+    assert [[g.response_ids.tolist() for g in gs] for gs in again] == [
+        [g.response_ids.tolist() for g in gs] for gs in groups
+    ]
+
+
+def test_prompt_mismatch_is_an_error(fake):
+    fake.inject("/generate", "prompt_ids", {"position": 4, "token": 7})
+    with pytest.raises(PromptMismatchError, match=r"position 4 \(miles_vl 151655, SGLang 7"):
+        engine(fake).generate([make_prompt([11, 12], 1)], SamplingParams(n=1, max_new_tokens=4))
+
+
+def test_prompts_without_images_fail_before_any_request(fake):
+    with pytest.raises(ValueError, match="no `images` attribute"):
+        engine(fake).generate([make_prompt([1]), make_prompt([2], 1, with_images=False)], SamplingParams(n=2))
+    assert generate_bodies(fake) == []
+
+
+def test_transient_503s_and_aborts_are_absorbed_but_bounded(fake):
+    eng = engine(fake, max_abort_retries=1)
+    fake.inject("/generate", "status", 503, times=2)
+    fake.inject("/generate", "abort", times=1)
+    [[gen]] = eng.generate([make_prompt([5, 6])], SamplingParams(n=1, max_new_tokens=4))
+    assert len(generate_bodies(fake)) == 4  # 503, 503, aborted, answered
+    fake.inject("/generate", "abort", times=5)
+    with pytest.raises(SGLangError, match=r"aborted the request.*\(2 attempts\)"):
+        eng.generate([make_prompt([5, 6])], SamplingParams(n=1, max_new_tokens=4))
+
+
+def test_invalid_sampling_parameters_are_rejected_before_sending(fake):
+    with pytest.raises(ValueError, match=r"n=0 \(need >= 1\), top_p=1.5"):
+        engine(fake).generate([make_prompt([1])], SamplingParams(n=0, top_p=1.5))
+    assert fake.calls == []
+
+
+def test_colocated_weight_sync_sequence_and_payloads(fake):
+    fake.state.tp_size = 2
+    eng = engine(fake, tp_size=2, weight_bucket_bytes=64)
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("model.language_model.layers.0.mlp.up_proj.weight", torch.randn(4, 3, generator=g)),  # 48 B
+        ("model.language_model.norm.weight", torch.randn(3, generator=g).to(torch.bfloat16)),  # 6 B
+        ("model.visual.merger.linear_fc1.weight", torch.randn(5, 5, generator=g)),  # 100 B: alone, above the bound
+        ("lm_head.weight", torch.randn(2, 2, generator=g).t()),  # 16 B, non-contiguous
+    ]
+    report = eng.load_weights(iter(tensors))
+    assert (report.buckets, report.tensors, report.bytes, report.weight_version) == (3, 4, 170, "miles_vl-1")
+
+    calls = fake.calls
+    assert [c["path"] for c in calls] == ["/update_weights_from_tensor"] * 3 + [
+        "/update_weight_version",
+        "/flush_cache",
+    ]
+    for c in calls[:3]:
+        body = c["body"]
+        assert len(body["serialized_named_tensors"]) == 2  # one payload per TP rank
+        assert (body["load_format"], body["flush_cache"], body["abort_all_requests"]) == (None, False, False)
+    assert calls[3]["body"] == {"new_version": "miles_vl-1", "abort_all_requests": False}
+    assert calls[4]["query"] == {"timeout": "60.0"}
+    received = fake.state.weights
+    assert [w["names"] for w in received] == [[tensors[0][0], tensors[1][0]], [tensors[2][0]], [tensors[3][0]]]
+    assert [w["tp_ranks"] for w in received] == [2, 2, 2]
+    flat = [
+        (n, d, s, v)
+        for w in received
+        for n, d, s, v in zip(w["names"], w["dtypes"], w["shapes"], w["sums"], strict=True)
+    ]
+    assert flat == [(n, str(t.dtype)[6:], list(t.shape), pytest.approx(float(t.double().sum()))) for n, t in tensors]
+
+    [[gen]] = eng.generate([make_prompt([1, 2])], SamplingParams(n=1, max_new_tokens=3))
+    assert eng.weight_version == "miles_vl-1" and fake.state.weight_version == "miles_vl-1"
+    assert eng.load_weights(tensors[:1], weight_version="step-7").weight_version == "step-7"
+
+
+def test_a_response_from_other_weights_is_refused(fake):
+    eng = engine(fake)
+    eng.load_weights([("w", torch.ones(2))])
+    fake.inject("/generate", "weight_version", "base")  # e.g. a server that restarted behind our back
+    with pytest.raises(WeightVersionError, match=r"answered with weights 'base', but 'miles_vl-1' were synced"):
+        eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))
+
+
+def test_release_resume_sequence_and_the_weights_it_invalidates(fake):
+    eng = engine(fake, memory_saver=True)
+    params = SamplingParams(max_new_tokens=2)
+    eng.release_memory()
+    assert [(c["path"], c["body"]) for c in fake.calls] == [
+        ("/flush_cache", None),
+        ("/release_memory_occupation", {"tags": None}),
+    ]
+    assert fake.state.released == {"kv_cache", "weights", "cuda_graph"}
+    with pytest.raises(EngineStateError, match="call resume_memory"):
+        eng.generate([make_prompt([1])], params)
+    with pytest.raises(EngineStateError, match="call resume_memory"):
+        eng.load_weights([("w", torch.ones(1))])
+    eng.resume_memory()
+    assert fake.paths()[-1] == "/resume_memory_occupation" and fake.state.released == set()
+    with pytest.raises(EngineStateError, match="keeps no CPU backup"):
+        eng.generate([make_prompt([1])], params)
+    eng.load_weights([("w", torch.ones(1))])
+    assert len(eng.generate([make_prompt([1])], params)[0]) == 1
+
+    backed_up = engine(fake, memory_saver=True, weights_cpu_backup=True, weight_version="miles_vl-1")
+    backed_up.release_memory()
+    backed_up.resume_memory()
+    assert len(backed_up.generate([make_prompt([1])], params)[0]) == 1
+
+
+def test_release_needs_a_memory_saver_server(fake):
+    with pytest.raises(EngineStateError, match="--enable-memory-saver"):
+        engine(fake).release_memory()
+    assert fake.calls == []

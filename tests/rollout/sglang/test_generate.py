@@ -1,0 +1,156 @@
+"""Contract: the `/generate` body is exactly the SGLang 0.5.16 `GenerateReqInput` we intend (canonical input_ids,
+PNG data URLs of the decoded pixels, EOS as stop ids, banned vision tokens, logprobs and prompt ids requested); a
+response becomes a `Generation` only if it scores every output token, stops on one of our EOS ids, and SGLang's
+prompt ids equal ours; otherwise the error names what differs (for prompts, the first differing position)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from miles_vl.rollout.sglang import PromptMismatchError, SGLangResponseError
+from miles_vl.rollout.sglang.generate import (
+    GenerationAbortedError,
+    build_generate_payload,
+    check_prompt_tokens,
+    image_data_url,
+    parse_generate_response,
+    prompt_images,
+    sampling_seed,
+)
+from miles_vl.rollout.types import SamplingParams
+from tests.rollout.sglang.conftest import EOS, make_prompt
+
+
+def decode_url(url: str) -> Image.Image:
+    head, data = url.split(",", 1)
+    assert head == "data:image/png;base64"
+    return Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+
+
+def test_payload_is_exactly_the_intended_request():
+    params = SamplingParams(n=4, max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20, seed=5)
+    body = build_generate_payload([1, 2, 3], ["data:image/png;base64,AAAA"], params, seed=99, stop_token_ids=[EOS],
+                                  banned_token_ids=[151655, 151652])  # fmt: skip
+    assert body == {
+        "input_ids": [1, 2, 3],
+        "image_data": ["data:image/png;base64,AAAA"],
+        "sampling_params": {
+            "max_new_tokens": 64,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "stop_token_ids": [EOS],
+            "sampling_seed": 99,
+            "logit_bias": {"151655": -1e9, "151652": -1e9},
+        },
+        "return_logprob": True,
+        "return_prompt_token_ids": True,
+        "stream": False,
+    }
+    text_only = build_generate_payload([7], [], SamplingParams(top_k=0), seed=0, stop_token_ids=[EOS])
+    assert "image_data" not in text_only and "logit_bias" not in text_only["sampling_params"]
+    assert text_only["sampling_params"]["top_k"] == -1  # SGLang: -1 disables top-k, 0 is rejected
+
+
+def test_sampling_seeds_are_distinct_per_sample_and_reproducible():
+    seeds = {sampling_seed(3, i, j, 4) for i in range(5) for j in range(4)}
+    assert len(seeds) == 20
+    assert sampling_seed(3, 2, 1, 4) == sampling_seed(3, 2, 1, 4) != sampling_seed(4, 2, 1, 4)
+
+
+def test_images_travel_as_png_of_the_decoded_pixels():
+    image = Image.frombytes("RGB", (5, 3), bytes(v for i in range(15) for v in (i * 13 % 256, i * 7 % 256, 255 - i)))
+    assert decode_url(image_data_url(image)).tobytes() == image.tobytes()
+
+    jpeg = io.BytesIO()
+    image.save(jpeg, format="JPEG", quality=50)
+    pil_decoded = Image.open(io.BytesIO(jpeg.getvalue())).convert("RGB").tobytes()
+    assert decode_url(image_data_url(jpeg.getvalue())).convert("RGB").tobytes() == pil_decoded
+
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    assert base64.b64decode(image_data_url(png.getvalue()).split(",", 1)[1]) == png.getvalue()  # sent as it is
+    with pytest.raises(TypeError, match="PIL image or encoded bytes"):
+        image_data_url("/data/img.png")
+
+
+def test_prompt_images_are_required_and_counted():
+    assert len(prompt_images(make_prompt([1], 2), 0)) == 2
+    assert prompt_images(make_prompt([1, 2]), 0) == []
+    with pytest.raises(ValueError, match=r"prompt 3 has 2 image\(s\).*no `images` attribute"):
+        prompt_images(make_prompt([1], 2, with_images=False), 3)
+    short = make_prompt([1], 2)
+    short.images = short.images[:1]
+    with pytest.raises(ValueError, match=r"1 image\(s\) in `images` but 2 image_grid_thw row\(s\)"):
+        prompt_images(short, 0)
+
+
+def response(output_ids, logprobs, finish, *, prompt_ids=None, prompt_tokens=None, version="v1"):
+    """A /generate response in SGLang 0.5.16's shape (tokenizer_manager.py)."""
+    meta = {
+        "id": "abc",
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "weight_version": version,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": 0,
+        "input_token_logprobs": [],
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output_ids, strict=True)],
+    }
+    body = {"text": "…", "output_ids": output_ids, "meta_info": meta}
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def parse(body, prompt=(1, 2, 3), max_new_tokens=8):
+    return parse_generate_response(
+        body, prompt_ids=list(prompt), stop_token_ids={EOS}, max_new_tokens=max_new_tokens, prompt_index=0
+    )
+
+
+def test_stop_and_length_responses_become_generations():
+    gen, version = parse(response([5, 6, EOS], [-0.5, -1.0, -0.25], {"type": "stop", "matched": EOS},
+                                  prompt_ids=[1, 2, 3], prompt_tokens=3))  # fmt: skip
+    assert gen.response_ids.dtype == torch.long and gen.response_ids.tolist() == [5, 6, EOS]
+    assert gen.logprobs.dtype == torch.float32 and gen.logprobs.tolist() == [-0.5, -1.0, -0.25]
+    assert gen.finish_reason == "stop" and version == "v1"
+    gen, _ = parse(response([5, 6], [-0.5, -1.0], {"type": "length", "length": 2}), max_new_tokens=2)
+    assert gen.finish_reason == "length" and gen.response_ids.tolist() == [5, 6]
+
+
+def test_prompt_mismatch_names_the_first_differing_position():
+    with pytest.raises(PromptMismatchError, match=r"position 4 \(miles_vl 30, SGLang 31; lengths 8 vs 8"):
+        check_prompt_tokens([1, 2, 3, 4, 30, 5, 6, 7], [1, 2, 3, 4, 31, 5, 6, 7], prompt_index=2)
+    with pytest.raises(PromptMismatchError, match=r"position 3 \(miles_vl <end>, SGLang 9; lengths 3 vs 4"):
+        check_prompt_tokens([1, 2, 3], [1, 2, 3, 9], prompt_index=0)
+    with pytest.raises(PromptMismatchError, match="image_min_pixels"):
+        parse(response([EOS], [-0.1], {"type": "stop", "matched": EOS}, prompt_ids=[1, 2, 4]))
+    # A server that does not echo the ids is still held to the count.
+    with pytest.raises(PromptMismatchError, match="counted 4 prompt tokens, miles_vl sent 3"):
+        parse(response([EOS], [-0.1], {"type": "stop", "matched": EOS}, prompt_tokens=4))
+
+
+def test_inconsistent_responses_are_refused():
+    stop = {"type": "stop", "matched": EOS}
+    with pytest.raises(SGLangResponseError, match="2 output ids but 1 output_token_logprobs"):
+        body = response([5, EOS], [-0.1, -0.2], stop)
+        body["meta_info"]["output_token_logprobs"].pop()
+        parse(body)
+    with pytest.raises(SGLangResponseError, match=r"output_token_logprobs\[0\].*does not score output_ids\[0\] = 5"):
+        body = response([5, EOS], [-0.1, -0.2], stop)
+        body["meta_info"]["output_token_logprobs"][0][1] = 6
+        parse(body)
+    with pytest.raises(SGLangResponseError, match="last token 7 is not one of our EOS ids"):
+        parse(response([5, 7], [-0.1, -0.2], {"type": "stop", "matched": 7}))
+    with pytest.raises(SGLangResponseError, match="max_new_tokens was 2"):
+        parse(response([5, 6, 7], [-0.1] * 3, {"type": "length", "length": 3}), max_new_tokens=2)
+    with pytest.raises(SGLangResponseError, match="`meta_info` is None"):
+        parse({"output_ids": [1]})
+    with pytest.raises(GenerationAbortedError, match="aborted the request: Abort before prefill"):
+        parse(response([5], [-0.1], {"type": "abort", "message": "Abort before prefill", "status_code": None}))

@@ -1,0 +1,234 @@
+"""Contract: the launch command uses SGLang 0.5.16's flag names and arities and never shows the API key; the
+environment disables the vision-embedding cache that weight syncs do not invalidate; a supervised process is
+started in its own process group, waited for until healthy, reported with its log when it dies, stopped with all
+of its children, and restarted on the same port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+
+import pytest
+import yaml
+
+from miles_vl.rollout.sglang import (
+    ServerProcess,
+    ServerSpec,
+    SGLangServerDiedError,
+    SGLangUnavailableError,
+    build_server_argv,
+    build_server_env,
+    wait_until_healthy,
+    write_server_config,
+)
+from miles_vl.rollout.sglang.server import check_port_free
+from tests.rollout.sglang.conftest import FAKE_SERVER, fake_argv, free_port, quick_client
+
+# Flags of SGLang 0.5.16's `ServerArgs` (python/sglang/srt/server_args.py) that miles_vl emits or the tests pass,
+# read from the wheel: the flag is the field name with dashes (plus `aliases`); `bool` fields are store_true
+# (python/sglang/srt/arg_groups/arg_utils.py), every other field takes one value. `--config` is registered by
+# ServerArgs.add_cli_args itself.
+SGLANG_0_5_16_FLAGS = {
+    "--model-path": "value",  # model_path: str, aliases ["--model"]
+    "--model": "value",
+    "--host": "value",  # host: str = "127.0.0.1"
+    "--port": "value",  # port: int = 30000
+    "--tp-size": "value",  # tp_size: int, aliases ["--tensor-parallel-size"]
+    "--tensor-parallel-size": "value",
+    "--mem-fraction-static": "value",  # Optional[float]
+    "--config": "value",  # YAML merged into the arguments
+    "--enable-memory-saver": "store_true",  # bool
+    "--enable-weights-cpu-backup": "store_true",  # bool
+    "--random-seed": "value",  # Optional[int]
+    "--weight-version": "value",  # str = "default"
+    "--mm-process-config": "value",  # Optional[Dict], type_parser=json.loads
+    "--enable-deterministic-inference": "store_true",  # bool
+    "--log-level": "value",  # str = "info"
+}
+
+
+def parse_flags(args: list[str]) -> dict[str, str | bool]:
+    """Parse `args` the way SGLang 0.5.16's argparse would, failing on a flag it does not have."""
+    out: dict[str, str | bool] = {}
+    k = 0
+    while k < len(args):
+        flag = args[k]
+        assert flag in SGLANG_0_5_16_FLAGS, f"{flag} is not an SGLang 0.5.16 server flag"
+        if SGLANG_0_5_16_FLAGS[flag] == "store_true":
+            out[flag] = True
+            k += 1
+        else:
+            assert k + 1 < len(args) and not args[k + 1].startswith("--"), f"{flag} needs a value"
+            out[flag] = args[k + 1]
+            k += 2
+    return out
+
+
+def test_default_argv_is_exact():
+    argv = build_server_argv(ServerSpec(model_path="/ckpt/qwen3vl", port=30001), python="/py")
+    assert argv == [
+        "/py", "-m", "sglang.launch_server",
+        "--model-path", "/ckpt/qwen3vl", "--host", "127.0.0.1", "--port", "30001", "--tp-size", "1",
+        "--weight-version", "base",
+    ]  # fmt: skip
+
+
+def test_full_argv_uses_sglang_flags_and_hides_the_api_key(tmp_path):
+    spec = ServerSpec(
+        model_path="/ckpt",
+        port=30002,
+        host="0.0.0.0",
+        api_key="s3cret-key",
+        tp_size=2,
+        mem_fraction_static=0.55,
+        colocated=True,
+        weights_cpu_backup=True,
+        random_seed=7,
+        weight_version="step-0",
+        image_min_pixels=256 * 32 * 32,
+        image_max_pixels=1024 * 32 * 32,
+        extra_args=("--enable-deterministic-inference", "--log-level", "warning"),
+    )
+    config = write_server_config(spec, tmp_path)
+    argv = build_server_argv(spec, python="/py", config_file=str(config))
+    assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
+    flags = parse_flags(argv[3:])
+    assert flags == {
+        "--model-path": "/ckpt",
+        "--host": "0.0.0.0",
+        "--port": "30002",
+        "--tp-size": "2",
+        "--mem-fraction-static": "0.55",
+        "--config": str(config),
+        "--enable-memory-saver": True,
+        "--enable-weights-cpu-backup": True,
+        "--random-seed": "7",
+        "--weight-version": "step-0",
+        "--mm-process-config": '{"image":{"min_pixels":262144,"max_pixels":1048576}}',
+        "--enable-deterministic-inference": True,
+        "--log-level": "warning",
+    }
+    assert "s3cret-key" not in " ".join(argv) and "--api-key" not in argv
+    # The key reaches SGLang through the config file, which 0.5.16 turns into `--api-key <key>`; only we can read it.
+    assert yaml.safe_load(config.read_text()) == {"api-key": "s3cret-key"}
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert spec.url == "http://127.0.0.1:30002"  # a wildcard bind is reached over loopback
+
+
+def test_spec_rejects_unsafe_or_conflicting_settings():
+    with pytest.raises(ValueError, match="beyond loopback without an API key"):
+        ServerSpec(model_path="m", port=1, host="0.0.0.0")
+    with pytest.raises(ValueError, match=r"extra_args sets --port.*rollout\.sglang\.port"):
+        ServerSpec(model_path="m", port=1, extra_args=("--port=2",))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size.*gpus_per_engine"):
+        ServerSpec(model_path="m", port=1, extra_args=("--tensor-parallel-size", "2"))
+    with pytest.raises(TypeError, match="not one string"):
+        ServerSpec(model_path="m", port=1, extra_args="--log-level debug")
+    with pytest.raises(ValueError, match="private --config file"):
+        build_server_argv(ServerSpec(model_path="m", port=1, api_key="k"))
+    assert ServerSpec(model_path="m", port=5, host="::1").url == "http://[::1]:5"
+
+
+def test_env_disables_the_vision_embedding_cache_by_default():
+    env = build_server_env(ServerSpec(model_path="m", port=1), base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "SGLANG_VLM_CACHE_SIZE_MB": "0"}
+    assert (
+        build_server_env(ServerSpec(model_path="m", port=1, vision_cache_mb=64), base={})["SGLANG_VLM_CACHE_SIZE_MB"]
+        == "64"
+    )
+
+
+def test_check_port_free_names_the_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*rollout.sglang.port"):
+            check_port_free("127.0.0.1", port, wait_s=0.2)
+    check_port_free("127.0.0.1", port, wait_s=2.0)
+
+
+def _fake_process(tmp_path, *extra: str) -> tuple[ServerProcess, str]:
+    port = free_port()
+    argv = fake_argv(build_server_argv(ServerSpec(model_path="m", port=port), python=sys.executable)) + list(extra)
+    return ServerProcess(argv, log_path=tmp_path / "server.log", stop_timeout_s=5), f"http://127.0.0.1:{port}"
+
+
+def test_supervision_start_health_kill_restart(tmp_path):
+    process, url = _fake_process(tmp_path, "--fake-startup-delay", "0.4")
+    client = quick_client(url, liveness=process.death_reason)
+    try:
+        process.start()
+        waited = wait_until_healthy(client, process, timeout_s=20, poll_s=0.05)
+        assert waited >= 0.4  # /health_generate answered 503 while "starting"
+        assert process.death_reason() is None and client.model_info()["model_path"] == "m"
+
+        os.kill(process.pid, signal.SIGKILL)
+        process._proc.wait(timeout=5)
+        reason = process.death_reason()
+        assert reason is not None and "killed by signal 9" in reason and "listening on" in reason  # the log tail
+        with pytest.raises(SGLangServerDiedError, match="killed by signal 9"):
+            client.model_info()  # fails fast: no retries against a dead process
+
+        first_pid = process.pid
+        process.restart()
+        wait_until_healthy(client, process, timeout_s=20, poll_s=0.05)
+        assert process.pid != first_pid and process.starts == 2
+        assert client.model_info()["weight_version"] == "base"
+    finally:
+        process.stop()
+    assert not process.is_alive()
+
+
+def test_death_during_startup_is_reported_with_the_log(tmp_path):
+    process, url = _fake_process(tmp_path, "--fake-startup-delay", "30", "--fake-exit-after", "0.3")
+    try:
+        process.start()
+        start = time.monotonic()
+        with pytest.raises(SGLangServerDiedError, match=r"(?s)died while starting.*exited with code 3.*scheduled exit"):
+            wait_until_healthy(quick_client(url), process, timeout_s=20, poll_s=0.05)
+        assert time.monotonic() - start < 10
+    finally:
+        process.stop()
+
+
+def test_startup_timeout_is_bounded_and_explained(tmp_path):
+    process, url = _fake_process(tmp_path, "--fake-startup-delay", "30")
+    try:
+        process.start()
+        start = time.monotonic()
+        with pytest.raises(SGLangUnavailableError, match=r"(?s)not healthy.*startup_timeout_s.*listening on"):
+            wait_until_healthy(quick_client(url), process, timeout_s=0.8, poll_s=0.05)
+        assert time.monotonic() - start < 5
+    finally:
+        process.stop()
+
+
+def test_stop_ends_the_whole_process_group(tmp_path):
+    """SGLang forks scheduler and detokenizer processes: stopping the server must not leave them behind."""
+    port = free_port()
+    script = f"sleep 60 & echo child=$!; exec {sys.executable} {FAKE_SERVER} --model-path m --port {port}"
+    process = ServerProcess(["/bin/sh", "-c", script], log_path=tmp_path / "server.log", stop_timeout_s=5)
+    process.start()
+    try:
+        wait_until_healthy(quick_client(f"http://127.0.0.1:{port}"), process, timeout_s=20, poll_s=0.05)
+        child = int(next(line for line in process.log_tail().splitlines() if line.startswith("child="))[6:])
+        os.kill(child, 0)  # alive
+    finally:
+        process.stop()
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie waiting for init's reaping is gone for our purpose
+    except FileNotFoundError:
+        return False
