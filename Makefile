@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt scripts/setup_megatron.sh
 	@set -e; \
 	if [ ! -x $(PY) ]; then \
 	  py="$${PYTHON:-$$(scripts/find_python312.sh)}"; \
@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	fi; \
 	$(PY) -m pip install -q --upgrade pip; \
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	scripts/setup_megatron.sh $(PY)
 	@touch $@
 
 run: setup

@@ -1,0 +1,357 @@
+"""Run the tiny real Qwen3-VL on C gloo processes (one per CP rank) and bring back what each rank computed.
+
+    from tests.patches.harness import runner
+    per_sample = runner.unpacked_logits(samples, version="0.6.2")           # list of [L_i, V], CP=1
+    batch, full = runner.packed_logits(samples, cp_size=2, version="0.6.2")  # full-row [T, V], rebuilt from ranks
+    results = runner.run_cp(my_job, cp_size=2, version="0.5.1", args=(...))  # any module-level job(ctx, ...)
+
+Every model runs in freshly spawned processes, even at CP=1: the shims rewire torch globals and the bridge version
+is chosen per interpreter. A job is a module-level function `job(ctx: WorkerContext, *args)`; its module (and the
+modules of its arguments) must not import megatron at import time, because the children unpickle them before the
+bridge version is selected. An exception in a rank comes back as `WorkerError` carrying its type and message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class WorkerContext:
+    """What a job gets in each rank's process."""
+
+    module: Any  # the imported megatron.bridge...modelling_qwen3_vl.model module
+    model: Any  # the tiny Qwen3VLModel (eval, fp32)
+    version: str
+    cp_rank: int
+    cp_size: int
+    cp_group: Any
+
+
+class WorkerError(RuntimeError):
+    """An exception raised inside a rank; `exc_type` is its class name (e.g. "ValueError")."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str) -> None:
+        super().__init__(f"rank {rank} raised {exc_type}: {message}\n--- worker traceback ---\n{tb}")
+        self.rank, self.exc_type, self.message, self.worker_traceback = rank, exc_type, message, tb
+
+
+def _child(rank, world_size, init_file, out_dir, version, setup, model_kwargs, timeout_s, job, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    out = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        from tests.patches.harness.shims import load_qwen3vl_module
+        from tests.patches.harness.tiny import build_tiny_qwen3vl
+
+        module = load_qwen3vl_module(version)
+        if setup is not None:
+            setup(module)  # e.g. install miles_vl.patches before the model is built
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+        model = build_tiny_qwen3vl(module, cp_size=world_size, **model_kwargs)
+        ctx = WorkerContext(module, model, version, rank, world_size, parallel_state.get_context_parallel_group())
+        result = job(ctx, *args)
+        torch.save({"ok": result}, out)
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
+        torch.save({"error": (type(exc).__name__, str(exc), traceback.format_exc())}, out)
+    finally:
+        if dist.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def run_cp(
+    job: Callable[..., Any],
+    cp_size: int,
+    *,
+    version: str = "0.6.2",
+    args: Sequence[Any] = (),
+    model_kwargs: dict | None = None,
+    setup: Callable[[Any], None] | None = None,
+    timeout_s: float = 240.0,
+) -> list[Any]:
+    """Run `job(ctx, *args)` on `cp_size` processes (gloo, CP group = world) and return each rank's result.
+
+    `model_kwargs` go to `build_tiny_qwen3vl` (seed, init_std, vision_dp_when_cp). `setup(model_module)`, a
+    module-level function, runs in every rank right after the bridge is imported and before the model is built: the
+    place to install `miles_vl.patches` (which rebind names in the model module).
+
+    Raises:
+        WorkerError: a rank raised (the lowest such rank is reported).
+        TimeoutError: the ranks did not finish within `timeout_s` (they are killed).
+    """
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            context.Process(
+                target=_child,
+                args=(
+                    rank,
+                    cp_size,
+                    init_file,
+                    tmp,
+                    version,
+                    setup,
+                    dict(model_kwargs or {}),
+                    timeout_s,
+                    job,
+                    tuple(args),
+                ),
+            )
+            for rank in range(cp_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        for p in procs:
+            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+                p.join()
+            raise TimeoutError(f"CP={cp_size} harness run did not finish in {timeout_s} s")
+        results = []
+        for rank, p in enumerate(procs):
+            path = os.path.join(tmp, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} exited with code {p.exitcode} without a result")
+            results.append(torch.load(path, weights_only=False))
+    for rank, res in enumerate(results):
+        if "error" in res:
+            raise WorkerError(rank, *res["error"])
+    return [res["ok"] for res in results]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Canned jobs: unpacked reference runs and packed (pre-sharded under CP) runs.
+
+# How a packed run passes positions to the model:
+#   "data"          the shard's data-side positions (miles_vl.packing), [3, 1, T/C]
+#   "none"          no position_ids: the model must compute them (0.6.2 raises for pre-sharded input)
+#   "local_arange"  arange over the local row on all three rows: wrong on purpose, proves the harness notices
+#   "data_vision_dp" like "data", with config.vision_dp_when_cp switched on for that forward (images split over CP)
+POSITION_MODES = ("data", "none", "local_arange", "data_vision_dp")
+
+
+@dataclass
+class PackedRun:
+    """One packed forward, rebuilt to the full row from every rank (or the error a rank raised)."""
+
+    logits: torch.Tensor | None  # [T, V] in full-row order
+    lm_position_ids: torch.Tensor | None  # [3, T] the positions the language model received, full-row order
+    error: tuple[str, str] | None  # (exception type, message) raised by the model in rank 0
+
+
+def thd_params(cu_seqlens: torch.Tensor):
+    """PackedSeqParams for a THD row whose segments are `cu_seqlens` ([n+1] int32, full row, already padded)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )
+
+
+def _logits(output) -> torch.Tensor:
+    """[1, S, V] logits out of whatever the model returned (0.6.2 may return (output, loss_mask))."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+class _CaptureLanguageModelInputs:
+    """Forward pre-hook on `model.language_model` that keeps the `position_ids` it was called with."""
+
+    def __init__(self, model) -> None:
+        self.position_ids = None
+        self._handle = model.language_model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.position_ids = kwargs.get("position_ids")
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def unpacked_forward(model, samples) -> list[torch.Tensor]:
+    """Each sample alone (BSHD, batch 1) with transformers' reference positions: list of [L_i, V]."""
+    from tests.patches.harness.tiny import reference_positions
+
+    outs = []
+    with torch.no_grad():
+        for s in samples:
+            out = model(
+                input_ids=s.input_ids[None],  # [1, L]
+                position_ids=reference_positions(s)[:, None, :],  # [3, 1, L]
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+            )
+            outs.append(_logits(out)[0])
+    return outs
+
+
+def packed_forward(ctx: WorkerContext, batch, pixel_values, position_mode: str = "data"):
+    """This rank's shard of `batch` (a miles_vl PackedBatch) through the model as THD (pre-sharded under CP).
+
+    Returns (logits [T/C, V], positions the language model saw [3, T/C] or None).
+    """
+    shard = batch.shard(ctx.cp_rank)
+    vision_dp = position_mode == "data_vision_dp"
+    if position_mode in ("data", "data_vision_dp"):
+        position_ids = shard.position_ids  # [3, 1, T/C]
+    elif position_mode == "none":
+        position_ids = None
+    elif position_mode == "local_arange":
+        position_ids = torch.arange(shard.input_ids.shape[1]).expand(3, 1, -1)
+    else:
+        raise ValueError(f"position_mode must be one of {POSITION_MODES}, found {position_mode!r}")
+    capture = _CaptureLanguageModelInputs(ctx.model)
+    saved_vision_dp = ctx.model.config.vision_dp_when_cp  # read by Qwen3VLModel.forward on every call
+    ctx.model.config.vision_dp_when_cp = saved_vision_dp or vision_dp
+    try:
+        with torch.no_grad():
+            out = ctx.model(
+                input_ids=shard.input_ids,  # [1, T/C]
+                position_ids=position_ids,
+                packed_seq_params=thd_params(shard.cu_seqlens),  # the full row's segments
+                pixel_values=pixel_values,  # every image of the micro-batch, on every rank
+                image_grid_thw=batch.image_grid_thw,
+            )
+    finally:
+        capture.remove()
+        ctx.model.config.vision_dp_when_cp = saved_vision_dp
+    seen = capture.position_ids
+    return _logits(out)[0], None if seen is None else seen.reshape(3, -1)
+
+
+def job_packed(ctx: WorkerContext, batch, pixel_values, position_modes, reference_samples=None) -> dict:
+    """Run `packed_forward` once per position mode (a model error is recorded, not raised) and, at CP=1 when
+    `reference_samples` is given, the unpacked reference too (same process, same weights)."""
+    from tests.patches.harness.shims import loaded_versions
+
+    result = {"modes": {}, "weights_checksum": weights_checksum(ctx.model), "versions": loaded_versions()}
+    for mode in position_modes:
+        try:
+            result["modes"][mode] = packed_forward(ctx, batch, pixel_values, mode)
+        except (ValueError, TypeError, RuntimeError, AssertionError, IndexError) as exc:
+            result["modes"][mode] = (type(exc).__name__, str(exc))
+    if reference_samples is not None:
+        if ctx.cp_size != 1:
+            raise ValueError("the unpacked reference runs at CP=1")
+        result["unpacked"] = unpacked_forward(ctx.model, reference_samples)
+    return result
+
+
+def job_unpacked(ctx: WorkerContext, samples) -> dict:
+    if ctx.cp_size != 1:
+        raise ValueError("the unpacked reference runs at CP=1")
+    return {"unpacked": unpacked_forward(ctx.model, samples), "weights_checksum": weights_checksum(ctx.model)}
+
+
+def weights_checksum(model) -> float:
+    """Sum of |w| over all parameters (float64): equal across runs iff the seeded build is deterministic."""
+    return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+
+
+def pack(samples, cp_size: int):
+    """`miles_vl.packing.pack_thd` with the tiny model's token ids."""
+    from miles_vl.packing import pack_thd
+    from tests.patches.harness.tiny import PAD, TOKENS
+
+    return pack_thd(samples, cp_size=cp_size, pad_token_id=PAD, **TOKENS)
+
+
+def unpacked_logits(samples, *, version: str = "0.6.2", **kwargs) -> list[torch.Tensor]:
+    """Reference: each sample run alone at CP=1. Returns a list of [L_i, V]."""
+    return run_cp(job_unpacked, 1, version=version, args=(samples,), **kwargs)[0]["unpacked"]
+
+
+def run_packed(
+    samples,
+    *,
+    cp_size: int,
+    version: str = "0.6.2",
+    position_modes=("data",),
+    with_reference: bool = False,
+    reference_samples=None,
+    **kwargs,
+):
+    """Pack `samples` (THD, zigzag for `cp_size`), run every rank's shard once per position mode, rebuild full rows.
+
+    Returns (PackedBatch, {mode: PackedRun}, extras) where extras has "weights_checksum" (per rank), "versions"
+    (megatron-bridge/-core of the run) and, with
+    `with_reference` (CP=1 only), "unpacked": the per-sample reference logits from the same process, of
+    `reference_samples` when given (default: `samples`).
+    """
+    from miles_vl.packing import unzigzag
+    from tests.patches.harness.tiny import concat_pixels
+
+    batch = pack(samples, cp_size)
+    ref = (samples if reference_samples is None else reference_samples) if with_reference else None
+    per_rank = run_cp(
+        job_packed,
+        cp_size,
+        version=version,
+        args=(batch, concat_pixels(samples), tuple(position_modes), ref),
+        **kwargs,
+    )
+    runs = {}
+    for mode in position_modes:
+        outs = [r["modes"][mode] for r in per_rank]
+        if isinstance(outs[0][0], str):  # (type, message): the model raised
+            runs[mode] = PackedRun(None, None, outs[0])
+            continue
+        logits = unzigzag([o[0] for o in outs], batch.cu_seqlens, cp_size, dim=0)
+        seen = None if outs[0][1] is None else unzigzag([o[1] for o in outs], batch.cu_seqlens, cp_size, dim=-1)
+        runs[mode] = PackedRun(logits, seen, None)
+    extras = {"weights_checksum": [r["weights_checksum"] for r in per_rank], "versions": per_rank[0]["versions"]}
+    if with_reference:
+        extras["unpacked"] = per_rank[0]["unpacked"]
+    return batch, runs, extras
+
+
+def packed_logits(samples, *, cp_size: int, version: str = "0.6.2", position_mode: str = "data", **kwargs):
+    """Shortcut: (PackedBatch, full-row logits [T, V]) of one packed run; raises WorkerError-like RuntimeError if
+    the model raised."""
+    batch, runs, _ = run_packed(samples, cp_size=cp_size, version=version, position_modes=(position_mode,), **kwargs)
+    run = runs[position_mode]
+    if run.error is not None:
+        raise RuntimeError(f"{run.error[0]}: {run.error[1]}")
+    return batch, run.logits
+
+
+def max_diff_per_sample(batch, full_logits: torch.Tensor, reference: list[torch.Tensor]) -> list[float]:
+    """Max |packed - unpacked| over the real (unpadded) tokens of each sample."""
+    diffs = []
+    for i, ref in enumerate(reference):
+        start = int(batch.cu_seqlens[i])
+        got = full_logits[start : start + ref.shape[0]]
+        diffs.append(float((got - ref).abs().max()))
+    return diffs
