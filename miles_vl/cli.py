@@ -86,11 +86,37 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Versions of megatron-bridge / megatron-core / Transformer Engine and the state of every patch."""
+    import miles_vl.patches as patches
+
+    try:
+        patches.install()
+    except patches.PatchTargetMissing as e:
+        log.error("%s", e)
+    report = patches.status()
+    for dist, version in report["versions"].items():
+        sys.stdout.write(f"{dist:28s} {version}\n")
+    for st in report["patches"]:
+        sys.stdout.write(f"{st.name:40s} {st.state:22s} {st.summary}\n")
+        if st.detail:
+            sys.stdout.write(f"{'':40s} {st.detail}\n")
+    if "error" in report:
+        sys.stdout.write(f"error: {report['error']}\n")
+        return 1
+    return 1 if any(st.state == "target missing" for st in report["patches"]) else 0
+
+
 # name -> (help, configure parser, handler). Later subcommands (doctor, data, report) register here.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "check": ("validate a config and print it resolved (exit 2 on errors)", _add_config_args, cmd_check),
     "train": ("run an RL job from a config", _add_config_args, cmd_train),
     "data": ("generate (data synth) or inspect (data inspect) datasets", data_cli.configure, data_cli.cmd_data),
+    "doctor": (
+        "megatron-bridge / megatron-core / TE versions and the state of miles_vl's patches",
+        lambda p: None,
+        cmd_doctor,
+    ),
     "report": ("write PNG plots of a run's metrics (RUN_DIR/plots)", lambda p: p.add_argument("run_dir"), cmd_report),
 }
 
