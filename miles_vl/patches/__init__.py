@@ -25,6 +25,7 @@ from miles_vl.patches.core import (
     patch_status,
     target_module,
 )
+from miles_vl.patches.provider import configure_provider
 
 PATCHES: list[Patch] = [*bridge_v06.PATCHES]
 
@@ -44,4 +45,13 @@ def status(module: ModuleType | None = None) -> dict[str, Any]:
     return {"versions": versions, "patches": patch_status(PATCHES, module)}
 
 
-__all__ = ["PATCHES", "TARGET_MODULE", "Patch", "PatchStatus", "PatchTargetMissing", "install", "status"]
+__all__ = [
+    "PATCHES",
+    "configure_provider",
+    "TARGET_MODULE",
+    "Patch",
+    "PatchStatus",
+    "PatchTargetMissing",
+    "install",
+    "status",
+]
