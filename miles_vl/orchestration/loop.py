@@ -322,7 +322,11 @@ class Job:
         return out
 
     def save(self, step: int) -> None:
-        state = {"data": self.train_set.state_dict(), "engine_restarts": self.engine_restarts}
+        state = {
+            "data": self.train_set.state_dict(),
+            "engine_restarts": self.engine_restarts,
+            "config": self.cfg.model_dump(mode="json"),
+        }
         save_checkpoint(
             self.ckpt_root,
             step,
@@ -336,6 +340,7 @@ class Job:
         ray.get(self.trainer.load_checkpoint.remote(str(path)))
         self.train_set.load_state_dict(state["data"])
         self.completed_steps = state["step"]
+        self.engine_restarts = state["engine_restarts"]
         self.sync_weights()
         log.info("resumed from %s at step %d", path, state["step"])
         return state["step"]
