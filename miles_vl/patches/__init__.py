@@ -5,8 +5,9 @@
     miles_vl.patches.status()           # {"versions": {...}, "patches": [PatchStatus, ...]}; `miles-vl doctor`
 
 One module per release family, each explaining what upstream gets wrong and how it is detected:
-`bridge_v06` (>= 0.6.0: positions when the caller passes none). The megatron train backend
-calls `install()` when it is imported; users of other frameworks call it themselves.
+`bridge_v06` (>= 0.6.0: positions when the caller passes none) and `bridge_v05` (0.5.x: per-segment positions,
+no double split, CP-local vision rows, the AllGatherVisionEmbeddings keyword shim, the empty-rank dtype).
+The megatron train backend calls `install()` when it is imported; users of other frameworks call it themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from miles_vl.patches import bridge_v06
+from miles_vl.patches import bridge_v05, bridge_v06
 from miles_vl.patches.core import (
     TARGET_MODULE,
     Patch,
@@ -27,7 +28,7 @@ from miles_vl.patches.core import (
 )
 from miles_vl.patches.provider import configure_provider
 
-PATCHES: list[Patch] = [*bridge_v06.PATCHES]
+PATCHES: list[Patch] = [*bridge_v06.PATCHES, *bridge_v05.PATCHES]
 
 
 def install(module: ModuleType | None = None) -> list[PatchStatus]:

@@ -33,7 +33,11 @@ What replaces it (all in the model module's namespace; helpers imported there, s
   `cp_group=` and passes it positionally.
 - `v05_cp_local_vision_rows` selects this rank's rows of the vision embeddings and deepstack features: after
   `Qwen3VLVisionModel.forward` (class attribute wrapped), or after the all-gather when `vision_dp_when_cp` is on.
-Outside a pre-sharded call every rebound name behaves exactly as upstream's.
+- `v05_empty_vision_rank_dtype` (model.py:470/478 `torch.zeros(..., dtype=torch.bfloat16)`: with
+  `vision_dp_when_cp` a CP rank that gets no image builds bfloat16 placeholders and the all-gather of an fp32/fp16
+  model mismatches): a thin forward wrapper records the vision model's dtype and the `AllGatherVisionEmbeddings`
+  wrapper casts an empty input to it. Detected in the forward's source; 0.6 builds the placeholder in the right dtype.
+Outside a pre-sharded call every rebound name behaves exactly as upstream's (the dtype fix applies to every call).
 
 Known limits (as upstream 0.5.x): a micro-batch mixing images AND videos goes through 0.5.x's `reorganize_inputs`,
 which orders vision blocks by scanning the row it is given; on a local shard that can disagree with the full row.
@@ -54,7 +58,7 @@ import torch
 
 from miles_vl.packing import detect_layout
 from miles_vl.packing.distributed import count_based_vision_index, model_side_position_ids
-from miles_vl.patches.core import Patch, require
+from miles_vl.patches.core import Patch, PatchTargetMissing, require
 
 
 @dataclass(frozen=True)
@@ -200,13 +204,24 @@ def _apply_no_double_split(module: ModuleType) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # v05_allgather_keyword_shim / v05_cp_local_vision_rows
 
+
+def _forward_source(module: ModuleType) -> str:
+    """Source of the release's own `Qwen3VLModel.forward` (under any of our wrappers)."""
+    forward = inspect.unwrap(module.Qwen3VLModel.forward)
+    try:
+        return inspect.getsource(forward)
+    except (OSError, TypeError) as e:
+        raise PatchTargetMissing(
+            f"{module.__name__}.Qwen3VLModel.forward has no readable source ({e}); the 0.5.x source checks need it"
+        ) from e
+
+
 _KEYWORD_APPLY = re.compile(r"AllGatherVisionEmbeddings\.apply\([^)]*\bcp_group\s*=", re.S)
 
 
 def _detect_keyword_shim(module: ModuleType) -> str:
     require(module, "Qwen3VLModel.forward", "AllGatherVisionEmbeddings")
-    forward = getattr(module.Qwen3VLModel.forward, "__miles_vl_original__", module.Qwen3VLModel.forward)
-    return "needed" if _KEYWORD_APPLY.search(inspect.getsource(forward)) else "native"
+    return "needed" if _KEYWORD_APPLY.search(_forward_source(module)) else "native"
 
 
 def _apply_keyword_shim(module: ModuleType) -> None:
@@ -266,6 +281,50 @@ def _apply_vision_rows(module: ModuleType) -> None:
     module.AllGatherVisionEmbeddings = AllGatherVisionEmbeddings
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# v05_empty_vision_rank_dtype
+
+_VISION_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("miles_vl_v05_dtype", default=None)
+_BF16_PLACEHOLDER = re.compile(r"torch\.zeros\(.{0,200}?dtype=torch\.bfloat16", re.S)  # the empty-rank placeholder
+
+
+def _detect_empty_rank_dtype(module: ModuleType) -> str:
+    require(module, "Qwen3VLModel.forward", "AllGatherVisionEmbeddings")
+    return "needed" if _BF16_PLACEHOLDER.search(_forward_source(module)) else "native"
+
+
+def _apply_empty_rank_dtype(module: ModuleType) -> None:
+    original = module.Qwen3VLModel.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        vision = getattr(self, "vision_model", None)
+        dtype = next(vision.parameters()).dtype if vision is not None else None
+        token = _VISION_DTYPE.set(dtype)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _VISION_DTYPE.reset(token)
+
+    forward.__miles_vl_original__ = original
+    module.Qwen3VLModel.forward = forward
+
+    base = module.AllGatherVisionEmbeddings
+
+    class AllGatherVisionEmbeddings(base):
+        """An empty rank's placeholder takes the vision model's dtype, so every rank gathers the same dtype."""
+
+        @classmethod
+        def apply(cls, input, *args, **kwargs):  # noqa: A002  (upstream's name)
+            dtype = _VISION_DTYPE.get()
+            if input.numel() == 0 and dtype is not None:
+                input = input.to(dtype)
+            return base.apply(input, *args, **kwargs)
+
+    AllGatherVisionEmbeddings.__miles_vl_original__ = base
+    module.AllGatherVisionEmbeddings = AllGatherVisionEmbeddings
+
+
 PATCHES = [
     Patch(
         name="v05_presharded_thd_forward",
@@ -301,5 +360,12 @@ PATCHES = [
         "rank's vision and deepstack rows (count-based index)",
         detect=_detect_vision_rows,
         apply=_apply_vision_rows,
+    ),
+    Patch(
+        name="v05_empty_vision_rank_dtype",
+        summary="0.5.x gives a CP rank without images (vision_dp_when_cp) a bfloat16 placeholder, so the all-gather "
+        "breaks for fp32/fp16 models: use the vision model's dtype",
+        detect=_detect_empty_rank_dtype,
+        apply=_apply_empty_rank_dtype,
     ),
 ]
