@@ -105,8 +105,12 @@ def test_bad_reward_fails_before_any_actor(tmp_path):
 def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
     run = run_job(
         config(
-            tmp_path, "dapo", "num_steps=2", "rollout.dynamic_sampling.enabled=true",
-            "rollout.dynamic_sampling.max_rounds=8", "reward.name=tests.orchestration.rewards:half_constant_reward",
+            tmp_path,
+            "dapo",
+            "num_steps=2",
+            "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=8",
+            "reward.name=tests.orchestration.rewards:half_constant_reward",
         )
     )
     for r in metrics(run):
