@@ -31,8 +31,8 @@ test: setup
 	exit $$rc
 
 lint: setup
-	$(VENV)/bin/ruff format --check miles_vl tests benchmarks examples
-	$(VENV)/bin/ruff check miles_vl tests benchmarks examples
+	$(VENV)/bin/ruff format --check miles_vl tests benchmarks examples scripts
+	$(VENV)/bin/ruff check miles_vl tests benchmarks examples scripts
 
 gpu-test: setup
 	scripts/gpu_check.sh
