@@ -84,9 +84,17 @@ class HFRolloutEngine:
             kwargs.update(pixel_values=pixel_values.to(self.device), image_grid_thw=grids.to(self.device))
         result = self.model.generate(**kwargs)
         self.model.model.rope_deltas = None  # transformers caches per-batch deltas on the module
-        new = result.sequences[:, width:].cpu()  # [B, R]
-        scores = torch.stack(result.scores, dim=1).float().cpu()  # [B, R, V] processed logits
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        new_dev = result.sequences[:, width:]  # [B, R]
+        # One [B, V] step at a time, on the device: stacking every step's scores ([B, R, V] in fp32) and moving
+        # them to the host cost seconds per batch on a GPU (benchmarks/bench_decode.py).
+        logprobs = torch.stack(
+            [
+                torch.log_softmax(step.float(), dim=-1).gather(-1, new_dev[:, j, None]).squeeze(-1)
+                for j, step in enumerate(result.scores)  # processed logits of step j, [B, V]
+            ],
+            dim=1,
+        ).cpu()  # [B, R]
+        new = new_dev.cpu()
         gens = []
         eos = torch.tensor(t.eos_token_ids)
         for i in range(len(prompts)):
