@@ -14,6 +14,7 @@ Everything that can be wrong with the config, the data or the reward function is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -377,21 +378,17 @@ class Job:
 
 
 class Timer:
+    """Wall-clock seconds per named phase of one step: `with timer("train"): ...`."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self.start = time.perf_counter()
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[name] = time.perf_counter() - self.t0
-
-        return _Phase()
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         out = {f"time/{k}_s": v for k, v in self.seconds.items()}

@@ -85,6 +85,7 @@ def packed_position_ids(
     media_ends: list[int] | Tensor | None = None,
     grid_rows_per_segment: tuple[list[int], list[int]] | None = None,
     return_media_mask: bool = False,
+    segment_label: str = "segment",
 ) -> LongTensor | tuple[LongTensor, BoolTensor]:
     """Per-segment MRoPE positions of a full THD row (each segment starts at 0).
 
@@ -99,6 +100,7 @@ def packed_position_ids(
             rows, so that a mismatch is reported for the segment that has it.
         return_media_mask: also return the BoolTensor[T] of media tokens before their segment's media_end (the
             vision mask), computed on the way.
+        segment_label: what errors call a segment (pack_thd says "sample": its segments are the samples).
 
     Returns:
         LongTensor[3, T], or (positions, media mask) with `return_media_mask`.
@@ -133,7 +135,7 @@ def packed_position_ids(
     run_modality = modality[run_start_idx]  # [R]
     if grid_rows_per_segment is not None:
         run_segment = torch.searchsorted(cu, run_start_idx, right=True) - 1
-        _check_rows_per_segment(run_modality, run_segment, grid_rows_per_segment, video_grid_thw, n_seg)
+        _check_rows_per_segment(run_modality, run_segment, grid_rows_per_segment, video_grid_thw, n_seg, segment_label)
     grid = _grids_for_runs(run_modality, image_grid_thw, video_grid_thw, spatial_merge_size, device)  # [R, 3] merged
 
     positions = torch.empty(3, total, dtype=torch.long, device=device)
@@ -149,7 +151,7 @@ def packed_position_ids(
         seg = int(torch.searchsorted(cu, run_start_idx[bad : bad + 1], right=True)[0]) - 1
         kind = "image" if int(run_modality[bad]) == IMAGE else "video frame"
         raise ValueError(
-            f"vision block {bad} ({kind}) in segment {seg} at segment offset {int(run_start_idx[bad] - cu[seg])} has "
+            f"vision block {bad} ({kind}) in {segment_label} {seg} at offset {int(run_start_idx[bad] - cu[seg])} has "
             f"{int(run_len[bad])} media tokens, but its grid row gives t*(h/m)*(w/m) = {int(expected[bad])}; the grid "
             "rows must be the ones the processor returned for these ids, in order"
         )
@@ -229,6 +231,7 @@ def _check_rows_per_segment(
     rows_per_segment: tuple[list[int], list[int]],
     video_grid_thw: Tensor | None,
     n_seg: int,
+    segment_label: str,
 ) -> None:
     images, videos = rows_per_segment
     found_images = torch.bincount(run_segment[run_modality == IMAGE], minlength=n_seg).tolist()
@@ -240,7 +243,7 @@ def _check_rows_per_segment(
         start += videos[s]
         if found_images[s] != images[s] or found_frames[s] != want_frames:
             raise ValueError(
-                f"segment {s}: its ids contain {found_images[s]} image blocks and {found_frames[s]} video frame blocks "
-                f"before media_end, but it has {images[s]} image grid rows and {want_frames} video frames "
+                f"{segment_label} {s}: its ids contain {found_images[s]} image blocks and {found_frames[s]} video "
+                f"frame blocks before media_end, but it has {images[s]} image grid rows and {want_frames} video frames "
                 f"({videos[s]} video rows); each sample's grids must match its own media tokens"
             )

@@ -199,21 +199,19 @@ def pack_thd(
     cu[1:] = torch.cumsum(torch.tensor(padded), 0)
     image_grid_thw = torch.cat(images) if images else None
     video_grid_thw = torch.cat(videos) if videos else None
-    try:
-        position_ids, vision_mask = packed_position_ids(
-            input_ids,
-            cu,
-            image_grid_thw,
-            video_grid_thw,
-            spatial_merge_size=spatial_merge_size,
-            image_token_id=image_token_id,
-            video_token_id=video_token_id,
-            media_ends=media_ends,
-            grid_rows_per_segment=(n_images, n_videos),
-            return_media_mask=True,
-        )
-    except ValueError as e:
-        raise ValueError(f"pack_thd: {e}".replace("segment ", "sample ", 1)) from None
+    position_ids, vision_mask = packed_position_ids(
+        input_ids,
+        cu,
+        image_grid_thw,
+        video_grid_thw,
+        spatial_merge_size=spatial_merge_size,
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        media_ends=media_ends,
+        grid_rows_per_segment=(n_images, n_videos),
+        return_media_mask=True,
+        segment_label="sample",
+    )
 
     seg_lens = cu[1:].long() - cu[:-1].long()
     seg_id = torch.repeat_interleave(torch.arange(len(padded)), seg_lens)  # [T]

@@ -119,7 +119,7 @@ class TorchTrainBackend:
             samples,
             cp_size=1,
             pad_token_id=t.pad_token_id,
-            spatial_merge_size=2,
+            spatial_merge_size=self.model.config.vision_config.spatial_merge_size,
             image_token_id=t.image_token_id,
             video_token_id=t.video_token_id,
             vision_start_token_id=t.vision_start_token_id,
