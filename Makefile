@@ -34,7 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check miles_vl tests benchmarks examples scripts
 	$(VENV)/bin/ruff check miles_vl tests benchmarks examples scripts
 
-gpu-test: setup
+gpu-test:
 	scripts/gpu_check.sh
 
 clean:
