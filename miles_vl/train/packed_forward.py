@@ -141,6 +141,7 @@ def label_logprobs(
         logp = torch.log_softmax(logits, dim=-1)
         logps.append(logp.gather(-1, labels[start : start + chunk_tokens, None]).squeeze(-1))
         if with_entropy:
-            p = logp.exp()
-            ents.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))
+            # Suppressed ids have logp = -inf and p = 0: zero their logp before the product, so that neither the
+            # value nor the gradient sees 0 * -inf (a where() after the product still back-propagates NaN).
+            ents.append(-(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1))
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)

@@ -90,3 +90,21 @@ def test_label_logprobs_match_log_softmax():
     ref = torch.log_softmax(logits / 0.7, -1)
     torch.testing.assert_close(logp, ref.gather(-1, packed.labels[:, None]).squeeze(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_gradient_is_finite_with_suppressed_tokens():
+    """Suppressed ids have p = 0 and logp = -inf; the entropy and its gradient must stay finite (0 * -inf is NaN)."""
+    batch = [Sample(torch.arange(100, 109), None, None, 3)]
+    packed = pack_thd(batch, cp_size=1, pad_token_id=PAD, **TOKENS)
+    m = model()
+    m.zero_grad(set_to_none=True)
+    banned = (IMAGE, VIDEO)
+    logp, ent = label_logprobs(m, packed, suppress_token_ids=banned, with_entropy=True)
+    with torch.no_grad():
+        ref = torch.log_softmax(packed_logits(m, packed).index_fill(-1, torch.tensor(banned), float("-inf")), -1)
+        keep = torch.isfinite(ref)
+        want = -(ref.exp() * torch.where(keep, ref, torch.zeros_like(ref))).sum(-1)
+    torch.testing.assert_close(ent.detach(), want, rtol=1e-5, atol=1e-5)
+    ent.sum().backward()
+    grads = [p.grad for p in m.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
