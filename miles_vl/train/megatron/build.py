@@ -1,0 +1,227 @@
+"""Build the megatron backend from a Qwen3-VL HF checkpoint (dense or MoE) on GPUs: the CUDA-only parts.
+
+    torch.distributed.init_process_group("nccl")       # torchrun or the Ray train actor does this
+    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, tp=2, cp=2, lr=1e-6)
+
+Steps: `AutoBridge.from_hf_pretrained(path)` -> `bridge.to_megatron_provider()` (weights load in a pre-wrap hook)
+-> parallel sizes, sequence parallel, recompute, bf16, frozen vision tower -> `miles_vl.patches.configure_provider`
+(per-token loss under CP, rope fusion off, vision_dp_when_cp) -> `calculate_per_token_loss=True` for every CP size
+(the gradient scaling in step.py relies on it) and, with pp > 1, `variable_seq_lengths=True` (THD rows differ per
+micro-batch, which pipeline stages must be told) -> megatron's parallel state -> `provide_distributed_model` (DDP
+with fp32 gradient buffers, SUM reduction) -> megatron's distributed optimizer (Adam, fp32 main weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from miles_vl.model import SpecialTokens
+from miles_vl.train.megatron.backend import MegatronTrainBackend
+from miles_vl.train.megatron.parallel import ParallelGroups
+
+log = logging.getLogger(__name__)
+
+Recompute = Literal["none", "selective", "full"]
+FROZEN_VISION_PREFIXES = ("vision_model.",)  # megatron names of the vision tower, its merger and deepstack mergers
+
+
+def build_provider(
+    hf_path: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    sp: bool = False,
+    recompute: Recompute = "none",
+    freeze_vision: bool = False,
+    vision_dp_when_cp: bool = False,
+    bf16: bool = True,
+    load_weights: bool = True,
+):
+    """(AutoBridge, finalized provider) for the checkpoint at `hf_path` with these parallel settings.
+
+    Raises:
+        ValueError: inconsistent sizes (sequence parallel without TP, a size < 1, an unknown recompute mode).
+    """
+    from megatron.bridge import AutoBridge
+
+    from miles_vl.patches import configure_provider
+
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if value < 1:
+            raise ValueError(f"train.{name} must be >= 1, found {value}")
+    if sp and tp == 1:
+        raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"train.recompute must be none, selective or full; found {recompute!r}")
+
+    bridge = AutoBridge.from_hf_pretrained(str(hf_path))
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.expert_model_parallel_size = ep
+    provider.sequence_parallel = sp
+    provider.bf16, provider.fp16 = bf16, False
+    provider.params_dtype = torch.bfloat16 if bf16 else torch.float32
+    provider.pipeline_dtype = provider.params_dtype
+    if recompute == "selective":
+        provider.recompute_granularity = "selective"
+    elif recompute == "full":
+        provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
+    # the torch backend's freeze_vision freezes all of `visual`: the tower, its merger and the deepstack mergers.
+    # Set all three explicitly: megatron-bridge 0.6.2's MoE provider defaults to freezing the language model AND
+    # the vision tower (freeze_language_model=True, freeze_vision_model=True), which would train nothing.
+    provider.freeze_language_model = False
+    provider.freeze_vision_model = freeze_vision
+    provider.freeze_vision_projection = freeze_vision
+    configure_provider(provider, cp_size=cp, vision_dp_when_cp=vision_dp_when_cp)
+    if not provider.calculate_per_token_loss:
+        log.info("provider.calculate_per_token_loss: False -> True (the loss carries global denominators)")
+        provider.calculate_per_token_loss = True
+    if provider.gradient_accumulation_fusion and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        # megatron-core's own ColumnParallelLinear (the output layer) needs APEX's extension for it; TE's layers
+        # would fuse without it, but the flag is model-wide
+        log.info("provider.gradient_accumulation_fusion: True -> False (APEX fused_weight_gradient_mlp_cuda missing)")
+        provider.gradient_accumulation_fusion = False
+    if pp > 1:  # THD rows differ in length per micro-batch: pipeline stages exchange shapes
+        provider.variable_seq_lengths = True
+        if provider.moe_token_dispatcher_type == "allgather":  # megatron rejects it with variable lengths
+            log.info("provider.moe_token_dispatcher_type: allgather -> alltoall (pp > 1, variable lengths)")
+            provider.moe_token_dispatcher_type = "alltoall"
+    provider.finalize()
+    return bridge, provider
+
+
+def build_megatron_backend(
+    hf_path: str | Path,
+    tokens: SpecialTokens,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    sp: bool = False,
+    recompute: Recompute = "none",
+    freeze_vision: bool = False,
+    vision_dp_when_cp: bool = False,
+    bf16: bool = True,
+    seed: int = 1234,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    grad_clip: float = 1.0,
+    warmup_steps: int = 0,
+    micro_batch_max_tokens: int = 8192,
+    global_batch_size: int | None = None,
+    ppo_epochs: int = 1,
+    temperature: float = 1.0,
+    suppress_token_ids: Sequence[int] = (),
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip_c: float | None = None,
+    loss_reduction: str = "token_mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "low_var_kl",
+    entropy_coef: float = 0.0,
+    tis_mode: str | None = None,
+    tis_cap: float = 2.0,
+) -> MegatronTrainBackend:
+    """The megatron train backend on this rank (collective: every rank of the train world calls it).
+
+    `torch.distributed` must be initialized with NCCL and the CUDA device set; the world size must be a multiple of
+    tp * pp * cp (the rest is data parallel). Algorithm and optimizer arguments mean what they mean for
+    `TorchTrainBackend`.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized, or the world does not fit the parallel sizes.
+        ValueError: from `build_provider`.
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.utils import get_model_config
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_megatron_backend needs torch.distributed: call torch.distributed.init_process_group('nccl') "
+            "(torchrun and the Ray train actors do) and torch.cuda.set_device(local_rank) first"
+        )
+    world = dist.get_world_size()
+    if world % (tp * pp * cp):
+        raise RuntimeError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}; change train.* sizes")
+
+    bridge, provider = build_provider(
+        hf_path,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        sp=sp,
+        recompute=recompute,
+        freeze_vision=freeze_vision,
+        vision_dp_when_cp=vision_dp_when_cp,
+        bf16=bf16,
+    )
+    provider.initialize_model_parallel(seed=seed)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=True,
+        average_in_collective=False,  # per-token loss: gradients are SUMMED over DP x CP (step.py)
+        check_for_nan_in_grad=False,  # a non-finite step is skipped and counted by the backend
+    )
+    model = provider.provide_distributed_model(ddp_config=ddp_config, bf16=bf16, fp16=False)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            min_lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
+            adam_eps=eps,
+            clip_grad=grad_clip,
+            bf16=bf16,
+            fp16=False,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=True,
+        ),
+        model,
+    )
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads  # DP x CP reduction, then the 1/num_tokens scaling
+    config.grad_scale_func = optimizer.scale_loss  # 1.0 in bf16 (no loss scaling)
+    return MegatronTrainBackend(
+        model,
+        optimizer,
+        tokens,
+        groups=ParallelGroups.from_megatron(sequence_parallel=sp),
+        bridge=bridge,
+        frozen_prefixes=FROZEN_VISION_PREFIXES if freeze_vision else (),
+        lr=lr,
+        weight_decay=weight_decay,
+        warmup_steps=warmup_steps,
+        micro_batch_max_tokens=micro_batch_max_tokens,
+        global_batch_size=global_batch_size,
+        ppo_epochs=ppo_epochs,
+        temperature=temperature,
+        suppress_token_ids=suppress_token_ids,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip_c=dual_clip_c,
+        loss_reduction=loss_reduction,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        tis_mode=tis_mode,
+        tis_cap=tis_cap,
+    )

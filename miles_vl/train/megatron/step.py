@@ -1,0 +1,181 @@
+"""The forward step and loss function that megatron's pipeline schedule runs on each micro-batch.
+
+    schedule(forward_step_func=partial(forward_step, options), data_iterator=iter(micro_batches), model=chunks,
+             num_microbatches=len(micro_batches), seq_length=..., micro_batch_size=1, forward_only=...)
+
+`forward_step` moves ONE micro-batch to the device and runs the model on its pre-sharded THD shard; the loss
+function (last pipeline stage only) turns the `[1, T/C, V/TP]` vocab-parallel logits into label logprobs
+(`vocab_parallel_logprobs`) and then either
+- returns them (`mode="logprobs"`): all-gathered over CP, un-zigzagged, cut into per-sample response slices; or
+- returns the policy loss (`mode="train"`) of this rank's local label positions with the global denominators.
+
+Gradient scaling (megatron-core 0.19 with `calculate_per_token_loss=True`, which the backend always sets):
+the schedule neither divides the loss by the number of micro-batches nor by the CP size; megatron's DDP reduces
+gradients over DP x CP as a SUM (`gradient_scaling_factor = 1`), and `finalize_model_grads` then divides them by
+the total of the `num_tokens` that every loss call returned, summed over micro-batches and all-reduced over DP x CP.
+Our local loss is already the exact share of the mini-batch loss (global denominators), so the plain sum over
+ranks and micro-batches is what we want. The loss function returns `local_loss * token_norm` together with
+`num_tokens = T/C` (the local row length, padding included), where `token_norm` is the sum of the full row
+lengths of every micro-batch of every DP rank in this optimizer step: megatron's division by exactly that total
+then cancels the factor, leaving the gradient of the mini-batch loss. The detour keeps megatron's own token
+normalisation consistent for the parts it scales itself (the MoE auxiliary and z losses assume `num_tokens` counts
+every token). The backend checks that the tokens megatron saw equal `token_norm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles_vl.algo import policy_loss
+from miles_vl.packing.distributed import gather_full_row
+from miles_vl.train.megatron.batch import MicroBatch, model_inputs, response_logprobs
+from miles_vl.train.megatron.parallel import ParallelGroups
+from miles_vl.train.megatron.vocab_parallel import vocab_parallel_logprobs
+from miles_vl.train.types import TrainSample
+
+
+@dataclass
+class StepOptions:
+    """What the forward step and loss function need besides the micro-batch."""
+
+    mode: Literal["logprobs", "train"]
+    groups: ParallelGroups
+    device: torch.device | str
+    samples: Sequence[TrainSample] = ()
+    temperature: float = 1.0
+    suppress_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # policy_loss options (clip_low, kl_coef, ...)
+    token_norm: float = 1.0  # train: total full-row tokens of the optimizer step over all DP ranks (see above)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. fp32_output=False for megatron's Float16Module
+
+
+def forward_step(options: StepOptions, data_iterator: Iterator[MicroBatch], model):
+    """megatron's `forward_step_func`: (output tensor, loss function of it)."""
+    mb = next(data_iterator)
+    output = model(**model_inputs(mb, options.device, with_vision=options.groups.first_stage), **options.model_kwargs)
+
+    def loss_func(output_tensor):
+        if options.mode == "logprobs":
+            return logprobs_loss_func(options, mb, output_tensor)
+        return train_loss_func(options, mb, output_tensor)
+
+    return output, loss_func
+
+
+def _local_logits(output) -> Tensor:
+    """[T/C, V/TP] out of the model's output (megatron-bridge may return (logits, loss_mask))."""
+    logits = output[0] if isinstance(output, tuple) else output
+    if logits.dim() != 3 or logits.shape[0] != 1:
+        raise ValueError(f"expected THD logits [1, T/C, V/TP] from the model, found {tuple(logits.shape)}")
+    return logits[0]
+
+
+def _num_tokens(mb: MicroBatch, like: Tensor) -> Tensor:
+    return torch.tensor(mb.num_local_tokens, dtype=torch.int, device=like.device)
+
+
+def logprobs_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
+    """Label logprobs of the whole micro-batch: {"logprobs": {sample index: [response_len] fp32 CPU}}."""
+    logits = _local_logits(output)
+    labels = mb.shard.labels[0].to(logits.device)
+    logp, _ = vocab_parallel_logprobs(
+        logits,
+        labels,
+        tp_group=options.groups.tp,
+        temperature=options.temperature,
+        suppress_token_ids=options.suppress_token_ids,
+        vocab_size=options.vocab_size,
+    )  # [T/C]
+    if options.groups.cp_size > 1:
+        full = gather_full_row(logp.detach(), mb.packed.cu_seqlens, options.groups.cp)  # [T]; cu_seqlens on the CPU
+    else:
+        full = logp.detach()
+    per_sample = {}
+    if not mb.spec.dummy:
+        per_sample = dict(zip(mb.spec.samples, response_logprobs(full, mb, options.samples), strict=True))
+    zero = logits.new_zeros((), dtype=torch.float32)
+    return zero, _num_tokens(mb, logits), {"logprobs": per_sample}
+
+
+def train_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
+    """This rank's share of the policy loss, times `token_norm` (module docstring), and its metrics."""
+    if mb.loss is None:
+        raise ValueError("train_loss_func needs a micro-batch with loss inputs (attach_loss_inputs)")
+    logits = _local_logits(output)
+    device = logits.device
+    li = mb.loss
+    pos = li.positions.to(device)
+    labels = mb.shard.labels[0].to(device)[pos]
+    with_entropy = options.loss_kwargs.get("entropy_coef", 0.0) > 0
+    logp, entropy = vocab_parallel_logprobs(
+        logits.index_select(0, pos),  # only the label positions that carry loss: [n, V/TP]
+        labels,
+        tp_group=options.groups.tp,
+        temperature=options.temperature,
+        suppress_token_ids=options.suppress_token_ids,
+        vocab_size=options.vocab_size,
+        with_entropy=with_entropy,
+    )
+    out = policy_loss(
+        logp,
+        li.old_logprobs.to(device),
+        li.advantages.to(device),
+        li.weights.to(device),
+        ref_logprobs=li.ref_logprobs.to(device) if li.ref_logprobs is not None else None,
+        entropy=entropy,
+        rollout_logprobs=li.rollout_logprobs.to(device),
+        **options.loss_kwargs,
+    )
+    report = {"metrics": out.metrics, "num_tokens": mb.num_local_tokens}
+    return out.loss * options.token_norm, _num_tokens(mb, logits), report
+
+
+def sequential_forward_backward(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int = 1,
+    forward_only: bool = False,
+    finalize=None,
+) -> list:
+    """megatron's no-pipelining schedule with `calculate_per_token_loss=True`, in plain torch (no CUDA needed).
+
+    For each micro-batch: forward, loss function, backward of the returned loss (never divided); afterwards
+    `finalize(model_chunks, total_num_tokens)` (megatron's `finalize_model_grads` role). Returns what each loss
+    function reported, like megatron's schedules. Used where megatron's schedule cannot run (CPU tests, tools);
+    the backend uses megatron's `get_forward_backward_func()` on GPUs.
+    """
+    del seq_length, micro_batch_size
+    chunk = model[0] if isinstance(model, list) else model
+    store, total = [], 0
+    for _ in range(num_microbatches):
+        output, loss_func = forward_step_func(data_iterator, chunk)
+        loss, num_tokens, reported = loss_func(output)
+        total += int(num_tokens)
+        store.append(reported)
+        if not forward_only:
+            loss.backward()
+    if not forward_only and finalize is not None:
+        finalize(model if isinstance(model, list) else [model], torch.tensor(total))
+    return store
+
+
+def check_token_norm(reported_tokens: int, token_norm: float, groups: ParallelGroups, device) -> None:
+    """Internal invariant: the tokens megatron divides by (all-reduced over DP x CP) are `token_norm`."""
+    t = torch.tensor([float(reported_tokens)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=groups.dp_cp)
+    if groups.last_stage and float(t) != token_norm:
+        raise AssertionError(
+            f"megatron normalises gradients by {float(t)} tokens but the loss was scaled by {token_norm}; "
+            "the micro-batch plans of the DP ranks disagree"
+        )

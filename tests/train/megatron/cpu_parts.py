@@ -1,0 +1,209 @@
+"""CPU stand-ins for the CUDA-only parts of the megatron backend, with megatron's semantics, and a gloo spawner.
+
+    results = spawn(job, world_size=2, args=(...))    # job(ctx: Ctx, *args), module-level, in a module that does
+                                                      # not import megatron at import time (see runner.py's header)
+
+Inside a job: `ctx.init_parallel(tp, cp)` (re)initializes megatron's parallel state, `build_backend(ctx, ...)`
+builds the tiny real Qwen3VLModel (tests/patches/harness/tiny.py) and a `MegatronTrainBackend` around it with:
+- `CpuDDP`: megatron DDP's interface (`zero_grad_buffer`, `module`); gradients stay in `.grad`;
+- `cpu_finalize`: what megatron's `finalize_model_grads` does with `calculate_per_token_loss=True` and the DDP
+  config of build.py: SUM the gradients over DP x CP, sum the partial gradients of replicated parameters that only
+  see part of the work on each TP rank (q/k layernorm over heads, norms under sequence parallelism), then divide
+  them by the number of tokens the loss functions reported, all-reduced over DP x CP;
+- `CpuOptimizer`: torch AdamW behind megatron's optimizer methods (`prepare_grads`, `get_grad_norm` over TP
+  shards, `step` that clips to `clip_grad` and steps);
+- `step.sequential_forward_backward`: megatron's no-pipelining schedule loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world_size: int
+    module: object  # megatron-bridge's Qwen3-VL model module
+
+    def init_parallel(self, tp: int = 1, cp: int = 1) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _child(rank, world_size, init_file, out_dir, timeout_s, job, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    out = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        from tests.patches.harness.shims import load_qwen3vl_module
+
+        module = load_qwen3vl_module("0.6.2")
+        import miles_vl.train.megatron.backend  # noqa: F401  (installs miles_vl.patches into the module)
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        torch.save({"ok": job(Ctx(rank, world_size, module), *args)}, out)
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
+        torch.save({"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}, out)
+    finally:
+        if dist.is_initialized():
+            from megatron.core import parallel_state as ps
+
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def spawn(job, world_size: int, args: tuple = (), timeout_s: float = 300.0) -> list:
+    """Run `job(ctx, *args)` on `world_size` fresh gloo processes; returns each rank's result."""
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [
+            context.Process(target=_child, args=(r, world_size, init, tmp, timeout_s, job, tuple(args)))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        for p in procs:
+            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+                p.join()
+            raise TimeoutError(f"{world_size}-rank run did not finish in {timeout_s} s")
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
+            results.append(torch.load(path, weights_only=False))
+    for res in results:
+        if "error" in res:
+            raise WorkerError(res["error"])
+    return [res["ok"] for res in results]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# megatron's DDP / finalize / optimizer, on the CPU
+
+
+class CpuDDP(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+
+def cpu_finalize(model_chunks, num_tokens: torch.Tensor) -> None:
+    """megatron-core 0.19's finalize_model_grads for our configuration (no PP, per-token loss, SUM in DDP)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    tp = ps.get_tensor_model_parallel_group()
+    total = num_tokens.double().reshape(1).clone()
+    dist.all_reduce(total, group=dp_cp)
+    for chunk in model_chunks:
+        config = get_model_config(chunk)
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=dp_cp)  # DDP's bucket reduction (gradient_scaling_factor 1)
+            # _allreduce_non_tensor_model_parallel_grads: partial per-rank gradients of replicated parameters
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                dist.all_reduce(p.grad, group=tp)
+                p.grad.div_(tp.size())
+            elif (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            ):
+                dist.all_reduce(p.grad, group=tp)
+            p.grad.div_(float(total))  # scale_gradients(1 / num_tokens)
+
+
+class CpuOptimizer:
+    """torch AdamW with the subset of megatron's optimizer interface the backend calls."""
+
+    def __init__(self, model_chunks, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> None:
+        self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
+        self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def prepare_grads(self) -> bool:
+        return False
+
+    def grad_norm(self) -> float:
+        """L2 norm over the whole model: TP-sharded tensors summed over the TP group, replicated ones once."""
+        from megatron.core import parallel_state as ps
+
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = p.grad.double().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        return math.sqrt(float(sharded + replicated))
+
+    def get_grad_norm(self) -> float:
+        return self.grad_norm()
+
+    def step(self) -> tuple[bool, float, None]:
+        """megatron's step(): clip to `clip_grad` by the global norm, then step."""
+        norm = self.grad_norm()
+        coeff = self.clip_grad / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coeff)
+        self.inner.step()
+        return True, norm, None
+
+
+def cpu_schedule():
+    from miles_vl.train.megatron.step import sequential_forward_backward
+
+    return partial(sequential_forward_backward, finalize=cpu_finalize)

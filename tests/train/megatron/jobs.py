@@ -1,0 +1,427 @@
+"""Jobs the megatron-backend tests run inside gloo ranks (cpu_parts.spawn); no megatron import at import time.
+
+`job_all` (2 ranks, one spawn: importing megatron costs ~13 s of CPU per process) runs
+- `reference_step`: each sample alone (BSHD, transformers' positions) through the tiny model: logprobs by a plain
+  log_softmax, the loss by `miles_vl.algo.policy_loss` with hand-written global weights, gradients by autograd;
+- the backend at CP=2, DP=2 and TP=2 on the same samples and weights (logprobs, one mini-batch's loss and
+  gradients, one full RL step);
+- `job_export`: AutoBridge on a tiny HF checkpoint -> megatron model -> `export_hf_weights`, and the backend on that
+  model (logprobs, one RL step) for the comparison with the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALGO = dict(
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip_c=3.0,
+    kl_coef=0.1,
+    kl_estimator="low_var_kl",
+    entropy_coef=0.01,
+    tis_mode="clip",
+    tis_cap=2.0,
+)
+TEMPERATURE = 0.7
+LR = 1e-5
+
+
+def tokens():
+    from miles_vl.model import SpecialTokens
+    from tests.patches.harness.tiny import IMAGE, PAD, VEND, VIDEO, VOCAB, VSTART
+
+    return SpecialTokens(
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        pad_token_id=PAD,
+        eos_token_ids=(VEND,),
+        vocab_size=VOCAB,
+    )
+
+
+def suppressed() -> tuple[int, ...]:
+    from tests.patches.harness.tiny import IMAGE, VIDEO
+
+    return (IMAGE, VIDEO)  # the engine bans vision pads in responses; they are prompt-only labels here
+
+
+def train_samples(seed: int = 0):
+    """Six TrainSamples (text, one image, two images; twice) with random advantages and rollout logprobs."""
+    from miles_vl.train.types import TrainSample
+    from tests.patches.harness.tiny import default_samples
+
+    g = torch.Generator().manual_seed(100 + seed)
+    out = []
+    for s in default_samples(seed) + default_samples(seed + 1):
+        n = s.input_ids.numel() - s.prompt_len
+        out.append(
+            TrainSample(
+                input_ids=s.input_ids,
+                prompt_len=s.prompt_len,
+                advantage=float(torch.randn((), generator=g)),
+                rollout_logprobs=-torch.rand(n, generator=g) * 3,
+                image_grid_thw=s.image_grid_thw,
+                pixel_values=s.pixel_values,
+            )
+        )
+    return out
+
+
+def perturbed(logprobs: list[torch.Tensor], seed: int, scale: float = 0.3) -> list[torch.Tensor]:
+    """`logprobs` + noise: "old" / "ref" logprobs that make ratios and KL non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    return [lp + scale * torch.randn(lp.shape, generator=g) for lp in logprobs]
+
+
+def build_backend(ctx, *, tp: int, cp: int, reduction: str, **kwargs):
+    """The tiny real Qwen3VLModel (seed 0; identical weights for every CP/DP layout) in a MegatronTrainBackend with
+    the CPU stand-ins."""
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    ctx.init_parallel(tp=tp, cp=cp)
+    model = build_tiny_qwen3vl(ctx.module, cp_size=cp, tp_size=tp, seed=0)
+    chunks = [CpuDDP(model)]
+    options = dict(
+        lr=LR,
+        micro_batch_max_tokens=48,  # several micro-batches per rank
+        temperature=TEMPERATURE,
+        suppress_token_ids=suppressed(),
+        loss_reduction=reduction,
+        **ALGO,
+    )
+    options.update(kwargs)
+    return MegatronTrainBackend(
+        chunks, CpuOptimizer(chunks, lr=LR), tokens(), schedule=cpu_schedule(), device="cpu", **options
+    )
+
+
+def _grads(backend) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in backend.model[0].module.named_parameters() if p.grad is not None}
+
+
+def _step_once(backend, samples, old, ref) -> dict:
+    """Gradients and metrics of one mini-batch (all samples) with given old/ref logprobs, then one full train()."""
+    for chunk in backend.model:
+        chunk.zero_grad_buffer()
+    metrics, tokens = backend.accumulate_gradients(samples, list(range(len(samples))), old, ref)
+    out = {"metrics": metrics.as_dict(), "grads": _grads(backend), "tokens": tokens}
+    out["grad_norm"] = backend.optimizer.grad_norm()
+    for chunk in backend.model:
+        chunk.zero_grad_buffer()
+    return out
+
+
+def old_and_ref(logprobs):
+    """Fixed noise around the reference logprobs: the "old" and "ref" logprobs every layout uses."""
+    return perturbed(logprobs, seed=1), perturbed(logprobs, seed=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vocab-parallel logprobs against a plain log_softmax
+
+VP_VOCAB, VP_TOKENS, VP_TEMPERATURE = 24, 9, 0.7
+VP_BANNED = (3, 13)  # one on each TP rank's half of the vocabulary
+VP_REAL_VOCAB = 22  # ids 22, 23 are megatron's vocab padding
+
+
+def vocab_parallel_inputs():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(VP_TOKENS, VP_VOCAB, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, VP_REAL_VOCAB, (VP_TOKENS,), generator=g)
+    labels[0] = VP_BANNED[0]  # a suppressed label: -inf
+    grad_lp = torch.randn(VP_TOKENS, generator=g, dtype=torch.float64)
+    grad_ent = torch.randn(VP_TOKENS, generator=g, dtype=torch.float64)
+    return logits, labels, grad_lp, grad_ent
+
+
+def vocab_parallel_case(rank: int, world: int, group) -> tuple:
+    """This TP rank's slice of the logits through `vocab_parallel_logprobs`, forward and backward."""
+    from miles_vl.train.megatron.vocab_parallel import vocab_parallel_logprobs
+
+    logits, labels, grad_lp, grad_ent = vocab_parallel_inputs()
+    width = VP_VOCAB // world
+    local = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    logp, entropy = vocab_parallel_logprobs(
+        local,
+        labels,
+        tp_group=group,
+        temperature=VP_TEMPERATURE,
+        suppress_token_ids=VP_BANNED,
+        vocab_size=VP_REAL_VOCAB,
+        with_entropy=True,
+        chunk_tokens=4,
+    )
+    finite = torch.isfinite(logp)
+    ((torch.where(finite, logp, 0) * grad_lp).sum() + (entropy * grad_ent).sum()).backward()
+    return logp.detach().double(), entropy.detach().double(), local.grad
+
+
+def vocab_parallel_reference():
+    """Plain log_softmax over the kept vocabulary, gradients by autograd."""
+    logits, labels, grad_lp, grad_ent = vocab_parallel_inputs()
+    logits.requires_grad_(True)
+    n, v = logits.shape
+    keep = torch.ones(v, dtype=torch.bool)
+    keep[list(VP_BANNED)] = False
+    keep[VP_REAL_VOCAB:] = False
+    logp_kept = torch.log_softmax(logits[:, keep] / VP_TEMPERATURE, dim=-1)
+    logp = torch.full((n, v), float("-inf"), dtype=logits.dtype).masked_scatter(keep.expand(n, v), logp_kept)
+    picked = logp.gather(1, labels[:, None]).squeeze(1)
+    entropy = -(logp_kept.exp() * logp_kept).sum(-1)
+    finite = torch.isfinite(picked)
+    ((torch.where(finite, picked, 0) * grad_lp).sum() + (entropy * grad_ent).sum()).backward()
+    return picked.detach(), entropy.detach(), logits.grad
+
+
+def assert_vocab_parallel_matches(ranks: list[tuple]) -> None:
+    """`ranks`: `vocab_parallel_case` of every TP rank, in rank order."""
+    want_lp, want_ent, want_grad = vocab_parallel_reference()
+    for logp, entropy, _ in ranks:
+        assert torch.equal(torch.isinf(logp), torch.isinf(want_lp)) and bool(torch.isinf(want_lp[0]))
+        finite = torch.isfinite(want_lp)
+        assert torch.allclose(logp[finite], want_lp[finite], atol=1e-5)
+        assert torch.allclose(entropy, want_ent, atol=1e-5)
+    grad = torch.cat([g for _, _, g in ranks], dim=1)
+    assert torch.allclose(grad, want_grad, atol=1e-5)
+    assert bool((grad[:, list(VP_BANNED)] == 0).all()) and bool((grad[:, VP_REAL_VOCAB:] == 0).all())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the two-rank job
+
+
+def job_all(ctx, samples, reduction: str, hf_dir: str, hf_samples) -> dict:
+    """Two ranks: the independent reference (rank 0, alone), the backend at CP=2, DP=2 and TP=2, then the export
+    and cross-backend run (DP=2)."""
+    from megatron.core import parallel_state as ps
+
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+
+    ctx.init_parallel(tp=1, cp=1)
+    model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)  # the weights every layout builds
+    logprobs = reference_step(model, samples, None, None, reduction)["logprobs"]
+    old, ref = old_and_ref(logprobs)
+    out = {"old": old, "ref": ref}
+    if ctx.rank == 0:
+        out["reference"] = reference_step(model, samples, old, ref, reduction)
+    del model
+    for name, tp, cp in (("cp2", 1, 2), ("dp2", 1, 1), ("tp2", 2, 1)):
+        backend = build_backend(ctx, tp=tp, cp=cp, reduction=reduction, global_batch_size=2)
+        res = {"logprobs": backend.compute_logprobs(samples)}
+        res |= _step_once(backend, samples, old, ref)
+        if tp > 1:  # how each gradient is split, to reassemble the full one in the test
+            res["partition"] = {  # (dim, stride) of TP-split parameters; dim -1: replicated
+                n: (p.partition_dim, getattr(p, "partition_stride", 1))
+                if getattr(p, "tensor_model_parallel", False)
+                else (-1, 1)
+                for n, p in backend.model[0].module.named_parameters()
+            }
+            res["tp_rank"] = ps.get_tensor_model_parallel_rank()
+        res["train"] = backend.train(samples)
+        out[name] = res
+    # TP=2 is live: the vocab-parallel unit case over the real TP group
+    tp_group = ps.get_tensor_model_parallel_group()
+    out["vocab_parallel"] = vocab_parallel_case(ps.get_tensor_model_parallel_rank(), 2, tp_group)
+    out["export"] = job_export(ctx, hf_dir, hf_samples)
+    return out
+
+
+def reference_step(model, samples, old, ref, reduction: str) -> dict:
+    """Each sample alone through the model; logprobs, loss and gradients computed here, independently."""
+    from miles_vl.algo import policy_loss
+    from tests.patches.harness.runner import _logits
+    from tests.patches.harness.tiny import reference_positions
+
+    model.zero_grad(set_to_none=True)
+    logps, ents = [], []
+    for s in samples:
+        logits = _logits(
+            model(
+                input_ids=s.input_ids[None],
+                position_ids=reference_positions(s)[:, None, :],
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+            )
+        )[0].float()  # [L, V]
+        x = logits[s.prompt_len - 1 : -1] / TEMPERATURE  # rows that predict the response tokens
+        x[:, list(suppressed())] = float("-inf")
+        logp = torch.log_softmax(x, dim=-1)
+        logps.append(logp.gather(1, s.input_ids[s.prompt_len :, None]).squeeze(1))
+        p = logp.exp()
+        ents.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1))
+    if old is None:
+        return {"logprobs": [lp.detach() for lp in logps]}
+    lens = [lp.numel() for lp in logps]
+    if reduction == "token_mean":
+        weights = [torch.full((n,), 1.0 / sum(lens)) for n in lens]
+    else:  # seq_mean_token_mean: mean over each response, then over responses
+        weights = [torch.full((n,), 1.0 / (n * len(lens))) for n in lens]
+    adv = [torch.full((n,), s.advantage) for s, n in zip(samples, lens, strict=True)]
+    out = policy_loss(
+        torch.cat(logps),
+        torch.cat(old),
+        torch.cat(adv),
+        torch.cat(weights),
+        ref_logprobs=torch.cat(ref),
+        entropy=torch.cat(ents),
+        rollout_logprobs=torch.cat([s.rollout_logprobs for s in samples]),
+        **ALGO,
+    )
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return {"logprobs": [lp.detach() for lp in logps], "loss": float(out.loss), "grads": grads}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# export: AutoBridge on the CPU
+
+
+def job_export(ctx, hf_dir: str, hf_samples) -> dict:
+    """AutoBridge -> provider (build_provider) -> megatron model on the CPU with HF weights loaded by the bridge ->
+    export_hf_weights; and the megatron backend on that model: logprobs and one RL step on `hf_samples`, to compare
+    with the torch backend on the same checkpoint. TE layer specs are swapped for CPU ones whose parameter names
+    are TE's (fused norms)."""
+    import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
+
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from miles_vl.train.megatron.build import build_provider
+    from miles_vl.train.megatron.export import bucket_by_bytes, export_hf_weights
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
+    ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
+    ctx.init_parallel(tp=1, cp=1)  # DP = world size
+    bridge, provider = build_provider(hf_dir, bf16=False)
+    model = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
+    )
+    full = {n: t.clone() for n, t in export_hf_weights(bridge, model)}  # on the CPU these alias the parameters
+    trainable = dict(export_hf_weights(bridge, model, skip_prefixes=("vision_model.",)))
+    buckets = [[n for n, _ in b] for b in bucket_by_bytes(export_hf_weights(bridge, model), 64 << 10)]
+    out = {"full": full, "trainable_names": sorted(trainable), "buckets": buckets}
+
+    exact_gelu_in_patch_mergers(model[0])
+    chunks = [CpuDDP(m) for m in model]
+    backend = MegatronTrainBackend(
+        chunks, CpuOptimizer(chunks, lr=LR), tokens(), schedule=cpu_schedule(), device="cpu", **cross_backend_options()
+    )
+    out["logprobs"] = backend.compute_logprobs(hf_samples)
+    out["train"] = backend.train(hf_samples)
+    return out
+
+
+def exact_gelu_in_patch_mergers(model) -> int:
+    """megatron-bridge 0.6.2's Qwen3VLVisionPatchMerger (merger and deepstack mergers) applies the vision config's
+    tanh-approximated GELU where transformers' Qwen3VLVisionPatchMerger uses exact `nn.GELU()`: a ~1e-3 difference
+    of the image samples' logprobs in fp32 that has nothing to do with the backend. Aligned here (to transformers)
+    so that the cross-backend comparison isolates the train backend. Returns how many mergers were changed."""
+    import torch.nn.functional as F
+
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3VLVisionPatchMerger":
+            module.activation_func = F.gelu
+            count += 1
+    assert count > 0, "no Qwen3VLVisionPatchMerger found"
+    return count
+
+
+def cross_backend_options() -> dict:
+    """Backend options shared by the torch and megatron backends in the cross-backend test.
+
+    No entropy term: the torch backend's entropy (packed_forward.label_logprobs) has a NaN gradient wherever a
+    token is suppressed (`where(p > 0, p * logp, 0)` back-propagates 0 * -inf), so it would skip every step."""
+    return dict(
+        lr=LR,
+        micro_batch_max_tokens=64,
+        global_batch_size=2,
+        temperature=TEMPERATURE,
+        suppress_token_ids=suppressed(),
+        loss_reduction="token_mean",
+        **(ALGO | {"entropy_coef": 0.0}),
+    )
+
+
+def hf_train_samples(seed: int = 3):
+    """`train_samples` with pixel rows of the real patch size (the tiny HF config keeps patch 16, temporal 2)."""
+    g = torch.Generator().manual_seed(seed)
+    out = train_samples(seed)
+    for s in out:
+        if s.pixel_values is not None:
+            s.pixel_values = torch.randn(s.pixel_values.shape[0], 3 * 2 * 16 * 16, generator=g)
+    return out
+
+
+def _norm_linear():
+    """ColumnParallelLinear with the norm of its input fused in, named as TE's LayerNormColumnParallelLinear
+    (`layer_norm_weight`, `layer_norm_bias`), which megatron-bridge's Qwen3-VL name mapping expects."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class NormColumnParallelLinear(ColumnParallelLinear):
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.rms = config.normalization == "RMSNorm"
+            self.eps = config.layernorm_epsilon
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+            if not self.rms:
+                self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+
+        def forward(self, x, *args, **kwargs):
+            if self.rms:
+                x = F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
+            else:
+                x = F.layer_norm(x, (x.shape[-1],), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            return super().forward(x, *args, **kwargs)
+
+    return NormColumnParallelLinear
+
+
+def _fuse_norms(spec):
+    import dataclasses
+    from functools import partial
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from tests.patches.harness.attention import ReferenceCoreAttention
+
+    linear = _norm_linear()
+    sub = spec.submodules
+    sub.input_layernorm = IdentityOp
+    sub.pre_mlp_layernorm = IdentityOp
+    sub.self_attention.submodules.linear_qkv = linear
+    sub.self_attention.submodules.core_attention = ReferenceCoreAttention
+    mlp = sub.mlp
+    sub.mlp = partial(
+        mlp.func,
+        *mlp.args,
+        **(mlp.keywords | {"submodules": dataclasses.replace(mlp.keywords["submodules"], linear_fc1=linear)}),
+    )
+    return spec
+
+
+def cpu_te_named_gpt_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return _fuse_norms(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+
+
+def cpu_te_named_vit_spec():
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+
+    return _fuse_norms(get_vit_layer_with_local_spec())
+
+
+def write_tiny_hf_checkpoint(directory: str, seed: int = 0) -> dict:
+    """A tiny random Qwen3-VL (transformers) saved to `directory`; returns its state dict."""
+    from miles_vl.model import build_model
+
+    model = build_model(tokens(), tiny={"initializer_range": 0.2, "deepstack_visual_indexes": [0, 1]}, seed=seed)
+    model.save_pretrained(directory)
+    return {k: v.clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,113 @@
+"""Contracts of the megatron backend's pure parts (no megatron import): vocab-parallel logprobs, the data-parallel
+plan, the loss inputs of a CP shard, and weight buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_vl.algo import loss_denominators, loss_token_weights, sequence_loss_tokens
+from miles_vl.packing import pack_thd, zigzag_index
+from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_tokens
+from miles_vl.train.megatron.export import bucket_by_bytes
+from miles_vl.train.megatron.plan import MicroBatchSpec, plan_data_parallel, split_for_data_parallel
+from miles_vl.train.types import TrainSample
+from tests.train.megatron.jobs import assert_vocab_parallel_matches, vocab_parallel_case
+
+
+def test_vocab_parallel_logprobs_equal_the_plain_log_softmax():
+    """One rank holding the whole vocabulary (the TP=2 case runs inside the megatron ranks, see
+    test_megatron_backend.py): logprobs, entropy and the gradient of the logits equal a log_softmax over the whole
+    temperature-scaled vocabulary without the suppressed ids and megatron's padding."""
+    assert_vocab_parallel_matches([vocab_parallel_case(0, 1, None)])
+
+
+def test_split_for_data_parallel_is_equal_and_balanced():
+    lengths = [50, 10, 40, 10, 30, 20, 20, 60]
+    shares = split_for_data_parallel(lengths, 2)
+    assert sorted(i for s in shares for i in s) == list(range(8))
+    assert [len(s) for s in shares] == [4, 4]
+    totals = [sum(lengths[i] for i in s) for s in shares]
+    assert abs(totals[0] - totals[1]) <= 20
+    assert [len(s) for s in split_for_data_parallel(lengths[:5], 2)] == [3, 2]
+
+
+def test_plan_gives_every_dp_rank_the_same_number_of_micro_batches():
+    lengths = [60, 60, 60, 5]  # rank 0 gets two long samples (2 micro-batches), rank 1 fits in one
+    plans = plan_data_parallel(lengths, dp_size=2, max_tokens=64, cp_size=1)
+    assert len(plans[0]) == len(plans[1]) == 2
+    real = sorted(i for plan in plans for spec in plan if not spec.dummy for i in spec.samples)
+    assert real == [0, 1, 2, 3] and not any(spec.dummy for plan in plans for spec in plan)
+    # fewer samples than micro-batches on one rank (forward only): a dummy repeats one of its samples
+    plans = plan_data_parallel([60, 60, 5], dp_size=2, max_tokens=64, cp_size=1)
+    assert [len(p) for p in plans] == [2, 2]
+    assert sum(spec.dummy for plan in plans for spec in plan) == 1
+    with pytest.raises(ValueError, match="budget"):
+        plan_data_parallel([100], dp_size=1, max_tokens=64)
+
+
+def _tokens():
+    from tests.train.megatron.jobs import tokens
+
+    return tokens()
+
+
+def _samples():
+    from tests.train.megatron.jobs import train_samples
+
+    samples = train_samples(0)[:3]
+    mask = torch.zeros(samples[2].input_ids.numel(), dtype=torch.long)
+    mask[samples[2].prompt_len + 1 :: 2] = 1  # a custom loss mask on the last sample
+    samples[2].loss_mask = mask
+    return samples
+
+
+def test_loss_inputs_of_cp_shards_cover_the_full_row_once():
+    """Over the CP ranks the local label positions are the full row's, with the full row's weights and the
+    per-sample arrays read at the right response index."""
+    samples = _samples()
+    spec = MicroBatchSpec([0, 1, 2])
+    counts = torch.tensor([sample_loss_tokens(s) for s in samples])
+    full = pack_thd(
+        samples, pad_token_id=0, spatial_merge_size=2, image_token_id=90, video_token_id=91, vision_start_token_id=92
+    )
+    assert torch.equal(counts, sequence_loss_tokens(full.label_mask, full.sample_index, 3))
+    den = loss_denominators(counts)
+    old = [torch.arange(s.response_len, dtype=torch.float32) + 100 * i for i, s in enumerate(samples)]
+    weights_full = loss_token_weights(full.label_mask, full.sample_index, counts, den, reduction="seq_mean_token_mean")
+    seen = []
+    for rank in range(2):
+        mb = pack_micro_batch(samples, spec, tokens=_tokens(), spatial_merge_size=2, cp_size=2, cp_rank=rank)
+        mb = attach_loss_inputs(mb, samples, old, None, den, reduction="seq_mean_token_mean")
+        li = mb.loss
+        full_pos = zigzag_index(mb.packed.cu_seqlens, 2, rank)[li.positions]
+        seq_start = mb.packed.cu_seqlens[:-1].long()[li.sample]
+        resp_idx = full_pos + 1 - seq_start - mb.packed.prompt_lens[li.sample]
+        assert torch.equal(li.old_logprobs, (resp_idx + 100 * li.sample).float())
+        assert torch.allclose(li.weights, weights_full[_full_positions(full, mb, full_pos)])
+        seen += [(int(s), int(r)) for s, r in zip(li.sample, resp_idx, strict=True)]
+    want = [
+        (i, j - s.prompt_len) for i, s in enumerate(samples) for j in range(1, s.input_ids.numel()) if _has_loss(s, j)
+    ]
+    assert sorted(seen) == sorted(want)
+
+
+def _full_positions(full, mb, cp_full_pos):
+    """Map positions of the CP-padded row to the same token in the cp_size=1 row."""
+    cu2, cu1 = mb.packed.cu_seqlens.long(), full.cu_seqlens.long()
+    seg = torch.bucketize(cp_full_pos, cu2[1:], right=True)
+    return cp_full_pos - cu2[seg] + cu1[seg]
+
+
+def _has_loss(sample: TrainSample, j: int) -> bool:
+    if sample.loss_mask is not None:
+        return bool(sample.loss_mask[j])
+    return j >= sample.prompt_len
+
+
+def test_bucket_by_bytes():
+    named = [(str(i), torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 1])]
+    buckets = list(bucket_by_bytes(named, 80))
+    assert [[n for n, _ in b] for b in buckets] == [["0", "1"], ["2"], ["3", "4"]]
+    with pytest.raises(ValueError):
+        list(bucket_by_bytes(named, 0))
