@@ -6,20 +6,20 @@
         rewards  = reward function on every response (errors and timeouts score 0 and are counted)
         samples  = group advantages (zero for groups whose rewards are all equal)
         metrics  = train on the samples (packed THD micro-batches)
-        sync     = trainer weights -> every engine
+        sync     = trainer weights -> every engine (then each flushes its caches)
         eval / checkpoint when due
 
 Everything that can be wrong with the config, the data or the reward function is found before Ray starts.
+The engines (hf or sglang), their recovery and the weight sync live in engines.py and weight_sync.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -32,10 +32,12 @@ from miles_vl.config import ConfigError, JobConfig
 from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
 from miles_vl.metrics import JsonlSink, Sinks, WandbSink, write_report
 from miles_vl.model import SpecialTokens
-from miles_vl.orchestration.actors import FAULT_FILE_ENV, RolloutWorker, TrainWorker
+from miles_vl.orchestration.actors import TrainWorker
 from miles_vl.orchestration.checkpoint import read_driver_state, resolve_resume, save_checkpoint
+from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.placement import actor_resources, ray_session
 from miles_vl.orchestration.progress import Progress
+from miles_vl.orchestration.sglang_engines import config_problems as sglang_config_problems
 from miles_vl.reward import RewardSample, resolve_reward, score_batch
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.train import TrainSample
@@ -65,9 +67,9 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
 
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard):
         job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, reward_fn)
-        start = job.restore(resume) if resume else 0
-        job.open_sinks(start)
-        try:
+        try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
+            start = job.restore(resume) if resume else 0
+            job.open_sinks(start)
             for step in range(start, cfg.num_steps):
                 metrics = job.rl_step(step)
                 if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
@@ -88,7 +90,7 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
 
 
 # The backends the driver can build today; the config schema already names the production ones.
-AVAILABLE_BACKENDS = {"train": ("torch",), "rollout": ("hf",)}
+AVAILABLE_BACKENDS = {"train": ("torch",), "rollout": ("hf", "sglang")}
 
 
 def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
@@ -98,6 +100,8 @@ def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
         for role, names in AVAILABLE_BACKENDS.items()
         if getattr(cfg, role).backend not in names
     ]
+    if cfg.rollout.backend == "sglang":
+        problems += sglang_config_problems(cfg)
     if problems:
         raise ConfigError(problems, config_path)
 
@@ -132,15 +136,14 @@ class Job:
     eval_set: PromptDataset | None
     reward_fn: object
     completed_steps: int = 0
-    engine_restarts: int = 0
     sinks: Sinks | None = None
     progress: Progress | None = None
-    engines: list = field(default_factory=list)
+    rollout: RolloutEngines | None = None
 
     def __post_init__(self):
         res = actor_resources("train", placement=self.cfg.ray.placement, gpus=min(self.cfg.train.num_gpus, 1))
         self.trainer = TrainWorker.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(self.cfg, self.tokens)
-        self.engines = [self.new_engine() for _ in range(self.cfg.rollout.num_engines)]
+        self.rollout = RolloutEngines(self.cfg, self.tokens, self.trainer, self.run_dir / "logs")
 
     # -- one RL step ---------------------------------------------------------------------------------------------
 
@@ -151,11 +154,11 @@ class Job:
         with timer("advantages"):
             samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
         with timer("train"):
-            self.engines_call("release_memory")  # colocated: the trainer gets the devices
+            self.rollout.release_memory()  # colocated: the trainer gets the devices
             train_metrics = ray.get(self.trainer.train.remote(samples))
-            self.engines_call("resume_memory")
+            self.rollout.resume_memory()
         with timer("sync"):
-            self.sync_weights()
+            self.rollout.sync_weights(weight_version(step + 1))
         self.completed_steps = step + 1
         n_tokens = sum(s.input_ids.numel() for s in samples)
         perf = {
@@ -172,7 +175,7 @@ class Job:
         reward_stats = []
         while len(prompts) < want:
             batch = self.train_set.next_batch(want - len(prompts))
-            gens = self.generate(batch, self.sampling(step, round_=rounds))
+            gens = self.rollout.generate(batch, self.sampling(step, round_=rounds))
             scored = self.score(batch, gens)
             reward_stats.append(scored[1])
             for p, g, r in zip(batch, gens, scored[0], strict=True):
@@ -202,7 +205,8 @@ class Job:
             "rollout/truncated_fraction": _mean([g.finish_reason == "length" for g in gens]),
             "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
             "rollout/visual_tokens_per_sample": _mean([_visual_tokens(p, self.tokens) for p in prompts]),
-            "rollout/engine_restarts": float(self.engine_restarts),
+            "rollout/engine_restarts": float(self.rollout.restarts()),
+            "rollout/weight_resyncs": float(self.rollout.resyncs),
             "rollout/rounds": float(rounds),
         }
         for part in ("accuracy", "format"):
@@ -225,38 +229,6 @@ class Job:
             top_p=r.top_p,
             top_k=r.top_k,
             seed=seed,
-        )
-
-    def generate(self, prompts: Sequence, params: SamplingParams) -> list[list[Generation]]:
-        """Split the prompts over the engines. An engine that dies is replaced by a fresh one with the current
-        weights and its prompts are retried, at most `rollout.max_restarts` times per call: no prompt is lost."""
-        chunks = _split(list(prompts), len(self.engines))
-        results: dict[int, list[list[Generation]]] = {}
-        pending = {i: self.engines[i].generate.remote(c, params) for i, c in enumerate(chunks) if c}
-        restarts = 0
-        while pending:
-            i = next(iter(pending))
-            try:
-                results[i] = ray.get(pending.pop(i))
-            except ray.exceptions.RayActorError as e:
-                restarts += 1
-                self.engine_restarts += 1
-                if restarts > self.cfg.rollout.max_restarts:
-                    raise RuntimeError(
-                        f"rollout engine {i} died {restarts} times in one call (rollout.max_restarts="
-                        f"{self.cfg.rollout.max_restarts}); see its log above"
-                    ) from e
-                log.warning("rollout engine %d died; replacing it and retrying its %d prompts", i, len(chunks[i]))
-                self.engines[i] = self.new_engine()
-                ray.get(self.engines[i].load_weights.remote(self.trainer_weights()))
-                pending[i] = self.engines[i].generate.remote(chunks[i], params)
-        return [g for i in range(len(chunks)) for g in results.get(i, [])]
-
-    def new_engine(self):
-        gpus = self.cfg.rollout.gpus_per_engine if self.cfg.train.num_gpus > 0 else 0
-        res = actor_resources("rollout", placement=self.cfg.ray.placement, gpus=gpus)
-        return RolloutWorker.options(max_restarts=0, num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(
-            self.cfg, self.tokens, os.environ.get(FAULT_FILE_ENV)
         )
 
     def score(self, prompts: Sequence, groups: list[list[Generation]]):
@@ -296,24 +268,13 @@ class Job:
                 k += 1
         return samples, {"rollout/zero_adv_group_fraction": adv.zero_adv_group_fraction}
 
-    def engines_call(self, method: str) -> None:
-        if self.cfg.ray.placement == "colocate":
-            ray.get([getattr(e, method).remote() for e in self.engines])
-
-    def trainer_weights(self):
-        return self.trainer.export_weights.remote()
-
-    def sync_weights(self) -> None:
-        weights = self.trainer_weights()
-        ray.get([e.load_weights.remote(weights) for e in self.engines])
-
     # -- eval, checkpoints, logging -------------------------------------------------------------------------------
 
     def evaluate(self, step: int) -> dict[str, float]:
         if self.eval_set is None or len(self.eval_set) == 0:
             return {}
         prompts = [p for batch in self.eval_set.ordered_batches(256, self.cfg.eval.max_prompts) for p in batch]
-        groups = self.generate(prompts, self.sampling(step, eval_=True))
+        groups = self.rollout.generate(prompts, self.sampling(step, eval_=True))
         rewards, _ = self.score(prompts, groups)
         flat = [r for rs in rewards for r in rs]
         out = {"eval/reward_mean": _mean([r.overall for r in flat]), "eval/prompts": float(len(prompts))}
@@ -325,7 +286,8 @@ class Job:
     def save(self, step: int) -> None:
         state = {
             "data": self.train_set.state_dict(),
-            "engine_restarts": self.engine_restarts,
+            "engine_restarts": self.rollout.restarts(),
+            "weight_resyncs": self.rollout.resyncs,
             "config": self.cfg.model_dump(mode="json"),
         }
         save_checkpoint(
@@ -341,8 +303,9 @@ class Job:
         ray.get(self.trainer.load_checkpoint.remote(str(path)))
         self.train_set.load_state_dict(state["data"])
         self.completed_steps = state["step"]
-        self.engine_restarts = state["engine_restarts"]
-        self.sync_weights()
+        self.rollout.restarts_before = state["engine_restarts"]
+        self.rollout.resyncs = state.get("weight_resyncs", 0)  # absent from checkpoints written before it existed
+        self.rollout.sync_weights(weight_version(state["step"]))
         log.info("resumed from %s at step %d", path, state["step"])
         return state["step"]
 
@@ -372,6 +335,9 @@ class Job:
             self.progress.close()
         if self.sinks:
             self.sinks.close()
+        if self.rollout:
+            self.rollout.close()  # stops sglang servers, which would outlive their actors
+        ray.kill(self.trainer, no_restart=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -396,14 +362,9 @@ class Timer:
         return out
 
 
-def _split(items: list, n: int) -> list[list]:
-    k, m = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + k + (1 if i < m else 0)
-        out.append(items[start:end])
-        start = end
-    return out
+def weight_version(step: int) -> str:
+    """The label of the weights after `step` completed RL steps (what sglang responses must carry)."""
+    return f"step-{step}"
 
 
 def _mean(values) -> float:

@@ -181,6 +181,24 @@ class SGLangRolloutHost:
         the call, so that a sync interrupted by a server death can be sent again in full to the relaunched server."""
         return self._call("load_weights", list(named_tensors), weight_version=weight_version)
 
+    def begin_weight_sync(self) -> None:
+        """`SGLangRolloutEngine.begin_weight_sync`: a colocated sync whose buckets arrive one call at a time."""
+        self._call("begin_weight_sync")
+
+    def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """`SGLangRolloutEngine.load_weight_bucket`; raises `EngineStateError` when the server restarted since the
+        sync began (begin it again)."""
+        self._call("load_weight_bucket", list(named_tensors))
+
+    def finish_weight_sync(self, weight_version: str | None = None) -> SyncReport:
+        """`SGLangRolloutEngine.finish_weight_sync`."""
+        return self._call("finish_weight_sync", weight_version)
+
+    @property
+    def weights_missing(self) -> str | None:
+        """Why the server's weights cannot be used now (a restart or release lost them), or None when they can."""
+        return self.engine.weights_missing
+
     def release_memory(self) -> None:
         """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""
         self._call("release_memory")

@@ -13,19 +13,23 @@ is checked to have used exactly our prompt ids (`PromptMismatchError` names the 
 back in a fixed order, one failed sample is retried alone, and runs with `--enable-deterministic-inference` are
 reproducible per sample. The shared prompt prefix is still computed once per batch wave by SGLang's radix cache.
 
-Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, weights.py); after an NCCL sync driven
-by the trainer (`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's
-`meta_info.weight_version` must equal the version last synced: a server that restarted (and reloaded `model_path`)
-cannot silently serve stale weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a
-server started with `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU
-backup) and `generate` refuses to run until `load_weights` has been called.
+Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, weights.py); a caller that receives
+the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and `finish_weight_sync` (a
+server restart in between is detected and the sync must begin again); after an NCCL sync driven by the trainer
+(`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's `meta_info.weight_version` must
+equal the version last synced: a server that restarted (and reloaded `model_path`) cannot silently serve stale
+weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a server started with
+`--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU backup) and
+`generate` refuses to run until `load_weights` has been called.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -42,7 +46,13 @@ from miles_vl.rollout.sglang.generate import (
     prompt_images,
     sampling_seed,
 )
-from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport, sync_weights_from_tensors
+from miles_vl.rollout.sglang.weights import (
+    DEFAULT_BUCKET_BYTES,
+    SyncReport,
+    finish_tensor_sync,
+    iter_buckets,
+    send_tensor_bucket,
+)
 from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,15 @@ class WeightVersionError(SGLangError):
 
 class EngineStateError(RuntimeError):
     """A call that the engine's memory/weights state does not allow (e.g. generate while memory is released)."""
+
+
+@dataclass
+class _SyncInProgress:
+    restarts: int  # the server's restart count when the sync began
+    start: float
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
 
 
 class SGLangRolloutEngine:
@@ -123,6 +142,8 @@ class SGLangRolloutEngine:
         self.syncs = 0
         self.released = False
         self.weights_missing: str | None = None  # why the server's weights cannot be used now, if they cannot
+        self.server_restarts = 0
+        self._sync: _SyncInProgress | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # generation
@@ -221,21 +242,49 @@ class SGLangRolloutEngine:
         Returns:
             A `SyncReport`.
         """
+        self.begin_weight_sync()
+        for bucket in iter_buckets(named_tensors, self.weight_bucket_bytes):
+            self.load_weight_bucket(bucket)
+        return self.finish_weight_sync(weight_version)
+
+    def begin_weight_sync(self) -> None:
+        """Start a colocated sync whose buckets arrive one call at a time (`load_weight_bucket`, then
+        `finish_weight_sync`). Until it finishes the server holds a mix of old and new tensors and generate refuses.
+        Starting again abandons a sync in progress (e.g. one broken by a server restart)."""
         if self.released:
             raise EngineStateError("load_weights() while the engine's memory is released: call resume_memory() first")
+        self.weights_missing = "a weight sync started and did not complete"
+        self._sync = _SyncInProgress(restarts=self.server_restarts, start=time.monotonic())
+
+    def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """Send one bucket of the sync begun by `begin_weight_sync` (`/update_weights_from_tensor`).
+
+        Raises:
+            EngineStateError: no sync begun, or the server restarted since it began (the buckets sent before are
+                gone with the old process): begin the sync again.
+        """
+        sync = self._open_sync("load_weight_bucket")
+        sync.bytes += send_tensor_bucket(self.client, named_tensors, tp_size=self.tp_size, device=self.weight_device)
+        sync.buckets += 1
+        sync.tensors += len(named_tensors)
+
+    def finish_weight_sync(self, weight_version: str | None = None) -> SyncReport:
+        """Label the synced weights and flush the cache; from now on every response must carry this label.
+
+        Args:
+            weight_version: label for these weights; default `miles_vl-<k>` for the k-th sync of this engine.
+
+        Raises:
+            EngineStateError: as `load_weight_bucket`, or no bucket was sent.
+        """
+        sync = self._open_sync("finish_weight_sync")
+        if sync.buckets == 0:
+            raise EngineStateError("finish_weight_sync() without any bucket: there were no tensors to sync")
         version = weight_version or f"miles_vl-{self.syncs + 1}"
-        # Until the sync completes the server holds a mix of old and new tensors.
-        self.weights_missing = f"the weight sync to {version!r} did not complete"
-        report = sync_weights_from_tensors(
-            self.client,
-            named_tensors,
-            weight_version=version,
-            tp_size=self.tp_size,
-            max_bucket_bytes=self.weight_bucket_bytes,
-            device=self.weight_device,
-            flush_timeout_s=self.flush_timeout_s,
-        )
+        finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.flush_timeout_s)
+        self._sync = None
         self.expect_weight_version(version)
+        report = SyncReport(sync.buckets, sync.tensors, sync.bytes, time.monotonic() - sync.start, version)
         log.info(
             "synced %d tensors (%.1f MB, %d buckets) to %s in %.2fs as %r",
             report.tensors,
@@ -247,6 +296,16 @@ class SGLangRolloutEngine:
         )
         return report
 
+    def _open_sync(self, what: str) -> _SyncInProgress:
+        if self._sync is None:
+            raise EngineStateError(f"{what}() without begin_weight_sync(): start the sync first")
+        if self._sync.restarts != self.server_restarts:
+            raise EngineStateError(
+                f"{what}(): the server restarted during the weight sync, so the buckets sent before are lost; "
+                "begin the sync again"
+            )
+        return self._sync
+
     def expect_weight_version(self, version: str) -> None:
         """Record that the server now holds weights `version` (call after an NCCL sync driven by the trainer)."""
         self.syncs += 1
@@ -255,6 +314,7 @@ class SGLangRolloutEngine:
 
     def server_restarted(self) -> None:
         """The server was relaunched: its memory is resident and its weights are `model_path`'s again."""
+        self.server_restarts += 1
         self.released = False
         if self.syncs:
             self.weights_missing = (

@@ -1,6 +1,7 @@
 """Weight sync trainer -> SGLang: byte-bounded buckets and the exact call sequences of both paths.
 
-Colocated (trainer and engine share GPUs) — `sync_weights_from_tensors`, per engine:
+Colocated (trainer and engine share GPUs) — `sync_weights_from_tensors` (or, for buckets that arrive one at a time,
+`send_tensor_bucket` per bucket then `finish_tensor_sync`), per engine:
 
     for each bucket:  POST /update_weights_from_tensor  {serialized_named_tensors: [payload_rank0, ...],
                                                          load_format: null, flush_cache: false}
@@ -222,25 +223,54 @@ def sync_weights_from_tensors(
     start = time.monotonic()
     buckets = tensors = nbytes = 0
     for bucket in iter_buckets(named_tensors, max_bucket_bytes):
-        if device is not None:
-            bucket = [(name, t.to(device, non_blocking=True)) for name, t in bucket]
-            if torch.device(device).type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the copies must land before the server maps them
-        # One dump per TP rank: each dump registers its own sharing handles (CUDA IPC reference counts, CPU file
-        # descriptors), and a handle must not be consumed by two receiving processes.
-        payloads = [serialize_named_tensors(bucket) for _ in range(tp_size)]
-        client.update_weights_from_tensor(payloads, flush_cache=False)
+        nbytes += send_tensor_bucket(client, bucket, tp_size=tp_size, device=device)
         buckets += 1
         tensors += len(bucket)
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket  # the server has copied the tensors; release our references (and IPC-shared blocks) early
     if buckets == 0:
         raise ValueError("no tensors to sync: named_tensors was empty")
+    finish_tensor_sync(client, weight_version=weight_version, flush_timeout_s=flush_timeout_s)
+    return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version)
+
+
+def send_tensor_bucket(
+    client: SGLangClient,
+    bucket: Sequence[tuple[str, Tensor]],
+    *,
+    tp_size: int = 1,
+    device: torch.device | str | None = None,
+) -> int:
+    """One `/update_weights_from_tensor` call of the colocated sync: the tensors of one bucket.
+
+    Callers that stream buckets (the driver hands them over one at a time) call this per bucket and
+    `finish_tensor_sync` after the last one; `sync_weights_from_tensors` does both.
+
+    Args:
+        client: the engine's server.
+        bucket: HF-named tensors (e.g. one bucket of `iter_buckets`).
+        tp_size: the server's TP size (one payload per rank).
+        device: move tensors here before serializing; None keeps them.
+
+    Returns:
+        Bytes sent.
+    """
+    if device is not None:
+        bucket = [(name, t.to(device, non_blocking=True)) for name, t in bucket]
+        if torch.device(device).type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the copies must land before the server maps them
+    # One dump per TP rank: each dump registers its own sharing handles (CUDA IPC reference counts, CPU file
+    # descriptors), and a handle must not be consumed by two receiving processes.
+    payloads = [serialize_named_tensors(bucket) for _ in range(tp_size)]
+    client.update_weights_from_tensor(payloads, flush_cache=False)
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def finish_tensor_sync(client: SGLangClient, *, weight_version: str, flush_timeout_s: float = 60.0) -> None:
+    """End of a colocated sync: label the weights `weight_version`, then drop the prefix cache of the old ones."""
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
     client.update_weight_version(weight_version)
     client.flush_cache(timeout_s=flush_timeout_s)
-    return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -11,12 +11,17 @@ SGLang in one way: unknown top-level request keys are refused (FastAPI would ign
 
 The "model" is deterministic: output tokens are drawn from a generator seeded by the prompt, the sampling seed and
 the weight version; a response ends with the first stop token id unless its drawn length exceeds max_new_tokens.
+A real model can be plugged in instead (`FakeHTTPServer(model=...)`, see `ServerModel`; hf_server.py serves the
+tiny HF Qwen3-VL this way, for the driver's end-to-end tests).
 
 In-process (tests):      fake = FakeSGLang(); fake.start(); fake.url; fake.calls; fake.inject("/generate", "status",
                          503, times=1); fake.stop()
 As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or -m tests.rollout.sglang.fake_server)
                          --model-path M --host 127.0.0.1 --port P
-                         [--config secrets.yaml] [--fake-startup-delay S] [any flag build_server_argv emits];
+                         [--config secrets.yaml] [--fake-startup-delay S] [any flag build_server_argv emits]
+                         [--fake-journal DIR]  (append every call to DIR/sglang_<port>.jsonl: survives the process)
+                         [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
+                                                exists: a crash the host must recover from, once);
                          control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
 """
@@ -36,7 +41,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
 VERSION = "0.5.16"
@@ -140,7 +146,9 @@ class FakeState:
     api_key: str | None = None
     tp_size: int = 1
     weight_version: str = "default"
+    initial_weight_version: str = "default"
     startup_delay_s: float = 0.0
+    exit_file: str | None = None  # see --fake-exit-file
     allow_exit: bool = False  # os._exit on an "exit" fault: only when this is its own process
     started_at: float = field(default_factory=time.monotonic)
     released: set[str] = field(default_factory=set)
@@ -261,7 +269,7 @@ def _join_group(body: dict[str, Any], tp_rank: int):
     return group
 
 
-def _receive(body: dict[str, Any], group, device: str) -> dict[str, Any]:
+def _receive(body: dict[str, Any], group, device: str) -> list:
     import torch
     import torch.distributed as dist
 
@@ -272,7 +280,7 @@ def _receive(body: dict[str, Any], group, device: str) -> dict[str, Any]:
         tensors.append((name, t))
     for h in handles:
         h.wait()
-    return _summarize(tensors)
+    return tensors
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -309,6 +317,7 @@ class Handler(BaseHTTPRequestHandler):
         if not path.startswith("/_fake/"):
             with state.lock:
                 state.calls.append({"method": method, "path": path, "query": query, "body": body, "auth": authorized})
+            self.server.journal({"path": path, "query": query})
         if not authorized:
             return self._json(401, {"error": "Unauthorized"})
         fault = state.take_fault(path, ("status", "delay", "exit"))
@@ -379,6 +388,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def generate(self, body, query):
         s = self.server.state
+        if s.exit_file and s.weight_version != s.initial_weight_version and _claim(s.exit_file):
+            sys.stderr.write(f"fake-sglang: {s.exit_file} found after a weight sync: exiting as a crash would\n")
+            sys.stderr.flush()
+            os._exit(1)
         _require_fields(body, GENERATE_FIELDS, "GenerateReqInput")
         input_ids = body.get("input_ids")
         if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
@@ -391,24 +404,31 @@ class Handler(BaseHTTPRequestHandler):
         images = body.get("image_data") or []
         if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
             raise BadRequest("image_data must be a list of strings (data URLs) here")
+        pngs = []
         for u in images:
             raw = base64.b64decode(u.split(",", 1)[1] if u.startswith("data:") else u, validate=True)
             if not raw.startswith(b"\x89PNG"):
                 raise BadRequest("an image is not a PNG")
-        if len(images) != vision_blocks(input_ids):
-            raise BadRequest(f"{len(images)} images for {vision_blocks(input_ids)} vision blocks in input_ids")
+            pngs.append(raw)
 
         version = s.weight_version
         if (f := s.take_fault("/generate", ("weight_version",))) is not None:
             version = str(f.value)
-        out, logprobs, finish = fake_tokens(input_ids, sampling, version)
+        if self.server.model is not None:
+            if s.released:
+                raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
+            out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
+        else:
+            if len(images) != vision_blocks(input_ids):
+                raise BadRequest(f"{len(images)} images for {vision_blocks(input_ids)} vision blocks in input_ids")
+            out, logprobs, finish = fake_tokens(input_ids, sampling, version)
+            prompt_ids = list(input_ids)
         if s.take_fault("/generate", ("abort",)) is not None:
             out, logprobs, finish = out[:1], logprobs[:1], {"type": "abort", "message": "Abort before prefill",
                                                             "status_code": None, "err_type": None}  # fmt: skip
-        prompt_ids = list(input_ids)
         if (f := s.take_fault("/generate", ("prompt_ids",))) is not None:
             prompt_ids[f.value["position"]] = f.value["token"]
-        prompt_tokens = len(input_ids)
+        prompt_tokens = len(prompt_ids)
         if (f := s.take_fault("/generate", ("prompt_tokens",))) is not None:
             prompt_tokens += int(f.value)
         meta = {
@@ -448,11 +468,14 @@ class Handler(BaseHTTPRequestHandler):
         if body.get("load_format") not in (None, "direct"):
             raise BadRequest(f"Unknown load_format={body.get('load_format')} (this stand-in loads lists of tensors)")
         try:
-            summaries = [_summarize(_unpickle_allowlisted(base64.b64decode(p, validate=True))) for p in payloads]
+            received = [_unpickle_allowlisted(base64.b64decode(p, validate=True)) for p in payloads]
+            summaries = [_summarize(r) for r in received]
         except BadRequest:
             raise
         except Exception as e:
             raise BadRequest(f"Failed to deserialize named tensors: {type(e).__name__}: {e}") from e
+        if self.server.model is not None:
+            self.server.model.load(received[0])
         with s.lock:
             s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0]})
             if body.get("weight_version") is not None:
@@ -488,11 +511,13 @@ class Handler(BaseHTTPRequestHandler):
         if name not in s.groups:
             raise BadRequest(f"Group {name} not in {list(s.groups)}. Please call `init_weights_update_group` first.")
         group = s.groups[name]
-        summary = (
-            _receive(body, group, s.group_devices[name])
-            if group is not None
-            else {"names": names, "dtypes": dtypes, "shapes": shapes}
-        )
+        if group is not None:
+            tensors = _receive(body, group, s.group_devices[name])
+            summary = _summarize(tensors)
+            if self.server.model is not None:
+                self.server.model.load(tensors)
+        else:
+            summary = {"names": names, "dtypes": dtypes, "shapes": shapes}
         with s.lock:
             s.weights.append({"path": "/update_weights_from_distributed", **summary})
             if body.get("weight_version") is not None:
@@ -517,6 +542,8 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(body.get("new_version"), str):
             raise BadRequest("new_version is a required string")
         s.weight_version = body["new_version"]
+        if self.server.model is not None:
+            self.server.journal({"event": "weights", "version": s.weight_version, "digest": self.server.model.digest()})
         self._json(200, {"success": True, "message": f"Weight version updated to {s.weight_version}",
                          "new_version": s.weight_version})  # fmt: skip
 
@@ -534,6 +561,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(400, {"error": {"message": f"unknown tags {sorted(set(tags) - MEMORY_TAGS)}"}})
         with s.lock:
             (s.released.update if release else s.released.difference_update)(tags)
+        if self.server.model is not None and not release:
+            self.server.model.resumed(tags)
         self._json(200, None)  # the 0.5.16 handler returns None: FastAPI answers `null`
 
     # fake-only control ---------------------------------------------------------------------------------------------
@@ -600,14 +629,70 @@ def _verify_sampling(p: dict[str, Any]) -> None:
             raise BadRequest(f"logit_bias must has keys in [0, {VOCAB_SIZE - 1}], got {key}.")
 
 
+class ServerModel(Protocol):
+    """A real model behind the stand-in's routes (hf_server.py); without one the deterministic fake answers."""
+
+    def generate(self, input_ids: list[int], pngs: list[bytes], sampling: dict) -> tuple[list, list, dict, list]:
+        """(output ids, their logprobs, finish_reason, the prompt ids the server used); BadRequest on bad input."""
+        ...
+
+    def load(self, named_tensors: list) -> None:
+        """Copy these (name, tensor) pairs into the weights."""
+        ...
+
+    def resumed(self, tags: list[str]) -> None:
+        """Memory of these tags came back (without a CPU backup the weights are then undefined)."""
+        ...
+
+    def digest(self) -> dict[str, str]:
+        """{parameter name: hash of its bytes}, journaled at every weight-version update."""
+        ...
+
+
 class FakeHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, state: FakeState, *, record_only_groups: bool):
+    def __init__(
+        self,
+        address,
+        state: FakeState,
+        *,
+        record_only_groups: bool,
+        model: ServerModel | None = None,
+        journal_dir: str | None = None,
+    ):
         self.state = state
         self.record_only_groups = record_only_groups
+        self.model = model
+        self.journal_path = None if journal_dir is None else Path(journal_dir) / f"sglang_{address[1]}.jsonl"
+        self._journal_lock = threading.Lock()
         super().__init__(address, Handler)
+
+    def journal(self, record: dict[str, Any]) -> None:
+        """Append one JSON line (with this process's pid) to the journal file, when there is one."""
+        if self.journal_path is None:
+            return
+        line = json.dumps({"pid": os.getpid(), "time": time.time(), **record}) + "\n"
+        with self._journal_lock, open(self.journal_path, "a") as f:
+            f.write(line)
+
+
+def read_journal(journal_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """The journals of every stand-in that ran with `--fake-journal journal_dir`: {port: records in order}."""
+    out = {}
+    for path in sorted(Path(journal_dir).glob("sglang_*.jsonl")):
+        out[int(path.stem.split("_")[1])] = [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+def _claim(path: str) -> bool:
+    """Delete `path` if it exists; True for the one process that deleted it."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 class FakeSGLang:
@@ -660,9 +745,10 @@ class FakeSGLang:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run as a process with the flags build_server_argv emits (unknown SGLang flags are accepted and ignored)."""
-    parser = argparse.ArgumentParser(prog="fake-sglang")
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The flags build_server_argv emits that the stand-in reads, plus its own `--fake-*` ones (unknown SGLang flags
+    are accepted and ignored)."""
+    parser = parser or argparse.ArgumentParser(prog="fake-sglang")
     parser.add_argument("--model-path", "--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
@@ -672,7 +758,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
+    parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
+    parser.add_argument("--fake-exit-file", default=None, help="crash on the first /generate after a sync, once")
     args, _ = parser.parse_known_args(argv)
+    return args
+
+
+def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
+    """Run the stand-in in this process until it is killed."""
     api_key = args.api_key
     if args.config:  # 0.5.16 merges the YAML into the arguments (server_args_config_parser.py)
         import yaml
@@ -684,12 +777,16 @@ def main(argv: list[str] | None = None) -> None:
         api_key=api_key,
         tp_size=args.tp_size,
         weight_version=args.weight_version,
+        initial_weight_version=args.weight_version,
         startup_delay_s=args.fake_startup_delay,
+        exit_file=args.fake_exit_file,
         allow_exit=True,
     )
     if args.host not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"fake-sglang binds loopback only, got --host {args.host}")
-    httpd = FakeHTTPServer(("127.0.0.1", args.port), state, record_only_groups=False)
+    httpd = FakeHTTPServer(
+        ("127.0.0.1", args.port), state, record_only_groups=False, model=model, journal_dir=args.fake_journal
+    )
     if args.fake_exit_after is not None:
         threading.Timer(
             args.fake_exit_after, lambda: (sys.stderr.write("fake-sglang: scheduled exit\n"), os._exit(3))
@@ -697,6 +794,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.stderr.write(f"fake-sglang {VERSION} listening on 127.0.0.1:{args.port} (pid {os.getpid()})\n")
     sys.stderr.flush()
     httpd.serve_forever(poll_interval=0.05)
+
+
+def main(argv: list[str] | None = None) -> None:
+    serve(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Contract: `SGLangRolloutEngine` implements `RolloutEngine` over the SGLang 0.5.16 HTTP API: `n` generations per
 prompt in order, one request per sample with the canonical ids and the prompt's images; a prompt-id mismatch, a
 prompt without its images, or a response from other weights than the last synced is a loud error; the colocated
-weight sync sends byte-bounded buckets of the exact tensors, then labels the version and flushes the cache; memory
+weight sync sends byte-bounded buckets of the exact tensors, then labels the version and flushes the cache (also when
+the buckets are handed over one call at a time, where a server restart in the middle voids the sync); memory
 release/resume is refused when it cannot work and leaves the engine refusing to generate until weights are synced."""
 
 from __future__ import annotations
@@ -176,3 +177,36 @@ def test_release_needs_a_memory_saver_server(fake):
     with pytest.raises(EngineStateError, match="--enable-memory-saver"):
         engine(fake).release_memory()
     assert fake.calls == []
+
+
+def test_a_sync_bucket_by_bucket_and_a_restart_in_its_middle(fake):
+    """Buckets handed over one call at a time (as the driver streams them from the trainer) make the same calls as
+    `load_weights`; a server restart between two buckets voids the sync (its earlier buckets are lost), so the rest of
+    it is refused until it begins again, and generate refuses until a sync completes."""
+    eng = engine(fake)
+    params = SamplingParams(max_new_tokens=2)
+    eng.begin_weight_sync()
+    with pytest.raises(EngineStateError, match="weight sync started and did not complete"):
+        eng.generate([make_prompt([1])], params)
+    eng.load_weight_bucket([("a", torch.ones(2))])
+    eng.load_weight_bucket([("b", torch.zeros(3))])
+    report = eng.finish_weight_sync("step-1")
+    assert (report.buckets, report.tensors, report.bytes, report.weight_version) == (2, 2, 20, "step-1")
+    assert fake.paths() == ["/update_weights_from_tensor"] * 2 + ["/update_weight_version", "/flush_cache"]
+    assert len(eng.generate([make_prompt([1])], params)[0]) == 1
+
+    eng.begin_weight_sync()
+    eng.load_weight_bucket([("a", torch.ones(2))])
+    eng.server_restarted()  # what the host reports after relaunching a dead server
+    with pytest.raises(EngineStateError, match="server restarted during the weight sync"):
+        eng.load_weight_bucket([("b", torch.zeros(3))])
+    with pytest.raises(EngineStateError, match="server restarted during the weight sync"):
+        eng.finish_weight_sync("step-2")
+    with pytest.raises(EngineStateError, match="restarted and reloaded model_path"):
+        eng.generate([make_prompt([1])], params)
+    eng.begin_weight_sync()
+    eng.load_weight_bucket([("a", torch.ones(2))])
+    assert eng.finish_weight_sync("step-2").buckets == 1
+    assert len(eng.generate([make_prompt([1])], params)[0]) == 1
+    with pytest.raises(EngineStateError, match="without begin_weight_sync"):
+        eng.load_weight_bucket([("a", torch.ones(2))])

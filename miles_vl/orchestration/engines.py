@@ -1,0 +1,203 @@
+"""The rollout engines as one group: launch, generate with recovery, memory release around training, weight sync.
+
+    rollout = RolloutEngines(cfg, tokens, trainer, log_dir)     # rollout.num_engines actors (hf or sglang)
+    groups = rollout.generate(prompts, params)                   # prompts split over the engines, prompt order kept
+    rollout.release_memory(); <train>; rollout.resume_memory()   # colocated placement only
+    rollout.sync_weights("step-3")                               # trainer -> every engine (weight_sync.py)
+
+Recovery. When a call fails on engine i, the group looks at why:
+- the engine is dead (its actor died, or its sglang host gave up relaunching the server): a new actor replaces it;
+- the engine lives but has lost the current weights (its SGLang server restarted and reloaded model.path, or a sync
+  to it broke off; the engine refuses to generate in that state);
+then syncs the current weights to it again (`repair`) and retries the call, at most `rollout.max_restarts` times per
+call: no prompt is lost and no sample comes from stale weights. Any other error is raised. Counted in the step
+metrics: `rollout/engine_restarts` (actors replaced + servers relaunched) and `rollout/weight_resyncs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+
+from miles_vl.config import JobConfig
+from miles_vl.model import SpecialTokens
+from miles_vl.orchestration.actors import FAULT_FILE_ENV, RolloutWorker
+from miles_vl.orchestration.placement import actor_resources
+from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV, SGLANG_LAUNCH_MODULE, SGLangWorker, strip_pixels
+from miles_vl.orchestration.weight_sync import Failed, make_weight_sync
+from miles_vl.rollout import Generation, SamplingParams
+from miles_vl.rollout.sglang import SGLangServerDiedError
+
+log = logging.getLogger(__name__)
+
+
+class RolloutEngines:
+    """`rollout.num_engines` rollout actors of `rollout.backend` and the way weights reach them.
+
+    Args:
+        cfg: the job config.
+        tokens: special token ids.
+        trainer: the train actor (source of the weights).
+        log_dir: where sglang servers write their logs (`sglang_<i>.log`).
+
+    Raises:
+        ray.exceptions.RayActorError: an engine could not start (for sglang, the message quotes the server's log).
+    """
+
+    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, trainer, log_dir: Path):
+        self.cfg = cfg
+        self.tokens = tokens
+        self.log_dir = log_dir
+        # Test hooks, read here and handed to the actors explicitly (actors.py, sglang_engines.py).
+        self.fault_file = os.environ.get(FAULT_FILE_ENV)
+        self.launch_module = os.environ.get(LAUNCH_MODULE_ENV, SGLANG_LAUNCH_MODULE)
+        self.weight_sync = make_weight_sync(cfg, trainer)
+        self.weight_version: str | None = None  # None: the engines still hold the initial weights
+        self.replaced = 0
+        self.resyncs = 0
+        self.restarts_before = 0  # engine restarts of the run before a resume
+        self._server_restarts = [0] * cfg.rollout.num_engines  # last seen per engine
+        self._server_restarts_of_replaced = 0
+        self.engines = [self._launch(i) for i in range(cfg.rollout.num_engines)]
+        try:
+            ray.get([e.ready.remote() for e in self.engines])  # a server that cannot start fails here, with its log
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the calls of the driver loop ----------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence, params: SamplingParams) -> list[list[Generation]]:
+        """`params.n` generations per prompt, in prompt order; a failed engine is recovered and its prompts retried.
+
+        Raises:
+            RuntimeError: one engine failed more than `rollout.max_restarts` times in this call.
+        """
+        if self.cfg.rollout.backend == "sglang":
+            prompts = strip_pixels(prompts)
+        chunks = _split(list(prompts), len(self.engines))
+        results: dict[int, list[list[Generation]]] = {}
+        pending = {i: self.engines[i].generate.remote(c, params) for i, c in enumerate(chunks) if c}
+        failures = 0
+        while pending:
+            i = next(iter(pending))
+            try:
+                results[i] = ray.get(pending.pop(i))
+            except ray.exceptions.RayError as error:
+                failures += 1
+                if failures > self.cfg.rollout.max_restarts:
+                    raise RuntimeError(
+                        f"rollout engine {i} failed {failures} times in one call (rollout.max_restarts="
+                        f"{self.cfg.rollout.max_restarts}); see its log above"
+                    ) from error
+                log.warning("rollout engine %d failed; recovering it and retrying its %d prompts", i, len(chunks[i]))
+                self._recover({i: error})
+                pending[i] = self.engines[i].generate.remote(chunks[i], params)
+        return [g for i in range(len(chunks)) for g in results.get(i, [])]
+
+    def release_memory(self) -> None:
+        """Colocated: the engines free their accelerator memory for the trainer (no-op when disaggregated)."""
+        if self.cfg.ray.placement == "colocate":
+            ray.get([e.release_memory.remote() for e in self.engines])
+
+    def resume_memory(self) -> None:
+        """Colocated: the engines take their memory back (sglang weights are then undefined until the sync)."""
+        if self.cfg.ray.placement == "colocate":
+            ray.get([e.resume_memory.remote() for e in self.engines])
+
+    def sync_weights(self, version: str) -> None:
+        """The trainer's current weights to every engine, labelled `version` (engines that fail are recovered)."""
+        self.weight_version = version
+        failed = self.weight_sync.push(self.engines, version)
+        if failed:
+            self._recover(failed)
+
+    def restarts(self) -> int:
+        """Engine restarts of the whole run: actors replaced plus SGLang servers relaunched by their hosts."""
+        self._server_restarts = ray.get([e.server_restarts.remote() for e in self.engines])
+        return self.restarts_before + self.replaced + self._server_restarts_of_replaced + sum(self._server_restarts)
+
+    def close(self) -> None:
+        """Leave any weight-update group, stop every server, end the actors."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.weight_sync.close()
+        for engine in self.engines:
+            _end(engine)
+
+    # -- recovery ------------------------------------------------------------------------------------------------
+
+    def _recover(self, failed: Failed) -> None:
+        """Bring the failed engines back with the current weights (module docstring); at most
+        `rollout.max_restarts` rounds when the repair itself fails."""
+        for _ in range(self.cfg.rollout.max_restarts + 1):
+            for i, error in failed.items():
+                self._triage(i, error)
+            if self.weight_version is None:
+                return  # fresh or restarted engines hold the initial weights, which are still current
+            self.resyncs += len(failed)
+            log.warning("syncing weights %s again to engine(s) %s", self.weight_version, sorted(failed))
+            failed = self.weight_sync.repair(self.engines, sorted(failed), self.weight_version)
+            if not failed:
+                return
+        raise RuntimeError(
+            f"rollout engines {sorted(failed)} could not be given weights {self.weight_version} in "
+            f"{self.cfg.rollout.max_restarts + 1} attempts (rollout.max_restarts); see their logs"
+        ) from next(iter(failed.values()))
+
+    def _triage(self, i: int, error: BaseException) -> None:
+        """Replace engine i if it is dead; return if it lives but lost its weights (the repair syncs it); raise
+        `error` otherwise (e.g. a prompt-id mismatch: retrying would not help)."""
+        dead = isinstance(error, ray.exceptions.RayActorError) or isinstance(
+            getattr(error, "cause", None), SGLangServerDiedError
+        )
+        if not dead:
+            try:
+                lost_weights = ray.get(self.engines[i].needs_weights.remote())
+            except ray.exceptions.RayActorError:
+                lost_weights, dead = False, True
+            if lost_weights:
+                log.warning("rollout engine %d lost its weights (its server restarted or a sync broke off)", i)
+                return
+            if not dead:
+                raise error
+        log.warning("rollout engine %d is dead (%s); replacing it", i, str(error).splitlines()[0][:300])
+        _end(self.engines[i])
+        self._server_restarts_of_replaced += self._server_restarts[i]
+        self._server_restarts[i] = 0
+        self.engines[i] = self._launch(i)
+        ray.get(self.engines[i].ready.remote())
+        self.replaced += 1
+
+    def _launch(self, i: int):
+        r = self.cfg.rollout
+        gpus = r.gpus_per_engine if self.cfg.train.num_gpus > 0 else 0
+        res = actor_resources("rollout", placement=self.cfg.ray.placement, gpus=gpus)
+        options = dict(max_restarts=0, num_cpus=res.num_cpus, num_gpus=res.num_gpus)
+        if r.backend == "sglang":
+            return SGLangWorker.options(**options).remote(
+                self.cfg, self.tokens, i, self.launch_module, str(self.log_dir)
+            )
+        return RolloutWorker.options(**options).remote(self.cfg, self.tokens, self.fault_file)
+
+
+def _end(engine) -> None:
+    """Stop the engine's server (sglang: its whole process group, which outlives a killed actor) and the actor."""
+    with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        ray.get(engine.shutdown.remote(), timeout=120)
+    with contextlib.suppress(ValueError):
+        ray.kill(engine, no_restart=True)
+
+
+def _split(items: list, n: int) -> list[list]:
+    k, m = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + k + (1 if i < m else 0)
+        out.append(items[start:end])
+        start = end
+    return out

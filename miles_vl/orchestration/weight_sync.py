@@ -1,0 +1,154 @@
+"""Trainer weights -> rollout engines after every train step, and again for engines that lost them.
+
+Two ways, picked by `make_weight_sync`:
+
+    tensors  (hf engines; sglang colocated) — through Ray's object store, one bucket at a time:
+        every engine  begin_weight_sync()
+        for bucket in trainer.export_weight_buckets(WEIGHT_BUCKET_BYTES)    # streaming; at most 2 buckets ahead
+            every engine  load_weight_bucket(bucket)                        # sglang: POST /update_weights_from_tensor
+        every engine  finish_weight_sync(version)                           # sglang: label the version, flush
+
+    nccl  (sglang disaggregated) — trainer rank 0 broadcasts, the engines receive:
+        once:      trainer.open_weight_group(engine addresses)  # every engine POST /init_weights_update_group while
+                                                                 # the trainer joins as rank 0
+        each sync: trainer.send_weights(version)                 # per bucket: every engine POST
+                                                                 # /update_weights_from_distributed while the trainer
+                                                                 # broadcasts; then /update_weight_version, /flush_cache
+                   every engine  expect_weight_version(version)  # responses must carry this label from now on
+        repair:    trainer.close_weight_group(); open again; send to all   # a restarted server left the group
+
+`push` and `repair` return the engines that failed ({index: error}) instead of raising, so that the caller
+(engines.py) can replace the dead ones and re-sync the others; it raises what it cannot repair.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import ray
+
+from miles_vl.config import JobConfig
+from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES
+
+log = logging.getLogger(__name__)
+
+# Bound of one bucket in the object store (tests lower it to see several buckets).
+WEIGHT_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
+# Buckets the trainer may export ahead of the engines: bounds the object store's share of the weights.
+BUCKETS_AHEAD = 2
+
+Failed = dict[int, BaseException]
+
+
+def make_weight_sync(cfg: JobConfig, trainer) -> TensorWeightSync | NcclWeightSync:
+    if cfg.rollout.backend == "sglang" and cfg.ray.placement == "disaggregate":
+        return NcclWeightSync(
+            trainer,
+            backend="nccl" if cfg.train.num_gpus > 0 else "gloo",
+            request_timeout_s=cfg.rollout.sglang.request_timeout_s,
+        )
+    return TensorWeightSync(trainer)
+
+
+class TensorWeightSync:
+    """Through the object store (hf engines; sglang colocated): the trainer's buckets go to every engine actor."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def push(self, engines: Sequence, version: str, only: Sequence[int] | None = None) -> Failed:
+        """Sync `engines` (or only those at the indices `only`) to the trainer's weights, labelled `version`."""
+        targets = {i: engines[i] for i in (range(len(engines)) if only is None else only)}
+        failed: Failed = {}
+        _call_each(targets, failed, "begin_weight_sync")
+        buckets = self.trainer.export_weight_buckets.options(
+            num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_AHEAD
+        ).remote(WEIGHT_BUCKET_BYTES)
+        n = 0
+        for bucket in buckets:  # an ObjectRef per bucket: each engine fetches it from the object store
+            _call_each(targets, failed, "load_weight_bucket", bucket)
+            n += 1
+        _call_each(targets, failed, "finish_weight_sync", version)
+        log.info("weights %s: %d bucket(s) to %d engine(s), %d failed", version, n, len(targets), len(failed))
+        return failed
+
+    def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
+        """Engines `indices` lost their weights (restarted or replaced): sync those again."""
+        return self.push(engines, version, only=indices)
+
+    def close(self) -> None:
+        pass
+
+
+class NcclWeightSync:
+    """Disaggregated: one weight-update group of trainer rank 0 and every engine, formed on the first push."""
+
+    def __init__(self, trainer, *, backend: str, request_timeout_s: float, timeout_s: float = 600.0):
+        self.trainer = trainer
+        self.backend = backend
+        self.request_timeout_s = request_timeout_s
+        self.timeout_s = timeout_s
+        self.open = False
+
+    def push(self, engines: Sequence, version: str) -> Failed:
+        """Broadcast the trainer's weights to every engine, labelled `version`. A failure leaves every engine with
+        partly updated weights, so all of them are returned as failed (the caller re-syncs them)."""
+        failed: Failed = {}
+        _call_each(dict(enumerate(engines)), failed, "begin_weight_sync")  # generate refuses until the sync ends
+        if failed:
+            return failed
+        try:
+            if not self.open:
+                addresses = ray.get([e.endpoint.remote() for e in engines])
+                options = dict(
+                    backend=self.backend,
+                    max_bucket_bytes=WEIGHT_BUCKET_BYTES,
+                    timeout_s=self.timeout_s,
+                    request_timeout_s=self.request_timeout_s,
+                )
+                ray.get(self.trainer.open_weight_group.remote(addresses, **options))
+                self.open = True
+            report = ray.get(self.trainer.send_weights.remote(version))
+        except ray.exceptions.RayTaskError as error:
+            log.warning("NCCL weight sync %s failed: %s", version, error)
+            self.close()
+            return _blame(engines, error)
+        _call_each(dict(enumerate(engines)), failed, "expect_weight_version", version)
+        log.info(
+            "weights %s: %d bucket(s) over %s to %d engine(s)", version, report.buckets, self.backend, len(engines)
+        )
+        return failed
+
+    def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
+        """A restarted or replaced engine is no longer in the group: form it again and send to every engine."""
+        self.close()
+        return self.push(engines, version)
+
+    def close(self) -> None:
+        """Leave the group on every engine and the trainer (engines that are gone are skipped with a warning)."""
+        if self.open:
+            self.open = False
+            ray.get(self.trainer.close_weight_group.remote())
+
+
+def _call_each(targets: dict, failed: Failed, method: str, *args) -> None:
+    """`method(*args)` on every target engine not failed yet, concurrently; failures are recorded, not raised."""
+    refs = {i: getattr(e, method).remote(*args) for i, e in targets.items() if i not in failed}
+    for i, ref in refs.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as error:
+            failed[i] = error
+
+
+def _blame(engines: Sequence, error: BaseException) -> Failed:
+    """Every engine after a failed NCCL sync: those that died with their own error, the others with `error`."""
+    failed: Failed = {}
+    for i, e in enumerate(engines):
+        try:
+            ray.get(e.needs_weights.remote())
+            failed[i] = error
+        except ray.exceptions.RayError as probe_error:
+            failed[i] = probe_error
+    return failed

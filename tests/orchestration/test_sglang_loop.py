@@ -1,0 +1,206 @@
+"""Contracts of the driver loop with `rollout.backend=sglang`, end to end on CPU. The "SGLang servers" are
+tests/rollout/sglang/hf_server.py: processes launched by the real host from the real argv (the test substitutes only
+the module run with `python -m`), speaking SGLang 0.5.16's HTTP API and generating with the tiny HF Qwen3-VL of a
+checkpoint directory. Each server journals the calls it received and a digest of its weights at every sync.
+
+Colocated (`/update_weights_from_tensor`):
+- every step: release memory -> train -> resume -> weights in several buckets -> version label -> cache flush;
+- after each sync the server's weights equal the trainer's checkpoint of that step, bit for bit, and its samples
+  score like the trainer's (`train_rollout_logprob_abs_diff` ~ 0 in fp32);
+- a server killed after a sync is relaunched by its host, refuses to generate with its reloaded weights, is re-synced
+  by the driver (counted) and its prompts are retried: no sample is lost.
+Disaggregated (`/update_weights_from_distributed`, gloo in place of NCCL): the group is formed once, then per sync
+one POST per bucket while the trainer broadcasts, the version label, the flush; the weights arrive exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from miles_vl.config import ConfigError, load_config
+from miles_vl.config.schema import TinyModelConfig
+from miles_vl.data import load_processor, special_tokens
+from miles_vl.model import build_model
+from miles_vl.orchestration import run_job, weight_sync
+from miles_vl.orchestration.loop import check_backends
+from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
+from tests.rollout.sglang.conftest import free_port
+from tests.rollout.sglang.fake_server import read_journal
+from tests.rollout.sglang.hf_server import tensor_digest
+
+REPO = Path(__file__).resolve().parents[2]
+PIXELS = (3136, 12544)  # data.min_pixels / max_pixels of configs/geo3k_tiny_cpu.yaml
+SYNC_PATHS = ("/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weight_version")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The tiny random Qwen3-VL and the offline processor as an HF checkpoint directory (what SGLang would load)."""
+    path = tmp_path_factory.mktemp("tiny_qwen3vl")
+    processor = load_processor("offline", *PIXELS)
+    build_model(special_tokens(processor), tiny=TinyModelConfig().model_dump(), seed=7).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def sglang_env(monkeypatch):
+    monkeypatch.setenv(LAUNCH_MODULE_ENV, "tests.rollout.sglang.hf_server")
+    monkeypatch.setattr(weight_sync, "WEIGHT_BUCKET_BYTES", 64 * 1024)  # the tiny model then takes several buckets
+
+
+def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):
+    return load_config(
+        REPO / "configs" / "geo3k_tiny_cpu.yaml",
+        [
+            "num_steps=2",
+            "data.synthetic_n=24",
+            "rollout.backend=sglang",
+            "rollout.batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_response_len=6",
+            f"rollout.sglang.port={free_port()}",
+            "rollout.sglang.startup_timeout_s=120",
+            "rollout.sglang.request_timeout_s=60",
+            "rollout.sglang.max_retries=1",
+            "model.init=pretrained",
+            f"model.path={checkpoint}",
+            "model.processor=null",
+            "eval.interval=2",
+            "eval.max_prompts=2",
+            "checkpoint.interval=1",
+            "logging.progress=false",
+            "logging.wandb.mode=disabled",
+            "reward.name=tests.orchestration.rewards:length_reward",
+            f"logging.output_dir={tmp_path}",
+            f"logging.run_name={name}",
+            *overrides,
+        ],
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def trainer_digests(run_dir: Path, step: int) -> dict[str, str]:
+    tensors = load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
+    return {name: tensor_digest(t) for name, t in tensors.items()}
+
+
+def check_weights_match_the_trainer(run_dir: Path, journal: dict[int, list[dict]]) -> None:
+    """Every weight version a server reported holds exactly the trainer's weights of that step."""
+    trainer = {k: trainer_digests(run_dir, k) for k in (1, 2)}
+    seen = 0
+    for records in journal.values():
+        for r in records:
+            if r.get("event") == "weights":
+                want = trainer[int(r["version"].removeprefix("step-"))]
+                shared = set(want) & set(r["digest"])
+                assert len(shared) >= 0.9 * len(r["digest"])  # (tied tensors are saved once)
+                assert {n: r["digest"][n] for n in shared} == {n: want[n] for n in shared}, r["version"]
+                seen += 1
+    assert seen >= 2
+
+
+def sync_sequences(records: list[dict]) -> list[list[str]]:
+    """The calls of each weight sync: from its first weight call to the flush after the version label."""
+    out, current = [], None
+    for r in records:
+        path = r.get("path")
+        if path in SYNC_PATHS and current is None:
+            current = []
+        if current is not None and path is not None:
+            current.append(path)
+            if path == "/flush_cache" and current[-2] == "/update_weight_version":
+                out.append(current)
+                current = None
+    return out
+
+
+def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, sglang_env, local_ray):
+    journal_dir, crash = tmp_path / "journal", tmp_path / "crash-once"
+    journal_dir.mkdir()
+    crash.touch()
+    extra = f"rollout.sglang.extra_args=[--fake-journal,{journal_dir},--fake-exit-file,{crash}]"
+    run = run_job(config(tmp_path, checkpoint, "colocated", extra))
+    rows = metrics(run)
+
+    assert not crash.exists()  # a server did crash (on its first generate after the step-1 sync) ...
+    assert rows[-1]["rollout/engine_restarts"] == 1  # ... its host relaunched it ...
+    assert rows[-1]["rollout/weight_resyncs"] == 1  # ... and the driver gave it the step-1 weights again
+    for r in rows:
+        assert r["rollout/prompts"] == 2  # no prompt lost
+        assert r["train/n_loss_tokens"] == r["rollout/response_tokens"]  # every sample trained on
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4  # the servers sampled with the trainer's weights
+    assert "eval/reward_mean" in rows[-1]
+
+    [records] = read_journal(journal_dir).values()
+    check_weights_match_the_trainer(run, {0: records})
+    paths = [r["path"] for r in records if "path" in r]
+    syncs = sync_sequences(records)
+    assert len(syncs) == 3  # step 1, the re-sync of the relaunched server, step 2
+    for seq in syncs:  # several buckets, then the version label, then the flush
+        assert len(seq) >= 4 and seq[:-2] == ["/update_weights_from_tensor"] * (len(seq) - 2)
+    assert "/update_weights_from_distributed" not in paths
+    # Colocated memory: released before and resumed after each of the 2 train steps.
+    assert paths.count("/release_memory_occupation") == paths.count("/resume_memory_occupation") == 2
+    # The relaunched server (second pid) got the step-1 weights before its first generate (it refused until then).
+    pids = list(dict.fromkeys(r["pid"] for r in records))
+    assert len(pids) == 2
+    second = [r for r in records if r["pid"] == pids[1]]
+    first_generate = next(k for k, r in enumerate(second) if r.get("path") == "/generate")
+    assert [r["version"] for r in second[:first_generate] if r.get("event") == "weights"] == ["step-1"]
+
+
+def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, sglang_env, local_ray):
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    run = run_job(
+        config(
+            tmp_path,
+            checkpoint,
+            "disaggregated",
+            "ray.placement=disaggregate",
+            "rollout.num_engines=1",
+            "eval.interval=0",
+            f"rollout.sglang.extra_args=[--fake-journal,{journal_dir}]",
+        )
+    )
+    rows = metrics(run)
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows)
+    [records] = read_journal(journal_dir).values()
+    check_weights_match_the_trainer(run, {0: records})
+    paths = [r["path"] for r in records if "path" in r]
+    assert paths.count("/init_weights_update_group") == 1  # formed once, used by both syncs
+    sync = paths[paths.index("/init_weights_update_group") :]
+    n = sync.index("/update_weight_version") - 1
+    assert n >= 2 and sync[1 : n + 1] == ["/update_weights_from_distributed"] * n  # one POST per bucket
+    assert sync[n + 1 : n + 3] == ["/update_weight_version", "/flush_cache"]
+    assert len(sync_sequences(records)) == 2
+    assert paths[-1] == "/destroy_weights_update_group"  # the group is left at the end of the job
+    assert not {"/update_weights_from_tensor", "/release_memory_occupation"} & set(paths)
+
+
+def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
+    checkpoint = tmp_path  # never read: the checks run on the config alone
+    random_init = config(tmp_path, checkpoint, "x", "model.init=random", "model.processor=offline")
+    with pytest.raises(ConfigError, match="model.init=random trains a random model the server cannot load"):
+        check_backends(random_init)
+    for wide in ("rollout.gpus_per_engine=2", "rollout.num_engines=2"):
+        with pytest.raises(ConfigError, match="colocated SGLang engines on several GPUs need a placement group"):
+            check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", wide))
+    check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1"))  # one engine on the trainer's GPU
+    check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", "ray.placement=disaggregate", wide))
