@@ -1,7 +1,10 @@
 """Contract (GPU): the colocated weight payload carries CUDA IPC handles with the device written as its GPU UUID,
 and another process (the stand-in server, rebuilding as SGLang 0.5.16's patched `rebuild_cuda_tensor` does) maps
 them back to the exact tensors, once per TP rank. With two GPUs, the NCCL path delivers the exact tensors to a
-stand-in engine on the other GPU (group built on both sides as 0.5.16's `init_custom_process_group` does)."""
+stand-in engine on the other GPU (group built on both sides as 0.5.16's `init_custom_process_group` does).
+
+The same contracts against a real SGLang 0.5.16 server (CUDA IPC into its scheduler, generation, logprobs against
+the trainer, release/resume, restart) are in tests/gpu/test_sglang_real.py (scripts/gpu/run_sglang_checks.sh)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,335 @@
+"""Decode throughput of a real SGLang 0.5.16 server against the embedded `hf` engine, same GPU, same prompts.
+
+    PYTHONPATH=. python benchmarks/bench_sglang_decode.py [--batch 64] [--max-new-tokens 256] [--ckpt DIR]
+    PYTHONPATH=. python benchmarks/bench_sglang_decode.py --tiny     # tiny model, 4 prompts, 16 tokens: a GPU smoke run
+
+Needs CUDA and an importable `sglang` (scripts/gpu/run_sglang_checks.sh installs the bundle and runs this).
+
+Model: random-init Qwen3-VL with the Qwen3-VL-2B shapes, bf16, written by scripts/gpu/make_tiny_qwen3vl.py
+(`--shape 2b`: real 151936-row embedding, the offline 590-token processor), or `--ckpt`. Both engines load that
+same directory. Prompts: `--batch` geo3k-like synthetic problems (miles_vl.data.synth), one 256x256 image each,
+built by miles_vl.data's prompt encoder with a pixel range that gives ~196 vision tokens per image (SGLang decodes
+prompt ids to text and re-runs the processor, so prompts must come from the real tokenizer, not random ids).
+One response per prompt, `--max-new-tokens` tokens each, EOS ignored: SGLang requests carry `ignore_eos`; the hf
+engine gets a banned vision token as its only EOS id (as in bench_decode.py). Every response is checked to have
+exactly `--max-new-tokens` tokens and, for SGLang, to have used our prompt ids.
+
+Measured per engine (medians of `--repeats`, the SGLang radix cache flushed before every timed call so that each
+call prefills in full):
+- engine tokens/s = batch * N / wall time of one call for N new tokens (prefill, image processing, decode);
+- decode tokens/s = batch * (N - 1) / (t(N) - t(1)): the decode steps alone (prefill and per-call work cancel).
+For SGLang, t is the wall time of `batch` concurrent `/generate` requests (HTTP, image decoding and processing on
+the server included); for hf, the time of `model.generate` inside `HFRolloutEngine.generate` (bench_decode.py's
+definition), with cuDNN SDPA off (its faster setting on H100, docs/benchmarks.md). The SGLang server is stopped
+before the hf model is loaded. The memory-bandwidth bound is bench_decode.py's (text weights read once per step).
+Last stdout line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(REPO), str(REPO / "benchmarks")) if p not in sys.path]
+
+from bench_decode import copy_bandwidth, timed_generate  # noqa: E402
+from bench_train_throughput import sync  # noqa: E402
+
+from miles_vl.data import PromptEncoder, generate_problems, load_processor, special_tokens  # noqa: E402
+from miles_vl.model import SpecialTokens, build_model  # noqa: E402
+from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
+from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost  # noqa: E402
+from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, parse_generate_response  # noqa: E402
+
+MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
+SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@dataclass
+class Prompt:
+    """A canonical prompt (satisfies `SGLangPrompt`): ids, vision inputs, and the images SGLang re-processes."""
+
+    prompt_ids: torch.Tensor  # [L] long
+    pixel_values: torch.Tensor  # [n_patches, 1536]
+    image_grid_thw: torch.Tensor  # [1, 3]
+    images: list
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_prompts(processor, n: int, seed: int) -> list[Prompt]:
+    encoder = PromptEncoder(processor, instruction="Let's think step by step and output the final answer in \\boxed{}.")
+    out = []
+    for p in generate_problems(n, seed=seed):
+        enc = processor(text=[encoder.render(p.problem)], images=[p.image], return_tensors="pt")
+        out.append(Prompt(enc["input_ids"][0].long(), enc["pixel_values"], enc["image_grid_thw"].long(), [p.image]))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# SGLang
+
+
+def sglang_call(host: SGLangRolloutHost, prompts, urls, tokens: SpecialTokens, n: int, temperature: float, seed: int):
+    """(wall seconds, output lengths) of one batch of concurrent `/generate` requests, after a cache flush."""
+    payloads = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=n, temperature=temperature)
+        body = build_generate_payload(
+            p.prompt_ids.tolist(),
+            urls[i],
+            params,
+            seed=seed + i,
+            stop_token_ids=tokens.eos_token_ids,
+            banned_token_ids=host.engine.banned_token_ids,
+        )
+        body["sampling_params"]["ignore_eos"] = True  # 0.5.16: no token-based stop at all (EOS nor stop_token_ids)
+        payloads.append(body)
+    host.client.flush_cache(timeout_s=60)
+    with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
+        t0 = time.perf_counter()
+        bodies = list(pool.map(host.client.generate, payloads))
+        wall = time.perf_counter() - t0
+    lengths = []
+    for i, (p, body) in enumerate(zip(prompts, bodies, strict=True)):
+        gen, _ = parse_generate_response(  # also checks that SGLang used our prompt ids
+            body,
+            prompt_ids=p.prompt_ids.tolist(),
+            stop_token_ids=tokens.eos_token_ids,
+            max_new_tokens=n,
+            prompt_index=i,
+        )
+        lengths.append(gen.response_ids.numel())
+    return wall, lengths
+
+
+def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens) -> dict:
+    b, n = len(prompts), args.max_new_tokens
+    spec = ServerSpec(
+        model_path=ckpt,
+        port=free_port(),
+        mem_fraction_static=args.mem_fraction,
+        random_seed=args.seed,
+        image_min_pixels=MIN_PIXELS,
+        image_max_pixels=MAX_PIXELS,
+        extra_args=(
+            "--cuda-graph-max-bs-decode",
+            str(max(8, b)),
+            "--max-running-requests",
+            str(max(8, b)),
+            "--context-length",
+            "4096",
+            "--grammar-backend",
+            "none",
+        ),
+    )
+    t0 = time.perf_counter()
+    log_dir = os.environ.get("OUT")
+    host = SGLangRolloutHost(
+        spec,
+        tokens,
+        startup_timeout_s=args.startup_timeout,
+        request_timeout_s=300.0,
+        max_retries=0,
+        max_restarts=0,
+        log_path=Path(log_dir) / "sglang_bench_server.log" if log_dir else None,
+        env=SERVER_ENV,
+        health_poll_s=0.5,
+    )
+    startup_s = time.perf_counter() - t0
+    if pidfile := os.environ.get("MILES_VL_SGLANG_PIDFILE"):  # lets scripts/gpu/run_sglang_checks.sh stop a leftover
+        with open(pidfile, "a") as f:
+            f.write(f"{host.server.pid}\n")
+    try:
+        urls = [[image_data_url(im) for im in p.images] for p in prompts]
+        sglang_call(host, prompts, urls, tokens, 4, args.temperature, args.seed)  # warm-up
+        short = [
+            sglang_call(host, prompts, urls, tokens, 1, args.temperature, args.seed)[0] for _ in range(args.repeats)
+        ]
+        runs = [
+            sglang_call(host, prompts, urls, tokens, n, args.temperature, args.seed + k) for k in range(args.repeats)
+        ]
+    finally:
+        host.shutdown()
+    lengths = {length for _, ls in runs for length in ls}
+    if lengths != {n}:
+        raise RuntimeError(f"SGLang: not every request decoded {n} tokens: {sorted(lengths)}")
+    wall = statistics.median(w for w, _ in runs)
+    t1 = statistics.median(short)
+    return dict(
+        startup_s=round(startup_s, 1),
+        wall_s=round(wall, 3),
+        prefill_s=round(t1, 3),
+        ms_per_decode_step=round(1e3 * (wall - t1) / (n - 1), 2),
+        engine_tokens_per_s=round(b * n / wall, 1),
+        decode_tokens_per_s=round(b * (n - 1) / (wall - t1), 1),
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# hf
+
+
+def bench_hf(args, ckpt: str, prompts, tokens: SpecialTokens) -> tuple[dict, torch.nn.Module]:
+    b, n = len(prompts), args.max_new_tokens
+    model = build_model(tokens, path=ckpt, dtype=torch.bfloat16, device="cuda")
+    engine_tokens = replace(tokens, eos_token_ids=(tokens.vision_end_token_id,))  # banned below: EOS never sampled
+    engine = HFRolloutEngine(model, engine_tokens, max_batch_size=b, ban_vision_tokens=True)
+    assert tokens.vision_end_token_id in engine.banned
+
+    def params(k: int, seed: int = args.seed) -> SamplingParams:
+        return SamplingParams(n=1, max_new_tokens=k, temperature=args.temperature, seed=seed)
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        timed_generate(engine, prompts, params(4))  # warm-up
+        short = [timed_generate(engine, prompts, params(1))[1] for _ in range(args.repeats)]
+        runs = [timed_generate(engine, prompts, params(n, args.seed + k)) for k in range(args.repeats)]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    lengths = {len(g[0].response_ids) for r in runs for g in r[2]}
+    if lengths != {n}:
+        raise RuntimeError(f"hf: not every sequence decoded {n} tokens: {sorted(lengths)}")
+    wall = statistics.median(r[0] for r in runs)
+    gen = statistics.median(r[1] for r in runs)
+    t1 = statistics.median(short)
+    result = dict(
+        sdpa="no_cudnn",
+        wall_s=round(wall, 3),
+        generate_s=round(gen, 3),
+        prefill_s=round(t1, 3),
+        ms_per_decode_step=round(1e3 * (gen - t1) / (n - 1), 2),
+        engine_tokens_per_s=round(b * n / wall, 1),
+        decode_tokens_per_s=round(b * (n - 1) / (gen - t1), 1),
+    )
+    return result, model
+
+
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", default=None, help="checkpoint directory (default: write the 2b shape to a temp dir)")
+    ap.add_argument("--tiny", action="store_true", help="tiny model, 4 prompts, 16 tokens (GPU smoke run)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang --mem-fraction-static")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the SGLang server may take to start")
+    ap.add_argument("--engines", default="sglang,hf", help="which engines to measure, in order")
+    ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-measuring copy")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sglang_decode: needs CUDA (SGLang serves on a GPU)")
+    engines = args.engines.split(",")
+    if unknown := set(engines) - {"sglang", "hf"}:
+        raise SystemExit(f"--engines: unknown {sorted(unknown)}; use sglang and/or hf")
+    if args.tiny:
+        args.batch, args.max_new_tokens, args.repeats = 4, 16, 1
+
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_qwen3vl", REPO / "scripts" / "gpu" / "make_tiny_qwen3vl.py"
+    )
+    writer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer)
+    ckpt = args.ckpt
+    if ckpt is None:
+        ckpt = tempfile.mkdtemp(prefix="miles_vl_bench_ckpt_")
+        t0 = time.perf_counter()
+        writer.write_checkpoint(
+            ckpt, shape="tiny" if args.tiny else "2b", seed=args.seed, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+        )
+        print(f"[bench] wrote the checkpoint to {ckpt} in {time.perf_counter() - t0:.1f}s", flush=True)
+        torch.cuda.empty_cache()
+
+    processor = load_processor("offline", MIN_PIXELS, MAX_PIXELS)
+    tokens = special_tokens(processor)
+    prompts = build_prompts(processor, args.batch, args.seed)
+    prompt_len = sum(p.prompt_ids.numel() for p in prompts) / len(prompts)
+
+    results: dict[str, dict] = {}
+    model = None
+    for name in engines:
+        t0 = time.perf_counter()
+        if name == "sglang":
+            results[name] = bench_sglang(args, ckpt, prompts, tokens)
+        else:
+            results[name], model = bench_hf(args, ckpt, prompts, tokens)
+        print(f"[{name}] {json.dumps(results[name])} ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+    if model is None:
+        model = build_model(tokens, path=ckpt, dtype=torch.bfloat16, device="cuda")
+    lm = model.model.language_model
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
+    if model.lm_head.weight is not lm.embed_tokens.weight:
+        weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    sync(torch.device("cuda"))
+    bandwidth = copy_bandwidth(torch.device("cuda"), int(args.copy_gib * 2**30))
+    bound = args.batch * bandwidth / weight_bytes
+    for r in results.values():
+        r["fraction_of_bound"] = round(r["decode_tokens_per_s"] / bound, 4)
+
+    summary = dict(
+        benchmark="sglang_vs_hf_decode",
+        device=torch.cuda.get_device_name(0),
+        dtype="bfloat16",
+        model="tiny Qwen3-VL" if args.tiny else "Qwen3-VL-2B shapes, random init",
+        batch=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        mean_prompt_tokens=round(prompt_len, 1),
+        vision_tokens_per_prompt=int(prompts[0].image_grid_thw.prod()) // 4,
+        repeats=args.repeats,
+        copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+        weight_bytes=weight_bytes,
+        bound_tokens_per_s=round(bound, 1),
+        sglang=results.get("sglang"),
+        hf=results.get("hf"),
+        sglang_over_hf_decode=(
+            round(results["sglang"]["decode_tokens_per_s"] / results["hf"]["decode_tokens_per_s"], 2)
+            if len(results) == 2
+            else None
+        ),
+        sglang_over_hf_engine=(
+            round(results["sglang"]["engine_tokens_per_s"] / results["hf"]["engine_tokens_per_s"], 2)
+            if len(results) == 2
+            else None
+        ),
+        torch=torch.__version__,
+        transformers=__import__("transformers").__version__,
+        sglang_version=_version("sglang"),
+    )
+    print(json.dumps(summary))
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

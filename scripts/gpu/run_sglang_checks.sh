@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Real-SGLang checks on the GPU machine: install the SGLang bundle, check that it imports and that its prebuilt
+# kernels run, write the tiny checkpoint, run the GPU tests, run the decode benchmark.
+#
+# usage (in the repository root on the GPU machine):
+#   bash scripts/gpu/run_sglang_checks.sh --stage-only     # only copy the carried part(s) to $PARTS_STAGE
+#   bash scripts/gpu/run_sglang_checks.sh [--keep-going] [--skip-bench] [--skip-tests] [--bench-args "ARGS"]
+#
+# The bundle (scripts/gpu/bundle_sglang.sh .bundle_sglang) travels one part per call, carried as
+# .bundle_sglang/partN; every call copies what it finds there to $PARTS_STAGE (/tmp/sglang_parts), which lives as
+# long as the machine stays warm (it is given back 30 s after a call). A plan for 4 parts, one call each:
+#   calls 1-3: carry .bundle_sglang/partK,   run: bash scripts/gpu/run_sglang_checks.sh --stage-only
+#   call 4:    carry .bundle_sglang/part4,   run: bash scripts/gpu/run_sglang_checks.sh --skip-bench
+#   call 5:    carry nothing,                run: bash scripts/gpu/run_sglang_checks.sh --skip-tests
+# (or calls 4+5 as one: no flag; then the tests get at most the budget minus 200 s). The full run installs into
+# $SGLANG_SITE (/tmp/sglang_site; skipped when an earlier run completed it), then runs each stage under what is left
+# of $BUDGET_S (570 s, inside one 10-minute call) and stops at the first failure with one line naming the stage and
+# the log (--keep-going runs the benchmark even after a failed test). Servers a killed stage left behind are
+# stopped by their recorded pids ($MILES_VL_SGLANG_PIDFILE).
+#
+# Logs: $OUT/driver.log (every stage), $OUT/sglang_server.log and $OUT/sglang_bench_server.log (the servers),
+# $OUT/bench.json (the benchmark's JSON line); without OUT, a temp dir. NVLink multicast stays off.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+start=$(date +%s)
+budget=${BUDGET_S:-570}
+py=${PYTHON:-python3}
+stage_dir=${PARTS_STAGE:-/tmp/sglang_parts}
+site=${SGLANG_SITE:-/tmp/sglang_site}
+export OUT=${OUT:-$(mktemp -d)}
+log=$OUT/driver.log
+stage_only=0 keep_going=0 skip_bench=0 skip_tests=0 bench_args=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --stage-only) stage_only=1; shift ;;
+    --keep-going) keep_going=1; shift ;;
+    --skip-bench) skip_bench=1; shift ;;
+    --skip-tests) skip_tests=1; shift ;;
+    --bench-args) bench_args=${2:?--bench-args needs a string}; shift 2 ;;
+    *) echo "run_sglang_checks: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+say() { echo "[run_sglang_checks +$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
+left() { echo $(( budget - ($(date +%s) - start) )); }
+fail() { say "FAILED at stage '$1': $2 (log: $log)"; cleanup_servers; exit 1; }
+
+# The SGLang servers run in their own sessions (so that stopping one stops its workers); a stage killed by its
+# timeout may leave one behind, holding the GPU. The tests and the benchmark write each server's pid here.
+export MILES_VL_SGLANG_PIDFILE=/tmp/miles_vl_sglang_pids
+cleanup_servers() {
+  [ -f "$MILES_VL_SGLANG_PIDFILE" ] || return 0
+  while read -r pid; do
+    [ -n "$pid" ] && kill -KILL -- "-$pid" 2> /dev/null && say "killed the process group of leftover server $pid"
+  done < "$MILES_VL_SGLANG_PIDFILE"
+  rm -f "$MILES_VL_SGLANG_PIDFILE"
+}
+
+# -- stage: copy the carried parts --------------------------------------------------------------------------------
+mkdir -p "$stage_dir"
+found=$(find .bundle_sglang -type f \( -name 'sglang.tar.xz.*' -o -name SHA256SUMS -o -name '*.sh' -o -name WHEELS.txt \) 2> /dev/null)
+for f in $found; do cp -f "$f" "$stage_dir/"; done
+have=$(ls "$stage_dir"/sglang.tar.xz.* 2> /dev/null | wc -l)
+say "staged $(echo "$found" | grep -c 'sglang.tar.xz' || true) part(s) from .bundle_sglang; $stage_dir holds $have: $(ls "$stage_dir" | tr '\n' ' ')"
+[ "$stage_only" = 1 ] && exit 0
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_USE_SGL_FA3_KERNEL=1
+cleanup_servers
+
+# -- stage: install -----------------------------------------------------------------------------------------------
+if [ -f "$site/.miles_vl_complete" ]; then
+  say "install: $site is already complete"
+else
+  say "install: unpacking $have part(s) into $site"
+  rm -rf "$site"
+  PYTHON=$py bash scripts/gpu/install_sglang_bundle.sh "$stage_dir" "$site" >> "$log" 2>&1 \
+    || fail install "$(tail -3 "$log")"
+  touch "$site/.miles_vl_complete"
+fi
+export PYTHONPATH="$site:$PWD"
+
+# torch_memory_saver preloads a library linked against libcudart.so.13 into the SGLang scheduler: make sure the
+# dynamic loader finds one (the pip CUDA runtime next to torch) when the system has none registered.
+if ! ldconfig -p 2> /dev/null | grep -q 'libcudart.so.13'; then
+  cudart=$("$py" - << 'EOF'
+import glob, os, site
+hits = [p for d in site.getsitepackages() for p in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.13*"), recursive=True)]
+print(os.path.dirname(hits[0]) if hits else "")
+EOF
+)
+  [ -n "$cudart" ] && export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && say "LD_LIBRARY_PATH += $cudart"
+fi
+nvcc_path=$(command -v nvcc || { [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"; } || true)
+if [ -z "$nvcc_path" ]; then
+  fail toolchain "no nvcc on PATH nor in \${CUDA_HOME:-/usr/local/cuda}/bin: SGLang 0.5.16 JIT-compiles kernels (rmsnorm, KV store, rope) with it; set CUDA_HOME"
+fi
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
+say "toolchain: $("$nvcc_path" --version | tail -1); CUDA_HOME=$CUDA_HOME"
+
+# -- stage: imports and prebuilt kernels --------------------------------------------------------------------------
+if [ -f "$site/.miles_vl_import_ok" ]; then
+  say "import: checked by an earlier run"
+else
+  say "import: sglang, sgl_kernel (+FA3), flashinfer, xgrammar, the server modules"
+  timeout -k 10 "$(( $(left) > 180 ? 180 : $(left) ))" "$py" - >> "$log" 2>&1 << 'EOF' || fail import "$(tail -5 "$log")"
+import importlib, time
+from importlib.metadata import version
+t0 = time.time()
+import torch, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "transformers", transformers.__version__)
+import sglang, sgl_kernel, flashinfer, xgrammar, tvm_ffi, torch_memory_saver  # noqa: F401
+print({d: version(d) for d in ("sglang", "sglang-kernel", "flashinfer-python", "xgrammar", "apache-tvm-ffi", "tokenizers")})
+for m in ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner",
+          "sglang.srt.models.qwen3_vl", "sglang.srt.multimodal.processors.qwen_vl",
+          "sglang.srt.layers.attention.flashattention_backend", "sglang.srt.layers.sampler"):
+    importlib.import_module(m)
+x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+assert torch.allclose(sgl_kernel.rmsnorm(x, w, 1e-6).float(), ref, atol=3e-2), "sgl_kernel.rmsnorm is wrong"
+from sgl_kernel.flash_attn import flash_attn_varlen_func  # loads the 1.1 GB FA3 library
+q = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+cu = torch.tensor([0, 8], device="cuda", dtype=torch.int32)
+out = flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, causal=True)
+out = out[0] if isinstance(out, tuple) else out
+ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), q.transpose(0, 1), q.transpose(0, 1), is_causal=True).transpose(0, 1)
+assert torch.allclose(out.float(), ref.float(), atol=2e-2), "FA3 differs from SDPA"
+print(f"imports and prebuilt kernels OK in {time.time() - t0:.1f}s")
+EOF
+  say "import: $(tail -1 "$log")"
+  touch "$site/.miles_vl_import_ok"
+fi
+
+status=0
+# -- stages: tiny checkpoint, GPU tests ---------------------------------------------------------------------------
+if [ "$skip_tests" = 0 ]; then
+  export MILES_VL_SGLANG_CKPT=/tmp/miles_vl_tiny_qwen3vl
+  "$py" scripts/gpu/make_tiny_qwen3vl.py "$MILES_VL_SGLANG_CKPT" --shape tiny > "$OUT/ckpt.json" 2>> "$log" \
+    || fail checkpoint "$(tail -5 "$log")"
+  say "checkpoint: $(tail -1 "$OUT/ckpt.json")"
+  cat "$OUT/ckpt.json" >> "$log"; rm -f "$OUT/ckpt.json"
+
+  t=$(( $(left) - (skip_bench ? 10 : 200) ))
+  [ "$t" -gt 450 ] && t=450
+  [ "$t" -lt 60 ] && fail tests "only ${t}s left for the tests"
+  say "tests: pytest -x -v -s (timeout ${t}s)"
+  timeout -s INT -k 30 "$t" "$py" -m pytest tests/gpu/test_sglang_real.py tests/rollout/sglang/test_gpu.py \
+    -x -v -s -p no:cacheprovider >> "$log" 2>&1
+  status=$?
+  cleanup_servers
+  grep -oE "SGLANG-REAL.*|[0-9]+ (passed|failed|skipped|errors?)[^=]*" "$log" | tail -8 | while read -r line; do say "tests: $line"; done
+  if [ "$status" != 0 ]; then
+    [ "$status" = 124 ] && say "tests: timed out after ${t}s"
+    [ "$keep_going" = 1 ] || fail tests "pytest exited $status"
+  fi
+fi
+
+# -- stage: decode benchmark --------------------------------------------------------------------------------------
+if [ "$skip_bench" = 0 ]; then
+  t=$(( $(left) - 10 ))
+  [ "$t" -lt 120 ] && fail bench "only ${t}s left for the benchmark"
+  say "bench: benchmarks/bench_sglang_decode.py $bench_args (timeout ${t}s)"
+  # shellcheck disable=SC2086
+  timeout -s INT -k 20 "$t" "$py" benchmarks/bench_sglang_decode.py $bench_args >> "$log" 2>&1
+  bstatus=$?
+  cleanup_servers
+  [ "$bstatus" = 0 ] || fail bench "exited $bstatus: $(tail -3 "$log")"
+  tail -1 "$log" > "$OUT/bench.json"
+  say "bench: $(cat "$OUT/bench.json")"
+fi
+[ "$status" = 0 ] || { say "done, with failed tests (exit $status)"; exit 1; }
+say "all stages passed"

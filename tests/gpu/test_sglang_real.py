@@ -1,0 +1,310 @@
+"""Contract (GPU, real SGLang 0.5.16): `SGLangRolloutHost` launches a real server on 127.0.0.1 with a tiny random
+Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP contract holds against it:
+
+- `/generate` with canonical `input_ids` + `image_data` + `return_logprob`: SGLang's `prompt_token_ids` equal ours
+  (decode -> re-process with the checkpoint's processor gives back our ids), one logprob per output token;
+- train/rollout consistency: the torch train backend (transformers Qwen3-VL, bf16, packed THD) scores SGLang's
+  sampled responses; the mean |difference| is `train_rollout_logprob_abs_diff` (printed; ~0.01 is healthy in bf16);
+- `/update_weights_from_tensor` over CUDA IPC: a zero `lm_head` makes every logit 0, so every sampled token's
+  logprob is -log(V - 4) (uniform over the vocabulary minus the 4 vision tokens the engine bans with a -1e9 bias);
+  restoring the weights brings back the greedy generation of before;
+- `/flush_cache`, `/release_memory_occupation` (GPU memory really freed) and `/resume_memory_occupation` (weights
+  undefined until the next sync: the engine refuses to generate, a full sync makes it generate as before);
+- a killed server is relaunched by the host on the same port; the engine refuses to generate until weights are
+  synced again, then generates as before.
+
+One server serves the whole module (tests run in file order and share it; `-x` stops at the first failure).
+Run with scripts/gpu/run_sglang_checks.sh, which installs the SGLang bundle and writes the checkpoint first.
+Environment: MILES_VL_SGLANG_CKPT (checkpoint directory; default: written to a temp dir here),
+MILES_VL_SGLANG_STARTUP_S (server start timeout; default 300 s: the first start JIT-compiles SGLang's kernels),
+OUT (when set, the server log is written to $OUT/sglang_server.log).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_vl.rollout import SamplingParams
+from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost
+from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url
+from tests.rollout.sglang.conftest import Prompt, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not HAS_SGLANG, reason="needs sglang (scripts/gpu/bundle_sglang.sh + install)"),
+]
+
+# Server settings for a test-sized run: decode CUDA graphs up to batch 8 only (capture is quick), no prefill CUDA
+# graph, short contexts and few running requests (small request tables), no grammar backend (the RL path never
+# constrains decoding). The KV pool fills mem_fraction_static (0.3) of the GPU, which release/resume frees and takes.
+EXTRA_ARGS = (
+    "--cuda-graph-max-bs-decode",
+    "8",
+    "--disable-prefill-cuda-graph",
+    "--context-length",
+    "8192",
+    "--max-running-requests",
+    "64",
+    "--grammar-backend",
+    "none",
+)
+SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+N_PROMPTS = 4
+
+
+def _writer():
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_qwen3vl", REPO / "scripts" / "gpu" / "make_tiny_qwen3vl.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WRITER = _writer()
+MIN_PIXELS, MAX_PIXELS = WRITER.DEFAULT_MIN_PIXELS, WRITER.DEFAULT_MAX_PIXELS
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    given = os.environ.get("MILES_VL_SGLANG_CKPT")
+    if given and (Path(given) / "config.json").exists():
+        return Path(given)
+    path = tmp_path_factory.mktemp("tiny_qwen3vl")
+    WRITER.write_checkpoint(path, shape="tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt):
+    from miles_vl.data import load_processor
+
+    return load_processor("offline", MIN_PIXELS, MAX_PIXELS)
+
+
+@pytest.fixture(scope="module")
+def tokens(processor):
+    from miles_vl.data import special_tokens
+
+    return special_tokens(processor)
+
+
+@pytest.fixture(scope="module")
+def prompts(processor) -> list[Prompt]:
+    """Geo3k-like prompts (one image each) built exactly as miles_vl.data builds them."""
+    from miles_vl.data import PromptEncoder, generate_problems
+
+    encoder = PromptEncoder(processor, instruction="Let's think step by step and output the final answer in \\boxed{}.")
+    out = []
+    for problem in generate_problems(N_PROMPTS, seed=0):
+        enc = processor(text=[encoder.render(problem.problem)], images=[problem.image], return_tensors="pt")
+        out.append(
+            Prompt(enc["input_ids"][0].long(), enc["pixel_values"], enc["image_grid_thw"].long(), [problem.image])
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt_weights(ckpt) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def host(ckpt, tokens):
+    out = os.environ.get("OUT")
+    spec = ServerSpec(
+        model_path=str(ckpt),
+        port=free_port(),
+        mem_fraction_static=0.3,
+        colocated=True,  # --enable-memory-saver: release/resume below
+        random_seed=0,
+        image_min_pixels=MIN_PIXELS,
+        image_max_pixels=MAX_PIXELS,
+        extra_args=EXTRA_ARGS,
+    )
+    host = SGLangRolloutHost(
+        spec,
+        tokens,
+        startup_timeout_s=float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "300")),
+        request_timeout_s=120.0,
+        max_retries=1,
+        max_restarts=1,
+        log_path=Path(out) / "sglang_server.log" if out else None,
+        env=SERVER_ENV,
+        health_poll_s=0.5,
+    )
+    _note_pid(host)
+    try:
+        yield host
+    finally:
+        print(f"\n[sglang server log tail: {host.log_path}]\n{host.server.log_tail(max_lines=15)}")
+        host.shutdown()
+
+
+def _note_pid(host: SGLangRolloutHost) -> None:
+    """Append the server's pid (= its process group) to $MILES_VL_SGLANG_PIDFILE, so that the driver script can stop
+    a server that a killed test run left behind (servers run in their own session)."""
+    path = os.environ.get("MILES_VL_SGLANG_PIDFILE")
+    if path and host.server.pid is not None:
+        with open(path, "a") as f:
+            f.write(f"{host.server.pid}\n")
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    """Results shared between the tests of this module (they run in file order)."""
+    return {}
+
+
+GREEDY = SamplingParams(n=1, max_new_tokens=12, temperature=0.0, seed=0)
+
+
+def _greedy(host, prompt) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and logprobs of one prompt alone, after a cache flush: a full prefill and batch-1 decode steps,
+    so the same weights give the same kernels and the same numbers every time."""
+    host.client.flush_cache(timeout_s=60)
+    (gen,) = host.generate([prompt], GREEDY)[0]
+    return gen.response_ids.tolist(), gen.logprobs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
+    ids = prompts[0].prompt_ids.tolist()
+    payload = build_generate_payload(
+        ids,
+        [image_data_url(prompts[0].images[0])],
+        SamplingParams(max_new_tokens=8),
+        seed=0,
+        stop_token_ids=tokens.eos_token_ids,
+        banned_token_ids=host.engine.banned_token_ids,
+    )
+    body = host.client.generate(payload)
+    assert body["prompt_token_ids"] == ids
+    assert body["meta_info"]["prompt_tokens"] == len(ids)
+    assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"]) >= 1
+
+    params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=1)
+    groups = host.generate(prompts, params)  # the engine checks every response's prompt ids against ours
+    assert [len(g) for g in groups] == [2] * len(prompts)
+    for group in groups:
+        for gen in group:
+            assert 1 <= gen.response_ids.numel() <= 16 and gen.logprobs.shape == gen.response_ids.shape
+            assert bool((gen.logprobs <= 0).all()) and bool(torch.isfinite(gen.logprobs).all())
+            assert gen.finish_reason in ("stop", "length")
+            assert not set(gen.response_ids.tolist()) & set(host.engine.banned_token_ids)
+    record["greedy"] = _greedy(host, prompts[0])
+
+
+def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
+    from miles_vl.model import build_model
+    from miles_vl.train import TorchTrainBackend, TrainSample
+
+    params = SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=2)
+    groups = host.generate(prompts, params)
+    samples = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        for gen in group:
+            samples.append(
+                TrainSample(
+                    input_ids=torch.cat([prompt.prompt_ids, gen.response_ids]),
+                    prompt_len=prompt.prompt_ids.numel(),
+                    advantage=0.0,
+                    rollout_logprobs=gen.logprobs,
+                    image_grid_thw=prompt.image_grid_thw,
+                    pixel_values=prompt.pixel_values.to("cuda", torch.bfloat16),
+                )
+            )
+    model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
+    backend = TorchTrainBackend(model, tokens, lr=0.0, suppress_token_ids=host.engine.banned_token_ids)
+    train = torch.cat(backend.compute_logprobs(samples))
+    rollout = torch.cat([s.rollout_logprobs for s in samples])
+    diff = (train - rollout).abs()
+    result = {
+        "train_rollout_logprob_abs_diff": round(float(diff.mean()), 5),
+        "train_rollout_logprob_abs_diff_max": round(float(diff.max()), 5),
+        "tokens": int(diff.numel()),
+        "mean_rollout_logprob": round(float(rollout.mean()), 4),
+        "model": "tiny Qwen3-VL, random init (std 0.1), bf16",
+    }
+    print("SGLANG-REAL " + json.dumps(result))
+    record["consistency"] = result
+    del backend, model
+    torch.cuda.empty_cache()
+    # The distribution is far from uniform (mean logprob above -log V), so agreement is informative.
+    assert float(rollout.mean()) > -math.log(tokens.vocab_size) + 0.5
+    assert float(diff.mean()) < 0.1, result
+
+
+def test_weight_update_changes_logprobs_as_expected(host, prompts, tokens, ckpt_weights, record):
+    lm_head = ckpt_weights["lm_head.weight"]
+    report = host.load_weights([("lm_head.weight", torch.zeros_like(lm_head))], weight_version="zero-lm-head")
+    assert report.tensors == 1
+    gens = [g for group in host.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=8, seed=3)) for g in group]
+    logprobs = torch.cat([g.logprobs for g in gens])
+    uniform = -math.log(tokens.vocab_size - len(host.engine.banned_token_ids))
+    print(
+        f"SGLANG-REAL zero lm_head: logprobs in [{float(logprobs.min()):.5f}, {float(logprobs.max()):.5f}], "
+        f"expected {uniform:.5f}"
+    )
+    assert torch.allclose(logprobs, torch.full_like(logprobs, uniform), atol=1e-3)
+
+    host.load_weights([("lm_head.weight", lm_head)], weight_version="restored")
+    ids, lps = _greedy(host, prompts[0])
+    before_ids, before_lps = record["greedy"]
+    assert ids == before_ids
+    assert torch.allclose(lps, before_lps, atol=1e-3)
+
+
+def test_flush_release_and_resume_memory(host, prompts, ckpt_weights, record):
+    host.client.flush_cache(timeout_s=60)
+    free_before = torch.cuda.mem_get_info()[0]
+    host.release_memory()
+    time.sleep(1.0)
+    free_released = torch.cuda.mem_get_info()[0]
+    host.resume_memory()
+    free_resumed = torch.cuda.mem_get_info()[0]
+    gib = 2**30
+    print(
+        f"SGLANG-REAL memory free: {free_before / gib:.2f} GiB -> released {free_released / gib:.2f} GiB "
+        f"-> resumed {free_resumed / gib:.2f} GiB"
+    )
+    # mem_fraction_static=0.3 of the GPU holds the weights and the KV pool: releasing frees most of it.
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert free_released - free_before > 0.05 * total
+    assert free_resumed < free_released - 0.05 * total
+    with pytest.raises(EngineStateError):  # no CPU backup: the weights are undefined until the next sync
+        host.generate(prompts[:1], GREEDY)
+    report = host.load_weights(ckpt_weights.items(), weight_version="after-resume")
+    assert report.tensors == len(ckpt_weights)
+    assert _greedy(host, prompts[0])[0] == record["greedy"][0]
+
+
+def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
+    os.killpg(host.server.pid, signal.SIGKILL)  # the server's own process group (scheduler, detokenizer too)
+    deadline = time.monotonic() + 30
+    while host.server.is_alive():
+        assert time.monotonic() < deadline, "the killed server did not exit"
+        time.sleep(0.1)
+    with pytest.raises(EngineStateError):  # relaunched with model_path's weights: the synced ones are lost
+        host.generate(prompts[:1], GREEDY)
+    _note_pid(host)
+    assert host.restarts == 1 and host.health()
+    host.load_weights(ckpt_weights.items(), weight_version="after-restart")
+    assert _greedy(host, prompts[0])[0] == record["greedy"][0]
