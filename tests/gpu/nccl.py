@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.dist import spawn_ranks
 
 # NVLink multicast stays off on these machines (a program that uses it can take the host's GPUs out of service).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -80,29 +80,7 @@ def run_ranks(job: Callable[..., Any], world_size: int, args: Sequence[Any] = ()
     if torch.cuda.device_count() < world_size:
         raise RuntimeError(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     os.environ.update(SAFE_ENV)
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            context.Process(target=_child, args=(r, world_size, init_file, tmp, timeout_s, job, tuple(args)))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-        for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-                p.join()
-            raise TimeoutError(f"{world_size}-GPU run did not finish in {timeout_s} s")
-        results = []
-        for r, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
-            results.append(torch.load(path, weights_only=False))
+    results = spawn_ranks(_child, world_size, (timeout_s, job, tuple(args)), timeout_s)
     for r, res in enumerate(results):
         if "error" in res:
             raise RankError(r, *res["error"])

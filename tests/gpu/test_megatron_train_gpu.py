@@ -29,11 +29,12 @@ import datetime
 import importlib.util
 import json
 import os
-import tempfile
 import traceback
 
 import pytest
 import torch
+
+from tests.dist import spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -189,29 +190,8 @@ def _child(rank: int, world: int, init_file: str, out_dir: str, args: tuple) -> 
 
 
 def spawn(world: int, args: tuple, timeout_s: float = 900.0) -> list[dict]:
-    import torch.multiprocessing as mp
-
     os.environ.update(SAFE_ENV)
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        procs = [context.Process(target=_child, args=(r, world, init, tmp, args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-        for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-                p.join()
-            raise TimeoutError(f"{world}-GPU run did not finish in {timeout_s} s")
-        results = []
-        for r, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
-            results.append(torch.load(path, weights_only=False))
+    results = spawn_ranks(_child, world, (args,), timeout_s)
     for res in results:
         if "error" in res:
             raise RuntimeError(res["error"])

@@ -20,14 +20,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import tempfile
 import traceback
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.dist import spawn_ranks
 
 
 @dataclass
@@ -79,29 +79,7 @@ def _child(rank, world_size, init_file, out_dir, timeout_s, job, args) -> None:
 
 def spawn(job, world_size: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """Run `job(ctx, *args)` on `world_size` fresh gloo processes; returns each rank's result."""
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        procs = [
-            context.Process(target=_child, args=(r, world_size, init, tmp, timeout_s, job, tuple(args)))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-        for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-                p.join()
-            raise TimeoutError(f"{world_size}-rank run did not finish in {timeout_s} s")
-        results = []
-        for r, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
-            results.append(torch.load(path, weights_only=False))
+    results = spawn_ranks(_child, world_size, (timeout_s, job, tuple(args)), timeout_s)
     for res in results:
         if "error" in res:
             raise WorkerError(res["error"])
