@@ -5,8 +5,10 @@
     miles_vl.patches.status()           # {"versions": {...}, "patches": [PatchStatus, ...]}; `miles-vl doctor`
 
 One module per release family, each explaining what upstream gets wrong and how it is detected:
-`bridge_v06` (>= 0.6.0: positions when the caller passes none) and `bridge_v05` (0.5.x: per-segment positions,
-no double split, CP-local vision rows, the AllGatherVisionEmbeddings keyword shim, the empty-rank dtype).
+`bridge_v06` (>= 0.6.0: positions when the caller passes none; images and videos in one pre-sharded micro-batch)
+and `bridge_v05` (0.5.x: per-segment positions, no double split, CP-local vision rows, the AllGatherVisionEmbeddings
+keyword shim, the empty-rank dtype, images and videos in one pre-sharded micro-batch). The same 0.5.1 fixes as a
+source patch: `patches/` at the repository root.
 The megatron train backend calls `install()` when it is imported; users of other frameworks call it themselves.
 """
 

@@ -13,11 +13,17 @@ What 0.5.x gets wrong (paths under megatron/bridge/models/qwen_vl/modelling_qwen
    (no CP-local selection): shape mismatch; the deepstack rows (model.py:527) likewise.
 4. model.py:482/488 `AllGatherVisionEmbeddings.apply(..., cp_group=...)`: autograd `Function.apply` takes no
    keyword arguments, so `vision_dp_when_cp` with CP > 1 raises TypeError.
+5. model.py:405/513 `reorganize_inputs(input_ids=...)` (utils.py:315): with both `pixel_values` and
+   `pixel_values_videos` (images AND videos in one micro-batch) it orders the vision blocks by scanning the row it
+   is given; on a rank-local zigzag row blocks are cut or absent and `assert len_split == len(vision_indexs)`
+   fails (0.6.2 has the same bug: bridge_v06). One modality alone takes an early return and is right.
 
 Detection (capability, not version string): a release whose model module has `_is_packed_input_pre_sharded`
-(0.6+) handles items 1-3 itself, so those patches report native there; item 4 is detected in the forward's source
-(an `AllGatherVisionEmbeddings.apply(` call passing `cp_group=` by keyword). A release lacking a symbol a needed
-patch rebinds raises `PatchTargetMissing` at install.
+(0.6+), or 0.5.1 with the source patch applied (its model module imports `prepare_pre_sharded`), handles items
+1-3 itself (item 5: the source patch does, 0.6 needs bridge_v06's patch), so those patches report native there;
+item 4 and the empty-rank dtype are detected in the forward's source (an `AllGatherVisionEmbeddings.apply(` call
+passing `cp_group=` by keyword; a bfloat16 `torch.zeros` placeholder). So `install()` on a source-patched tree
+installs nothing. A release lacking a symbol a needed patch rebinds raises `PatchTargetMissing` at install.
 
 What replaces it (all in the model module's namespace; helpers imported there, so `rope`/`utils` stay untouched):
 - `v05_presharded_thd_forward` wraps `Qwen3VLModel.forward`. For a pre-sharded THD call (batch 1, qkv_format thd,
@@ -37,12 +43,14 @@ What replaces it (all in the model module's namespace; helpers imported there, s
   `vision_dp_when_cp` a CP rank that gets no image builds bfloat16 placeholders and the all-gather of an fp32/fp16
   model mismatches): a thin forward wrapper records the vision model's dtype and the `AllGatherVisionEmbeddings`
   wrapper casts an empty input to it. Detected in the forward's source; 0.6 builds the placeholder in the right dtype.
+- `v05_mixed_media_row_order` (item 5): when a pre-sharded call has both images and videos, the forward wrapper
+  also all-gathers the local ids (the full row, `gather_full_row`) and the rebound `reorganize_inputs` orders
+  pixels and grids by scanning the full row and returns the local vision mask (`bridge_v06.reorganize_in_row_order`).
 Outside a pre-sharded call every rebound name behaves exactly as upstream's (the dtype fix applies to every call).
+The same fixes as a source patch of the 0.5.1 release: patches/megatron-bridge-0.5.1-qwen3vl-thd-cp.patch.
 
-Known limits (as upstream 0.5.x): a micro-batch mixing images AND videos goes through 0.5.x's `reorganize_inputs`,
-which orders vision blocks by scanning the row it is given; on a local shard that can disagree with the full row.
-The model side cannot know where prompts end, so every media token counts as media; pass data-side positions
-when responses may contain vision tokens.
+Known limit: the model side cannot know where prompts end, so every media token counts as media; pass data-side
+positions when responses may contain vision tokens.
 """
 
 from __future__ import annotations
@@ -57,7 +65,8 @@ from types import ModuleType
 import torch
 
 from miles_vl.packing import detect_layout
-from miles_vl.packing.distributed import count_based_vision_index, model_side_position_ids
+from miles_vl.packing.distributed import count_based_vision_index, gather_full_row, model_side_position_ids
+from miles_vl.patches.bridge_v06 import reorganize_in_row_order
 from miles_vl.patches.core import Patch, PatchTargetMissing, require
 
 
@@ -68,13 +77,15 @@ class _PreShardedCall:
     position_ids: torch.Tensor  # [3, 1, T/C] rank-local
     vision_index: torch.Tensor | None  # [n_local_vision] into the natural order of the row's vision embeddings
     select_after_gather: bool  # vision_dp_when_cp: rows are selected after AllGatherVisionEmbeddings
+    full_input_ids: torch.Tensor | None  # [T] the full row, only when the call has both images and videos
 
 
 _CALL: contextvars.ContextVar[_PreShardedCall | None] = contextvars.ContextVar("miles_vl_v05_call", default=None)
 
 
 def _handles_presharded_natively(module: ModuleType) -> bool:
-    return hasattr(module, "_is_packed_input_pre_sharded")  # 0.6+: native pre-sharded THD support
+    # 0.6+: native pre-sharded THD support; `prepare_pre_sharded`: 0.5.1 with our source patch applied
+    return hasattr(module, "_is_packed_input_pre_sharded") or hasattr(module, "prepare_pre_sharded")
 
 
 def _detect_v05(*symbols: str):
@@ -147,7 +158,10 @@ def _prepare(model, args: dict) -> _PreShardedCall | None:
             given = args.get("video_input_mask")
             mask |= (input_ids == model.video_token_id) if given is None else given.bool()
         vision_index = count_based_vision_index(mask[0], cu, group=cp_group)
-    return _PreShardedCall(position_ids.to(input_ids.device), vision_index, bool(model.config.vision_dp_when_cp))
+    full_input_ids = gather_full_row(input_ids[0], cu, cp_group) if has_images and has_videos else None
+    return _PreShardedCall(
+        position_ids.to(input_ids.device), vision_index, bool(model.config.vision_dp_when_cp), full_input_ids
+    )
 
 
 def _apply_forward(module: ModuleType) -> None:
@@ -282,6 +296,24 @@ def _apply_vision_rows(module: ModuleType) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# v05_mixed_media_row_order
+
+
+def _apply_mixed_media(module: ModuleType) -> None:
+    original = module.reorganize_inputs
+
+    @functools.wraps(original)
+    def reorganize_inputs(*args, **kwargs):
+        call = _CALL.get()
+        if call is None or call.full_input_ids is None:
+            return original(*args, **kwargs)
+        return reorganize_in_row_order(original, call.full_input_ids, *args, **kwargs)
+
+    reorganize_inputs.__miles_vl_original__ = original
+    module.reorganize_inputs = reorganize_inputs
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # v05_empty_vision_rank_dtype
 
 _VISION_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("miles_vl_v05_dtype", default=None)
@@ -360,6 +392,13 @@ PATCHES = [
         "rank's vision and deepstack rows (count-based index)",
         detect=_detect_vision_rows,
         apply=_apply_vision_rows,
+    ),
+    Patch(
+        name="v05_mixed_media_row_order",
+        summary="0.5.x reorganize_inputs orders images and videos by scanning the local zigzag row "
+        "(AssertionError): order them by the full row (one all-gather of the ids, only when both are present)",
+        detect=_detect_v05("Qwen3VLModel.forward", "reorganize_inputs"),
+        apply=_apply_mixed_media,
     ),
     Patch(
         name="v05_empty_vision_rank_dtype",

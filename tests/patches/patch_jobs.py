@@ -10,12 +10,23 @@ def install(module) -> None:
 
 
 def job_status(ctx) -> dict:
+    """Patch states, how many miles_vl wrappers `Qwen3VLModel.forward` carries, and whether one more install changes
+    anything (it must not)."""
     import miles_vl.patches
 
     forward = ctx.module.Qwen3VLModel.forward
+    names = {name: getattr(ctx.module, name) for name in ("get_rope_index", "reorganize_inputs")}
+    wrappers, f = 0, forward
+    while hasattr(f, "__miles_vl_original__"):
+        wrappers, f = wrappers + 1, f.__miles_vl_original__
+    miles_vl.patches.install(ctx.module)
+    unchanged = ctx.module.Qwen3VLModel.forward is forward and all(
+        getattr(ctx.module, n) is v for n, v in names.items()
+    )
     return {
         "patches": [(s.name, s.state) for s in miles_vl.patches.status(ctx.module)["patches"]],
-        "wrapped_once": not hasattr(getattr(forward, "__miles_vl_original__", None), "__miles_vl_original__"),
+        "forward_wrappers": wrappers,
+        "install_is_noop": unchanged,
     }
 
 

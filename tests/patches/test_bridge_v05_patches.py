@@ -1,10 +1,12 @@
 """Contract (megatron-bridge 0.5.1, real Qwen3VLModel on the CPU harness): with miles_vl.patches installed, a
-pre-sharded THD call under CP (input_ids [1, T/C] zigzag-local, the full row's cu_seqlens, every image on every rank)
-gives the same logits as each sample run alone at CP=1 (fp32, atol 1e-5), over 2 and 4 gloo processes, with
-data-side positions, without positions (model-side reconstruction) and with `vision_dp_when_cp` on, for the mixed
-pack (text-only, one image, two images); the language model receives exactly the data-side positions. Every v05
-patch reports installed on 0.5.1 and native on 0.6.2. Without the patches the same calls fail:
-test_bridge_051_upstream.py pins that (the negative control)."""
+pre-sharded THD call under CP (input_ids [1, T/C] zigzag-local, the full row's cu_seqlens, every image and video on
+every rank) gives the same logits as each sample run alone at CP=1 (fp32, atol 1e-5), over 2 and 4 gloo processes,
+with data-side positions, without positions (model-side reconstruction) and with `vision_dp_when_cp` on, for a
+micro-batch of text only, one image, two images, a video and image + video + image (images and videos mixed:
+`v05_mixed_media_row_order`); the language model receives exactly the data-side positions. With
+`vision_dp_when_cp` and a single image, the ranks that encode nothing build their placeholder in the model's dtype
+(`v05_empty_vision_rank_dtype`). Every v05 patch reports installed on 0.5.1 and native on 0.6.2. Without the
+patches the same calls fail: test_bridge_051_upstream.py and test_source_patch.py pin that (the negative control)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def job_status_and_reference(ctx, samples) -> dict:
     if samples is not None:
         batch = runner.pack(samples, 1)
         out["batch"] = batch
-        out["packed"] = runner.job_packed(ctx, batch, tiny.concat_pixels(samples), ("data",), samples)
+        pixels, videos = tiny.concat_pixels(samples), tiny.concat_video_pixels(samples)
+        out["packed"] = runner.job_packed(ctx, batch, pixels, ("data",), samples, videos)
     return out
 
 
@@ -56,7 +59,7 @@ def samples():
     for version in ("0.5.1", "0.6.2"):
         if reason := bridge_available(version):
             pytest.fail(f"harness cannot load megatron-bridge {version}: {reason}")
-    return tiny.default_samples(seed=0)
+    return tiny.parity_samples(seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +91,25 @@ def test_detect_062_native(samples):
 
 
 def test_cp1_packed_matches_unpacked(cp1, reference):
-    """CP=1 is not pre-sharded: upstream's whole-row path stays (positions shifted per segment: float noise)."""
+    """CP=1 is not pre-sharded: upstream's whole-row path stays (positions shifted per segment by up to ~90 here:
+    float noise of ~1e-5, hence the looser tolerance than the pre-sharded runs get)."""
     logits, _ = cp1["packed"]["modes"]["data"]
     diffs = runner.max_diff_per_sample(cp1["batch"], logits, reference)
-    assert max(diffs) <= ATOL, diffs
+    assert max(diffs) <= 1e-4, diffs
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_presharded_cp_matches_unpacked(samples, reference, cp_size):
-    batch, runs, extras = runner.run_packed(
-        samples, cp_size=cp_size, version="0.5.1", position_modes=MODES, setup=install
-    )
-    assert extras["versions"] == {"megatron-bridge": "0.5.1", "megatron-core": "0.18.2"}
+    single_image = [samples[0], samples[1]]  # vision_dp_when_cp: ranks >= 1 get no image to encode
+    # both packs are prefixes of `samples`, so reference[:n] are their unpacked logits
+    packs = {"mixed": (samples, MODES), "single_image": (single_image, ("data_vision_dp",))}
+    results = runner.run_packed_many(packs, cp_size=cp_size, version="0.5.1", setup=install)
     report = {}
-    for mode in MODES:
-        run = runs[mode]
-        assert run.error is None, (mode, run.error)
-        assert torch.equal(run.lm_position_ids, batch.position_ids), mode  # per-segment, zigzag-sliced
-        report[mode] = max(runner.max_diff_per_sample(batch, run.logits, reference))
-    print(f"CP={cp_size} max |packed - unpacked| per mode: {report}")
+    for name, (batch, runs, extras) in results.items():
+        assert extras["versions"] == {"megatron-bridge": "0.5.1", "megatron-core": "0.18.2"}
+        for mode, run in runs.items():
+            assert run.error is None, (name, mode, run.error)
+            assert torch.equal(run.lm_position_ids, batch.position_ids), mode  # per-segment, zigzag-sliced
+            report[name, mode] = max(runner.max_diff_per_sample(batch, run.logits, reference[: len(packs[name][0])]))
+    print(f"CP={cp_size} max |packed - unpacked| per pack and mode: {report}")
     assert max(report.values()) <= ATOL, report

@@ -3,6 +3,7 @@
     from tests.patches.harness import runner
     per_sample = runner.unpacked_logits(samples, version="0.6.2")           # list of [L_i, V], CP=1
     batch, full = runner.packed_logits(samples, cp_size=2, version="0.6.2")  # full-row [T, V], rebuilt from ranks
+    runs = runner.run_packed_many({"a": samples, "b": other}, cp_size=2)     # several packs, one set of processes
     results = runner.run_cp(my_job, cp_size=2, version="0.5.1", args=(...))  # any module-level job(ctx, ...)
 
 Every model runs in freshly spawned processes, even at CP=1: the shims rewire torch globals and the bridge version
@@ -46,7 +47,7 @@ class WorkerError(RuntimeError):
         self.rank, self.exc_type, self.message, self.worker_traceback = rank, exc_type, message, tb
 
 
-def _child(rank, world_size, init_file, out_dir, version, setup, model_kwargs, timeout_s, job, args) -> None:
+def _child(rank, world_size, init_file, out_dir, version, root, setup, model_kwargs, timeout_s, job, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     out = os.path.join(out_dir, f"rank{rank}.pt")
@@ -54,7 +55,7 @@ def _child(rank, world_size, init_file, out_dir, version, setup, model_kwargs, t
         from tests.patches.harness.shims import load_qwen3vl_module
         from tests.patches.harness.tiny import build_tiny_qwen3vl
 
-        module = load_qwen3vl_module(version)
+        module = load_qwen3vl_module(version, root=root)
         if setup is not None:
             setup(module)  # e.g. install miles_vl.patches before the model is built
         dist.init_process_group(
@@ -90,12 +91,14 @@ def run_cp(
     model_kwargs: dict | None = None,
     setup: Callable[[Any], None] | None = None,
     timeout_s: float = 240.0,
+    bridge_root: str | None = None,
 ) -> list[Any]:
     """Run `job(ctx, *args)` on `cp_size` processes (gloo, CP group = world) and return each rank's result.
 
     `model_kwargs` go to `build_tiny_qwen3vl` (seed, init_std, vision_dp_when_cp). `setup(model_module)`, a
     module-level function, runs in every rank right after the bridge is imported and before the model is built: the
-    place to install `miles_vl.patches` (which rebind names in the model module).
+    place to install `miles_vl.patches` (which rebind names in the model module). `bridge_root` (0.5.1 only): the
+    folder to import megatron-bridge from instead of the side install (e.g. a source-patched copy).
 
     Raises:
         WorkerError: a rank raised (the lowest such rank is reported).
@@ -113,6 +116,7 @@ def run_cp(
                     init_file,
                     tmp,
                     version,
+                    bridge_root,
                     setup,
                     dict(model_kwargs or {}),
                     timeout_s,
@@ -161,7 +165,7 @@ class PackedRun:
 
     logits: torch.Tensor | None  # [T, V] in full-row order
     lm_position_ids: torch.Tensor | None  # [3, T] the positions the language model received, full-row order
-    error: tuple[str, str] | None  # (exception type, message) raised by the model in rank 0
+    error: tuple[str, str, str] | None  # (exception type, message, "file:line in function") raised in rank 0
 
 
 def thd_params(cu_seqlens: torch.Tensor):
@@ -212,13 +216,17 @@ def unpacked_forward(model, samples) -> list[torch.Tensor]:
                 position_ids=reference_positions(s)[:, None, :],  # [3, 1, L]
                 pixel_values=s.pixel_values,
                 image_grid_thw=s.image_grid_thw,
+                pixel_values_videos=s.pixel_values_videos,
+                video_grid_thw=s.video_grid_thw,
             )
             outs.append(_logits(out)[0])
     return outs
 
 
-def packed_forward(ctx: WorkerContext, batch, pixel_values, position_mode: str = "data"):
+def packed_forward(ctx: WorkerContext, batch, pixel_values, position_mode: str = "data", pixel_values_videos=None):
     """This rank's shard of `batch` (a miles_vl PackedBatch) through the model as THD (pre-sharded under CP).
+
+    `pixel_values` / `pixel_values_videos`: the pixel rows of every image / video of the micro-batch (row order).
 
     Returns (logits [T/C, V], positions the language model saw [3, T/C] or None).
     """
@@ -243,6 +251,8 @@ def packed_forward(ctx: WorkerContext, batch, pixel_values, position_mode: str =
                 packed_seq_params=thd_params(shard.cu_seqlens),  # the full row's segments
                 pixel_values=pixel_values,  # every image of the micro-batch, on every rank
                 image_grid_thw=batch.image_grid_thw,
+                pixel_values_videos=pixel_values_videos,  # every video of the micro-batch, on every rank
+                video_grid_thw=batch.video_grid_thw,
             )
     finally:
         capture.remove()
@@ -251,22 +261,46 @@ def packed_forward(ctx: WorkerContext, batch, pixel_values, position_mode: str =
     return _logits(out)[0], None if seen is None else seen.reshape(3, -1)
 
 
-def job_packed(ctx: WorkerContext, batch, pixel_values, position_modes, reference_samples=None) -> dict:
+def job_packed(
+    ctx: WorkerContext, batch, pixel_values, position_modes, reference_samples=None, pixel_values_videos=None
+) -> dict:
     """Run `packed_forward` once per position mode (a model error is recorded, not raised) and, at CP=1 when
     `reference_samples` is given, the unpacked reference too (same process, same weights)."""
     from tests.patches.harness.shims import loaded_versions
 
-    result = {"modes": {}, "weights_checksum": weights_checksum(ctx.model), "versions": loaded_versions()}
+    result = {
+        "modes": {},
+        "weights_checksum": weights_checksum(ctx.model),
+        "versions": loaded_versions(),
+        "model_file": ctx.module.__file__,
+        "miles_vl_patches": sorted(ctx.module.__dict__.get("_miles_vl_patches", ())),  # names installed
+    }
     for mode in position_modes:
         try:
-            result["modes"][mode] = packed_forward(ctx, batch, pixel_values, mode)
+            result["modes"][mode] = packed_forward(ctx, batch, pixel_values, mode, pixel_values_videos)
         except (ValueError, TypeError, RuntimeError, AssertionError, IndexError) as exc:
-            result["modes"][mode] = (type(exc).__name__, str(exc))
+            result["modes"][mode] = (type(exc).__name__, str(exc), _where(exc))
     if reference_samples is not None:
         if ctx.cp_size != 1:
             raise ValueError("the unpacked reference runs at CP=1")
         result["unpacked"] = unpacked_forward(ctx.model, reference_samples)
     return result
+
+
+def _where(exc: BaseException) -> str:
+    """ "path:line in function" of the innermost megatron frame of `exc` (path from `megatron/` on)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if "/megatron/" in f.filename), frames[-1])
+    path = frame.filename
+    return f"{path[path.rfind('/megatron/') + 1 :] if '/megatron/' in path else path}:{frame.lineno} in {frame.name}"
+
+
+def job_packed_many(ctx: WorkerContext, packs: dict) -> dict:
+    """`job_packed` for each `name -> (batch, pixel_values, pixel_values_videos, position_modes)` of `packs`."""
+    return {
+        name: job_packed(ctx, batch, pixels, modes, None, videos)
+        for name, (batch, pixels, videos, modes) in packs.items()
+    }
 
 
 def job_unpacked(ctx: WorkerContext, samples) -> dict:
@@ -306,12 +340,12 @@ def run_packed(
     """Pack `samples` (THD, zigzag for `cp_size`), run every rank's shard once per position mode, rebuild full rows.
 
     Returns (PackedBatch, {mode: PackedRun}, extras) where extras has "weights_checksum" (per rank), "versions"
-    (megatron-bridge/-core of the run) and, with
+    (megatron-bridge/-core of the run), "model_file" (the model module's file), "miles_vl_patches" (names installed
+    in it) and, with
     `with_reference` (CP=1 only), "unpacked": the per-sample reference logits from the same process, of
     `reference_samples` when given (default: `samples`).
     """
-    from miles_vl.packing import unzigzag
-    from tests.patches.harness.tiny import concat_pixels
+    from tests.patches.harness.tiny import concat_pixels, concat_video_pixels
 
     batch = pack(samples, cp_size)
     ref = (samples if reference_samples is None else reference_samples) if with_reference else None
@@ -319,22 +353,50 @@ def run_packed(
         job_packed,
         cp_size,
         version=version,
-        args=(batch, concat_pixels(samples), tuple(position_modes), ref),
+        args=(batch, concat_pixels(samples), tuple(position_modes), ref, concat_video_pixels(samples)),
         **kwargs,
     )
+    runs, extras = _rebuild(batch, per_rank, position_modes, cp_size)
+    if with_reference:
+        extras["unpacked"] = per_rank[0]["unpacked"]
+    return batch, runs, extras
+
+
+def run_packed_many(packs: dict, *, cp_size: int, version: str = "0.6.2", position_modes=("data",), **kwargs) -> dict:
+    """`run_packed` for several packs in one set of worker processes (one model build, one import per rank).
+
+    `packs`: {name: samples, or (samples, position_modes)}. Returns {name: (PackedBatch, {mode: PackedRun}, extras)}.
+    """
+    from tests.patches.harness.tiny import concat_pixels, concat_video_pixels
+
+    jobs = {}
+    for name, value in packs.items():
+        samples, modes = value if isinstance(value, tuple) else (value, position_modes)
+        jobs[name] = (pack(samples, cp_size), concat_pixels(samples), concat_video_pixels(samples), tuple(modes))
+    per_rank = run_cp(job_packed_many, cp_size, version=version, args=(jobs,), **kwargs)
+    out = {}
+    for name, (batch, _, _, modes) in jobs.items():
+        runs, extras = _rebuild(batch, [rank[name] for rank in per_rank], modes, cp_size)
+        out[name] = (batch, runs, extras)
+    return out
+
+
+def _rebuild(batch, per_rank: list[dict], position_modes, cp_size: int) -> tuple[dict, dict]:
+    """Full-row PackedRuns out of every rank's `job_packed` result, and the extras (checksums, versions)."""
+    from miles_vl.packing import unzigzag
+
     runs = {}
     for mode in position_modes:
         outs = [r["modes"][mode] for r in per_rank]
-        if isinstance(outs[0][0], str):  # (type, message): the model raised
+        if isinstance(outs[0][0], str):  # (type, message, where): the model raised
             runs[mode] = PackedRun(None, None, outs[0])
             continue
         logits = unzigzag([o[0] for o in outs], batch.cu_seqlens, cp_size, dim=0)
         seen = None if outs[0][1] is None else unzigzag([o[1] for o in outs], batch.cu_seqlens, cp_size, dim=-1)
         runs[mode] = PackedRun(logits, seen, None)
-    extras = {"weights_checksum": [r["weights_checksum"] for r in per_rank], "versions": per_rank[0]["versions"]}
-    if with_reference:
-        extras["unpacked"] = per_rank[0]["unpacked"]
-    return batch, runs, extras
+    extras = {"weights_checksum": [r["weights_checksum"] for r in per_rank]}
+    extras |= {key: per_rank[0][key] for key in ("versions", "model_file", "miles_vl_patches")}
+    return runs, extras
 
 
 def packed_logits(samples, *, cp_size: int, version: str = "0.6.2", position_mode: str = "data", **kwargs):

@@ -1,12 +1,14 @@
 """Import the real megatron-bridge Qwen3-VL model module on a CPU-only machine (test-only shims).
 
     model_module = load_qwen3vl_module("0.6.2")   # or "0.5.1"; once per process, before anything imports megatron
+    model_module = load_qwen3vl_module("0.5.1", root=tree)   # a 0.5.1 tree elsewhere (e.g. a source-patched copy)
 
 What the shims do, and why each is needed (DESIGN §5):
 - bridge version: 0.6.2 comes from site-packages; 0.5.1 lives in a `pip install --target` folder
-  (`scripts/setup_megatron.sh`) that is put first on `sys.path`. `megatron` is a namespace package, so
-  `megatron.bridge` then resolves to 0.5.1 while `megatron.core` still comes from site-packages. Switching versions
-  needs a fresh interpreter: the harness runs every model in spawned worker processes.
+  (`scripts/setup_megatron.sh`; or `root`, a copy of such a folder) that is put first on `sys.path`. `megatron`
+  is a namespace package, so `megatron.bridge` then resolves to 0.5.1 while `megatron.core` still comes from
+  site-packages. Switching versions needs a fresh interpreter: the harness runs every model in spawned worker
+  processes.
 - `transformer_engine`: megatron-core is imported first, with no TE, so it takes its local (torch) code paths;
   then a `MagicMock` stands in for `transformer_engine` only while `megatron.bridge` is imported (its modules import
   TE names at module level) and is removed afterwards. 0.5.1 also imports `modelopt` (nvidia-modelopt) from
@@ -34,7 +36,7 @@ from types import ModuleType
 SUPPORTED_VERSIONS = ("0.6.2", "0.5.1")
 MODEL_MODULE = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
 
-_loaded_version: str | None = None
+_loaded_version: tuple[str, Path | None] | None = None  # (version, 0.5.1 folder)
 
 
 def bridge_051_dir() -> Path:
@@ -42,9 +44,10 @@ def bridge_051_dir() -> Path:
     return Path(os.environ.get("MILES_VL_BRIDGE_051_DIR", Path(sys.prefix) / "megatron-bridge-0.5.1"))
 
 
-def bridge_available(version: str) -> str | None:
+def bridge_available(version: str, root: str | Path | None = None) -> str | None:
     """None when `version` can be loaded here, else the reason. Reads package metadata only (importing, or even
-    `find_spec("megatron.core")`, would import the `megatron` namespace before the version is chosen)."""
+    `find_spec("megatron.core")`, would import the `megatron` namespace before the version is chosen).
+    `root`: the folder holding `megatron/bridge` of 0.5.1 (default `bridge_051_dir()`)."""
     from importlib import metadata
 
     if version not in SUPPORTED_VERSIONS:
@@ -53,9 +56,12 @@ def bridge_available(version: str) -> str | None:
         metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         return "megatron-core is not installed; run scripts/setup_megatron.sh"
+    if root is not None and version != "0.5.1":
+        return f"a bridge root folder is supported for 0.5.1 only, not {version!r}"
     if version == "0.5.1":
-        if not (bridge_051_dir() / "megatron" / "bridge" / "__init__.py").exists():
-            return f"megatron-bridge 0.5.1 not found in {bridge_051_dir()}; run scripts/setup_megatron.sh"
+        folder = bridge_051_dir() if root is None else Path(root)
+        if not (folder / "megatron" / "bridge" / "__init__.py").exists():
+            return f"megatron-bridge 0.5.1 not found in {folder}; run scripts/setup_megatron.sh"
         return None
     try:
         installed = metadata.version("megatron-bridge")
@@ -138,9 +144,12 @@ def _restore(saved: dict[str, ModuleType | None]) -> None:
             sys.modules[name] = module
 
 
-def load_qwen3vl_module(version: str) -> ModuleType:
+def load_qwen3vl_module(version: str, root: str | Path | None = None) -> ModuleType:
     """Import `megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model` of megatron-bridge `version` with the CPU
     shims installed and the TE layer specs rebound; idempotent within a process.
+
+    `root` (0.5.1 only): the folder to import 0.5.1 from, holding `megatron/bridge` (and, optionally, the
+    megatron-core it was released with in `megatron/core`); default `bridge_051_dir()`.
 
     Raises:
         RuntimeError: megatron was already imported in this process with another bridge version, or the version
@@ -148,18 +157,21 @@ def load_qwen3vl_module(version: str) -> ModuleType:
         ValueError: unsupported or missing version.
     """
     global _loaded_version
+    folder = None if version != "0.5.1" else (bridge_051_dir() if root is None else Path(root))
     if _loaded_version is not None:
-        if _loaded_version != version:
-            raise RuntimeError(f"megatron-bridge {_loaded_version} is already loaded; {version} needs a new process")
+        if _loaded_version != (version, folder):
+            raise RuntimeError(
+                f"megatron-bridge {_loaded_version} is already loaded; {(version, folder)} needs a new process"
+            )
         return sys.modules[MODEL_MODULE]
     if "megatron" in sys.modules:
         raise RuntimeError("load_qwen3vl_module must run before anything imports megatron in this process")
-    reason = bridge_available(version)
+    reason = bridge_available(version, root)
     if reason:
         raise ValueError(reason)
 
-    if version == "0.5.1":
-        sys.path.insert(0, str(bridge_051_dir()))
+    if folder is not None:
+        sys.path.insert(0, str(folder))
     install_cpu_device()
 
     import logging
@@ -197,14 +209,16 @@ def load_qwen3vl_module(version: str) -> ModuleType:
         raise RuntimeError(
             f"asked for megatron-bridge {version} but imported {package_info.__version__} from {package_info.__file__}"
         )
-    if version == "0.5.1" and (bridge_051_dir() / "megatron" / "core").is_dir():
+    if folder is not None and not Path(package_info.__file__).resolve().is_relative_to(folder.resolve()):
+        raise RuntimeError(f"megatron.bridge came from {package_info.__file__}, not from {folder}")
+    if folder is not None and (folder / "megatron" / "core").is_dir():
         import megatron.core as mcore
 
-        if not Path(mcore.__file__).is_relative_to(bridge_051_dir()):
-            raise RuntimeError(f"megatron.core came from {mcore.__file__}, not from {bridge_051_dir()}")
+        if not Path(mcore.__file__).is_relative_to(folder):
+            raise RuntimeError(f"megatron.core came from {mcore.__file__}, not from {folder}")
     transformer_block.HAVE_TE = False  # it saw the mock; there is no te_checkpoint on CPU
     _rebind_specs(model_module)
-    _loaded_version = version
+    _loaded_version = (version, folder)
     return model_module
 
 

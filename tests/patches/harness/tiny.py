@@ -5,13 +5,15 @@
 
 Sizes are small enough for two CPU cores but keep every feature the CP layout can break: GQA, q/k RMSNorm,
 interleaved MRoPE (section [4, 2, 2] of head_dim 16), a 2-layer vision tower with deepstack into both language
-layers, spatial merge 2. Weights are fp32 with a large init std (0.2) so that positions and attention masks move
+layers, spatial merge 2. Samples hold images and videos laid out as the transformers Qwen3-VL processor lays them
+out (see `make_sample`). Weights are fp32 with a large init std (0.2) so that positions and attention masks move
 the logits well above float noise, and depend only on `seed` (every CP rank builds the same model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +27,17 @@ PIXEL_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH
 TOKENS = dict(spatial_merge_size=MERGE, image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART)
 
 
+TIMESTAMP_LEN = 3  # text tokens standing in for a frame group's "<0.5 seconds>" (several tokens in Qwen3's vocab)
+
+
+class Video(NamedTuple):
+    """A video piece of `make_sample`: `t` frame groups of an `h x w` patch grid (`video_grid_thw` row (t, h, w))."""
+
+    t: int
+    h: int
+    w: int
+
+
 @dataclass
 class TinySample:
     """One training sample as `miles_vl.packing.pack_thd` reads it, plus its pixels."""
@@ -32,15 +45,24 @@ class TinySample:
     input_ids: torch.Tensor  # [L]
     image_grid_thw: torch.Tensor | None  # [n_images, 3]
     prompt_len: int
-    pixel_values: torch.Tensor | None  # [sum(t*h*w), PIXEL_DIM]
-    video_grid_thw: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None  # [sum(t*h*w) over images, PIXEL_DIM]
+    video_grid_thw: torch.Tensor | None = None  # [n_videos, 3]
     loss_mask: torch.Tensor | None = None
     name: str = field(default="")
+    pixel_values_videos: torch.Tensor | None = None  # [sum(t*h*w) over videos, PIXEL_DIM]
 
 
 def make_sample(name: str, pieces: list, response_len: int, generator: torch.Generator) -> TinySample:
-    """`pieces`: ints = that many random text tokens, tuples (t, h, w) = an image with that patch grid."""
-    ids, grids = [], []
+    """`pieces`: ints = that many random text tokens, tuples (t, h, w) = an image with that patch grid,
+    `Video(t, h, w)` = a video.
+
+    Token layout of the transformers 5.12.1 Qwen3-VL processor: an image is `<|vision_start|>`, `t*h*w/4`
+    `<|image_pad|>`, `<|vision_end|>` (the chat template's `<|vision_start|><|image_pad|><|vision_end|>`, the pad
+    expanded). A video keeps the template's outer `<|vision_start|>` ... `<|vision_end|>` and the processor's
+    `replace_video_token` puts, per frame group (one per temporal step of the grid), a timestamp text
+    (`<0.5 seconds>`), `<|vision_start|>`, `h*w/4` `<|video_pad|>`, `<|vision_end|>` inside it.
+    """
+    ids, grids, video_grids = [], [], []
 
     def text(n: int) -> list[int]:
         return torch.randint(1, IMAGE, (n,), generator=generator).tolist()
@@ -48,6 +70,13 @@ def make_sample(name: str, pieces: list, response_len: int, generator: torch.Gen
     for piece in pieces:
         if isinstance(piece, int):
             ids += text(piece)
+        elif isinstance(piece, Video):
+            t, h, w = piece
+            video_grids.append([t, h, w])
+            ids.append(VSTART)
+            for _ in range(t):
+                ids += text(TIMESTAMP_LEN) + [VSTART] + [VIDEO] * (h * w // MERGE**2) + [VEND]
+            ids.append(VEND)
         else:
             t, h, w = piece
             grids.append([t, h, w])
@@ -55,12 +84,15 @@ def make_sample(name: str, pieces: list, response_len: int, generator: torch.Gen
     prompt_len = len(ids)
     ids += text(response_len)
     n_patches = sum(t * h * w for t, h, w in grids)
+    n_video_patches = sum(t * h * w for t, h, w in video_grids)
     return TinySample(
         input_ids=torch.tensor(ids, dtype=torch.long),
         image_grid_thw=torch.tensor(grids, dtype=torch.long) if grids else None,
         prompt_len=prompt_len,
         pixel_values=torch.randn(n_patches, PIXEL_DIM, generator=generator) if grids else None,
+        video_grid_thw=torch.tensor(video_grids, dtype=torch.long) if video_grids else None,
         name=name,
+        pixel_values_videos=torch.randn(n_video_patches, PIXEL_DIM, generator=generator) if video_grids else None,
     )
 
 
@@ -74,9 +106,33 @@ def default_samples(seed: int = 0) -> list[TinySample]:
     ]
 
 
+def video_sample(seed: int = 1) -> TinySample:
+    """One video of 2 frame groups (4x6 patches: 6 tokens each), text around it: L = 2 + 2*(3+8) + 2 + 3 + 6 = 35."""
+    return make_sample("video", [2, Video(2, 4, 6), 3], 6, torch.Generator().manual_seed(seed))
+
+
+def image_and_video_sample(seed: int = 2) -> TinySample:
+    """An image, then a video, then another image in one prompt (natural order image, video frames, image)."""
+    g = torch.Generator().manual_seed(seed)
+    return make_sample("image_video_image", [2, (1, 2, 4), 1, Video(2, 2, 4), 2, (1, 4, 4), 1], 5, g)
+
+
+def parity_samples(seed: int = 0) -> list[TinySample]:
+    """The parity pack: text only, one image, two images, one video, and image + video + image in one prompt. As
+    one micro-batch it mixes images and videos (what megatron-bridge's `reorganize_inputs` orders by scanning the row).
+    """
+    return [*default_samples(seed), video_sample(seed + 1), image_and_video_sample(seed + 2)]
+
+
 def concat_pixels(samples: list[TinySample]) -> torch.Tensor | None:
     """Pixel rows of every image of `samples`, in sample order (the order of the packed `image_grid_thw`)."""
     parts = [s.pixel_values for s in samples if s.pixel_values is not None]
+    return torch.cat(parts) if parts else None
+
+
+def concat_video_pixels(samples: list[TinySample]) -> torch.Tensor | None:
+    """Pixel rows of every video of `samples`, in sample order (the order of the packed `video_grid_thw`)."""
+    parts = [s.pixel_values_videos for s in samples if s.pixel_values_videos is not None]
     return torch.cat(parts) if parts else None
 
 
@@ -110,12 +166,24 @@ class _HFRopeSelf:
 
 
 def build_tiny_qwen3vl(
-    model_module, *, cp_size: int, seed: int = 0, init_std: float = 0.2, vision_dp_when_cp: bool = False
+    model_module,
+    *,
+    cp_size: int,
+    seed: int = 0,
+    init_std: float = 0.2,
+    vision_dp_when_cp: bool = False,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    layer_spec=None,
+    dtype: torch.dtype = torch.float32,
+    parallel_output: bool = True,
 ):
-    """The real `Qwen3VLModel` of `model_module` with local layer specs; fp32, eval mode, deterministic in `seed`.
+    """The real `Qwen3VLModel` of `model_module`; eval mode, deterministic in `seed` (for a given `tp_size`).
 
-    Megatron's parallel state must be initialized (context_parallel_size=cp_size) before calling this.
+    Megatron's parallel state must be initialized (tensor/context parallel sizes as given) before calling this.
     `vision_dp_when_cp` splits the vision tower's work across CP ranks (then all-gathers the embeddings).
+    `layer_spec`: the language layer spec; default the CPU harness's local spec with the reference core attention
+    (the GPU tests pass Transformer Engine's). `dtype`: parameter dtype (fp32 on CPU; bf16 with TE on GPU).
     """
     import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -156,10 +224,12 @@ def build_tiny_qwen3vl(
         init_method_std=init_std,
         use_cpu_initialization=True,
         perform_initialization=True,
-        params_dtype=torch.float32,
-        bf16=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         fp16=False,
         context_parallel_size=cp_size,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=sequence_parallel,
         calculate_per_token_loss=True,  # the model asserts it under CP
         vocab_size=VOCAB,
         language_max_sequence_length=4096,
@@ -180,9 +250,9 @@ def build_tiny_qwen3vl(
     torch.manual_seed(seed)
     model = model_module.Qwen3VLModel(
         language_transformer_config=config,
-        language_transformer_layer_spec=language_layer_spec(),
+        language_transformer_layer_spec=layer_spec if layer_spec is not None else language_layer_spec(),
         vision_transformer_config=vision_config,
-        parallel_output=True,
+        parallel_output=parallel_output,
         pre_process=True,
         post_process=True,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
