@@ -6,7 +6,7 @@
 Modules: `plan` (samples -> DP ranks -> micro-batches), `batch` (packing, the CP shard, model and loss inputs),
 `vocab_parallel` (label logprobs / entropy over TP-split logits), `step` (megatron's forward step and loss function,
 the gradient-scaling contract), `parallel` (process groups, gathers, metric reduction), `export` (HF weights for
-the engines, bucketed), `checkpoint` (distributed checkpoints), `backend` (the `TrainBackend`), `build` (AutoBridge,
+the engines, streamed; the driver buckets them), `checkpoint` (distributed checkpoints), `backend` (the `TrainBackend`), `build` (AutoBridge,
 DDP, distributed optimizer: the CUDA-only parts).
 
 Importing `backend` or `build` imports megatron and installs `miles_vl.patches`; this package's names load lazily so
@@ -22,7 +22,6 @@ _LAZY = {
     "MegatronTrainBackend": "miles_vl.train.megatron.backend",
     "build_megatron_backend": "miles_vl.train.megatron.build",
     "build_provider": "miles_vl.train.megatron.build",
-    "bucket_by_bytes": "miles_vl.train.megatron.export",
     "export_hf_weights": "miles_vl.train.megatron.export",
     "vocab_parallel_logprobs": "miles_vl.train.megatron.vocab_parallel",
 }

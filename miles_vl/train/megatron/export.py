@@ -1,7 +1,7 @@
-"""Weights for the rollout engines: megatron-bridge's HF export, minus frozen tensors, in buckets of bounded size.
+"""Weights for the rollout engines: megatron-bridge's HF export, minus frozen tensors, as a stream of (name, tensor).
 
     named = export_hf_weights(bridge, model, skip_prefixes=("vision_model.",))   # (HF name, full tensor) pairs
-    for bucket in bucket_by_bytes(named, 512 << 20):                             # lists of pairs, <= 512 MiB each
+    for bucket in iter_buckets(named, 512 << 20):   # miles_vl.rollout.sglang: the driver's weight sync buckets
         engine.update_weights(bucket)
 
 `bridge.export_hf_weights` gathers TP shards and broadcasts PP stages, so every rank yields every full tensor with
@@ -12,7 +12,7 @@ before any gathering, so they cost nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from torch import Tensor
 
@@ -33,24 +33,3 @@ def export_hf_weights(
         tasks = [t for t in tasks if not t.global_param_name.startswith(tuple(skip_prefixes))]
     # HFWeightTuple is a NamedTuple (param_name, weight): it unpacks as the (name, tensor) pair
     yield from bridge.export_hf_weights(model, cpu=cpu, show_progress=False, conversion_tasks=tasks)
-
-
-def bucket_by_bytes(named: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Consecutive (name, tensor) pairs grouped into lists of at most `max_bytes` (a larger tensor goes alone).
-
-    Raises:
-        ValueError: max_bytes < 1.
-    """
-    if max_bytes < 1:
-        raise ValueError(f"max_bytes must be >= 1, found {max_bytes}")
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

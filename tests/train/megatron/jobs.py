@@ -289,9 +289,10 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     are TE's (fused norms)."""
     import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
 
+    from miles_vl.rollout.sglang import iter_buckets
     from miles_vl.train.megatron.backend import MegatronTrainBackend
     from miles_vl.train.megatron.build import build_provider
-    from miles_vl.train.megatron.export import bucket_by_bytes, export_hf_weights
+    from miles_vl.train.megatron.export import export_hf_weights
     from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
 
     provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
@@ -303,7 +304,7 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     )
     full = {n: t.clone() for n, t in export_hf_weights(bridge, model)}  # on the CPU these alias the parameters
     trainable = dict(export_hf_weights(bridge, model, skip_prefixes=("vision_model.",)))
-    buckets = [[n for n, _ in b] for b in bucket_by_bytes(export_hf_weights(bridge, model), 64 << 10)]
+    buckets = [[n for n, _ in b] for b in iter_buckets(export_hf_weights(bridge, model), 64 << 10)]
     out = {"full": full, "trainable_names": sorted(trainable), "buckets": buckets}
 
     exact_gelu_in_patch_mergers(model[0])

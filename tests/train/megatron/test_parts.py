@@ -1,5 +1,5 @@
 """Contracts of the megatron backend's pure parts (no megatron import): vocab-parallel logprobs, the data-parallel
-plan, the loss inputs of a CP shard, and weight buckets."""
+plan, the loss inputs of a CP shard."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from miles_vl.algo import loss_denominators, loss_token_weights, sequence_loss_tokens
 from miles_vl.packing import pack_thd, zigzag_index
 from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_tokens
-from miles_vl.train.megatron.export import bucket_by_bytes
 from miles_vl.train.megatron.plan import MicroBatchSpec, plan_data_parallel, split_for_data_parallel
 from miles_vl.train.types import TrainSample
 from tests.train.megatron.jobs import assert_vocab_parallel_matches, vocab_parallel_case
@@ -103,11 +102,3 @@ def _has_loss(sample: TrainSample, j: int) -> bool:
     if sample.loss_mask is not None:
         return bool(sample.loss_mask[j])
     return j >= sample.prompt_len
-
-
-def test_bucket_by_bytes():
-    named = [(str(i), torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 1])]
-    buckets = list(bucket_by_bytes(named, 80))
-    assert [[n for n, _ in b] for b in buckets] == [["0", "1"], ["2"], ["3", "4"]]
-    with pytest.raises(ValueError):
-        list(bucket_by_bytes(named, 0))
