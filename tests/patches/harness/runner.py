@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.dist import spawn_ranks
 
 
 @dataclass
@@ -104,44 +104,11 @@ def run_cp(
         WorkerError: a rank raised (the lowest such rank is reported).
         TimeoutError: the ranks did not finish within `timeout_s` (they are killed).
     """
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            context.Process(
-                target=_child,
-                args=(
-                    rank,
-                    cp_size,
-                    init_file,
-                    tmp,
-                    version,
-                    bridge_root,
-                    setup,
-                    dict(model_kwargs or {}),
-                    timeout_s,
-                    job,
-                    tuple(args),
-                ),
-            )
-            for rank in range(cp_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-        for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-                p.join()
-            raise TimeoutError(f"CP={cp_size} harness run did not finish in {timeout_s} s")
-        results = []
-        for rank, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} exited with code {p.exitcode} without a result")
-            results.append(torch.load(path, weights_only=False))
+    extra = (version, bridge_root, setup, dict(model_kwargs or {}), timeout_s, job, tuple(args))
+    try:
+        results = spawn_ranks(_child, cp_size, extra, timeout_s)
+    except TimeoutError as exc:
+        raise TimeoutError(f"CP={cp_size} harness run did not finish in {timeout_s} s") from exc
     for rank, res in enumerate(results):
         if "error" in res:
             raise WorkerError(rank, *res["error"])
