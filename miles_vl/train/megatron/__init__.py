@@ -6,8 +6,8 @@
 Modules: `plan` (samples -> DP ranks -> micro-batches), `batch` (packing, the CP shard, model and loss inputs),
 `vocab_parallel` (label logprobs / entropy over TP-split logits), `step` (megatron's forward step and loss function,
 the gradient-scaling contract), `parallel` (process groups, gathers, metric reduction), `export` (HF weights for
-the engines, streamed; the driver buckets them), `checkpoint` (distributed checkpoints), `backend` (the `TrainBackend`), `build` (AutoBridge,
-DDP, distributed optimizer: the CUDA-only parts).
+the engines, streamed; the driver buckets them), `checkpoint` (distributed checkpoints), `backend` (the
+`TrainBackend`), `build` (AutoBridge, DDP, distributed optimizer: the CUDA-only parts).
 
 Importing `backend` or `build` imports megatron and installs `miles_vl.patches`; this package's names load lazily so
 that `import miles_vl.train.megatron.plan` (pure torch) does not.
