@@ -326,6 +326,18 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             )
     if t.backend == "megatron" and t.num_gpus == 0:
         errors.append("train.backend=megatron needs GPUs: set train.num_gpus (e.g. 8)")
+    if t.backend == "megatron" and cfg.model.init != "pretrained":
+        errors.append(
+            "train.backend=megatron loads the HF checkpoint at model.path with megatron-bridge's AutoBridge, but "
+            "model.init=random; set model.init=pretrained and model.path (a random model needs train.backend=torch)"
+        )
+    engine_gpus = r.num_engines * r.gpus_per_engine
+    if cfg.ray.placement == "colocate" and t.num_gpus > 0 and engine_gpus > t.num_gpus:
+        errors.append(
+            f"ray.placement=colocate puts the rollout engines on the trainer's GPUs, but rollout.num_engines * "
+            f"rollout.gpus_per_engine = {engine_gpus} > train.num_gpus={t.num_gpus}; lower the engine count or set "
+            "ray.placement=disaggregate"
+        )
     if t.cp > 1 and t.packing != "thd":
         errors.append(f"train.cp={t.cp} needs THD packing, found train.packing={t.packing}; set train.packing=thd")
     if t.sp and t.tp == 1:

@@ -1,6 +1,6 @@
 """The rollout engines as one group: launch, generate with recovery, memory release around training, weight sync.
 
-    rollout = RolloutEngines(cfg, tokens, trainer, log_dir)     # rollout.num_engines actors (hf or sglang)
+    rollout = RolloutEngines(cfg, tokens, trainer, log_dir, gpus)   # rollout.num_engines actors (hf or sglang)
     groups = rollout.generate(prompts, params)                   # prompts split over the engines, prompt order kept
     rollout.release_memory(); <train>; rollout.resume_memory()   # colocated placement only
     rollout.sync_weights("step-3")                               # trainer -> every engine (weight_sync.py)
@@ -27,8 +27,9 @@ import ray
 from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens
 from miles_vl.orchestration.actors import FAULT_FILE_ENV, RolloutWorker
-from miles_vl.orchestration.placement import actor_resources
+from miles_vl.orchestration.placement import GpuPlacement, actor_resources, engine_slots
 from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV, SGLANG_LAUNCH_MODULE, SGLangWorker, strip_pixels
+from miles_vl.orchestration.trainer import Trainer
 from miles_vl.orchestration.weight_sync import Failed, make_weight_sync
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.rollout.sglang import SGLangServerDiedError
@@ -42,15 +43,21 @@ class RolloutEngines:
     Args:
         cfg: the job config.
         tokens: special token ids.
-        trainer: the train actor (source of the weights).
+        trainer: the trainer (source of the weights).
         log_dir: where sglang servers write their logs (`sglang_<i>.log`).
+        gpus: the trainer's GPU slots; colocated engines take theirs (`placement.engine_slots`). None: no GPUs.
 
     Raises:
         ray.exceptions.RayActorError: an engine could not start (for sglang, the message quotes the server's log).
     """
 
-    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, trainer, log_dir: Path):
+    def __init__(
+        self, cfg: JobConfig, tokens: SpecialTokens, trainer: Trainer, log_dir: Path, gpus: GpuPlacement | None = None
+    ):
         self.cfg = cfg
+        r = cfg.rollout
+        self.gpus = gpus if cfg.ray.placement == "colocate" else None
+        self.slots = engine_slots(gpus.slots, r.num_engines, r.gpus_per_engine) if self.gpus else None
         self.tokens = tokens
         self.log_dir = log_dir
         # Test hooks, read here and handed to the actors explicitly (actors.py, sglang_engines.py).
@@ -175,12 +182,19 @@ class RolloutEngines:
 
     def _launch(self, i: int):
         r = self.cfg.rollout
-        gpus = r.gpus_per_engine if self.cfg.train.num_gpus > 0 else 0
-        res = actor_resources("rollout", placement=self.cfg.ray.placement, gpus=gpus)
-        options = dict(max_restarts=0, num_cpus=res.num_cpus, num_gpus=res.num_gpus)
+        gpu_ids = None
+        if self.slots is not None:  # colocated: the actor in the bundle of its first GPU, its server on all of them
+            slots = self.slots[i]
+            options = dict(num_cpus=0, num_gpus=0.5, scheduling_strategy=self.gpus.strategy(slots[0]))
+            gpu_ids = [s.gpu_id for s in slots]
+        else:
+            gpus = r.gpus_per_engine if self.cfg.train.num_gpus > 0 else 0
+            res = actor_resources("rollout", placement=self.cfg.ray.placement, gpus=gpus)
+            options = dict(num_cpus=res.num_cpus, num_gpus=res.num_gpus)
+        options["max_restarts"] = 0
         if r.backend == "sglang":
             return SGLangWorker.options(**options).remote(
-                self.cfg, self.tokens, i, self.launch_module, str(self.log_dir)
+                self.cfg, self.tokens, i, self.launch_module, str(self.log_dir), gpu_ids
             )
         return RolloutWorker.options(**options).remote(self.cfg, self.tokens, self.fault_file)
 

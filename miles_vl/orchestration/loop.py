@@ -16,6 +16,7 @@ The engines (hf or sglang), their recovery and the weight sync live in engines.p
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import time
 from collections.abc import Sequence
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import ray
 import torch
 import yaml
 
@@ -32,12 +32,12 @@ from miles_vl.config import ConfigError, JobConfig
 from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
 from miles_vl.metrics import JsonlSink, Sinks, WandbSink, write_report
 from miles_vl.model import SpecialTokens
-from miles_vl.orchestration.actors import TrainWorker
 from miles_vl.orchestration.checkpoint import read_driver_state, resolve_resume, save_checkpoint
 from miles_vl.orchestration.engines import RolloutEngines
-from miles_vl.orchestration.placement import actor_resources, ray_session
+from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.sglang_engines import config_problems as sglang_config_problems
+from miles_vl.orchestration.trainer import Trainer
 from miles_vl.reward import RewardSample, resolve_reward, score_batch
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.train import TrainSample
@@ -89,17 +89,20 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     return run_dir
 
 
-# The backends the driver can build today; the config schema already names the production ones.
-AVAILABLE_BACKENDS = {"train": ("torch",), "rollout": ("hf", "sglang")}
+# Packages a backend needs beyond the core install (checked before Ray starts), and the backend to use instead.
+BACKEND_PACKAGES = {("train", "megatron"): (("megatron.bridge", "megatron.core"), "torch")}
 
 
 def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
-    problems = [
-        f"{role}.backend={getattr(cfg, role).backend} is not available in this build (available: "
-        f"{', '.join(names)}); set {role}.backend={names[0]} or install a build that has it"
-        for role, names in AVAILABLE_BACKENDS.items()
-        if getattr(cfg, role).backend not in names
-    ]
+    """What the config asks of this environment that it cannot do, as one ConfigError (before Ray starts)."""
+    problems = []
+    for (role, name), (packages, fallback) in BACKEND_PACKAGES.items():
+        missing = [p for p in packages if getattr(cfg, role).backend == name and not _importable(p)]
+        if missing:
+            problems.append(
+                f"{role}.backend={name} needs {', '.join(missing)}, which this environment does not have; install "
+                f"miles-vl[{name}] (docs/cluster.md lists the versions) or set {role}.backend={fallback}"
+            )
     if cfg.rollout.backend == "sglang":
         problems += sglang_config_problems(cfg)
     if problems:
@@ -139,11 +142,17 @@ class Job:
     sinks: Sinks | None = None
     progress: Progress | None = None
     rollout: RolloutEngines | None = None
+    trainer: Trainer | None = None
+    gpus: GpuPlacement | None = None
 
     def __post_init__(self):
-        res = actor_resources("train", placement=self.cfg.ray.placement, gpus=min(self.cfg.train.num_gpus, 1))
-        self.trainer = TrainWorker.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(self.cfg, self.tokens)
-        self.rollout = RolloutEngines(self.cfg, self.tokens, self.trainer, self.run_dir / "logs")
+        try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
+            self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
+            self.trainer = Trainer(self.cfg, self.tokens, self.gpus)
+            self.rollout = RolloutEngines(self.cfg, self.tokens, self.trainer, self.run_dir / "logs", self.gpus)
+        except BaseException:
+            self.close()
+            raise
 
     # -- one RL step ---------------------------------------------------------------------------------------------
 
@@ -155,7 +164,7 @@ class Job:
             samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
         with timer("train"):
             self.rollout.release_memory()  # colocated: the trainer gets the devices
-            train_metrics = ray.get(self.trainer.train.remote(samples))
+            train_metrics = self.trainer.train(samples)
             self.rollout.resume_memory()
         with timer("sync"):
             self.rollout.sync_weights(weight_version(step + 1))
@@ -294,13 +303,13 @@ class Job:
             self.ckpt_root,
             step,
             state,
-            lambda d: ray.get(self.trainer.save_checkpoint.remote(str(d))),
+            self.trainer.save_checkpoint,
             keep_last=self.cfg.checkpoint.keep_last,
         )
 
     def restore(self, path: Path) -> int:
         state = read_driver_state(path)
-        ray.get(self.trainer.load_checkpoint.remote(str(path)))
+        self.trainer.load_checkpoint(path)
         self.train_set.load_state_dict(state["data"])
         self.completed_steps = state["step"]
         self.rollout.restarts_before = state["engine_restarts"]
@@ -337,7 +346,10 @@ class Job:
             self.sinks.close()
         if self.rollout:
             self.rollout.close()  # stops sglang servers, which would outlive their actors
-        ray.kill(self.trainer, no_restart=True)
+        if self.trainer:
+            self.trainer.close()
+        if self.gpus:
+            self.gpus.release()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -374,3 +386,10 @@ def _mean(values) -> float:
 
 def _visual_tokens(prompt, tokens: SpecialTokens) -> int:
     return int((prompt.prompt_ids == tokens.image_token_id).sum() + (prompt.prompt_ids == tokens.video_token_id).sum())
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False

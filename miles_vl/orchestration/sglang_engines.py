@@ -76,17 +76,6 @@ def config_problems(cfg: JobConfig) -> list[str]:
             "rollout.backend=sglang serves the checkpoint at model.path, but model.init=random trains a random model "
             "the server cannot load; set model.init=pretrained (with model.path) or rollout.backend=hf"
         )
-    r = cfg.rollout
-    if cfg.ray.placement == "colocate" and cfg.train.num_gpus > 0 and (r.gpus_per_engine > 1 or r.num_engines > 1):
-        # Ray gives each colocated actor half a GPU and packs halves onto the fewest devices: two engines would share
-        # one GPU, and an engine's --tp-size GPUs would be one. One engine per GPU needs a placement group of GPU
-        # bundles shared with the trainer ranks.
-        problems.append(
-            f"ray.placement=colocate with rollout.num_engines={r.num_engines} and rollout.gpus_per_engine="
-            f"{r.gpus_per_engine}: colocated SGLang engines on several GPUs need a placement group shared with the "
-            "trainer (one engine per GPU bundle), which this build does not have yet; set ray.placement=disaggregate, "
-            "or rollout.num_engines=1 with rollout.gpus_per_engine=1"
-        )
     return problems
 
 
@@ -122,6 +111,8 @@ class SGLangWorker:
         index: engine number (port offset).
         launch_module: module run with `python -m` (tests substitute a stand-in, see LAUNCH_MODULE_ENV).
         log_dir: the server's log goes to `log_dir/sglang_<index>.log` (on the actor's node).
+        gpu_ids: the node's GPUs the server runs on (its CUDA_VISIBLE_DEVICES), for a colocated engine whose actor
+            holds only the first of them in Ray's accounting; None: the GPUs Ray gave the actor.
     """
 
     def __init__(
@@ -131,6 +122,7 @@ class SGLangWorker:
         index: int,
         launch_module: str = SGLANG_LAUNCH_MODULE,
         log_dir: str | None = None,
+        gpu_ids: Sequence[str] | None = None,
     ):
         if not torch.cuda.is_available():
             # Without a GPU the weights stay CPU tensors, which torch shares by file descriptor by default: only
@@ -152,6 +144,7 @@ class SGLangWorker:
             max_restarts=cfg.rollout.max_restarts,
             log_path=log_path,
             launch_module=launch_module,
+            env={"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)} if gpu_ids else None,
         )
         log.info("engine %d: SGLang server at %s (log %s)", index, self.host.url, self.host.log_path)
 

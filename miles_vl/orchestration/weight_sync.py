@@ -4,11 +4,11 @@ Two ways, picked by `make_weight_sync`:
 
     tensors  (hf engines; sglang colocated) — through Ray's object store, one bucket at a time:
         every engine  begin_weight_sync()
-        for bucket in trainer.export_weight_buckets(WEIGHT_BUCKET_BYTES)    # streaming; at most 2 buckets ahead
+        for bucket in trainer.weight_buckets(WEIGHT_BUCKET_BYTES, ahead=2)  # streamed from train rank 0
             every engine  load_weight_bucket(bucket)                        # sglang: POST /update_weights_from_tensor
         every engine  finish_weight_sync(version)                           # sglang: label the version, flush
 
-    nccl  (sglang disaggregated) — trainer rank 0 broadcasts, the engines receive:
+    nccl  (sglang disaggregated) — train rank 0 broadcasts, the engines receive:
         once:      trainer.open_weight_group(engine addresses)  # every engine POST /init_weights_update_group while
                                                                  # the trainer joins as rank 0
         each sync: trainer.send_weights(version)                 # per bucket: every engine POST
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import ray
 
 from miles_vl.config import JobConfig
+from miles_vl.orchestration.trainer import Trainer
 from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ BUCKETS_AHEAD = 2
 Failed = dict[int, BaseException]
 
 
-def make_weight_sync(cfg: JobConfig, trainer) -> TensorWeightSync | NcclWeightSync:
+def make_weight_sync(cfg: JobConfig, trainer: Trainer) -> TensorWeightSync | NcclWeightSync:
     if cfg.rollout.backend == "sglang" and cfg.ray.placement == "disaggregate":
         return NcclWeightSync(
             trainer,
@@ -62,11 +63,9 @@ class TensorWeightSync:
         targets = {i: engines[i] for i in (range(len(engines)) if only is None else only)}
         failed: Failed = {}
         _call_each(targets, failed, "begin_weight_sync")
-        buckets = self.trainer.export_weight_buckets.options(
-            num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_AHEAD
-        ).remote(WEIGHT_BUCKET_BYTES)
         n = 0
-        for bucket in buckets:  # an ObjectRef per bucket: each engine fetches it from the object store
+        # an ObjectRef per bucket: each engine fetches it from the object store
+        for bucket in self.trainer.weight_buckets(WEIGHT_BUCKET_BYTES, ahead=BUCKETS_AHEAD):
             _call_each(targets, failed, "load_weight_bucket", bucket)
             n += 1
         _call_each(targets, failed, "finish_weight_sync", version)
@@ -107,9 +106,9 @@ class NcclWeightSync:
                     timeout_s=self.timeout_s,
                     request_timeout_s=self.request_timeout_s,
                 )
-                ray.get(self.trainer.open_weight_group.remote(addresses, **options))
+                self.trainer.open_weight_group(addresses, **options)
                 self.open = True
-            report = ray.get(self.trainer.send_weights.remote(version))
+            report = self.trainer.send_weights(version)
         except ray.exceptions.RayTaskError as error:
             log.warning("NCCL weight sync %s failed: %s", version, error)
             self.close()
@@ -129,7 +128,7 @@ class NcclWeightSync:
         """Leave the group on every engine and the trainer (engines that are gone are skipped with a warning)."""
         if self.open:
             self.open = False
-            ray.get(self.trainer.close_weight_group.remote())
+            self.trainer.close_weight_group()
 
 
 def _call_each(targets: dict, failed: Failed, method: str, *args) -> None:

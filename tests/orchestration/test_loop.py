@@ -5,41 +5,16 @@
 - Ctrl-C writes a final checkpoint; a bad reward path fails before Ray starts.
 """
 
-import json
-from pathlib import Path
 
 import pytest
 import ray
 
-from miles_vl.config import load_config
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.actors import FAULT_FILE_ENV
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.loop import Job
-
-REPO = Path(__file__).resolve().parents[2]
-FAST = [
-    "data.synthetic_n=24",
-    "rollout.batch_size=2",
-    "rollout.n_samples_per_prompt=2",
-    "rollout.max_response_len=6",
-    "eval.interval=2",
-    "eval.max_prompts=2",
-    "logging.progress=false",
-    "logging.wandb.mode=disabled",
-    "reward.name=tests.orchestration.rewards:length_reward",
-]
-
-
-def config(tmp_path: Path, name: str, *overrides: str):
-    return load_config(
-        REPO / "configs" / "geo3k_tiny_cpu.yaml",
-        [*FAST, f"logging.output_dir={tmp_path}", f"logging.run_name={name}", *overrides],
-    )
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.orchestration.jobs import metrics
+from tests.orchestration.jobs import tiny_job as config
 
 
 def comparable(record: dict) -> dict:
@@ -117,11 +92,3 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
         assert r["rollout/dynamic_sampling_drop_rate"] > 0  # even rows were drawn and dropped ...
         assert r["rollout/prompts"] == 2  # ... and the batch was refilled
         assert r["rollout/zero_adv_group_fraction"] == 0.0  # only groups with signal are trained on
-
-
-def test_unavailable_backend_is_a_config_error(tmp_path):
-    from miles_vl.config import ConfigError
-
-    cfg = load_config(REPO / "configs" / "geo3k_qwen3vl_2b.yaml")
-    with pytest.raises(ConfigError, match="train.backend=megatron is not available in this build"):
-        run_job(cfg)

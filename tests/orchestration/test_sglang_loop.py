@@ -15,26 +15,21 @@ one POST per bucket while the trainer broadcasts, the version label, the flush; 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import ray
 from safetensors.torch import load_file
 
-from miles_vl.config import ConfigError, load_config
-from miles_vl.config.schema import TinyModelConfig
-from miles_vl.data import load_processor, special_tokens
-from miles_vl.model import build_model
+from miles_vl.config import ConfigError
 from miles_vl.orchestration import run_job, weight_sync
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
+from tests.orchestration.jobs import metrics, pretrained, tiny_job, write_checkpoint
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
 from tests.rollout.sglang.hf_server import tensor_digest
 
-REPO = Path(__file__).resolve().parents[2]
-PIXELS = (3136, 12544)  # data.min_pixels / max_pixels of configs/geo3k_tiny_cpu.yaml
 SYNC_PATHS = ("/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weight_version")
 
 
@@ -48,11 +43,7 @@ def local_ray():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The tiny random Qwen3-VL and the offline processor as an HF checkpoint directory (what SGLang would load)."""
-    path = tmp_path_factory.mktemp("tiny_qwen3vl")
-    processor = load_processor("offline", *PIXELS)
-    build_model(special_tokens(processor), tiny=TinyModelConfig().model_dump(), seed=7).save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_qwen3vl"))
 
 
 @pytest.fixture
@@ -62,37 +53,19 @@ def sglang_env(monkeypatch):
 
 
 def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):
-    return load_config(
-        REPO / "configs" / "geo3k_tiny_cpu.yaml",
-        [
-            "num_steps=2",
-            "data.synthetic_n=24",
-            "rollout.backend=sglang",
-            "rollout.batch_size=2",
-            "rollout.n_samples_per_prompt=2",
-            "rollout.max_response_len=6",
-            f"rollout.sglang.port={free_port()}",
-            "rollout.sglang.startup_timeout_s=120",
-            "rollout.sglang.request_timeout_s=60",
-            "rollout.sglang.max_retries=1",
-            "model.init=pretrained",
-            f"model.path={checkpoint}",
-            "model.processor=null",
-            "eval.interval=2",
-            "eval.max_prompts=2",
-            "checkpoint.interval=1",
-            "logging.progress=false",
-            "logging.wandb.mode=disabled",
-            "reward.name=tests.orchestration.rewards:length_reward",
-            f"logging.output_dir={tmp_path}",
-            f"logging.run_name={name}",
-            *overrides,
-        ],
+    return tiny_job(
+        tmp_path,
+        name,
+        *pretrained(checkpoint),
+        "num_steps=2",
+        "rollout.backend=sglang",
+        f"rollout.sglang.port={free_port()}",
+        "rollout.sglang.startup_timeout_s=120",
+        "rollout.sglang.request_timeout_s=60",
+        "rollout.sglang.max_retries=1",
+        "checkpoint.interval=1",
+        *overrides,
     )
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def trainer_digests(run_dir: Path, step: int) -> dict[str, str]:
@@ -200,7 +173,7 @@ def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
     with pytest.raises(ConfigError, match="model.init=random trains a random model the server cannot load"):
         check_backends(random_init)
     for wide in ("rollout.gpus_per_engine=2", "rollout.num_engines=2"):
-        with pytest.raises(ConfigError, match="colocated SGLang engines on several GPUs need a placement group"):
-            check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", wide))
+        with pytest.raises(ConfigError, match=r"rollout.gpus_per_engine = 2 > train.num_gpus=1"):
+            config(tmp_path, checkpoint, "x", "train.num_gpus=1", wide)
+        check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", "ray.placement=disaggregate", wide))
     check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1"))  # one engine on the trainer's GPU
-    check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", "ray.placement=disaggregate", wide))

@@ -133,9 +133,17 @@ def cpu_finalize(model_chunks, num_tokens: torch.Tensor) -> None:
 class CpuOptimizer:
     """torch AdamW with the subset of megatron's optimizer interface the backend calls."""
 
-    def __init__(self, model_chunks, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_chunks,
+        lr: float,
+        clip_grad: float = 1.0,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
         self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
-        self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         self.clip_grad = clip_grad
 
     @property

@@ -1,0 +1,294 @@
+"""The train role: one Ray actor per train rank, driven as a single trainer.
+
+    trainer = Trainer(cfg, tokens, gpus)            # train.num_gpus ranks (megatron) or one (torch); process group
+    metrics = trainer.train(samples)                # every rank gets the same samples; rank 0's metrics
+    for ref in trainer.weight_buckets(max_bytes):   # rank 0 streams HF-named buckets, the other ranks take part in
+        ...                                         # the collective export and drop their copy
+    trainer.open_weight_group(addresses); trainer.send_weights(version); trainer.close_weight_group()  # NCCL sync
+    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.close()
+
+Rank r sits in the trainer's GPU slot r (placement.py: node-major, so a TP group shares a node) and sees that GPU as
+device 0. The ranks form one `torch.distributed` group (NCCL; gloo without CUDA) at `tcp://<rank 0's node>:<free
+port>` before the backend is built: megatron's `build_megatron_backend` (train/megatron/build.py) with the job's
+parallel sizes, or the embedded `TorchTrainBackend` on one rank. Exports are collective on every rank of the model,
+so every call that exports (buckets, NCCL send) runs on all ranks at once, and rank 0 always drains its export to
+the end, even when sending fails, so that no rank is left waiting in a gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import logging
+import os
+import socket
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import ray
+import torch
+
+from miles_vl.config import JobConfig
+from miles_vl.model import SpecialTokens
+from miles_vl.orchestration.actors import build_policy, set_threads
+from miles_vl.orchestration.placement import GpuPlacement, actor_resources
+from miles_vl.orchestration.sglang_engines import EngineAddress, TrainerWeightGroup
+from miles_vl.rollout.hf_engine import vision_token_ids
+from miles_vl.rollout.sglang import SyncReport, iter_buckets
+
+log = logging.getLogger(__name__)
+
+# Test-only: `module:function` built in place of `build_megatron_backend` (same signature), e.g. the CPU stand-in of
+# tests/orchestration/megatron_cpu.py. The driver reads it and passes it to the actors explicitly.
+MEGATRON_BUILDER_ENV = "MILES_VL_MEGATRON_BUILDER"
+MEGATRON_BUILDER = "miles_vl.train.megatron.build:build_megatron_backend"
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # first NCCL collectives include model loading on every rank
+
+
+def train_world_size(cfg: JobConfig) -> int:
+    """Train ranks: one per train GPU for megatron, one for the embedded torch backend."""
+    return cfg.train.num_gpus if cfg.train.backend == "megatron" else 1
+
+
+def algo_options(cfg: JobConfig, tokens: SpecialTokens) -> dict:
+    """The arguments both backends take with the same meaning (optimizer, batching, the policy loss)."""
+    t, a, o = cfg.train, cfg.algo, cfg.train.optimizer
+    return dict(
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        eps=o.eps,
+        grad_clip=o.grad_clip,
+        warmup_steps=o.warmup_steps,
+        micro_batch_max_tokens=t.micro_batch_max_tokens,
+        global_batch_size=t.global_batch_size,
+        ppo_epochs=t.ppo_epochs,
+        freeze_vision=t.freeze_vision,
+        temperature=cfg.rollout.temperature,
+        suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        dual_clip_c=a.dual_clip_c,
+        loss_reduction=a.loss_reduction,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        entropy_coef=a.entropy_coef,
+        tis_mode=a.tis.mode if a.tis.enabled else None,
+        tis_cap=a.tis.cap,
+    )
+
+
+def megatron_options(cfg: JobConfig) -> dict:
+    """`build_megatron_backend`'s model and parallelism arguments from the job config."""
+    t = cfg.train
+    return dict(
+        tp=t.tp,
+        pp=t.pp,
+        cp=t.cp,
+        ep=t.ep,
+        sp=t.sp,
+        recompute=t.recompute,
+        vision_dp_when_cp=t.vision_dp_when_cp,
+        bf16=cfg.model.dtype != "fp32",
+        seed=t.seed,
+    )
+
+
+def build_train_backend(cfg: JobConfig, tokens: SpecialTokens, megatron_builder: str = MEGATRON_BUILDER):
+    """This rank's train backend (for megatron: collective, after the process group is formed)."""
+    if cfg.train.backend == "megatron":
+        module, _, name = megatron_builder.partition(":")
+        build = getattr(importlib.import_module(module), name)
+        return build(cfg.model.path, tokens, **megatron_options(cfg), **algo_options(cfg, tokens))
+    from miles_vl.train import TorchTrainBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return TorchTrainBackend(build_policy(cfg, tokens, device), tokens, **algo_options(cfg, tokens))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the actor of one rank
+
+
+@ray.remote
+class TrainWorker:
+    """Train rank `rank` of `world_size`: `setup` forms the process group and builds the backend."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        tokens: SpecialTokens,
+        rank: int = 0,
+        world_size: int = 1,
+        megatron_builder: str = MEGATRON_BUILDER,
+    ):
+        set_threads(cfg)
+        self.cfg, self.tokens = cfg, tokens
+        self.rank, self.world_size = rank, world_size
+        self.megatron_builder = megatron_builder
+        self.backend = None
+        self.weight_group: TrainerWeightGroup | None = None
+
+    def rendezvous(self) -> str:
+        """Where the process group meets: this actor's node and a free port on it (asked of rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, init_method: str | None) -> None:
+        """Join the process group at `init_method` (None: a torch run on one rank, no group), build the backend."""
+        if init_method is not None:
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(0)  # Ray shows each rank its own GPU only
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's TP/SP overlap expects it
+            torch.distributed.init_process_group(
+                "nccl" if cuda else "gloo",
+                init_method=init_method,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=PROCESS_GROUP_TIMEOUT,
+            )
+        self.backend = build_train_backend(self.cfg, self.tokens, self.megatron_builder)
+
+    def train(self, samples: Sequence) -> dict[str, float]:
+        return self.backend.train(samples)
+
+    def export_weight_buckets(self, max_bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The trainable weights in byte-bounded buckets, one at a time: call with
+        `.options(num_returns="streaming")` so that each bucket is its own object (weight_sync.py)."""
+        yield from iter_buckets(self.backend.export_weights(), max_bucket_bytes)
+
+    def drain_weights(self) -> None:
+        """This rank's part of a collective export whose tensors rank 0 sends (ranks > 0)."""
+        for _ in self.backend.export_weights():
+            pass
+
+    # NCCL weight sync (disaggregated sglang engines): rank 0 is the source rank of the weight-update group.
+
+    def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
+        """Form the weight-update group with these engines (they join concurrently; returns once formed).
+        `options`: those of `TrainerWeightGroup` (backend, max_bucket_bytes, timeouts)."""
+        if self.weight_group is not None:
+            raise RuntimeError("a weight-update group is already open: close_weight_group() first")
+        self.weight_group = TrainerWeightGroup(engines, **options)
+
+    def send_weights(self, weight_version: str) -> SyncReport:
+        """Broadcast the trainable weights to every engine of the group, labelled `weight_version`."""
+        if self.weight_group is None:
+            raise RuntimeError("send_weights() before open_weight_group()")
+        weights = iter(self.backend.export_weights())
+        try:
+            return self.weight_group.send(weights, weight_version)
+        finally:
+            _drain(weights)  # the other ranks are still in the collective export
+
+    def close_weight_group(self) -> None:
+        if self.weight_group is not None:
+            group, self.weight_group = self.weight_group, None
+            group.close()
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.backend.save_checkpoint(Path(directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.backend.load_checkpoint(Path(directory))
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            with contextlib.suppress(Exception):
+                torch.distributed.destroy_process_group()
+
+
+def _drain(items: Iterable) -> None:
+    for _ in items:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the group, as the driver sees it
+
+
+class Trainer:
+    """The train ranks as one trainer (module docstring).
+
+    Args:
+        cfg: the job config.
+        tokens: special token ids.
+        gpus: the trainer's GPU slots (`placement.reserve_gpus`); None on a CPU-only run.
+
+    Raises:
+        ray.exceptions.RayActorError / RayTaskError: a rank failed to start or to build its backend.
+    """
+
+    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, gpus: GpuPlacement | None):
+        self.cfg = cfg
+        world = train_world_size(cfg)
+        builder = os.environ.get(MEGATRON_BUILDER_ENV, MEGATRON_BUILDER)
+        self.workers = [
+            TrainWorker.options(**_rank_options(cfg, gpus, r)).remote(cfg, tokens, r, world, builder)
+            for r in range(world)
+        ]
+        try:
+            grouped = world > 1 or cfg.train.backend == "megatron"
+            init_method = ray.get(self.workers[0].rendezvous.remote()) if grouped else None
+            ray.get([w.setup.remote(init_method) for w in self.workers])  # concurrently: the group forms here
+        except BaseException:
+            self.close()
+            raise
+        log.info("trainer: %s backend on %d rank(s)", cfg.train.backend, world)
+
+    @property
+    def source(self):
+        """Rank 0: the rank that hands weights to the engines."""
+        return self.workers[0]
+
+    def train(self, samples: Sequence) -> dict[str, float]:
+        """One RL step on `samples` on every rank (one object-store copy); rank 0's metrics (reduced over ranks)."""
+        ref = ray.put(list(samples))
+        return ray.get([w.train.remote(ref) for w in self.workers])[0]
+
+    def weight_buckets(self, max_bucket_bytes: int, ahead: int) -> Iterator:
+        """ObjectRefs of rank 0's weight buckets, streamed at most `ahead` buckets before the consumer."""
+        others = [w.drain_weights.remote() for w in self.workers[1:]]
+        yield from self.source.export_weight_buckets.options(
+            num_returns="streaming", _generator_backpressure_num_objects=ahead
+        ).remote(max_bucket_bytes)
+        ray.get(others)
+
+    def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
+        ray.get(self.source.open_weight_group.remote(engines, **options))
+
+    def send_weights(self, weight_version: str) -> SyncReport:
+        others = [w.drain_weights.remote() for w in self.workers[1:]]
+        try:
+            return ray.get(self.source.send_weights.remote(weight_version))
+        finally:
+            ray.get(others)  # rank 0 drained its export even if sending failed, so these finish too
+
+    def close_weight_group(self) -> None:
+        ray.get(self.source.close_weight_group.remote())
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        ray.get([w.load_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def close(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        for w in self.workers:
+            with contextlib.suppress(ValueError):
+                ray.kill(w, no_restart=True)
+
+
+def _rank_options(cfg: JobConfig, gpus: GpuPlacement | None, rank: int) -> dict:
+    """Ray options of train rank `rank`: its slot's bundle (half its GPU when colocated), or 0 CPUs on a CPU run."""
+    if gpus is None:
+        res = actor_resources("train", placement=cfg.ray.placement, gpus=0)
+        return dict(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=0)
+    share = 0.5 if cfg.ray.placement == "colocate" else 1.0
+    return dict(num_cpus=0, num_gpus=share, scheduling_strategy=gpus.strategy(gpus.slots[rank]), max_restarts=0)

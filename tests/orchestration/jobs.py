@@ -1,0 +1,53 @@
+"""What the driver tests share: the tiny job (configs/geo3k_tiny_cpu.yaml made fast), a tiny HF checkpoint with the
+offline processor (what `model.init=pretrained` and SGLang load), and the metrics a run wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from miles_vl.config import JobConfig, load_config
+from miles_vl.config.schema import TinyModelConfig
+from miles_vl.data import load_processor, special_tokens
+from miles_vl.model import build_model
+
+REPO = Path(__file__).resolve().parents[2]
+PIXELS = (3136, 12544)  # data.min_pixels / max_pixels of configs/geo3k_tiny_cpu.yaml
+FAST = (
+    "data.synthetic_n=24",
+    "rollout.batch_size=2",
+    "rollout.n_samples_per_prompt=2",
+    "rollout.max_response_len=6",
+    "eval.interval=2",
+    "eval.max_prompts=2",
+    "logging.progress=false",
+    "logging.wandb.mode=disabled",
+    "reward.name=tests.orchestration.rewards:length_reward",
+)
+
+
+def tiny_job(tmp_path: Path, name: str, *overrides: str) -> JobConfig:
+    """The tiny CPU job, fast, writing into `tmp_path/name`; `overrides` last."""
+    return load_config(
+        REPO / "configs" / "geo3k_tiny_cpu.yaml",
+        [*FAST, f"logging.output_dir={tmp_path}", f"logging.run_name={name}", *overrides],
+    )
+
+
+def pretrained(checkpoint: Path) -> tuple[str, ...]:
+    """Overrides that start the job from `checkpoint` (see `write_checkpoint`)."""
+    return ("model.init=pretrained", f"model.path={checkpoint}", "model.processor=null")
+
+
+def write_checkpoint(path: Path, seed: int = 7, **tiny) -> Path:
+    """The tiny random Qwen3-VL (TinyModelConfig, `tiny` overriding it) and the offline processor, saved as an HF
+    checkpoint directory."""
+    processor = load_processor("offline", *PIXELS)
+    model = build_model(special_tokens(processor), tiny=TinyModelConfig().model_dump() | tiny, seed=seed)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

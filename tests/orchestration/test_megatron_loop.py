@@ -1,0 +1,130 @@
+"""The driver with `train.backend=megatron`, end to end on CPU: Ray with two stand-in GPUs, two train ranks at CP=2
+(gloo), the real placement group shared with the colocated hf engine, the real train actors and weight sync, the
+megatron backend built by tests/orchestration/megatron_cpu.py from the same HF checkpoint.
+
+The reference is the same job with the embedded torch backend (transformers' Qwen3-VL, one process, no CP): both
+start from the checkpoint and roll out with the same engine and seeds, so step 1's rollouts are identical and its
+train metrics must agree to fp32 noise; after the first sync the engine must hold the megatron ranks' exported
+weights, so its logprobs of step 2's samples must equal the trainer's (`train_rollout_logprob_abs_diff`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import ray
+
+from miles_vl.config import ConfigError, load_config
+from miles_vl.orchestration import loop, run_job
+from miles_vl.orchestration.placement import engine_slots, reserve_gpus
+from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
+from tests.orchestration.jobs import REPO, metrics, pretrained, tiny_job, write_checkpoint
+from tests.patches.harness.shims import bridge_available
+
+FAKE_GPUS = 4
+
+needs_bridge = pytest.mark.skipif(bool(bridge_available("0.6.2")), reason=str(bridge_available("0.6.2")))
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_ray():
+    """A local Ray that believes it has 4 GPUs: placement and CUDA_VISIBLE_DEVICES are Ray's real logic; torch
+    finds no CUDA, so the ranks run on the CPU over gloo."""
+    ray.init(num_cpus=FAKE_GPUS, num_gpus=FAKE_GPUS, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_qwen3vl"), initializer_range=0.2)
+
+
+def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):
+    return tiny_job(
+        tmp_path,
+        name,
+        *pretrained(checkpoint),
+        "num_steps=2",
+        "rollout.max_response_len=8",
+        # large steps: an engine left with the weights before a step would be off by far more than 1e-4 (a
+        # random-sign 1e-3 step of every weight of this model moves token logprobs by ~3e-2 on average)
+        "train.optimizer.lr=1e-3",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        *overrides,
+    )
+
+
+@needs_bridge
+def test_megatron_cp2_job_matches_the_torch_backend(tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
+    torch_rows = metrics(run_job(config(tmp_path, checkpoint, "torch")))
+    monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
+    megatron = ("train.backend=megatron", "train.num_gpus=2", "train.cp=2", "model.dtype=fp32")
+    run = run_job(config(tmp_path, checkpoint, "megatron", *megatron))
+    mega_rows = metrics(run)
+    assert [r["step"] for r in mega_rows] == [1, 2]
+
+    # step 1: the same rollouts (same engine, weights and seeds), then the same RL step on two CP ranks
+    t, m = torch_rows[0], mega_rows[0]
+    for key in ("reward/mean", "rollout/response_tokens", "rollout/response_len_mean"):
+        assert m[key] == t[key], key
+    # train/tokens counts the rows megatron trains on, CP padding included (each segment padded to 2 * cp)
+    train_keys = sorted(k for k in t if k.startswith("train/") and k in m and k != "train/tokens")
+    assert {"train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"} <= set(train_keys)
+    for key in train_keys:
+        print(f"{key}: megatron {m[key]:.8g} torch {t[key]:.8g}")
+        assert math.isclose(m[key], t[key], rel_tol=1e-3, abs_tol=1e-5), (key, m[key], t[key])
+    assert 0 <= m["train/tokens"] - t["train/tokens"] < 8 * 2 * 2  # < 2*cp pads per sample and row (4 + <4 rows)
+    assert m["train/grad_norm"] > 0 and m["train/optimizer_steps"] == 1
+
+    # step 2: the engine scores like the megatron trainer, so the sync delivered its weights under HF names
+    for rows in (torch_rows, mega_rows):
+        print("step 2 train_rollout_logprob_abs_diff", rows[1]["train/train_rollout_logprob_abs_diff"])
+        assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4, rows[1]
+    assert (run / "checkpoints" / "step_00000002" / "megatron_cpu_rank1.pt").exists()  # every rank saved
+
+
+def test_trainer_gpus_are_node_major_and_shared_by_colocated_engines(fake_gpu_ray):
+    gpus = reserve_gpus(FAKE_GPUS)
+    try:
+        ids = [s.gpu_id for s in gpus.slots]
+        assert sorted(ids, key=int) == ids and len(set(ids)) == FAKE_GPUS  # one GPU per slot, in order
+        assert sorted(s.bundle for s in gpus.slots) == list(range(FAKE_GPUS))
+
+        @ray.remote
+        class Where:
+            def gpu(self) -> list[str]:
+                return [str(i) for i in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
+
+        engines = engine_slots(gpus.slots, num_engines=2, gpus_per_engine=2)
+        assert [[s.gpu_id for s in e] for e in engines] == [ids[:2], ids[2:]]
+        # a train rank and the engine actor in the same slot share its GPU (half each)
+        ranks = [
+            Where.options(num_cpus=0, num_gpus=0.5, scheduling_strategy=gpus.strategy(s)).remote() for s in gpus.slots
+        ]
+        firsts = [
+            Where.options(num_cpus=0, num_gpus=0.5, scheduling_strategy=gpus.strategy(e[0])).remote() for e in engines
+        ]
+        assert ray.get([r.gpu.remote() for r in ranks]) == [[i] for i in ids]
+        assert ray.get([e.gpu.remote() for e in firsts]) == [[ids[0]], [ids[2]]]
+    finally:
+        gpus.release()
+    with pytest.raises(ValueError, match="need rollout.num_engines \\* rollout.gpus_per_engine = 6 GPUs"):
+        engine_slots(gpus.slots, num_engines=3, gpus_per_engine=2)
+    split = [type(s)(s.bundle, "10.0.0.1" if i < 3 else "10.0.0.2", s.gpu_id) for i, s in enumerate(gpus.slots)]
+    with pytest.raises(ValueError, match="colocated engine 1 would span nodes"):
+        engine_slots(split, num_engines=2, gpus_per_engine=2)
+
+
+def test_megatron_config_errors_name_the_fix(tmp_path, checkpoint, monkeypatch):
+    with pytest.raises(ConfigError, match="model.init=random; set model.init=pretrained"):
+        config(tmp_path, checkpoint, "x", "train.backend=megatron", "train.num_gpus=2", "model.init=random")
+    with pytest.raises(ConfigError, match=r"rollout.gpus_per_engine = 4 > train.num_gpus=2"):
+        config(tmp_path, checkpoint, "x", "train.backend=megatron", "train.num_gpus=2", "rollout.gpus_per_engine=4")
+    monkeypatch.setattr(loop, "_importable", lambda module: not module.startswith("megatron"))
+    cfg = load_config(REPO / "configs" / "geo3k_qwen3vl_2b.yaml")
+    with pytest.raises(ConfigError, match=r"needs megatron.bridge, megatron.core.*install miles-vl\[megatron\]"):
+        run_job(cfg)
