@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 WEIGHT_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 # Buckets the trainer may export ahead of the engines: bounds the object store's share of the weights.
 BUCKETS_AHEAD = 2
+# Backend of the NCCL sync's group; None: nccl when the trainer has GPUs, else gloo (tests with stand-in GPUs set it).
+GROUP_BACKEND: str | None = None
 
 Failed = dict[int, BaseException]
 
@@ -46,7 +48,7 @@ def make_weight_sync(cfg: JobConfig, trainer: Trainer) -> TensorWeightSync | Ncc
     if cfg.rollout.backend == "sglang" and cfg.ray.placement == "disaggregate":
         return NcclWeightSync(
             trainer,
-            backend="nccl" if cfg.train.num_gpus > 0 else "gloo",
+            backend=GROUP_BACKEND or ("nccl" if cfg.train.num_gpus > 0 else "gloo"),
             request_timeout_s=cfg.rollout.sglang.request_timeout_s,
         )
     return TensorWeightSync(trainer)

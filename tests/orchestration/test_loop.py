@@ -5,7 +5,6 @@
 - Ctrl-C writes a final checkpoint; a bad reward path fails before Ray starts.
 """
 
-
 import pytest
 import ray
 

@@ -17,11 +17,14 @@ import pytest
 import ray
 
 from miles_vl.config import ConfigError, load_config
-from miles_vl.orchestration import loop, run_job
+from miles_vl.orchestration import loop, run_job, weight_sync
 from miles_vl.orchestration.placement import engine_slots, reserve_gpus
+from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
 from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
 from tests.orchestration.jobs import REPO, metrics, pretrained, tiny_job, write_checkpoint
 from tests.patches.harness.shims import bridge_available
+from tests.rollout.sglang.conftest import free_port
+from tests.rollout.sglang.fake_server import read_journal
 
 FAKE_GPUS = 4
 
@@ -85,6 +88,35 @@ def test_megatron_cp2_job_matches_the_torch_backend(tmp_path, checkpoint, fake_g
         print("step 2 train_rollout_logprob_abs_diff", rows[1]["train/train_rollout_logprob_abs_diff"])
         assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4, rows[1]
     assert (run / "checkpoints" / "step_00000002" / "megatron_cpu_rank1.pt").exists()  # every rank saved
+
+
+@needs_bridge
+def test_megatron_cp2_disaggregated_nccl_sync(tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
+    """Rank 0 broadcasts each bucket to an SGLang-API server (tests/rollout/sglang/hf_server.py, gloo in place of
+    NCCL) while rank 1 takes part in the collective export: one group for the job, one POST per bucket."""
+    monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
+    monkeypatch.setenv(LAUNCH_MODULE_ENV, "tests.rollout.sglang.hf_server")
+    monkeypatch.setattr(weight_sync, "WEIGHT_BUCKET_BYTES", 64 * 1024)  # several buckets
+    monkeypatch.setattr(weight_sync, "GROUP_BACKEND", "gloo")
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    cfg = config(
+        tmp_path,
+        checkpoint,
+        "disaggregated",
+        *("train.backend=megatron", "train.num_gpus=2", "train.cp=2", "model.dtype=fp32"),
+        *("rollout.backend=sglang", "ray.placement=disaggregate", f"rollout.sglang.port={free_port()}"),
+        *("rollout.sglang.startup_timeout_s=120", f"rollout.sglang.extra_args=[--fake-journal,{journal}]"),
+    )
+    rows = metrics(run_job(cfg))
+    for r in rows:
+        print("step", r["step"], "train_rollout_logprob_abs_diff", r["train/train_rollout_logprob_abs_diff"])
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4  # step 2: the server holds step 1's weights
+    [records] = read_journal(journal).values()
+    paths = [r["path"] for r in records if "path" in r]
+    assert paths.count("/init_weights_update_group") == 1
+    posts = paths.count("/update_weights_from_distributed")
+    assert posts >= 4 and posts % 2 == 0 and paths.count("/update_weight_version") == 2  # 2 syncs, >= 2 buckets
 
 
 def test_trainer_gpus_are_node_major_and_shared_by_colocated_engines(fake_gpu_ray):
