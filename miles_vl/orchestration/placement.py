@@ -113,7 +113,7 @@ class GpuPlacement:
 
 
 def reserve_gpus(n: int, timeout_s: float = 600.0) -> GpuPlacement:
-    """A placement group of `n` bundles of one GPU (and one CPU) each, and where each landed.
+    """A placement group of `n` bundles of one GPU each, and where each landed.
 
     Raises:
         RuntimeError: the cluster does not have `n` free GPUs within `timeout_s` (the message gives what it has).
@@ -124,7 +124,8 @@ def reserve_gpus(n: int, timeout_s: float = 600.0) -> GpuPlacement:
 
     if n < 1:
         raise ValueError(f"reserve_gpus needs n >= 1, found {n}")
-    group = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="PACK")
+    # GPU only: the actors in it take 0 CPUs, so a local Ray with few CPUs (ray.num_cpus) still fits the group
+    group = placement_group([{"GPU": 1}] * n, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)
