@@ -140,10 +140,11 @@ class TrainWorker:
     def setup(self, init_method: str | None) -> None:
         """Join the process group at `init_method` (None: a torch run on one rank, no group), build the backend."""
         if init_method is not None:
+            # megatron's TP/SP communication overlap expects it; read when the CUDA context is created (below)
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.set_device(0)  # Ray shows each rank its own GPU only
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's TP/SP overlap expects it
             torch.distributed.init_process_group(
                 "nccl" if cuda else "gloo",
                 init_method=init_method,

@@ -136,20 +136,11 @@ class PackedRun:
 
 
 def thd_params(cu_seqlens: torch.Tensor):
-    """PackedSeqParams for a THD row whose segments are `cu_seqlens` ([n+1] int32, full row, already padded)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """PackedSeqParams for a THD row whose segments are `cu_seqlens` ([n+1], full row, already padded): the megatron
+    backend's, on the row's device."""
+    from miles_vl.train.megatron.batch import thd_params as backend_thd_params
 
-    cu = cu_seqlens.to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=max_len,
-        max_seqlen_kv=max_len,
-    )
+    return backend_thd_params(cu_seqlens, cu_seqlens.device)
 
 
 def _logits(output) -> torch.Tensor:
