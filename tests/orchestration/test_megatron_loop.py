@@ -160,3 +160,30 @@ def test_megatron_config_errors_name_the_fix(tmp_path, checkpoint, monkeypatch):
     cfg = load_config(REPO / "configs" / "geo3k_qwen3vl_2b.yaml")
     with pytest.raises(ConfigError, match=r"needs megatron.bridge, megatron.core.*install miles-vl\[megatron\]"):
         run_job(cfg)
+
+
+def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
+    """The driver calls `build_megatron_backend` (train/megatron/build.py) on GPUs only, and the CPU stand-in takes
+    `**options`, so a renamed argument would surface only on a cluster: bind the driver's arguments to the real
+    signature, read from the source (importing build.py needs megatron and Transformer Engine)."""
+    import ast
+    import inspect
+
+    from miles_vl.data import load_processor, special_tokens
+    from miles_vl.orchestration.trainer import MEGATRON_BUILDER, algo_options, megatron_options
+
+    module, _, name = MEGATRON_BUILDER.partition(":")
+    tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+    [fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    params = [inspect.Parameter(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in fn.args.args]
+    params += [  # kw_defaults: None where a keyword-only argument has no default
+        inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY, default=inspect.Parameter.empty if d is None else d)
+        for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=True)
+    ]
+    signature = inspect.Signature(params)
+    tokens = special_tokens(load_processor("offline", 3136, 12544))
+    for path in sorted((REPO / "configs").glob("geo3k_qwen3vl_*.yaml")):
+        cfg = load_config(path)
+        assert cfg.train.backend == "megatron", path.name
+        bound = signature.bind(cfg.model.path, tokens, **megatron_options(cfg), **algo_options(cfg, tokens))
+        assert bound.arguments["tp"] == cfg.train.tp and bound.arguments["ep"] == cfg.train.ep
