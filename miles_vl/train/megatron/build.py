@@ -97,6 +97,16 @@ def build_provider(
             log.info("provider.moe_token_dispatcher_type: allgather -> alltoall (pp > 1, variable lengths)")
             provider.moe_token_dispatcher_type = "alltoall"
     provider.finalize()
+    if provider.sequence_parallel != sp:
+        # megatron-bridge 0.6.2's MoE provider turns sequence parallelism on whenever tp > 1 (megatron requires it
+        # for MoE with TP); the row layout follows the provider (ParallelGroups reads it back in build_megatron_backend)
+        log.warning(
+            "train.sp=%s but the provider set sequence_parallel=%s (tp=%d); training with sequence_parallel=%s",
+            sp,
+            provider.sequence_parallel,
+            tp,
+            provider.sequence_parallel,
+        )
     return bridge, provider
 
 
@@ -204,7 +214,7 @@ def build_megatron_backend(
         model,
         optimizer,
         tokens,
-        groups=ParallelGroups.from_megatron(sequence_parallel=sp),
+        groups=ParallelGroups.from_megatron(sequence_parallel=provider.sequence_parallel),
         bridge=bridge,
         frozen_prefixes=FROZEN_VISION_PREFIXES if freeze_vision else (),
         lr=lr,

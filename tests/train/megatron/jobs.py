@@ -426,3 +426,63 @@ def write_tiny_hf_checkpoint(directory: str, seed: int = 0) -> dict:
     model = build_model(tokens(), tiny={"initializer_range": 0.2, "deepstack_visual_indexes": [0, 1]}, seed=seed)
     model.save_pretrained(directory)
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE: the provider megatron-bridge makes of a Qwen3-VL-MoE checkpoint
+
+
+def write_tiny_moe_checkpoint(directory: str, seed: int = 0) -> None:
+    """A tiny random Qwen3-VL-MoE (transformers; the dense tiny config plus 4 experts, top-2) saved to `directory`."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from miles_vl.model.qwen3_vl import tiny_config
+
+    dense = tiny_config(tokens()).to_dict()
+    text = dense["text_config"] | dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]
+    )
+    keep = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=dense["vision_config"], **{k: dense[k] for k in keep})
+    torch.manual_seed(seed)
+    Qwen3VLMoeForConditionalGeneration(config).save_pretrained(directory)
+
+
+def job_moe_provider(ctx, hf_dir: str) -> dict:
+    """`build_provider` on the MoE checkpoint for a few layouts: what it leaves trainable and how it lays rows out."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    from miles_vl.train.megatron.build import build_provider
+
+    # the provider asks for TE's fused token permutation, which the TE stub lacks; only the config is built here
+    for fn in (
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_unpermute",
+    ):
+        setattr(moe_utils, fn, getattr(moe_utils, fn) or object())
+    out = {}
+    for name, kw in {
+        "tp2_ep2": dict(tp=2, ep=2, sp=False),
+        "pp2": dict(pp=2),
+        "frozen_vision": dict(freeze_vision=True),
+    }.items():
+        _, p = build_provider(hf_dir, load_weights=False, bf16=False, **kw)
+        out[name] = {
+            key: getattr(p, key)
+            for key in (
+                "num_moe_experts",
+                "moe_router_topk",
+                "expert_model_parallel_size",
+                "sequence_parallel",
+                "variable_seq_lengths",
+                "moe_token_dispatcher_type",
+                "freeze_language_model",
+                "freeze_vision_model",
+                "freeze_vision_projection",
+                "calculate_per_token_loss",
+            )
+        }
+    return out
