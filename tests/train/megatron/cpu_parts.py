@@ -36,12 +36,14 @@ class Ctx:
     world_size: int
     module: object  # megatron-bridge's Qwen3-VL model module
 
-    def init_parallel(self, tp: int = 1, cp: int = 1) -> None:
+    def init_parallel(self, tp: int = 1, cp: int = 1, pp: int = 1) -> None:
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp
+        )
 
 
 class WorkerError(RuntimeError):
@@ -102,14 +104,18 @@ class CpuDDP(torch.nn.Module):
         self.module.zero_grad(set_to_none=True)
 
 
-def cpu_finalize(model_chunks, num_tokens: torch.Tensor) -> None:
-    """megatron-core 0.19's finalize_model_grads for our configuration (no PP, per-token loss, SUM in DDP)."""
+def cpu_finalize(model_chunks, num_tokens: torch.Tensor, **_) -> None:
+    """megatron-core 0.19's finalize_model_grads for our configuration (per-token loss, SUM in DDP, untied
+    embeddings)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     tp = ps.get_tensor_model_parallel_group()
     total = num_tokens.double().reshape(1).clone()
+    pp = ps.get_pipeline_model_parallel_group()
+    if pp.size() > 1:  # only the last stage counted tokens: it tells the other stages
+        dist.broadcast(total, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
     dist.all_reduce(total, group=dp_cp)
     for chunk in model_chunks:
         config = get_model_config(chunk)
@@ -158,7 +164,8 @@ class CpuOptimizer:
         return False
 
     def grad_norm(self) -> float:
-        """L2 norm over the whole model: TP-sharded tensors summed over the TP group, replicated ones once."""
+        """L2 norm over the whole model: TP-sharded tensors summed over the TP group, replicated ones once, and the
+        stages' layers summed over the PP group."""
         from megatron.core import parallel_state as ps
 
         sharded = torch.zeros((), dtype=torch.float64)
@@ -172,7 +179,9 @@ class CpuOptimizer:
             else:
                 replicated += sq
         dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        return math.sqrt(float(sharded + replicated))
+        total = sharded + replicated
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())  # each stage holds its own layers
+        return math.sqrt(float(total))
 
     def get_grad_norm(self) -> float:
         return self.grad_norm()

@@ -317,6 +317,56 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     return out
 
 
+def job_pipeline(ctx, hf_dir: str, hf_samples) -> dict:
+    """The backend at PP=2 on the HF checkpoint (each stage loads its layers through AutoBridge): logprobs and one RL
+    step with megatron's real pipeline schedule (1F1B, variable sequence lengths) over gloo, to compare with the
+    torch backend. CPU stand-ins as in `job_export`, plus: `torch.cuda.synchronize` a no-op and the schedule's
+    token counter on the CPU."""
+    import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from miles_vl.train.megatron.build import build_provider
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_finalize
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    schedules.torch = _CpuTorch()
+    provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
+    ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
+    ctx.init_parallel(pp=2)
+    _, provider = build_provider(hf_dir, pp=2, bf16=False)
+    model = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
+    )
+    if ps.is_pipeline_first_stage():
+        exact_gelu_in_patch_mergers(model[0])
+    chunks = [CpuDDP(m) for m in model]
+    get_model_config(chunks[0]).finalize_model_grads_func = cpu_finalize
+    backend = MegatronTrainBackend(
+        chunks, CpuOptimizer(chunks, lr=LR), tokens(), device="cpu", **cross_backend_options()
+    )
+    return {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "variable_seq_lengths": provider.variable_seq_lengths,
+        "params": sorted(n for n, _ in model[0].named_parameters()),
+        "logprobs": backend.compute_logprobs(hf_samples),
+        "train": backend.train(hf_samples),
+    }
+
+
+class _CpuTorch:
+    """`torch` for megatron's schedules module, whose token counter is made with device="cuda"."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 def exact_gelu_in_patch_mergers(model) -> int:
     """megatron-bridge 0.6.2's Qwen3VLVisionPatchMerger (merger and deepstack mergers) applies the vision config's
     tanh-approximated GELU where transformers' Qwen3VLVisionPatchMerger uses exact `nn.GELU()`: a ~1e-3 difference
@@ -419,11 +469,13 @@ def cpu_te_named_vit_spec():
     return _fuse_norms(get_vit_layer_with_local_spec())
 
 
-def write_tiny_hf_checkpoint(directory: str, seed: int = 0) -> dict:
-    """A tiny random Qwen3-VL (transformers) saved to `directory`; returns its state dict."""
+def write_tiny_hf_checkpoint(directory: str, seed: int = 0, **tiny) -> dict:
+    """A tiny random Qwen3-VL (transformers; `tiny` overrides its config) saved to `directory`; returns its state
+    dict."""
     from miles_vl.model import build_model
 
-    model = build_model(tokens(), tiny={"initializer_range": 0.2, "deepstack_visual_indexes": [0, 1]}, seed=seed)
+    tiny = {"initializer_range": 0.2, "deepstack_visual_indexes": [0, 1]} | tiny
+    model = build_model(tokens(), tiny=tiny, seed=seed)
     model.save_pretrained(directory)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
