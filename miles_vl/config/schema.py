@@ -108,6 +108,12 @@ class SGLangConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to the SGLang server.")
+    vision_cache_mb: int = Field(
+        0,
+        ge=0,
+        description="SGLang's cache of vision-tower embeddings by image, MiB; 0 = off. It survives weight syncs, so "
+        "it needs train.freeze_vision.",
+    )
 
     @model_validator(mode="after")
     def _open_needs_key(self) -> SGLangConfig:
@@ -366,6 +372,12 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} cannot hold one sample of data.max_prompt_len "
             f"({cfg.data.max_prompt_len}) + rollout.max_response_len ({r.max_response_len}); raise the budget"
+        )
+    if r.sglang.vision_cache_mb > 0 and not t.freeze_vision:
+        errors.append(
+            f"rollout.sglang.vision_cache_mb={r.sglang.vision_cache_mb} keeps vision embeddings across weight syncs, "
+            "which is only right when the vision tower does not train; set train.freeze_vision=true or "
+            "rollout.sglang.vision_cache_mb=0"
         )
     if r.backend == "sglang" and r.gpus_per_engine == 0:
         errors.append("rollout.backend=sglang needs rollout.gpus_per_engine >= 1")

@@ -64,6 +64,7 @@ def server_spec(cfg: JobConfig, index: int) -> ServerSpec:
         weight_version="base",
         image_min_pixels=cfg.data.min_pixels,
         image_max_pixels=cfg.data.max_pixels,
+        vision_cache_mb=s.vision_cache_mb,
         extra_args=tuple(s.extra_args),
     )
 

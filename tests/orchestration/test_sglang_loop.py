@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from miles_vl.config import ConfigError
 from miles_vl.orchestration import run_job, weight_sync
 from miles_vl.orchestration.loop import check_backends
-from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
+from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV, server_spec
+from miles_vl.rollout.sglang import build_server_env
 from tests.orchestration.jobs import metrics, pretrained, tiny_job, write_checkpoint
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
@@ -177,3 +178,16 @@ def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
             config(tmp_path, checkpoint, "x", "train.num_gpus=1", wide)
         check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", "ray.placement=disaggregate", wide))
     check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1"))  # one engine on the trainer's GPU
+
+
+def test_server_spec_follows_the_config(tmp_path):
+    checkpoint = tmp_path  # never read
+    cfg = config(tmp_path, checkpoint, "x", "rollout.gpus_per_engine=2", "train.num_gpus=2", "train.backend=megatron")
+    spec = server_spec(cfg, index=1)
+    assert (spec.port, spec.tp_size, spec.colocated) == (cfg.rollout.sglang.port + 1, 2, True)
+    assert spec.vision_cache_mb == 0  # off unless asked: the cache would outlive weight syncs
+    assert build_server_env(spec, base={})["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    with pytest.raises(ConfigError, match="rollout.sglang.vision_cache_mb=256 keeps vision embeddings"):
+        config(tmp_path, checkpoint, "x", "rollout.sglang.vision_cache_mb=256")
+    frozen = config(tmp_path, checkpoint, "x", "rollout.sglang.vision_cache_mb=256", "train.freeze_vision=true")
+    assert build_server_env(server_spec(frozen, index=0), base={})["SGLANG_VLM_CACHE_SIZE_MB"] == "256"
