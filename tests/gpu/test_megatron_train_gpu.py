@@ -25,16 +25,13 @@ logprobs mean abs diff <= 0.033; (2, 2): loss equal to 1e-7, grad norm 7.807 vs 
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import json
-import os
-import traceback
 
 import pytest
 import torch
 
-from tests.dist import spawn_ranks
+from tests.gpu.nccl import RankContext, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,8 +42,6 @@ pytestmark = [
     ),
 ]
 
-# NVLink multicast stays off on these machines.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 VOCAB, PAD, IMAGE, VIDEO, VSTART, VEND = 128, 0, 120, 121, 122, 123
 PIXEL_DIM = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch of the real processor
 REL_TOL = 2e-2
@@ -155,47 +150,13 @@ def _phase(hf_dir: str, tp: int, cp: int, samples, *, export: bool, checkpoint_d
     return out
 
 
-def job(rank: int, world: int, hf_dir: str, tp: int, cp: int, checkpoint_dir: str) -> dict:
+def job(ctx: RankContext, hf_dir: str, tp: int, cp: int, checkpoint_dir: str) -> dict:
     samples = make_samples()
     reference = _phase(hf_dir, 1, 1, samples, export=True, checkpoint_dir=None)  # export is collective
     layout = _phase(hf_dir, tp, cp, samples, export=False, checkpoint_dir=checkpoint_dir)
-    if rank != 0:
+    if ctx.rank != 0:
         reference.pop("export")
     return {"reference": reference, "layout": layout}
-
-
-def _child(rank: int, world: int, init_file: str, out_dir: str, args: tuple) -> None:
-    os.environ.update(SAFE_ENV)
-    out = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        import torch.distributed as dist
-
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-            device_id=torch.device("cuda", rank),
-        )
-        torch.save({"ok": job(rank, world, *args)}, out)
-    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
-        torch.save({"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}, out)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(world: int, args: tuple, timeout_s: float = 900.0) -> list[dict]:
-    os.environ.update(SAFE_ENV)
-    results = spawn_ranks(_child, world, (args,), timeout_s)
-    for res in results:
-        if "error" in res:
-            raise RuntimeError(res["error"])
-    return [res["ok"] for res in results]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,7 +174,7 @@ def test_megatron_train_step_matches_across_layouts(tmp_path, tp, cp):
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     hf_dir = str(tmp_path / "hf")
     hf_state = write_checkpoint(hf_dir)
-    ranks = spawn(world, (hf_dir, tp, cp, str(tmp_path / "ckpt")))
+    ranks = run_ranks(job, world, args=(hf_dir, tp, cp, str(tmp_path / "ckpt")), timeout_s=900.0)
     ref, got = ranks[0]["reference"], ranks[0]["layout"]
 
     # export: the HF checkpoint back, every name, bit for bit in the training dtype
