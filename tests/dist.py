@@ -1,6 +1,9 @@
 """Run a function on N gloo processes (CPU) and collect what each rank returns.
 
 results = run_gloo(worker, 4, arg)   # worker(rank, world_size, arg) -> picklable; must be module-level
+
+For runs that report a rank's error instead of hanging the others: `spawn_ranks(child, ...)` starts the processes
+and `rank_main(...)`, called by each child, joins the group, runs the work and saves its result or its error.
 """
 
 from __future__ import annotations
@@ -69,3 +72,49 @@ def spawn_ranks(child: Callable, world_size: int, args: tuple = (), timeout_s: f
                 raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
             results.append(torch.load(path, weights_only=False))
     return results
+
+
+def rank_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    *,
+    backend: str,
+    timeout_s: float,
+    body: Callable[[Any], Any],
+    setup: Callable[[], Any] | None = None,
+    device_id=None,
+) -> None:
+    """One rank of a `spawn_ranks` run: `setup()` (before the group exists, e.g. imports that must come first), join
+    the `backend` group at `file://init_file`, `body(what setup returned)`; saves {"ok": result} or {"error":
+    (exception type, message, traceback)} to `out_dir/rank{rank}.pt`, then tears down megatron's parallel state (when
+    megatron was imported and initialized it) and the group."""
+    import datetime
+    import sys
+    import traceback
+
+    import torch
+
+    out = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        prepared = setup() if setup is not None else None
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device_id,
+        )
+        torch.save({"ok": body(prepared)}, out)
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
+        torch.save({"error": (type(exc).__name__, str(exc), traceback.format_exc())}, out)
+    finally:
+        if dist.is_initialized():
+            if "megatron.core" in sys.modules:
+                from megatron.core import parallel_state
+
+                if parallel_state.model_parallel_is_initialized():
+                    parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()

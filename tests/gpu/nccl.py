@@ -9,17 +9,14 @@ exception comes back as `RankError` with its type, message and traceback.
 
 from __future__ import annotations
 
-import datetime
 import os
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tests.dist import spawn_ranks
+from tests.dist import rank_main, spawn_ranks
 
 # NVLink multicast stays off on these machines (a program that uses it can take the host's GPUs out of service).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -51,28 +48,18 @@ class RankError(RuntimeError):
 
 def _child(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s: float, job, args) -> None:
     os.environ.update(SAFE_ENV)
-    out = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=torch.device("cuda", rank),
-        )
-        result = job(RankContext(rank, world_size, torch.device("cuda", rank)), *args)
-        torch.save({"ok": result}, out)
-    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
-        torch.save({"error": (type(exc).__name__, str(exc), traceback.format_exc())}, out)
-    finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+    device = torch.device("cuda", rank)
+    rank_main(
+        rank,
+        world_size,
+        init_file,
+        out_dir,
+        backend="nccl",
+        timeout_s=timeout_s,
+        setup=lambda: torch.cuda.set_device(device),
+        body=lambda _: job(RankContext(rank, world_size, device), *args),
+        device_id=device,
+    )
 
 
 def run_ranks(job: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 300.0) -> list:

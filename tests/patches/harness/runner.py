@@ -14,7 +14,6 @@ bridge version is selected. An exception in a rank comes back as `WorkerError` c
 
 from __future__ import annotations
 
-import datetime
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -22,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tests.dist import spawn_ranks
+from tests.dist import rank_main, spawn_ranks
 
 
 @dataclass
@@ -50,36 +48,26 @@ class WorkerError(RuntimeError):
 def _child(rank, world_size, init_file, out_dir, version, root, setup, model_kwargs, timeout_s, job, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    out = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
+
+    def load():
         from tests.patches.harness.shims import load_qwen3vl_module
-        from tests.patches.harness.tiny import build_tiny_qwen3vl
 
         module = load_qwen3vl_module(version, root=root)
         if setup is not None:
             setup(module)  # e.g. install miles_vl.patches before the model is built
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        return module
+
+    def body(module):
         from megatron.core import parallel_state
+
+        from tests.patches.harness.tiny import build_tiny_qwen3vl
 
         parallel_state.initialize_model_parallel(context_parallel_size=world_size)
         model = build_tiny_qwen3vl(module, cp_size=world_size, **model_kwargs)
         ctx = WorkerContext(module, model, version, rank, world_size, parallel_state.get_context_parallel_group())
-        result = job(ctx, *args)
-        torch.save({"ok": result}, out)
-    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
-        torch.save({"error": (type(exc).__name__, str(exc), traceback.format_exc())}, out)
-    finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state
+        return job(ctx, *args)
 
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+    rank_main(rank, world_size, init_file, out_dir, backend="gloo", timeout_s=timeout_s, setup=load, body=body)
 
 
 def run_cp(

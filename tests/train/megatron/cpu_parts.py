@@ -17,17 +17,15 @@ builds the tiny real Qwen3VLModel (tests/patches/harness/tiny.py) and a `Megatro
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import traceback
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from tests.dist import spawn_ranks
+from tests.dist import rank_main, spawn_ranks
 
 
 @dataclass
@@ -53,38 +51,34 @@ class WorkerError(RuntimeError):
 def _child(rank, world_size, init_file, out_dir, timeout_s, job, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    out = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
+
+    def setup():
         from tests.patches.harness.shims import load_qwen3vl_module
 
         module = load_qwen3vl_module("0.6.2")
         import miles_vl.train.megatron.backend  # noqa: F401  (installs miles_vl.patches into the module)
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        torch.save({"ok": job(Ctx(rank, world_size, module), *args)}, out)
-    except BaseException as exc:  # noqa: BLE001  (reported to the parent)
-        torch.save({"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}, out)
-    finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state as ps
+        return module
 
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
-            dist.destroy_process_group()
+    rank_main(
+        rank,
+        world_size,
+        init_file,
+        out_dir,
+        backend="gloo",
+        timeout_s=timeout_s,
+        setup=setup,
+        body=lambda module: job(Ctx(rank, world_size, module), *args),
+    )
 
 
 def spawn(job, world_size: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """Run `job(ctx, *args)` on `world_size` fresh gloo processes; returns each rank's result."""
     results = spawn_ranks(_child, world_size, (timeout_s, job, tuple(args)), timeout_s)
-    for res in results:
+    for rank, res in enumerate(results):
         if "error" in res:
-            raise WorkerError(res["error"])
+            exc_type, message, tb = res["error"]
+            raise WorkerError(f"rank {rank}: {exc_type}: {message}\n{tb}")
     return [res["ok"] for res in results]
 
 
