@@ -55,6 +55,17 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
+def decode_rates(batch: int, new_tokens: int, *, wall_s: float, generate_s: float, prefill_s: float) -> dict:
+    """Rates of `batch` sequences decoding `new_tokens` each: the engine's tokens over its whole call (`wall_s`),
+    and the decode steps alone (the generate time minus that of a one-token call, `prefill_s`)."""
+    decode_s = generate_s - prefill_s
+    return dict(
+        ms_per_decode_step=round(1e3 * decode_s / (new_tokens - 1), 2),
+        engine_tokens_per_s=round(batch * new_tokens / wall_s, 1),
+        decode_tokens_per_s=round(batch * (new_tokens - 1) / decode_s, 1),
+    )
+
+
 def timed_generate(engine: HFRolloutEngine, prompts, params: SamplingParams) -> tuple[float, float, list]:
     """(wall time of engine.generate, time of the model.generate call inside it, generations)."""
     model, inner = engine.model, engine.model.generate
@@ -167,9 +178,7 @@ def main() -> None:
             engine_wall_s=round(wall, 3),
             generate_s=round(gen, 3),
             prefill_s=round(t1, 3),
-            ms_per_decode_step=round(1e3 * (gen - t1) / (n - 1), 2),
-            engine_tokens_per_s=round(b * n / wall, 1),
-            decode_tokens_per_s=round(decode, 1),
+            **decode_rates(b, n, wall_s=wall, generate_s=gen, prefill_s=t1),
             fraction_of_bound=round(decode / bound, 4),
             fraction_of_bound_with_kv=round(decode / bound_kv, 4),
         )

@@ -45,7 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(REPO), str(REPO / "benchmarks")) if p not in sys.path]
 
-from bench_decode import copy_bandwidth, timed_generate  # noqa: E402
+from bench_decode import copy_bandwidth, decode_rates, timed_generate  # noqa: E402
 from bench_train_throughput import sync  # noqa: E402
 
 from miles_vl.data import PromptEncoder, generate_problems, load_processor, special_tokens  # noqa: E402
@@ -177,9 +177,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens) -> dict:
         startup_s=round(startup_s, 1),
         wall_s=round(wall, 3),
         prefill_s=round(t1, 3),
-        ms_per_decode_step=round(1e3 * (wall - t1) / (n - 1), 2),
-        engine_tokens_per_s=round(b * n / wall, 1),
-        decode_tokens_per_s=round(b * (n - 1) / (wall - t1), 1),
+        **decode_rates(b, n, wall_s=wall, generate_s=wall, prefill_s=t1),
     )
 
 
@@ -215,9 +213,7 @@ def bench_hf(args, ckpt: str, prompts, tokens: SpecialTokens) -> tuple[dict, tor
         wall_s=round(wall, 3),
         generate_s=round(gen, 3),
         prefill_s=round(t1, 3),
-        ms_per_decode_step=round(1e3 * (gen - t1) / (n - 1), 2),
-        engine_tokens_per_s=round(b * n / wall, 1),
-        decode_tokens_per_s=round(b * (n - 1) / (gen - t1), 1),
+        **decode_rates(b, n, wall_s=wall, generate_s=gen, prefill_s=t1),
     )
     return result, model
 
