@@ -27,7 +27,7 @@ import ray
 from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens
 from miles_vl.orchestration.actors import FAULT_FILE_ENV, RolloutWorker
-from miles_vl.orchestration.placement import GpuPlacement, actor_resources, engine_slots
+from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options, engine_slots
 from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV, SGLANG_LAUNCH_MODULE, SGLangWorker, strip_pixels
 from miles_vl.orchestration.trainer import Trainer
 from miles_vl.orchestration.weight_sync import Failed, make_weight_sync
@@ -185,12 +185,12 @@ class RolloutEngines:
         gpu_ids = None
         if self.slots is not None:  # colocated: the actor in the bundle of its first GPU, its server on all of them
             slots = self.slots[i]
-            options = dict(num_cpus=0, num_gpus=0.5, scheduling_strategy=self.gpus.strategy(slots[0]))
+            options = dict(num_cpus=0, num_gpus=COLOCATED_GPU_SHARE, scheduling_strategy=self.gpus.strategy(slots[0]))
             gpu_ids = [s.gpu_id for s in slots]
+        elif self.cfg.train.num_gpus > 0:  # disaggregated: whole GPUs of its own
+            options = dict(num_cpus=1, num_gpus=r.gpus_per_engine)
         else:
-            gpus = r.gpus_per_engine if self.cfg.train.num_gpus > 0 else 0
-            res = actor_resources("rollout", placement=self.cfg.ray.placement, gpus=gpus)
-            options = dict(num_cpus=res.num_cpus, num_gpus=res.num_gpus)
+            options = cpu_only_options()
         options["max_restarts"] = 0
         if r.backend == "sglang":
             return SGLangWorker.options(**options).remote(

@@ -60,23 +60,13 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         ray.shutdown()
 
 
-@dataclass(frozen=True)
-class ActorResources:
-    num_cpus: float
-    num_gpus: float
+# A colocated train rank and the engine actor in the same slot each take this share of its GPU in Ray's accounting.
+COLOCATED_GPU_SHARE = 0.5
 
 
-def actor_resources(role: str, *, placement: str, gpus: int) -> ActorResources:
-    """Ray resources of one actor of `role` ("rollout" or "train") holding `gpus` GPUs (0 on CPU).
-
-    Colocated actors ask for half a GPU each so that Ray places them on the same device.
-    """
-    if role not in ("rollout", "train"):
-        raise ValueError(f"role must be 'rollout' or 'train', found {role!r}")
-    if gpus == 0:
-        return ActorResources(num_cpus=0, num_gpus=0)
-    share = 0.5 if placement == "colocate" else 1.0
-    return ActorResources(num_cpus=1, num_gpus=gpus * share)
+def cpu_only_options() -> dict:
+    """Ray options of any actor of a CPU-only run: none of Ray's CPUs (the phases never overlap)."""
+    return dict(num_cpus=0, num_gpus=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens
 from miles_vl.orchestration.actors import build_policy, set_threads
-from miles_vl.orchestration.placement import GpuPlacement, actor_resources
+from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
 from miles_vl.orchestration.sglang_engines import EngineAddress, TrainerWeightGroup
 from miles_vl.rollout.hf_engine import vision_token_ids
 from miles_vl.rollout.sglang import SyncReport, iter_buckets
@@ -289,7 +289,6 @@ class Trainer:
 def _rank_options(cfg: JobConfig, gpus: GpuPlacement | None, rank: int) -> dict:
     """Ray options of train rank `rank`: its slot's bundle (half its GPU when colocated), or 0 CPUs on a CPU run."""
     if gpus is None:
-        res = actor_resources("train", placement=cfg.ray.placement, gpus=0)
-        return dict(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=0)
-    share = 0.5 if cfg.ray.placement == "colocate" else 1.0
+        return cpu_only_options() | dict(max_restarts=0)
+    share = COLOCATED_GPU_SHARE if cfg.ray.placement == "colocate" else 1.0
     return dict(num_cpus=0, num_gpus=share, scheduling_strategy=gpus.strategy(gpus.slots[rank]), max_restarts=0)
