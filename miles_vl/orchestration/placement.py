@@ -180,6 +180,8 @@ def _probe_class():
     class Probe:
         def where(self) -> tuple[str, str]:
             ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-            return ray.util.get_node_ip_address(), str(ids[0]) if ids else "?"
+            if not ids:
+                raise RuntimeError("an actor in a GPU bundle of the trainer's placement group was given no GPU id")
+            return ray.util.get_node_ip_address(), str(ids[0])
 
     return Probe
