@@ -56,6 +56,16 @@ from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
 SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Server variants (`--variants`): (extra flags, extra environment). What each changes in 0.5.16's multimodal path
+# (srt/multimodal/processors/base_processor.py, srt/managers/mm_utils.py):
+#   default     pixel values copied to the CPU, sha256-hashed there (`tensor_hash`), pickled to the scheduler
+#   cuda_ipc    `--mm-feature-transport cuda_ipc`: pixel values stay on the GPU, hashed there, handed over by CUDA IPC
+#   skip_hash   SGLANG_MM_SKIP_COMPUTE_HASH=1: a random id instead of the content hash (no prefix sharing of images)
+VARIANTS = {
+    "default": ((), {}),
+    "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}),
+    "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}),
+}
 
 
 @dataclass
@@ -120,8 +130,9 @@ def sglang_call(host: SGLangRolloutHost, prompts, urls, tokens: SpecialTokens, n
     return wall, lengths
 
 
-def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens) -> dict:
+def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default") -> dict:
     b, n = len(prompts), args.max_new_tokens
+    flags, env = VARIANTS[variant]
     spec = ServerSpec(
         model_path=ckpt,
         port=free_port(),
@@ -138,6 +149,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens) -> dict:
             "4096",
             "--grammar-backend",
             "none",
+            *flags,
         ),
     )
     t0 = time.perf_counter()
@@ -149,8 +161,8 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens) -> dict:
         request_timeout_s=300.0,
         max_retries=0,
         max_restarts=0,
-        log_path=Path(log_dir) / "sglang_bench_server.log" if log_dir else None,
-        env=SERVER_ENV,
+        log_path=Path(log_dir) / f"sglang_bench_{variant}.log" if log_dir else None,
+        env=SERVER_ENV | env,
         health_poll_s=0.5,
     )
     startup_s = time.perf_counter() - t0
@@ -174,6 +186,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens) -> dict:
     wall = statistics.median(w for w, _ in runs)
     t1 = statistics.median(short)
     return dict(
+        variant=variant,
         startup_s=round(startup_s, 1),
         wall_s=round(wall, 3),
         prefill_s=round(t1, 3),
@@ -233,6 +246,9 @@ def main() -> None:
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang --mem-fraction-static")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the SGLang server may take to start")
     ap.add_argument("--engines", default="sglang,hf", help="which engines to measure, in order")
+    ap.add_argument(
+        "--variants", default="default", help=f"SGLang server variants to measure, in order: {', '.join(VARIANTS)}"
+    )
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-measuring copy")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -242,6 +258,9 @@ def main() -> None:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}; use sglang and/or hf")
     if args.tiny:
         args.batch, args.max_new_tokens, args.repeats = 4, 16, 1
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {sorted(VARIANTS)}")
 
     spec = importlib.util.spec_from_file_location(
         "make_tiny_qwen3vl", REPO / "scripts" / "gpu" / "make_tiny_qwen3vl.py"
@@ -268,7 +287,10 @@ def main() -> None:
     for name in engines:
         t0 = time.perf_counter()
         if name == "sglang":
-            results[name] = bench_sglang(args, ckpt, prompts, tokens)
+            by_variant = [bench_sglang(args, ckpt, prompts, tokens, v) for v in variants]
+            results[name] = by_variant[0]
+            if len(by_variant) > 1:
+                results[name] = dict(by_variant[0], variants=by_variant)
         else:
             results[name], model = bench_hf(args, ckpt, prompts, tokens)
         print(f"[{name}] {json.dumps(results[name])} ({time.perf_counter() - t0:.1f}s)", flush=True)
@@ -282,8 +304,9 @@ def main() -> None:
     sync(torch.device("cuda"))
     bandwidth = copy_bandwidth(torch.device("cuda"), int(args.copy_gib * 2**30))
     bound = args.batch * bandwidth / weight_bytes
-    for r in results.values():
+    for r in [*results.values(), *results.get("sglang", {}).get("variants", [])]:
         r["fraction_of_bound"] = round(r["decode_tokens_per_s"] / bound, 4)
+        r["engine_over_decode"] = round(r["engine_tokens_per_s"] / r["decode_tokens_per_s"], 3)
 
     summary = dict(
         benchmark="sglang_vs_hf_decode",

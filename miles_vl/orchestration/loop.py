@@ -158,8 +158,8 @@ class Job:
 
     def rl_step(self, step: int) -> dict[str, float]:
         timer = Timer()
-        with timer("rollout"):
-            prompts, groups, rewards, stats = self.collect(step)
+        prompts, groups, rewards, stats = self.collect(step, timer)  # times "rollout" and "reward"
+        perf = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
         with timer("advantages"):
             samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
         with timer("train"):
@@ -170,22 +170,39 @@ class Job:
             self.rollout.sync_weights(weight_version(step + 1))
         self.completed_steps = step + 1
         n_tokens = sum(s.input_ids.numel() for s in samples)
-        perf = {
+        perf |= {
             "perf/train_tokens_per_s": n_tokens / max(timer.seconds["train"], 1e-9),
             "perf/rollout_tokens_per_s": stats["rollout/response_tokens"] / max(timer.seconds["rollout"], 1e-9),
         }
-        return {"step": step + 1, **stats, **adv_stats, **train_metrics, **perf, **timer.metrics()}
+        return {"step": step + 1, **stats, **adv_stats, **train_metrics, **self.sync_sizes(), **perf, **timer.metrics()}
 
-    def collect(self, step: int):
-        """Rollout + reward, with DAPO-style dynamic sampling when enabled (bounded extra rounds)."""
+    def device_memory(self, key: str) -> dict[str, float]:
+        """GiB in use on train rank 0's GPU, by every process on it; nothing on a CPU run."""
+        used = self.trainer.device_memory_used_gib() if self.gpus else None
+        return {} if used is None else {key: used}
+
+    def sync_sizes(self) -> dict[str, float]:
+        """What the last weight sync moved (the trainer's export): tensors, bytes, buckets."""
+        exported = self.trainer.last_export()
+        if exported is None:
+            return {}
+        return {"sync/tensors": float(exported.tensors), "sync/bytes": float(exported.bytes),
+                "sync/buckets": float(exported.buckets)}  # fmt: skip
+
+    def collect(self, step: int, timer: Timer | None = None):
+        """Rollout + reward, with DAPO-style dynamic sampling when enabled (bounded extra rounds); the generation and
+        scoring seconds of all rounds go to `timer` as "rollout" and "reward"."""
+        timer = timer or Timer()
         ds = self.cfg.rollout.dynamic_sampling
         want = self.cfg.rollout.batch_size
         prompts, groups, rewards, dropped, rounds = [], [], [], 0, 0
         reward_stats = []
         while len(prompts) < want:
             batch = self.train_set.next_batch(want - len(prompts))
-            gens = self.rollout.generate(batch, self.sampling(step, round_=rounds))
-            scored = self.score(batch, gens)
+            with timer("rollout"):
+                gens = self.rollout.generate(batch, self.sampling(step, round_=rounds))
+            with timer("reward"):
+                scored = self.score(batch, gens)
             reward_stats.append(scored[1])
             for p, g, r in zip(batch, gens, scored[0], strict=True):
                 if ds.enabled and len({x.overall for x in r}) == 1:
@@ -356,7 +373,7 @@ class Job:
 
 
 class Timer:
-    """Wall-clock seconds per named phase of one step: `with timer("train"): ...`."""
+    """Wall-clock seconds per named phase of one step, summed over the phase's entries: `with timer("train"): ...`."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -366,7 +383,7 @@ class Timer:
     def __call__(self, name: str):
         t0 = time.perf_counter()
         yield
-        self.seconds[name] = time.perf_counter() - t0
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         out = {f"time/{k}_s": v for k, v in self.seconds.items()}

@@ -27,6 +27,8 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from miles_vl.rollout.sglang.server import NO_MULTICAST_ENV
+
 log = logging.getLogger(__name__)
 
 
@@ -40,8 +42,12 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         return
     # Workers inherit this: keep Ray's own usage stats off on machines with no outside network.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Every worker of the job (train ranks, engine actors and the SGLang servers they start) keeps NVLink multicast
+    # off, also on a cluster whose Ray was started elsewhere: on shared hosts a program that uses it can take the
+    # GPUs out of service.
+    runtime_env = {"env_vars": dict(NO_MULTICAST_ENV)}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         log.info("joined the Ray cluster at %s", address)
     else:
         ray.init(
@@ -50,6 +56,7 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
             dashboard_host="127.0.0.1",
             log_to_driver=True,
             configure_logging=False,
+            runtime_env=runtime_env,
         )
         log.info(
             "started a local Ray (%s CPUs, dashboard %s)", num_cpus or "all", "on 127.0.0.1" if dashboard else "off"

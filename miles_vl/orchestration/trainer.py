@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -107,6 +108,20 @@ def build_train_backend(cfg: JobConfig, tokens: SpecialTokens, megatron_builder:
     return TorchTrainBackend(build_policy(cfg, tokens, device), tokens, **algo_options(cfg, tokens))
 
 
+@dataclass
+class ExportStats:
+    """What one export of the trainer's weights held: tensors, bytes and buckets."""
+
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+
+    def add(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.buckets += 1
+        self.tensors += len(bucket)
+        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the actor of one rank
 
@@ -129,6 +144,7 @@ class TrainWorker:
         self.megatron_builder = megatron_builder
         self.backend = None
         self.weight_group: TrainerWeightGroup | None = None
+        self.exported: ExportStats | None = None
 
     def rendezvous(self) -> str:
         """Where the process group meets: this actor's node and a free port on it (asked of rank 0)."""
@@ -155,12 +171,38 @@ class TrainWorker:
         self.backend = build_train_backend(self.cfg, self.tokens, self.megatron_builder)
 
     def train(self, samples: Sequence) -> dict[str, float]:
-        return self.backend.train(samples)
+        """One RL step; with CUDA also the rank's peak allocated memory during it (`perf/train_peak_mem_gib`), and
+        the allocator's cached blocks are returned to the device afterwards, so that colocated engines can resume."""
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        metrics = self.backend.train(samples)
+        if cuda:
+            metrics["perf/train_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.empty_cache()
+        return metrics
+
+    def device_memory_used_gib(self) -> float | None:
+        """GiB in use on this rank's GPU by every process (e.g. a colocated SGLang server too); None without CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
 
     def export_weight_buckets(self, max_bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The trainable weights in byte-bounded buckets, one at a time: call with
-        `.options(num_returns="streaming")` so that each bucket is its own object (weight_sync.py)."""
-        yield from iter_buckets(self.backend.export_weights(), max_bucket_bytes)
+        `.options(num_returns="streaming")` so that each bucket is its own object (weight_sync.py). The sizes of the
+        last export are kept for `last_export`."""
+        self.exported = ExportStats()
+        for bucket in iter_buckets(self.backend.export_weights(), max_bucket_bytes):
+            self.exported.add(bucket)
+            yield bucket
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def last_export(self) -> ExportStats | None:
+        """Tensors, bytes and buckets of the last `export_weight_buckets` (None before the first)."""
+        return self.exported
 
     def drain_weights(self) -> None:
         """This rank's part of a collective export whose tensors rank 0 sends (ranks > 0)."""
@@ -182,9 +224,11 @@ class TrainWorker:
             raise RuntimeError("send_weights() before open_weight_group()")
         weights = iter(self.backend.export_weights())
         try:
-            return self.weight_group.send(weights, weight_version)
+            report = self.weight_group.send(weights, weight_version)
         finally:
             _drain(weights)  # the other ranks are still in the collective export
+        self.exported = ExportStats(tensors=report.tensors, bytes=report.bytes, buckets=report.buckets)
+        return report
 
     def close_weight_group(self) -> None:
         if self.weight_group is not None:
@@ -258,6 +302,14 @@ class Trainer:
             num_returns="streaming", _generator_backpressure_num_objects=ahead
         ).remote(max_bucket_bytes)
         ray.get(others)
+
+    def last_export(self) -> ExportStats | None:
+        """Sizes of the last `weight_buckets` export (rank 0's)."""
+        return ray.get(self.source.last_export.remote())
+
+    def device_memory_used_gib(self) -> float | None:
+        """GiB in use on rank 0's GPU by every process on it (None without CUDA)."""
+        return ray.get(self.source.device_memory_used_gib.remote())
 
     def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
         ray.get(self.source.open_weight_group.remote(engines, **options))

@@ -1,38 +1,27 @@
 #!/usr/bin/env bash
-# Real-SGLang checks on the GPU machine: install the SGLang bundle, check that it imports and that its prebuilt
-# kernels run, write the tiny checkpoint, run the GPU tests, run the decode benchmark.
+# Real-SGLang checks on the GPU machine, inside the GPU stack: check that SGLang imports and that its prebuilt kernels
+# run, write the tiny checkpoint, run the real-server GPU tests, run the decode benchmark.
 #
-# usage (in the repository root on the GPU machine):
-#   bash scripts/gpu/run_sglang_checks.sh --stage-only     # only copy the carried part(s) to $PARTS_STAGE
-#   bash scripts/gpu/run_sglang_checks.sh [--keep-going] [--skip-bench] [--skip-tests] [--bench-args "ARGS"]
+# usage (in the repository root on the GPU machine, inside scripts/gpu/stack.sh, which stages and installs SGLang):
+#   bash scripts/gpu/stack.sh bash scripts/gpu/run_sglang_checks.sh [--keep-going] [--skip-bench] [--skip-tests]
+#                                                                  [--bench-args "ARGS"]
 #
-# The bundle (scripts/gpu/bundle_sglang.sh .bundle_sglang) travels one part per call, carried as
-# .bundle_sglang/partN; every call copies what it finds there to $PARTS_STAGE (/tmp/sglang_parts), which lives as
-# long as the machine stays warm (it is given back 30 s after a call). A plan for 4 parts, one call each:
-#   calls 1-3: carry .bundle_sglang/partK,   run: bash scripts/gpu/run_sglang_checks.sh --stage-only
-#   call 4:    carry .bundle_sglang/part4,   run: bash scripts/gpu/run_sglang_checks.sh --skip-bench
-#   call 5:    carry nothing,                run: bash scripts/gpu/run_sglang_checks.sh --skip-tests
-# (or calls 4+5 as one: no flag; then the tests get at most the budget minus 200 s). The full run installs into
-# $SGLANG_SITE (/tmp/sglang_site; skipped when an earlier run completed it), then runs each stage under what is left
-# of $BUDGET_S (570 s, inside one 10-minute call) and stops at the first failure with one line naming the stage and
-# the log (--keep-going runs the benchmark even after a failed test). Servers a killed stage left behind are
-# stopped by their recorded pids ($MILES_VL_SGLANG_PIDFILE).
+# Each stage runs under what is left of $BUDGET_S (570 s, inside one 10-minute call) and the script stops at the first
+# failure with one line naming the stage and the log (--keep-going runs the benchmark even after a failed test).
+# Servers a killed stage left behind are stopped by their recorded pids ($MILES_VL_SGLANG_PIDFILE).
 #
-# Logs: $OUT/driver.log (every stage), $OUT/sglang_server.log and $OUT/sglang_bench_server.log (the servers),
-# $OUT/bench.json (the benchmark's JSON line); without OUT, a temp dir. NVLink multicast stays off.
+# Logs: $OUT/driver.log (every stage), $OUT/sglang_server.log and $OUT/sglang_bench_<variant>.log (the servers),
+# $OUT/bench.json (the benchmark's JSON line); without OUT, a temp dir.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
 budget=${BUDGET_S:-570}
 py=${PYTHON:-python3}
-stage_dir=${PARTS_STAGE:-/tmp/sglang_parts}
-site=${SGLANG_SITE:-/tmp/sglang_site}
 export OUT=${OUT:-$(mktemp -d)}
 log=$OUT/driver.log
-stage_only=0 keep_going=0 skip_bench=0 skip_tests=0 bench_args=""
+keep_going=0 skip_bench=0 skip_tests=0 bench_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --stage-only) stage_only=1; shift ;;
     --keep-going) keep_going=1; shift ;;
     --skip-bench) skip_bench=1; shift ;;
     --skip-tests) skip_tests=1; shift ;;
@@ -56,47 +45,8 @@ cleanup_servers() {
   rm -f "$MILES_VL_SGLANG_PIDFILE"
 }
 
-# -- stage: copy the carried parts --------------------------------------------------------------------------------
-mkdir -p "$stage_dir"
-found=$(find .bundle_sglang -type f \( -name 'sglang.tar.xz.*' -o -name SHA256SUMS -o -name '*.sh' -o -name WHEELS.txt \) 2> /dev/null)
-for f in $found; do cp -f "$f" "$stage_dir/"; done
-have=$(ls "$stage_dir"/sglang.tar.xz.* 2> /dev/null | wc -l)
-say "staged $(echo "$found" | grep -c 'sglang.tar.xz' || true) part(s) from .bundle_sglang; $stage_dir holds $have: $(ls "$stage_dir" | tr '\n' ' ')"
-[ "$stage_only" = 1 ] && exit 0
-
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_USE_SGL_FA3_KERNEL=1
 cleanup_servers
-
-# -- stage: install -----------------------------------------------------------------------------------------------
-if [ -f "$site/.miles_vl_complete" ]; then
-  say "install: $site is already complete"
-else
-  say "install: unpacking $have part(s) into $site"
-  rm -rf "$site"
-  PYTHON=$py bash scripts/gpu/install_sglang_bundle.sh "$stage_dir" "$site" >> "$log" 2>&1 \
-    || fail install "$(tail -3 "$log")"
-  touch "$site/.miles_vl_complete"
-fi
-export PYTHONPATH="$site:$PWD"
-
-# torch_memory_saver preloads a library linked against libcudart.so.13 into the SGLang scheduler: make sure the
-# dynamic loader finds one (the pip CUDA runtime next to torch) when the system has none registered.
-if ! ldconfig -p 2> /dev/null | grep -q 'libcudart.so.13'; then
-  cudart=$("$py" - << 'EOF'
-import glob, os, site
-hits = [p for d in site.getsitepackages() for p in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.13*"), recursive=True)]
-print(os.path.dirname(hits[0]) if hits else "")
-EOF
-)
-  [ -n "$cudart" ] && export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && say "LD_LIBRARY_PATH += $cudart"
-fi
-nvcc_path=$(command -v nvcc || { [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"; } || true)
-if [ -z "$nvcc_path" ]; then
-  fail toolchain "no nvcc on PATH nor in \${CUDA_HOME:-/usr/local/cuda}/bin: SGLang 0.5.16 JIT-compiles kernels (rmsnorm, KV store, rope) with it; set CUDA_HOME"
-fi
-export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
-say "toolchain: $("$nvcc_path" --version | tail -1); CUDA_HOME=$CUDA_HOME"
+site=${STACK_SITE:-/tmp/stack_site}
 
 # -- stage: imports and prebuilt kernels --------------------------------------------------------------------------
 if [ -f "$site/.miles_vl_import_ok" ]; then
@@ -135,11 +85,13 @@ fi
 status=0
 # -- stages: tiny checkpoint, GPU tests ---------------------------------------------------------------------------
 if [ "$skip_tests" = 0 ]; then
-  export MILES_VL_SGLANG_CKPT=/tmp/miles_vl_tiny_qwen3vl
-  "$py" scripts/gpu/make_tiny_qwen3vl.py "$MILES_VL_SGLANG_CKPT" --shape tiny > "$OUT/ckpt.json" 2>> "$log" \
-    || fail checkpoint "$(tail -5 "$log")"
-  say "checkpoint: $(tail -1 "$OUT/ckpt.json")"
-  cat "$OUT/ckpt.json" >> "$log"; rm -f "$OUT/ckpt.json"
+  export MILES_VL_SGLANG_CKPT=/tmp/ckpt_tiny  # the same directory scripts/gpu/loop_run.sh writes and reuses
+  if [ ! -f "$MILES_VL_SGLANG_CKPT/.complete" ]; then
+    "$py" scripts/gpu/make_tiny_qwen3vl.py "$MILES_VL_SGLANG_CKPT" --shape tiny > "$OUT/ckpt.json" 2>> "$log" \
+      || fail checkpoint "$(tail -5 "$log")"
+    say "checkpoint: $(tail -1 "$OUT/ckpt.json")"
+    cat "$OUT/ckpt.json" >> "$log"; rm -f "$OUT/ckpt.json"; touch "$MILES_VL_SGLANG_CKPT/.complete"
+  fi
 
   t=$(( $(left) - (skip_bench ? 10 : 200) ))
   [ "$t" -gt 450 ] && t=450

@@ -44,6 +44,9 @@ from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, 
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# NCCL, PyTorch and NVSHMEM with NVLink multicast off: on shared hosts a program that uses it can take the GPUs out of
+# service. Set for every worker of a job (orchestration/placement.py) and for every server (build_server_env).
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 # Flags that miles_vl sets from the spec; `extra_args` may not set them again (argparse would silently keep the
 # last one). Values: the spec field (and config key) that owns the flag.
@@ -198,6 +201,8 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
+    for key, value in NO_MULTICAST_ENV.items():  # NVLink multicast off unless the caller decided otherwise
+        env.setdefault(key, value)
     return env
 
 

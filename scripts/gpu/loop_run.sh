@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The production loop on the GPU machine: `miles-vl train configs/geo3k_qwen3vl_1gpu.yaml` (SGLang rollouts + the
+# Megatron trainer under Ray, colocated on one GPU) on a random-init checkpoint written here, with a learnable reward.
+# Run inside the GPU stack (scripts/gpu/stack.sh).
+#
+# usage: bash scripts/gpu/loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]
+#   --check    first: the stack's imports and a GPU probe (sglang, sgl_kernel, transformer_engine, megatron, ray)
+#   SHAPE      tiny | 2b  (scripts/gpu/make_tiny_qwen3vl.py; written once per machine to /tmp/ckpt_<SHAPE>)
+#   NAME       run name: the run directory is $RUNS/NAME (RUNS=/tmp/gpu_runs); running NAME again with a larger
+#              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
+#   NUM_STEPS  the job's num_steps
+#   override   more `key=value` overrides, last
+#
+# The job (scripts/gpu/loop_job.py): configs/geo3k_qwen3vl_1gpu.yaml with generated geo3k-style problems, wandb off,
+# and the learnable reward `benchmarks.learning_smoke:digit_fraction`, sized per SHAPE.
+# Output: $OUT/NAME.tar.gz holding NAME/metrics.jsonl, config.yaml, driver.log, sglang_0.log (the server's log,
+# trimmed) and summary.json (scripts/gpu/summarize_run.py). The run is stopped (SIGINT, which writes a checkpoint) when it would
+# outlast $BUDGET_S (default 540 s from this script's start).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+start=$(date +%s)
+budget=${BUDGET_S:-540}
+py=${PYTHON:-python3}
+runs=${RUNS:-/tmp/gpu_runs}
+out=${OUT:-/tmp/gpu_out}
+check=0
+[ "${1:-}" = "--check" ] && { check=1; shift; }
+shape=${1:?usage: loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]}
+name=${2:?run name}
+steps=${3:?num_steps}
+shift 3
+case "$shape" in tiny | 2b) ;; *) echo "loop_run: unknown shape $shape (tiny | 2b)" >&2; exit 2 ;; esac
+mkdir -p "$out/$name" "$runs"
+log=$out/$name/driver.log
+say() { echo "[loop_run +$(( $(date +%s) - start ))s] $*" | tee -a "$log" >&2; }
+left() { echo $(( budget - ($(date +%s) - start) )); }
+
+if [ "$check" = 1 ]; then
+  say "check: imports and GPU"
+  timeout -k 10 240 "$py" - >> "$log" 2>&1 << 'EOF' || { say "check FAILED: $(tail -5 "$log")"; exit 1; }
+import time
+t0 = time.time()
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), flush=True)
+from importlib.metadata import version
+import ray, sglang, sgl_kernel, transformer_engine.pytorch, megatron.core, megatron.bridge, transformers  # noqa: F401
+print({d: version(d) for d in ("ray", "sglang", "sglang-kernel", "transformer-engine", "megatron-core",
+                               "megatron-bridge", "transformers", "pydantic", "omegaconf")}, flush=True)
+import miles_vl.patches
+miles_vl.patches.install()
+print("patches:", miles_vl.patches.status(), flush=True)
+print(f"imports OK in {time.time() - t0:.0f}s", flush=True)
+EOF
+  say "check: $(tail -1 "$log")"
+fi
+
+ckpt=/tmp/ckpt_$shape
+if [ ! -f "$ckpt/.complete" ]; then
+  say "checkpoint: writing $shape to $ckpt"
+  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$shape" >> "$log" 2>&1 || { say "checkpoint FAILED"; exit 1; }
+  touch "$ckpt/.complete"
+fi
+
+t=$(( $(left) - 25 ))
+[ "$t" -lt 60 ] && { say "only ${t}s left: not starting the run"; exit 1; }
+say "train: $name to step $steps (timeout ${t}s, then SIGINT)"
+timeout -s INT -k 60 "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
+status=$?
+say "train exited $status"
+
+run_dir=$runs/$name
+cp -f "$run_dir/metrics.jsonl" "$run_dir/config.yaml" "$out/$name/" 2> /dev/null
+server_log=$(ls "$run_dir"/logs/sglang_0.log 2> /dev/null | head -1)
+[ -n "$server_log" ] && { head -c 200000 "$server_log"; echo; echo "[... trimmed ...]"; tail -c 200000 "$server_log"; } \
+  > "$out/$name/sglang_0.log"
+"$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" > "$out/$name/summary.json" 2>> "$log" \
+  && say "summary: $(cat "$out/$name/summary.json")"
+# one file per run comes back (the device tool returns at most 8 files a call)
+tar czf "$out/$name.tar.gz" -C "$out" "$name" && rm -rf "${out:?}/$name"
+exit "$status"

@@ -1,0 +1,134 @@
+"""Summarize a run of the production loop (scripts/gpu/loop_run.sh): the figures docs/gpu.md quotes, from the run's own
+metrics.jsonl and config.yaml, so that every figure can be checked against the committed run.
+
+    PYTHONPATH=. python scripts/gpu/summarize_run.py RUN_DIR [--ckpt CKPT] [--peak-tflops 989.4]
+
+Last stdout line: one JSON object with
+- `steps`, `first_step`, `last_step`; `reward_first` / `reward_last` (mean of the first and last 5 steps'
+  `reward/mean`) and `reward_slope` (least squares, per step);
+- `logprob_abs_diff_step1`: `train/train_rollout_logprob_abs_diff` of the first step (trainer vs engine, same weights);
+- per phase (rollout = generation, reward, train, sync, step): the median seconds over the steps after the first
+  (the first compiles kernels and allocates);
+- `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`;
+- `train_peak_mem_gib` (the train rank's peak allocated memory in the train phase) and `gpu_used_gib_rollout`
+  (everything on the GPU while the engine and trainer are both resident): maxima over the steps;
+- `train_tflops`, `train_mfu`: useful FLOPs of the train phase over its median time and the dense bf16 peak.
+  FLOPs per step = (2 * forward passes + 6 * forward-backward passes) * (N_text * T + N_vis * P)
+  + the attention terms of bench_train_throughput.py with every sample at the step's mean length, where T is the
+  trained tokens (`train/tokens`), P the image patches (4 per visual token), N_text / N_vis the text (lm_head once)
+  and vision matmul parameters of the checkpoint's architecture (counted on the meta device). Forward passes: 1
+  (old logprobs; 2 with a KL reference), forward-backward passes: `train.ppo_epochs`. Without --ckpt: no MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from miles_vl.metrics import read_metrics  # noqa: E402
+
+
+def matmul_params(ckpt: str) -> tuple[int, int, dict]:
+    """(text matmul params with lm_head counted once, vision matmul params, text config numbers) of a checkpoint's
+    architecture, counted on the meta device (no weights are read)."""
+    import torch
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    cfg = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(cfg)
+    visual = model.model.visual
+    n_vis = sum(p.numel() for p in visual.parameters()) - visual.pos_embed.weight.numel()
+    n_text = sum(p.numel() for p in model.model.language_model.parameters())
+    if model.lm_head.weight is not model.model.language_model.embed_tokens.weight:
+        n_text += model.lm_head.weight.numel()
+    t = cfg.text_config
+    return n_text, n_vis, dict(layers=t.num_hidden_layers, attn_dim=t.num_attention_heads * t.head_dim,
+                               vis_depth=cfg.vision_config.depth, vis_hidden=cfg.vision_config.hidden_size)  # fmt: skip
+
+
+def step_flops(row: dict, cfg: dict, n_text: int, n_vis: int, arch: dict) -> float:
+    """Useful FLOPs of one step's train phase (module docstring)."""
+    samples = row["rollout/prompts"] * cfg["rollout"]["n_samples_per_prompt"]
+    tokens = row["train/tokens"]
+    patches_per_sample = 4 * row.get("rollout/visual_tokens_per_sample", 0.0)
+    mean_len = tokens / samples
+    per_pass = (
+        n_text * tokens
+        + n_vis * patches_per_sample * samples
+        + arch["layers"] * arch["attn_dim"] * mean_len**2 * samples  # causal: 2 L^2 d of 4 L^2 d per forward
+        + 2 * arch["vis_depth"] * arch["vis_hidden"] * patches_per_sample**2 * samples
+    )
+    forwards = 1 + (1 if cfg["algo"]["kl_coef"] > 0 else 0)
+    return (2 * forwards + 6 * cfg["train"]["ppo_epochs"]) * per_pass
+
+
+def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
+    rows = read_metrics(run_dir)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    later = rows[1:] or rows
+
+    def med(key: str) -> float | None:
+        values = [r[key] for r in later if key in r]
+        return round(statistics.median(values), 3) if values else None
+
+    def largest(key: str) -> float | None:
+        values = [r[key] for r in rows if key in r]
+        return round(max(values), 2) if values else None
+
+    rewards = [r["reward/mean"] for r in rows]
+    n = len(rewards)
+    mean_step = (n - 1) / 2
+    slope = sum((i - mean_step) * (x - statistics.fmean(rewards)) for i, x in enumerate(rewards)) / max(
+        sum((i - mean_step) ** 2 for i in range(n)), 1e-9
+    )
+    out = dict(
+        run=run_dir.name,
+        steps=n,
+        first_step=rows[0]["step"],
+        last_step=rows[-1]["step"],
+        reward_first=round(statistics.fmean(rewards[:5]), 4),
+        reward_last=round(statistics.fmean(rewards[-5:]), 4),
+        reward_slope=round(slope, 5),
+        logprob_abs_diff_step1=rows[0].get("train/train_rollout_logprob_abs_diff"),
+        **{f"{phase}_s": med(f"time/{phase}_s") for phase in ("rollout", "reward", "train", "sync", "step")},
+        sync_bytes=rows[-1].get("sync/bytes"),
+        sync_tensors=rows[-1].get("sync/tensors"),
+        sync_buckets=rows[-1].get("sync/buckets"),
+        train_peak_mem_gib=largest("perf/train_peak_mem_gib"),
+        gpu_used_gib_rollout=largest("perf/gpu_used_gib_rollout"),
+        response_len_mean=med("rollout/response_len_mean"),
+        rollout_tokens_per_s=med("perf/rollout_tokens_per_s"),
+        train_tokens_per_s=med("perf/train_tokens_per_s"),
+    )  # fmt: skip
+    if out["sync_bytes"] and out["sync_s"]:
+        out["sync_gb_per_s"] = round(out["sync_bytes"] / 1e9 / out["sync_s"], 2)
+    if ckpt:
+        n_text, n_vis, arch = matmul_params(ckpt)
+        flops = statistics.median(step_flops(r, cfg, n_text, n_vis, arch) for r in later)
+        out["train_flops_per_step"] = flops
+        out["train_tflops"] = round(flops / out["train_s"] / 1e12, 1)
+        out["train_mfu"] = round(flops / out["train_s"] / (peak_tflops * 1e12), 4)
+        out["matmul_params"] = dict(text=n_text, vision=n_vis)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--ckpt", default=None, help="the checkpoint the run started from (for the MFU)")
+    ap.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H100 SXM / H200)")
+    args = ap.parse_args()
+    print(json.dumps(summarize(args.run_dir, args.ckpt, args.peak_tflops)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The one-GPU production job (configs/geo3k_qwen3vl_1gpu.yaml with scripts/gpu/loop_job.py's overrides, exactly what
+scripts/gpu/loop_run.sh runs on the GPU machine) on CPU stand-ins: a local Ray that believes it has one GPU, the
+Megatron trainer built by tests/orchestration/megatron_cpu.py and the SGLang engine served by
+tests/rollout/sglang/hf_server.py, colocated in that GPU's slot.
+
+Contract: the shipped config and the GPU run's overrides validate and run the whole loop (rollout, reward, train with
+release/resume around it, sync); a second run with a larger num_steps resumes from the Megatron checkpoint and
+continues the metrics; every step reports the figures docs/gpu.md quotes (per-phase seconds with the reward timed on
+its own, what each sync moved), and the bytes synced are the checkpoint's trainable weights (an independent count:
+the tensors of model.safetensors, every one trainable here). scripts/gpu/summarize_run.py reads the run.
+The GPU run itself is the real-component check of these stand-ins (docs/gpu.md, "The production loop on one GPU").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import ray
+from safetensors import safe_open
+
+from miles_vl.config import load_config
+from miles_vl.orchestration import run_job
+from miles_vl.orchestration.checkpoint import step_dir_name
+from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
+from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
+from tests.orchestration.jobs import REPO, metrics, write_checkpoint
+from tests.patches.harness.shims import bridge_available
+
+spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
+loop_job = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loop_job)
+
+pytestmark = pytest.mark.skipif(bool(bridge_available("0.6.2")), reason=str(bridge_available("0.6.2")))
+
+CPU = ("model.dtype=fp32", "data.synthetic_n=64")  # the stand-ins run in fp32; fewer generated problems
+
+
+@pytest.fixture
+def one_fake_gpu():
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_one_gpu_job_runs_resumes_and_reports(tmp_path, one_fake_gpu, monkeypatch):
+    monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
+    monkeypatch.setenv(LAUNCH_MODULE_ENV, "tests.rollout.sglang.hf_server")
+    ckpt = write_checkpoint(tmp_path / "ckpt", initializer_range=0.2)
+    rows = []
+    for steps in (2, 3):  # the second run resumes from the checkpoint the first one wrote at its end
+        cfg = load_config(loop_job.CONFIG, [*loop_job.overrides("tiny", ckpt, tmp_path, "one_gpu", steps), *CPU])
+        assert (cfg.rollout.backend, cfg.train.backend, cfg.ray.placement) == ("sglang", "megatron", "colocate")
+        assert (cfg.train.num_gpus, cfg.rollout.num_engines, cfg.rollout.gpus_per_engine) == (1, 1, 1)
+        run = run_job(cfg)
+        rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (run / "checkpoints" / step_dir_name(3)).is_dir()
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        weight_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+        n_tensors = len(list(f.keys()))
+    for r in rows:
+        for key in ("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s", "train/grad_norm"):
+            assert r[key] >= 0, key
+        assert r["sync/bytes"] == weight_bytes and r["sync/tensors"] == n_tensors
+        assert r["rollout/prompts"] == 8 and r["rollout/response_tokens"] > 0
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # fp32 stand-ins: same weights, same numbers
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu" / "summarize_run.py"), str(run), "--ckpt", str(ckpt)],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.splitlines()[-1])
+    assert (summary["steps"], summary["first_step"], summary["last_step"]) == (3, 1, 3)
+    assert summary["sync_bytes"] == weight_bytes and summary["train_flops_per_step"] > 0 and "train_mfu" in summary
+    assert summary["logprob_abs_diff_step1"] == rows[0]["train/train_rollout_logprob_abs_diff"]
+
+
+def test_loop_job_refuses_an_unknown_shape():
+    with pytest.raises(ValueError, match="shape must be one of"):
+        loop_job.overrides("7b", "/ckpt", "/runs", "x", 1)
