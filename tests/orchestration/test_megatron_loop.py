@@ -22,13 +22,16 @@ from miles_vl.orchestration.placement import engine_slots, reserve_gpus
 from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
 from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
 from tests.orchestration.jobs import REPO, metrics, pretrained, tiny_job, write_checkpoint
-from tests.patches.harness.shims import bridge_available
+from tests.patches.harness.shims import require_bridge
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
 
 FAKE_GPUS = 4
 
-needs_bridge = pytest.mark.skipif(bool(bridge_available("0.6.2")), reason=str(bridge_available("0.6.2")))
+
+@pytest.fixture(scope="module")
+def bridge():
+    require_bridge("0.6.2")
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,7 @@ def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):
     )
 
 
-@needs_bridge
-def test_megatron_cp2_job_matches_the_torch_backend(tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
+def test_megatron_cp2_job_matches_the_torch_backend(bridge, tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
     torch_rows = metrics(run_job(config(tmp_path, checkpoint, "torch")))
     monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
     megatron = ("train.backend=megatron", "train.num_gpus=2", "train.cp=2", "model.dtype=fp32")
@@ -90,8 +92,7 @@ def test_megatron_cp2_job_matches_the_torch_backend(tmp_path, checkpoint, fake_g
     assert (run / "checkpoints" / "step_00000002" / "megatron_cpu_rank1.pt").exists()  # every rank saved
 
 
-@needs_bridge
-def test_megatron_cp2_disaggregated_nccl_sync(tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
+def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
     """Rank 0 broadcasts each bucket to an SGLang-API server (tests/rollout/sglang/hf_server.py, gloo in place of
     NCCL) while rank 1 takes part in the collective export: one group for the job, one POST per bucket."""
     monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")

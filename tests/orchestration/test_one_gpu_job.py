@@ -28,13 +28,17 @@ from miles_vl.orchestration.checkpoint import step_dir_name
 from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
 from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
 from tests.orchestration.jobs import REPO, metrics, write_checkpoint
-from tests.patches.harness.shims import bridge_available
+from tests.patches.harness.shims import require_bridge
 
 spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
 loop_job = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(loop_job)
 
-pytestmark = pytest.mark.skipif(bool(bridge_available("0.6.2")), reason=str(bridge_available("0.6.2")))
+
+@pytest.fixture(scope="module", autouse=True)
+def _bridge():
+    require_bridge("0.6.2")
+
 
 CPU = ("model.dtype=fp32", "data.synthetic_n=64")  # the stand-ins run in fp32; fewer generated problems
 

@@ -44,6 +44,15 @@ def bridge_051_dir() -> Path:
     return Path(os.environ.get("MILES_VL_BRIDGE_051_DIR", Path(sys.prefix) / "megatron-bridge-0.5.1"))
 
 
+def require_bridge(version: str) -> None:
+    """Fail the calling test when megatron-bridge `version` cannot be loaded here: the CPU suite needs it
+    (`make setup` installs it), so its absence is an error, never a skip."""
+    if reason := bridge_available(version):
+        import pytest
+
+        pytest.fail(f"the CPU harness cannot load megatron-bridge {version}: {reason}")
+
+
 def bridge_available(version: str, root: str | Path | None = None) -> str | None:
     """None when `version` can be loaded here, else the reason. Reads package metadata only (importing, or even
     `find_spec("megatron.core")`, would import the `megatron` namespace before the version is chosen).

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.patches.harness.shims import bridge_available
+from tests.patches.harness.shims import require_bridge
 from tests.train.megatron import cpu_parts, jobs
 
-pytestmark = pytest.mark.skipif(bool(bridge_available("0.6.2")), reason=str(bridge_available("0.6.2")))
+
+@pytest.fixture(scope="module", autouse=True)
+def _bridge():
+    require_bridge("0.6.2")
 
 
 @pytest.fixture(scope="module")
