@@ -5,7 +5,7 @@
 #
 # usage: bash scripts/gpu/loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]
 #   --check    first: the stack's imports and a GPU probe (sglang, sgl_kernel, transformer_engine, megatron, ray)
-#   SHAPE      tiny | 2b  (scripts/gpu/make_tiny_qwen3vl.py; written once per machine to /tmp/ckpt_<SHAPE>)
+#   SHAPE      tiny | 2b  (scripts/gpu/make_tiny_qwen3vl.py; written once per machine to /tmp/ckpt_loop_<SHAPE>)
 #   NAME       run name: the run directory is $RUNS/NAME (RUNS=/tmp/gpu_runs); running NAME again with a larger
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
@@ -54,10 +54,12 @@ EOF
   say "check: $(tail -1 "$log")"
 fi
 
-ckpt=/tmp/ckpt_$shape
+ckpt=/tmp/ckpt_loop_$shape
 if [ ! -f "$ckpt/.complete" ]; then
-  say "checkpoint: writing $shape to $ckpt"
-  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$shape" >> "$log" 2>&1 || { say "checkpoint FAILED"; exit 1; }
+  read -r min_px max_px < <("$py" scripts/gpu/loop_job.py --pixels "$shape")
+  say "checkpoint: writing $shape to $ckpt (processor pixels $min_px..$max_px)"
+  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$shape" --min-pixels "$min_px" --max-pixels "$max_px" \
+    >> "$log" 2>&1 || { say "checkpoint FAILED"; exit 1; }
   touch "$ckpt/.complete"
 fi
 
