@@ -35,7 +35,7 @@ import torch
 
 from miles_vl.rollout import SamplingParams
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost
-from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url
+from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, request_input_ids
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,7 +188,7 @@ def _greedy(host, prompt) -> tuple[list[int], torch.Tensor]:
 def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     ids = prompts[0].prompt_ids.tolist()
     payload = build_generate_payload(
-        ids,
+        request_input_ids(ids, tokens.image_token_id, 1),  # one pad per image: SGLang expands it again
         [image_data_url(prompts[0].images[0])],
         SamplingParams(max_new_tokens=8),
         seed=0,

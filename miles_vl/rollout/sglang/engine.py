@@ -44,6 +44,7 @@ from miles_vl.rollout.sglang.generate import (
     image_data_url,
     parse_generate_response,
     prompt_images,
+    request_input_ids,
     sampling_seed,
 )
 from miles_vl.rollout.sglang.weights import (
@@ -162,7 +163,8 @@ class SGLangRolloutEngine:
         self._check_ready()
         if not prompts:
             return []
-        images = [prompt_images(p, i) for i, p in enumerate(prompts)]  # fail on a bad prompt before any request
+        # fail on a bad prompt before any request
+        images = [prompt_images(p, i, self.tokens.video_token_id) for i, p in enumerate(prompts)]
         jobs = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         results: dict[tuple[int, int], Generation] = {}
         with ThreadPoolExecutor(
@@ -184,7 +186,7 @@ class SGLangRolloutEngine:
     def _generate_one(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int, j: int) -> Generation:
         ids = [int(t) for t in prompt_ids.tolist()]
         payload = build_generate_payload(
-            ids,
+            request_input_ids(ids, self.tokens.image_token_id, len(urls)) if urls else ids,
             urls,
             params,
             seed=sampling_seed(params.seed, i, j, params.n),
