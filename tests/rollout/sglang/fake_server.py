@@ -9,6 +9,12 @@ deserializes `/update_weights_from_tensor` payloads under 0.5.16's unpickling al
 way 0.5.16's `init_custom_process_group` does and receives one broadcast per tensor from rank 0. It is stricter than
 SGLang in one way: unknown top-level request keys are refused (FastAPI would ignore them), to catch typos.
 
+Images are taken as 0.5.16 takes them for Qwen3-VL (`expand_image_pads`): `input_ids` must hold one
+`<|vision_start|><|image_pad|>+<|vision_end|>` block per image; more `<|image_pad|>` tokens than images is 0.5.16's
+HTTP 500 (its processor raises StopIteration: "Internal Server Error", the reason in the server log); one pad per image
+is expanded to that image's token count, from the PNG's size through Qwen's smart_resize (patch 16, merge 2, the
+min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids.
+
 The "model" is deterministic: output tokens are drawn from a generator seeded by the prompt, the sampling seed and
 the weight version; a response ends with the first stop token id unless its drawn length exceeds max_new_tokens.
 A real model can be plugged in instead (`FakeHTTPServer(model=...)`, see `ServerModel`; hf_server.py serves the
@@ -22,7 +28,7 @@ As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or
                          [--fake-journal DIR]  (append every call to DIR/sglang_<port>.jsonl: survives the process)
                          [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
                                                 exists: a crash the host must recover from, once);
-                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights.
+                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
 """
 
@@ -32,9 +38,11 @@ import argparse
 import base64
 import io
 import json
+import math
 import os
 import pickle
 import random
+import struct
 import sys
 import threading
 import time
@@ -48,7 +56,12 @@ from urllib.parse import parse_qs, urlparse
 VERSION = "0.5.16"
 IMAGE_TOKEN_ID = 151655  # Qwen3-VL <|image_pad|>
 VISION_START_TOKEN_ID = 151652  # Qwen3-VL <|vision_start|>
+VISION_END_TOKEN_ID = 151653  # Qwen3-VL <|vision_end|>
 VOCAB_SIZE = 151936
+# Qwen3-VL's image processor: 16-pixel patches, 2x2 of them merged into one token; a checkpoint's preprocessor
+# config resizes into [65536, 16777216] pixels unless `--mm-process-config` says otherwise.
+PATCH_SIZE, MERGE_SIZE = 16, 2
+DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 65536, 16777216
 
 # GenerateReqInput fields of 0.5.16, plus BaseReq's rid/http_worker_ipc on the other request classes.
 GENERATE_FIELDS = frozenset(
@@ -133,6 +146,12 @@ class BadRequest(Exception):
     """Answered as HTTP 400 with the route's error shape."""
 
 
+class ServerError(Exception):
+    """An exception 0.5.16's route does not catch (e.g. the processor's StopIteration, which leaves the coroutine as
+    `RuntimeError: coroutine raised StopIteration`): FastAPI answers HTTP 500 with Starlette's plain-text body
+    "Internal Server Error" and the traceback goes to the server log only. The stand-in logs the message."""
+
+
 @dataclass
 class Fault:
     kind: str  # "status" | "delay" | "exit" | "abort" | "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
@@ -145,6 +164,8 @@ class FakeState:
     model_path: str = "fake/model"
     api_key: str | None = None
     tp_size: int = 1
+    image_min_pixels: int = DEFAULT_MIN_PIXELS  # --mm-process-config {"image": {"min_pixels": ...}}
+    image_max_pixels: int = DEFAULT_MAX_PIXELS
     weight_version: str = "default"
     initial_weight_version: str = "default"
     startup_delay_s: float = 0.0
@@ -157,6 +178,7 @@ class FakeState:
     calls: list[dict[str, Any]] = field(default_factory=list)
     weights: list[dict[str, Any]] = field(default_factory=list)
     faults: dict[str, list[Fault]] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)  # what the server wrote to its log (also on stderr as a process)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
@@ -173,9 +195,78 @@ class FakeState:
 
 
 def vision_blocks(input_ids: list[int]) -> int:
-    return sum(
-        1 for a, b in zip(input_ids, input_ids[1:], strict=False) if a == VISION_START_TOKEN_ID and b == IMAGE_TOKEN_ID
-    )
+    """Blocks `<|vision_start|> <|image_pad|>+ <|vision_end|>`: what 0.5.16's Qwen-VL processor counts as images in
+    the decoded prompt (its `image_token_regex`, srt/multimodal/processors/qwen_vl.py:301)."""
+    blocks, k = 0, 0
+    while k < len(input_ids):
+        if input_ids[k] == VISION_START_TOKEN_ID:
+            j = k + 1
+            while j < len(input_ids) and input_ids[j] == IMAGE_TOKEN_ID:
+                j += 1
+            if j > k + 1 and j < len(input_ids) and input_ids[j] == VISION_END_TOKEN_ID:
+                blocks += 1
+                k = j
+        k += 1
+    return blocks
+
+
+def png_size(raw: bytes) -> tuple[int, int]:
+    """(height, width) of a PNG, read from its IHDR chunk."""
+    if len(raw) < 24 or raw[12:16] != b"IHDR":
+        raise BadRequest("an image is not a PNG with an IHDR chunk")
+    width, height = struct.unpack(">II", raw[16:24])
+    return height, width
+
+
+def image_token_count(height: int, width: int, min_pixels: int, max_pixels: int) -> int:
+    """Merged image tokens of one image: Qwen2-VL's `smart_resize` (both sides rounded to multiples of
+    patch * merge = 32, then scaled into [min_pixels, max_pixels] keeping the aspect ratio), written out here so that
+    the stand-in does not borrow the processor it stands in for."""
+    unit = PATCH_SIZE * MERGE_SIZE
+    h, w = round(height / unit) * unit, round(width / unit) * unit
+    if h * w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        h = max(unit, math.floor(height / shrink / unit) * unit)
+        w = max(unit, math.floor(width / shrink / unit) * unit)
+    elif h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * grow / unit) * unit, math.ceil(width * grow / unit) * unit
+    return (h // PATCH_SIZE) * (w // PATCH_SIZE) // MERGE_SIZE**2
+
+
+def expand_image_pads(input_ids: list[int], counts: list[int]) -> list[int]:
+    """The prompt ids 0.5.16 runs for `input_ids` + one image per count (Qwen3-VL, default environment).
+
+    0.5.16 decodes the ids to text (`BaseMultimodalProcessor.load_mm_data`, base_processor.py:812); with one
+    `<|vision_start|><|image_pad|>+<|vision_end|>` block per image it takes `fast_load_mm_data` (:893) and runs the HF
+    processor on the text and the images (`process_and_combine_mm_data` :1320 -> `process_mm_data`), which replaces
+    EVERY `<|image_pad|>` with the next image's expansion: more pads than images runs it out of images
+    (StopIteration, HTTP 500). With one pad per image, `SGLANG_MM_AVOID_RETOKENIZE` (on by default) keeps our ids and
+    expands the i-th pad into counts[i] pads (`_expand_input_ids`, :1285).
+
+    Raises:
+        ServerError: more pads than images (the real server's HTTP 500).
+        BadRequest: not one block per image (0.5.16 takes its legacy path then, which the stand-in does not model).
+    """
+    blocks = vision_blocks(input_ids)
+    if blocks != len(counts):
+        raise BadRequest(
+            f"{len(counts)} image(s) for {blocks} vision block(s) in input_ids (0.5.16 would take its legacy "
+            "multimodal path here, which this stand-in does not model)"
+        )
+    pads = input_ids.count(IMAGE_TOKEN_ID)
+    if pads > len(counts):
+        raise ServerError(
+            f"StopIteration in transformers ProcessorMixin.get_text_with_replacements: the decoded prompt holds {pads} "
+            f"<|image_pad|> tokens for {len(counts)} image(s) (BaseMultimodalProcessor.load_mm_data -> "
+            "fast_load_mm_data -> process_and_combine_mm_data -> process_mm_data); send one <|image_pad|> per image "
+            "block, SGLang expands it"
+        )
+    out: list[int] = []
+    images = iter(counts)
+    for t in input_ids:
+        out += [IMAGE_TOKEN_ID] * next(images) if t == IMAGE_TOKEN_ID else [t]
+    return out
 
 
 def fake_tokens(input_ids: list[int], sampling: dict[str, Any], version: str) -> tuple[list[int], list[float], dict]:
@@ -340,6 +431,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(400, {"error": {"message": str(e)}})
             else:
                 self._json(400, {"success": False, "message": str(e)})
+        except ServerError as e:
+            self.server.log(f"Exception in ASGI application ({path}): {e}")
+            self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
 
     def _authorized(self, path: str) -> bool:
         key = self.server.state.api_key
@@ -419,10 +513,9 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
             out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
         else:
-            if len(images) != vision_blocks(input_ids):
-                raise BadRequest(f"{len(images)} images for {vision_blocks(input_ids)} vision blocks in input_ids")
-            out, logprobs, finish = fake_tokens(input_ids, sampling, version)
-            prompt_ids = list(input_ids)
+            counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
+            prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
+            out, logprobs, finish = fake_tokens(prompt_ids, sampling, version)
         if s.take_fault("/generate", ("abort",)) is not None:
             out, logprobs, finish = out[:1], logprobs[:1], {"type": "abort", "message": "Abort before prefill",
                                                             "status_code": None, "err_type": None}  # fmt: skip
@@ -581,6 +674,10 @@ class Handler(BaseHTTPRequestHandler):
         with self.server.state.lock:
             self._json(200, self.server.state.weights)
 
+    def fake_log(self, body, query):
+        with self.server.state.lock:
+            self._json(200, self.server.state.log)
+
 
 ROUTES = {
     ("GET", "/health"): Handler.health,
@@ -602,6 +699,7 @@ ROUTES = {
     ("POST", "/_fake/inject"): Handler.fake_inject,
     ("GET", "/_fake/calls"): Handler.fake_calls,
     ("GET", "/_fake/weights"): Handler.fake_weights,
+    ("GET", "/_fake/log"): Handler.fake_log,
 }
 
 
@@ -668,6 +766,16 @@ class FakeHTTPServer(ThreadingHTTPServer):
         self.journal_path = None if journal_dir is None else Path(journal_dir) / f"sglang_{address[1]}.jsonl"
         self._journal_lock = threading.Lock()
         super().__init__(address, Handler)
+
+    def log(self, line: str) -> None:
+        """A line of the server's log: kept in `state.log` (GET /_fake/log), on stderr when this is a process, and in
+        the journal."""
+        with self.state.lock:
+            self.state.log.append(line)
+        if self.state.allow_exit:
+            sys.stderr.write(f"fake-sglang: {line}\n")
+            sys.stderr.flush()
+        self.journal({"log": line})
 
     def journal(self, record: dict[str, Any]) -> None:
         """Append one JSON line (with this process's pid) to the journal file, when there is one."""
@@ -756,6 +864,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     parser.add_argument("--config")
     parser.add_argument("--api-key")
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--mm-process-config", default=None, help="JSON; its image min/max pixels are used")
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
@@ -772,10 +881,13 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
 
         with open(args.config) as f:
             api_key = (yaml.safe_load(f) or {}).get("api-key", api_key)
+    image = (json.loads(args.mm_process_config) if args.mm_process_config else {}).get("image", {})
     state = FakeState(
         model_path=args.model_path,
         api_key=api_key,
         tp_size=args.tp_size,
+        image_min_pixels=int(image.get("min_pixels", DEFAULT_MIN_PIXELS)),
+        image_max_pixels=int(image.get("max_pixels", DEFAULT_MAX_PIXELS)),
         weight_version=args.weight_version,
         initial_weight_version=args.weight_version,
         startup_delay_s=args.fake_startup_delay,

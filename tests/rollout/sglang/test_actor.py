@@ -14,7 +14,7 @@ import pytest
 
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
 from miles_vl.rollout.types import SamplingParams
-from tests.rollout.sglang.conftest import TOKENS, free_port, make_prompt
+from tests.rollout.sglang.conftest import MAX_PIXELS, MIN_PIXELS, TOKENS, free_port, make_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -24,7 +24,13 @@ PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=3)
 def host(tmp_path, *, extra_args=(), **kwargs) -> SGLangRolloutHost:
     """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang."""
     spec = ServerSpec(
-        model_path="/ckpt/m", port=free_port(), api_key="k3y", weight_version="base", extra_args=tuple(extra_args)
+        model_path="/ckpt/m",
+        port=free_port(),
+        api_key="k3y",
+        weight_version="base",
+        image_min_pixels=MIN_PIXELS,
+        image_max_pixels=MAX_PIXELS,
+        extra_args=tuple(extra_args),
     )
     kwargs.setdefault("max_restarts", 2)
     return SGLangRolloutHost(

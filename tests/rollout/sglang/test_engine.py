@@ -53,12 +53,16 @@ def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(fake):
         assert set(body["sampling_params"]["logit_bias"]) == {str(t) for t in (151655, 151656, 151652, 151653)}
     by_request = {(tuple(b["input_ids"]), b["sampling_params"]["sampling_seed"]): b for b in bodies}
     assert len(by_request) == 9  # every sample has its own seed
-    for p, group in zip(ps, groups, strict=True):
-        ids = tuple(p.prompt_ids.tolist())
-        sent = [b for (i, _), b in by_request.items() if i == ids]
+    # What goes over the wire: each image block collapsed to one <|image_pad|> (SGLang 0.5.16 expands it again).
+    vs, pad, ve = 151652, 151655, 151653
+    request_ids = [(11, 12, vs, pad, ve), (21, 22, 23), (31, vs, pad, ve, vs, pad, ve)]
+    for p, wire, group in zip(ps, request_ids, groups, strict=True):
+        sent = [b for (i, _), b in by_request.items() if i == wire]
         assert len(sent) == 3 and all(len(b.get("image_data", [])) == len(p.images) for b in sent)
-        # Each generation is exactly what the server produced for one of this prompt's requests.
-        expected = {tuple(fake_tokens(list(ids), b["sampling_params"], "base")[0]) for b in sent}
+        # Each generation is exactly what the server produced for one of this prompt's requests, from the
+        # canonical (expanded) prompt it rebuilt.
+        ids = p.prompt_ids.tolist()
+        expected = {tuple(fake_tokens(ids, b["sampling_params"], "base")[0]) for b in sent}
         assert {tuple(g.response_ids.tolist()) for g in group} == expected
         for g in group:
             assert g.logprobs.shape == g.response_ids.shape and bool((g.logprobs <= 0).all())
