@@ -37,7 +37,7 @@ from PIL import Image
 from torch import Tensor
 
 from miles_vl.model import SpecialTokens
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
     build_generate_payload,
@@ -283,7 +283,16 @@ class SGLangRolloutEngine:
         if sync.buckets == 0:
             raise EngineStateError("finish_weight_sync() without any bucket: there were no tensors to sync")
         version = weight_version or f"miles_vl-{self.syncs + 1}"
-        finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.flush_timeout_s)
+        try:
+            finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.flush_timeout_s)
+        except SGLangRequestError as e:
+            if e.path != "/flush_cache":
+                raise
+            raise EngineStateError(
+                f"finish_weight_sync(): the weights were sent and labelled {version!r}, but the prefix cache computed "
+                f"with the old weights could not be dropped ({e}); generate stays refused until finish_weight_sync() "
+                "succeeds: call it again once the server is idle"
+            ) from e
         self._sync = None
         self.expect_weight_version(version)
         report = SyncReport(sync.buckets, sync.tensors, sync.bytes, time.monotonic() - sync.start, version)
@@ -336,8 +345,15 @@ class SGLangRolloutEngine:
         if self.released:
             return
         # 0.5.16 asserts the scheduler is idle when releasing (a failed assert kills the server): flushing with a
-        # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind).
-        self.client.flush_cache(timeout_s=self.flush_timeout_s)
+        # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind), and
+        # its refusal means the server is not idle.
+        try:
+            self.client.flush_cache(timeout_s=self.flush_timeout_s)
+        except SGLangRequestError as e:
+            raise EngineStateError(
+                f"release_memory() refused: {e}. Releasing a busy server would kill it (0.5.16 asserts an idle "
+                "scheduler in release_memory_occupation)"
+            ) from e
         self.client.release_memory_occupation()
         self.released = True
 

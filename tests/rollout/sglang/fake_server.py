@@ -42,6 +42,7 @@ import math
 import os
 import pickle
 import random
+import signal
 import struct
 import sys
 import threading
@@ -146,6 +147,10 @@ class BadRequest(Exception):
     """Answered as HTTP 400 with the route's error shape."""
 
 
+class SchedulerCrash(Exception):
+    """An exception in 0.5.16's scheduler process (a failed assert, a KeyError): the whole server dies."""
+
+
 class ServerError(Exception):
     """An exception 0.5.16's route does not catch (e.g. the processor's StopIteration, which leaves the coroutine as
     `RuntimeError: coroutine raised StopIteration`): FastAPI answers HTTP 500 with Starlette's plain-text body
@@ -154,7 +159,9 @@ class ServerError(Exception):
 
 @dataclass
 class Fault:
-    kind: str  # "status" | "delay" | "exit" | "abort" | "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
+    # "status" | "delay" | "exit" | "abort" (200 with finish_reason abort) | "abort_status" (value 400, 500 or 503) |
+    # "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
+    kind: str
     value: Any = None
     times: int = 1
 
@@ -173,6 +180,9 @@ class FakeState:
     allow_exit: bool = False  # os._exit on an "exit" fault: only when this is its own process
     started_at: float = field(default_factory=time.monotonic)
     released: set[str] = field(default_factory=set)
+    running: int = 0  # /generate requests in flight (0.5.16: running or waiting in the scheduler)
+    flush_pending: bool = False  # a /flush_cache?timeout>0 waiting for the server to become idle
+    dead: bool = False  # in-process stand-in whose scheduler "crashed": every connection is dropped from then on
     groups: dict[str, Any] = field(default_factory=dict)
     group_devices: dict[str, str] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
@@ -396,6 +406,21 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         state = self.server.state
+        if state.dead:  # a dead server answers nothing (as a process it is gone: connection refused)
+            self.close_connection = True
+            return
+        if self.path.split("?")[0] == "/generate":
+            with state.lock:
+                state.running += 1
+            try:
+                return self._dispatch_one(method)
+            finally:
+                with state.lock:
+                    state.running -= 1
+        return self._dispatch_one(method)
+
+    def _dispatch_one(self, method: str) -> None:
+        state = self.server.state
         url = urlparse(self.path)
         path, query = url.path, {k: v[-1] for k, v in parse_qs(url.query).items()}
         length = int(self.headers.get("Content-Length") or 0)
@@ -434,6 +459,19 @@ class Handler(BaseHTTPRequestHandler):
         except ServerError as e:
             self.server.log(f"Exception in ASGI application ({path}): {e}")
             self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
+        except SchedulerCrash as e:
+            self._die(str(e))
+
+    def _die(self, reason: str) -> None:
+        """0.5.16's scheduler raised: it logs "Scheduler hit an exception", sends SIGQUIT to the server process, whose
+        handler kills the whole process tree (scheduler.py:4641, tokenizer_manager.py:3260): the request in flight
+        gets no answer. As a process the stand-in kills itself the same way; in-process it drops every connection."""
+        self.server.log(f"Scheduler hit an exception: {reason}")
+        self.server.log("SIGQUIT received. It usually means one child failed.")
+        if self.server.state.allow_exit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.server.state.dead = True
+        self.close_connection = True
 
     def _authorized(self, path: str) -> bool:
         key = self.server.state.api_key
@@ -508,6 +546,8 @@ class Handler(BaseHTTPRequestHandler):
         version = s.weight_version
         if (f := s.take_fault("/generate", ("weight_version",))) is not None:
             version = str(f.value)
+        if (f := s.take_fault("/generate", ("abort_status",))) is not None:
+            return self._abort_with_status(int(f.value))
         if self.server.model is not None:
             if s.released:
                 raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
@@ -544,11 +584,55 @@ class Handler(BaseHTTPRequestHandler):
             response["prompt_token_ids"] = prompt_ids
         self._json(200, response)
 
+    def _abort_with_status(self, status: int) -> None:
+        """A request the scheduler aborted with a status code (tokenizer_manager.py:1438 `_handle_abort_finish_reason`):
+        400 is raised as a ValueError (`{"error": {"message"}}`, http_server.py:2006); 500 and 503 as an HTTPException,
+        which 0.5.16's handler answers as an ErrorResponse (http_server.py:494)."""
+        if status == 400:  # e.g. validate_input_length (managers/utils.py:181)
+            too_long = (
+                "Input length (9000 tokens) exceeds the maximum allowed length (8192 tokens). Use a shorter input or "
+                "enable --allow-auto-truncate."
+            )
+            return self._json(400, {"error": {"message": too_long}})
+        message = {
+            500: "Out of memory even after retracting all other requests in the decode batch. Aborting the last "
+            "request.",  # schedule_batch.py:2635
+            503: "Request waiting timeout reached.",  # scheduler.py:2505
+        }[status]
+        self._json(status, error_response(message, str(status), status))
+
     def flush_cache(self, body, query):
-        timeout = float(query.get("timeout", 0.0))
-        if timeout < 0:
-            return self._json(422, {"detail": "timeout must be >= 0"})
-        self._send(200, b"Cache flushed.\nPlease check backend logs for more details.\n", "text/plain")
+        """0.5.16 (http_server.py:905, SchedulerFlushWrapper in scheduler_components/flush_wrapper.py, Scheduler.
+        flush_cache in scheduler.py:3846): flushes only an idle server; `timeout` > 0 waits that long for it to become
+        idle. Refusals are HTTP 400 with a plain-text body."""
+        s = self.server.state
+        try:
+            timeout = float(query.get("timeout", 0.0))
+        except ValueError:
+            timeout = -1.0
+        if timeout < 0:  # Query(ge=0.0): FastAPI's validation error, which 0.5.16 answers as 400 (http_server.py:551)
+            message = f"query.timeout: Input should be greater than or equal to 0, got {query.get('timeout')!r}"
+            return self._json(400, error_response(message, "Bad Request", 400))
+        deadline = time.monotonic() + timeout
+        with s.lock:
+            if s.flush_pending:
+                return self._send(400, b"Another flush_cache is already in progress.", TEXT)
+            busy = s.running > 0
+            s.flush_pending = busy and timeout > 0
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with s.lock:
+                busy = s.running > 0
+        with s.lock:
+            s.flush_pending = False
+        if not busy:
+            self.server.log("Cache flushed successfully!")
+            return self._send(200, FLUSHED, TEXT)
+        if timeout > 0:
+            self.server.log("Deferred flush_cache timed out while waiting for idle state.")
+            return self._send(400, b"Timed out waiting for idle state.", TEXT)
+        self.server.log(f"Cache not flushed because there are pending requests. #running-req: {s.running}")
+        self._send(400, b"Flush cache failed.\n", TEXT)
 
     def update_weights_from_tensor(self, body, query):
         s = self.server.state
@@ -653,6 +737,12 @@ class Handler(BaseHTTPRequestHandler):
         if not set(tags) <= MEMORY_TAGS:
             return self._json(400, {"error": {"message": f"unknown tags {sorted(set(tags) - MEMORY_TAGS)}"}})
         with s.lock:
+            if release and s.running:  # SchedulerWeightUpdaterManager.release_memory_occupation's assert (:187)
+                raise SchedulerCrash(
+                    "AssertionError: release_memory_occupation should be called only when server is idle."
+                )
+            if not release and not set(tags) <= s.released:  # offload_tags.remove(tag) of resume (:238)
+                raise SchedulerCrash(f"KeyError: {sorted(set(tags) - s.released)[0]!r}")
             (s.released.update if release else s.released.difference_update)(tags)
         if self.server.model is not None and not release:
             self.server.model.resumed(tags)
@@ -701,6 +791,19 @@ ROUTES = {
     ("GET", "/_fake/weights"): Handler.fake_weights,
     ("GET", "/_fake/log"): Handler.fake_log,
 }
+
+
+TEXT = "text/plain; charset=utf-8"
+FLUSHED = (
+    b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the "
+    b"operation will not be performed.)\n"
+)
+
+
+def error_response(message: str, kind: str, code: int) -> dict[str, Any]:
+    """0.5.16's `ErrorResponse` (srt/entrypoints/openai/protocol.py:88), the body of its HTTPException and validation
+    error handlers."""
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
 def _require_fields(body: Any, allowed: frozenset[str] | set[str], cls: str) -> None:

@@ -7,6 +7,9 @@ release/resume is refused when it cannot work and leaves the engine refusing to 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from miles_vl.rollout.sglang import (
     EngineStateError,
     PromptMismatchError,
     SGLangError,
+    SGLangRequestError,
     SGLangRolloutEngine,
     WeightVersionError,
 )
@@ -214,3 +218,60 @@ def test_a_sync_bucket_by_bucket_and_a_restart_in_its_middle(fake):
     assert len(eng.generate([make_prompt([1])], params)[0]) == 1
     with pytest.raises(EngineStateError, match="without begin_weight_sync"):
         eng.load_weight_bucket([("a", torch.ones(2))])
+
+
+def test_aborts_answered_with_400_500_or_503(fake):
+    """0.5.16 turns a scheduler abort with a status code into an HTTP error (tokenizer_manager.py:1438): 503 (waiting
+    or running timeout) and 500 (out of memory) are transient, so the request is sent again and succeeds; 400 (e.g. an
+    over-long input) is the request's fault, so it fails at once with the server's words."""
+    eng = engine(fake)
+    prompt = make_prompt([5, 6])
+    fake.inject("/generate", "abort_status", 503)
+    fake.inject("/generate", "abort_status", 500)
+    [[gen]] = eng.generate([prompt], SamplingParams(n=1, max_new_tokens=4))
+    assert len(generate_bodies(fake)) == 3 and gen.response_ids.numel() >= 1
+    fake.inject("/generate", "abort_status", 503, times=3)  # every attempt
+    with pytest.raises(SGLangError, match=r"failed 3 time\(s\); last error: HTTP 503: Request waiting timeout reached"):
+        eng.generate([prompt], SamplingParams(n=1, max_new_tokens=4))
+    before = len(generate_bodies(fake))
+    fake.inject("/generate", "abort_status", 400)
+    with pytest.raises(SGLangRequestError, match=r"HTTP 400: Input length \(9000 tokens\) exceeds the maximum") as e:
+        eng.generate([prompt], SamplingParams(n=1, max_new_tokens=4))
+    assert e.value.status_code == 400 and len(generate_bodies(fake)) == before + 1
+
+
+def test_release_refuses_a_busy_server_instead_of_crashing_it(fake):
+    """0.5.16 kills itself when memory is released while a request runs (an assert in its scheduler). The engine
+    flushes with a timeout first; a refused flush means the server is still busy, so it refuses to release, says why,
+    and leaves the server alive and resident."""
+    eng = engine(fake, memory_saver=True, flush_timeout_s=0.2)
+    fake.inject("/generate", "delay", 1.5)
+    busy = threading.Thread(target=eng.generate, args=([make_prompt([1])], SamplingParams(max_new_tokens=2)))
+    busy.start()
+    while fake.state.running == 0:
+        time.sleep(0.01)
+    with pytest.raises(EngineStateError, match=r"release_memory\(\) refused: .*Timed out waiting for idle state"):
+        eng.release_memory()
+    assert not eng.released and not fake.state.dead and fake.state.released == set()
+    assert "/release_memory_occupation" not in fake.paths()
+    busy.join()
+    eng.release_memory()  # idle now
+    assert eng.released and fake.state.released == {"kv_cache", "weights", "cuda_graph"}
+    eng.resume_memory()
+    eng.resume_memory()  # not released any more: nothing is sent (a second resume would kill the server)
+    assert fake.paths().count("/resume_memory_occupation") == 1 and not fake.state.dead
+
+
+def test_a_sync_whose_flush_is_refused_can_be_finished_again(fake):
+    """The weights landed and were labelled, but the prefix cache of the old weights is still there: generate stays
+    refused and `finish_weight_sync` can be called again; once the server is idle it completes."""
+    eng = engine(fake, flush_timeout_s=0.2)
+    eng.begin_weight_sync()
+    eng.load_weight_bucket([("a", torch.ones(2))])
+    fake.inject("/flush_cache", "status", 400)
+    with pytest.raises(EngineStateError, match=r"could not be dropped.*call it again once the server is idle"):
+        eng.finish_weight_sync("step-1")
+    with pytest.raises(EngineStateError, match="weight sync started and did not complete"):
+        eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))
+    assert eng.finish_weight_sync("step-1").weight_version == "step-1"
+    assert len(eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))[0]) == 1
