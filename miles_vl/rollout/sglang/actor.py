@@ -117,6 +117,7 @@ class SGLangRolloutHost:
             weight_version=spec.weight_version,
             memory_saver=spec.colocated,
             weights_cpu_backup=spec.weights_cpu_backup,
+            deterministic=deterministic_inference(spec.extra_args),
         )
         try:
             self._launch()
@@ -226,6 +227,14 @@ class SGLangRolloutHost:
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._dir.rmdir()
+
+
+def deterministic_inference(extra_args: Sequence[str]) -> bool:
+    """Whether these server flags make SGLang 0.5.16 honour `sampling_seed`: `--enable-deterministic-inference`, or
+    `--rl-on-policy-target`, which turns it on (`ServerArgs._handle_deterministic_inference`, srt/server_args.py)."""
+    return any(
+        a == "--enable-deterministic-inference" or a.split("=", 1)[0] == "--rl-on-policy-target" for a in extra_args
+    )
 
 
 def sglang_actor_class(**ray_options: Any):

@@ -100,6 +100,9 @@ class SGLangRolloutEngine:
         weights_cpu_backup: the server runs with `--enable-weights-cpu-backup` (weights survive release/resume).
         flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
         max_abort_retries: times a request that SGLang aborted is sent again.
+        deterministic: the server runs with `--enable-deterministic-inference` (or `--rl-on-policy-target`, which turns
+            it on): only then does it sample with each request's `sampling_seed`. Without it the engine warns once
+            that sampled responses are not reproducible by `SamplingParams.seed`.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class SGLangRolloutEngine:
         weights_cpu_backup: bool = False,
         flush_timeout_s: float = 60.0,
         max_abort_retries: int = 2,
+        deterministic: bool = False,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
@@ -138,6 +142,8 @@ class SGLangRolloutEngine:
         self.weights_cpu_backup = weights_cpu_backup
         self.flush_timeout_s = flush_timeout_s
         self.max_abort_retries = max_abort_retries
+        self.deterministic = deterministic
+        self._warned_seed = False
         self.initial_weight_version = weight_version
         self.weight_version = weight_version  # what every response must report
         self.syncs = 0
@@ -161,6 +167,14 @@ class SGLangRolloutEngine:
         """
         _check_params(params)
         self._check_ready()
+        if params.temperature > 0 and not self.deterministic and not self._warned_seed:
+            self._warned_seed = True
+            log.warning(
+                "SGLang %s runs without --enable-deterministic-inference: SGLang 0.5.16 then ignores sampling_seed "
+                "(srt/sampling/sampling_batch_info.py:114), so sampled responses are not reproducible by "
+                "SamplingParams.seed; add the flag to rollout.sglang.extra_args for reproducible rollouts",
+                self.client.base_url,
+            )
         if not prompts:
             return []
         # fail on a bad prompt before any request

@@ -15,8 +15,10 @@ HTTP 500 (its processor raises StopIteration: "Internal Server Error", the reaso
 is expanded to that image's token count, from the PNG's size through Qwen's smart_resize (patch 16, merge 2, the
 min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids.
 
-The "model" is deterministic: output tokens are drawn from a generator seeded by the prompt, the sampling seed and
-the weight version; a response ends with the first stop token id unless its drawn length exceeds max_new_tokens.
+The "model" draws output tokens from a generator seeded by the prompt, the weight version and, only when the server
+runs with `--enable-deterministic-inference` (as 0.5.16, which otherwise ignores `sampling_seed`), the request's
+sampling seed: without the flag two identical sampled requests differ. A response ends with the first stop token id
+unless its drawn length exceeds max_new_tokens.
 A real model can be plugged in instead (`FakeHTTPServer(model=...)`, see `ServerModel`; hf_server.py serves the
 tiny HF Qwen3-VL this way, for the driver's end-to-end tests).
 
@@ -171,6 +173,7 @@ class FakeState:
     model_path: str = "fake/model"
     api_key: str | None = None
     tp_size: int = 1
+    deterministic: bool = False  # --enable-deterministic-inference: sampling_seed is honoured
     image_min_pixels: int = DEFAULT_MIN_PIXELS  # --mm-process-config {"image": {"min_pixels": ...}}
     image_max_pixels: int = DEFAULT_MAX_PIXELS
     weight_version: str = "default"
@@ -279,9 +282,20 @@ def expand_image_pads(input_ids: list[int], counts: list[int]) -> list[int]:
     return out
 
 
-def fake_tokens(input_ids: list[int], sampling: dict[str, Any], version: str) -> tuple[list[int], list[float], dict]:
+def fake_tokens(
+    input_ids: list[int], sampling: dict[str, Any], version: str, *, deterministic: bool = True
+) -> tuple[list[int], list[float], dict]:
+    """The fake model's answer: a function of the prompt, the weight version and, when the server runs with
+    `--enable-deterministic-inference`, the request's `sampling_seed`. Without that flag 0.5.16 builds no seed tensor
+    (sampling_batch_info.py:114) and samples from the global generator: the same request sampled twice differs (greedy
+    decoding, temperature 0, does not)."""
     greedy = float(sampling.get("temperature", 1.0)) == 0.0
-    seed = "greedy" if greedy else sampling.get("sampling_seed")
+    if greedy:
+        seed: Any = "greedy"
+    elif deterministic:
+        seed = sampling.get("sampling_seed", 42)  # 0.5.16's default seed in deterministic mode
+    else:
+        seed = uuid.uuid4().hex
     rng = random.Random(f"{input_ids}|{seed}|{version}")
     max_new = int(sampling.get("max_new_tokens", 128))
     stop_ids = [int(t) for t in sampling.get("stop_token_ids") or []]
@@ -533,6 +547,8 @@ class Handler(BaseHTTPRequestHandler):
         if unknown:
             raise BadRequest(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
         _verify_sampling(sampling)
+        if s.deterministic and float(sampling.get("min_p", 0.0)) > 0:  # sampler.py:570, in the scheduler
+            raise SchedulerCrash("AssertionError: With sampling seed, multinomial_with_seed will provide wrong results")
         images = body.get("image_data") or []
         if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
             raise BadRequest("image_data must be a list of strings (data URLs) here")
@@ -555,7 +571,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
             prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
-            out, logprobs, finish = fake_tokens(prompt_ids, sampling, version)
+            out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
         if s.take_fault("/generate", ("abort",)) is not None:
             out, logprobs, finish = out[:1], logprobs[:1], {"type": "abort", "message": "Abort before prefill",
                                                             "status_code": None, "err_type": None}  # fmt: skip
@@ -968,6 +984,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     parser.add_argument("--api-key")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--mm-process-config", default=None, help="JSON; its image min/max pixels are used")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--rl-on-policy-target", default=None, help="0.5.16 turns deterministic inference on with it")
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
@@ -989,6 +1007,7 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
         model_path=args.model_path,
         api_key=api_key,
         tp_size=args.tp_size,
+        deterministic=args.enable_deterministic_inference or args.rl_on_policy_target is not None,
         image_min_pixels=int(image.get("min_pixels", DEFAULT_MIN_PIXELS)),
         image_max_pixels=int(image.get("max_pixels", DEFAULT_MAX_PIXELS)),
         weight_version=args.weight_version,

@@ -10,7 +10,8 @@ What it does as SGLang 0.5.16 does, so that the driver's wiring is exercised for
   checkpoint's processor on the text and the images with `--mm-process-config`'s min/max pixels (the expanded form
   raises StopIteration there: HTTP 500), and expands each single `<|image_pad|>` to its image's token count: the
   prompt ids it answers with are its own, so images that do not match the prompt show up as a prompt-id mismatch;
-- samples with the request's temperature/top-p/top-k and seed, bans the tokens given a -1e9 `logit_bias`, stops on
+- samples with the request's temperature/top-p/top-k (and its `sampling_seed` only with
+  `--enable-deterministic-inference`, as 0.5.16), bans the tokens given a -1e9 `logit_bias`, stops on
   `stop_token_ids`, and reports the sampled tokens' logprobs;
 - `/update_weights_from_tensor` and `/update_weights_from_distributed` copy the received tensors into the model;
 - with `--enable-memory-saver`, resuming the `weights` tag without `--enable-weights-cpu-backup` leaves the weights
@@ -25,6 +26,7 @@ import argparse
 import hashlib
 import io
 import json
+import random
 import re
 import threading
 from dataclasses import dataclass
@@ -50,7 +52,15 @@ class _Prompt:
 class HFServerModel:
     """`fake_server.ServerModel` over a checkpoint directory (weights and processor files)."""
 
-    def __init__(self, model_path: str, *, mm_process_config: str | None, memory_saver: bool, cpu_backup: bool):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mm_process_config: str | None,
+        memory_saver: bool,
+        cpu_backup: bool,
+        deterministic: bool = False,
+    ):
         image = (json.loads(mm_process_config) if mm_process_config else {}).get("image", {})
         self.image_kwargs = image  # SGLang passes them as the processor's images_kwargs (base_processor.py:431)
         self.processor = load_processor(model_path, image.get("min_pixels", 3136), image.get("max_pixels", 12544))
@@ -65,6 +75,7 @@ class HFServerModel:
         }
         self.engines = {ban: HFRolloutEngine(self.model, self.tokens, ban_vision_tokens=ban) for ban in (True, False)}
         self.memory_saver = memory_saver
+        self.deterministic = deterministic
         self.cpu_backup = cpu_backup
         self.lock = threading.Lock()  # one generation at a time: the engine seeds torch's global generator
 
@@ -88,7 +99,9 @@ class HFServerModel:
             temperature=float(sampling.get("temperature", 1.0)),
             top_p=float(sampling.get("top_p", 1.0)),
             top_k=int(sampling.get("top_k", -1)),
-            seed=int(sampling.get("sampling_seed", 0)),
+            # 0.5.16 samples with the request's seed only with --enable-deterministic-inference (42 when absent),
+            # else from the global generator: a fresh seed per request here.
+            seed=int(sampling.get("sampling_seed", 42)) if self.deterministic else random.getrandbits(63),
         )
         prompt = _Prompt(torch.tensor(prompt_ids), pixel_values, grid)
         with self.lock:
@@ -181,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         mm_process_config=args.mm_process_config,
         memory_saver=args.enable_memory_saver,
         cpu_backup=args.enable_weights_cpu_backup,
+        deterministic=args.enable_deterministic_inference or args.rl_on_policy_target is not None,
     )
     serve(args, model)
 

@@ -22,8 +22,8 @@ from miles_vl.rollout.sglang import (
     WeightVersionError,
 )
 from miles_vl.rollout.types import RolloutEngine, SamplingParams
-from tests.rollout.sglang.conftest import EOS, TOKENS, make_prompt, quick_client
-from tests.rollout.sglang.fake_server import fake_tokens
+from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
+from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
 
 
 def engine(fake, **kwargs) -> SGLangRolloutEngine:
@@ -42,8 +42,17 @@ def generate_bodies(fake) -> list[dict]:
     return [c["body"] for c in fake.calls if c["path"] == "/generate"]
 
 
-def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(fake):
-    eng: RolloutEngine = engine(fake)
+@pytest.fixture
+def deterministic_fake():
+    """A stand-in run with --enable-deterministic-inference: its answers are a function of the request's seed."""
+    with FakeSGLang(weight_version="base", image_min_pixels=MIN_PIXELS, image_max_pixels=MAX_PIXELS,
+                    deterministic=True) as server:  # fmt: skip
+        yield server
+
+
+def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(deterministic_fake):
+    fake = deterministic_fake
+    eng: RolloutEngine = engine(fake, deterministic=True)
     ps = prompts()
     params = SamplingParams(n=3, max_new_tokens=6, temperature=0.9, seed=11)
     groups = eng.generate(ps, params)
@@ -73,7 +82,7 @@ def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(fake):
             assert (g.finish_reason == "stop") == (int(g.response_ids[-1]) == EOS)
             assert g.finish_reason == "stop" or len(g.response_ids) == 6
 
-    again = eng.generate(ps, params)  # same seed, same prompts, same weights: same responses (deterministic server)
+    again = eng.generate(ps, params)  # same seed, same prompts, same weights: same responses (deterministic mode)
     assert [[g.response_ids.tolist() for g in gs] for gs in again] == [
         [g.response_ids.tolist() for g in gs] for gs in groups
     ]
@@ -275,3 +284,41 @@ def test_a_sync_whose_flush_is_refused_can_be_finished_again(fake):
         eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))
     assert eng.finish_weight_sync("step-1").weight_version == "step-1"
     assert len(eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))[0]) == 1
+
+
+def test_the_seed_counts_only_with_deterministic_inference(fake, deterministic_fake, caplog):
+    """0.5.16 ignores `sampling_seed` unless the server runs with --enable-deterministic-inference: the same sampled
+    request gives other responses each time (greedy ones do not change), and the engine says so once; with the flag the
+    seed decides the responses and the engine does not warn."""
+    prompt, sampled = make_prompt([3, 4], 1), SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=5)
+    eng = engine(fake)
+    with caplog.at_level("WARNING", logger="miles_vl.rollout.sglang.engine"):
+        first, second = (responses(eng.generate([prompt], sampled)) for _ in range(2))
+    assert first != second
+    assert sum("ignores sampling_seed" in r.message for r in caplog.records) == 1  # once per engine
+    greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    assert responses(eng.generate([prompt], greedy)) == responses(eng.generate([prompt], greedy))
+
+    caplog.clear()
+    det = engine(deterministic_fake, deterministic=True)
+    with caplog.at_level("WARNING", logger="miles_vl.rollout.sglang.engine"):
+        assert responses(det.generate([prompt], sampled)) == responses(det.generate([prompt], sampled))
+    assert not caplog.records
+    other_seed = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=6)
+    assert responses(det.generate([prompt], other_seed)) != responses(det.generate([prompt], sampled))
+
+
+def test_min_p_with_a_seed_kills_a_deterministic_server_and_the_engine_never_sends_it(deterministic_fake):
+    """The one sampling combination 0.5.16 asserts on in deterministic mode is `min_p > 0` (sampler.py:570, in the
+    scheduler: the server dies). The stand-in models it; the engine's requests carry no min_p at all."""
+    det = engine(deterministic_fake, deterministic=True)
+    det.generate([make_prompt([1])], SamplingParams(max_new_tokens=2, top_p=0.9, top_k=20))  # top-p/top-k are fine
+    assert all("min_p" not in b["sampling_params"] for b in generate_bodies(deterministic_fake))
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_p": 0.1}}
+    with pytest.raises(SGLangError, match="RemoteProtocolError"):
+        quick_client(deterministic_fake.url, max_retries=0).generate(body)
+    assert deterministic_fake.state.dead and "multinomial_with_seed" in deterministic_fake.state.log[-2]
+
+
+def responses(groups) -> list[list[list[int]]]:
+    return [[g.response_ids.tolist() for g in gs] for gs in groups]
