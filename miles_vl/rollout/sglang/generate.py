@@ -144,9 +144,9 @@ def sampling_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> in
     SGLang 0.5.16 honours it only with `--enable-deterministic-inference` (`SamplingBatchInfo.from_schedule_batch`,
     `srt/sampling/sampling_batch_info.py:114`, builds no seed tensor otherwise); without the flag sampling is not
     reproducible by seed. With the flag, top-p and top-k are fine (the flag forces the pytorch sampling backend,
-    `srt/arg_groups/overrides.py:1586`, so flashinfer's "Sampling seed is not supported" assert, `srt/layers/
-    sampler.py:250`, is not reached); the one combination 0.5.16 asserts on is a seed with `min_p > 0` (`sampler.py:570`,
-    an assert in the scheduler that kills the server), and miles_vl never sends `min_p`.
+    `srt/arg_groups/overrides.py:1586`, so flashinfer's "Sampling seed is not supported" assert,
+    `srt/layers/sampler.py:250`, is not reached); the one combination 0.5.16 asserts on is a seed with `min_p > 0`
+    (`sampler.py:570`, an assert in the scheduler that kills the server), and miles_vl never sends `min_p`.
     """
     return (seed * 1_000_003 + prompt_index * n + sample_index) % (2**63)
 
