@@ -38,6 +38,7 @@ from miles_vl.rollout.sglang.server import (
     wait_until_healthy,
     write_server_config,
 )
+from miles_vl.rollout.sglang.verify import checkpoint_names
 from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport
 from miles_vl.rollout.types import Generation, SamplingParams
 
@@ -63,6 +64,8 @@ class SGLangRolloutHost:
         launch_module: the module run with `python -m` (tests run a stand-in that takes SGLang's flags).
         env: extra environment variables for the server process.
         health_poll_s: pause between health polls while starting.
+        verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
+            names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class SGLangRolloutHost:
         launch_module: str = "sglang.launch_server",
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
+        verify_weights: bool = True,
     ):
         self.spec = spec
         self.startup_timeout_s = startup_timeout_s
@@ -118,6 +122,8 @@ class SGLangRolloutHost:
             memory_saver=spec.colocated,
             weights_cpu_backup=spec.weights_cpu_backup,
             deterministic=deterministic_inference(spec.extra_args),
+            known_names=checkpoint_names(spec.model_path),
+            verify_weights=verify_weights,
         )
         try:
             self._launch()

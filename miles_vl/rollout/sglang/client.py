@@ -6,10 +6,11 @@ The endpoints and their request/response schemas are those of SGLang 0.5.16 (PyP
 - routes: `python/sglang/srt/entrypoints/http_server.py` (`/health_generate`, `/model_info`, `/server_info`,
   `/generate`, `/flush_cache`, `/update_weights_from_tensor`, `/init_weights_update_group`,
   `/update_weights_from_distributed`, `/destroy_weights_update_group`, `/update_weight_version`,
-  `/release_memory_occupation`, `/resume_memory_occupation`);
+  `/release_memory_occupation`, `/resume_memory_occupation`, `/weights_checker`);
 - bodies: `python/sglang/srt/managers/io_struct.py` (`GenerateReqInput`, `UpdateWeightsFromTensorReqInput`,
   `UpdateWeightsFromDistributedReqInput`, `InitWeightsUpdateGroupReqInput`, `DestroyWeightsUpdateGroupReqInput`,
-  `UpdateWeightVersionReqInput`, `ReleaseMemoryOccupationReqInput`, `ResumeMemoryOccupationReqInput`);
+  `UpdateWeightVersionReqInput`, `ReleaseMemoryOccupationReqInput`, `ResumeMemoryOccupationReqInput`,
+  `CheckWeightsReqInput`);
 - auth: `python/sglang/srt/utils/auth.py` (`Authorization: Bearer <api_key>` on every route but `/health*` and
   `/metrics*`, which are always open).
 
@@ -376,6 +377,14 @@ class SGLangClient:
         KeyError in 0.5.16's scheduler (`offload_tags.remove`, `weight_updater.py:238`), which kills the server, so
         this call is never retried (a retry after a timeout would resume twice)."""
         self.post_json("/resume_memory_occupation", {"tags": None if tags is None else list(tags)}, retry=False)
+
+    def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        """`POST /weights_checker` (`CheckWeightsReqInput`): with "checksum", `{"success", "message", "ranks": [{
+        "checksums": {parameter: hash}, "per_gpu_checksum", "parallelism_info": {"tp_rank", ...}}, ...],
+        "per_engine_checksum"}`, one entry per TP rank, under SGLang's own parameter names. HTTP 400 on failure."""
+        body = self.post_json("/weights_checker", {"action": action})
+        self._expect_success("/weights_checker", body)
+        return body
 
     def _expect_success(self, path: str, body: Any) -> None:
         if not isinstance(body, dict) or "success" not in body:

@@ -20,7 +20,9 @@ server restart in between is detected and the sync must begin again); after an N
 equal the version last synced: a server that restarted (and reloaded `model_path`) cannot silently serve stale
 weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a server started with
 `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU backup) and
-`generate` refuses to run until `load_weights` has been called.
+`generate` refuses to run until `load_weights` has been called. Every colocated sync is verified (verify.py): names
+the server's checkpoint does not have are refused before they are sent (SGLang would skip them silently), and a few
+small tensors sent with new values must have changed on the server.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from miles_vl.rollout.sglang.generate import (
     request_input_ids,
     sampling_seed,
 )
+from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
 from miles_vl.rollout.sglang.weights import (
     DEFAULT_BUCKET_BYTES,
     SyncReport,
@@ -100,6 +103,10 @@ class SGLangRolloutEngine:
         weights_cpu_backup: the server runs with `--enable-weights-cpu-backup` (weights survive release/resume).
         flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
         max_abort_retries: times a request that SGLang aborted is sent again.
+        known_names: the tensor names of the checkpoint the server loaded (`verify.checkpoint_names(model_path)`):
+            a colocated sync refuses any other name, which SGLang would skip silently; None: names are not checked.
+        verify_weights: after every colocated sync, check with `/weights_checker` that a few small tensors sent with
+            new values changed on the server (verify.py).
         deterministic: the server runs with `--enable-deterministic-inference` (or `--rl-on-policy-target`, which turns
             it on): only then does it sample with each request's `sampling_seed`. Without it the engine warns once
             that sampled responses are not reproducible by `SamplingParams.seed`.
@@ -120,6 +127,8 @@ class SGLangRolloutEngine:
         weights_cpu_backup: bool = False,
         flush_timeout_s: float = 60.0,
         max_abort_retries: int = 2,
+        known_names: frozenset[str] | None = None,
+        verify_weights: bool = True,
         deterministic: bool = False,
     ):
         if max_concurrency < 1:
@@ -143,6 +152,7 @@ class SGLangRolloutEngine:
         self.flush_timeout_s = flush_timeout_s
         self.max_abort_retries = max_abort_retries
         self.deterministic = deterministic
+        self.verifier = SyncVerifier(client, known_names, check_values=verify_weights)
         self._warned_seed = False
         self.initial_weight_version = weight_version
         self.weight_version = weight_version  # what every response must report
@@ -271,6 +281,7 @@ class SGLangRolloutEngine:
             raise EngineStateError("load_weights() while the engine's memory is released: call resume_memory() first")
         self.weights_missing = "a weight sync started and did not complete"
         self._sync = _SyncInProgress(restarts=self.server_restarts, start=time.monotonic())
+        self.verifier.begin()
 
     def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
         """Send one bucket of the sync begun by `begin_weight_sync` (`/update_weights_from_tensor`).
@@ -278,8 +289,10 @@ class SGLangRolloutEngine:
         Raises:
             EngineStateError: no sync begun, or the server restarted since it began (the buckets sent before are
                 gone with the old process): begin the sync again.
+            WeightSyncError: a tensor name the server's checkpoint does not have (nothing of the bucket is sent).
         """
         sync = self._open_sync("load_weight_bucket")
+        self.verifier.bucket(named_tensors)
         sync.bytes += send_tensor_bucket(self.client, named_tensors, tp_size=self.tp_size, device=self.weight_device)
         sync.buckets += 1
         sync.tensors += len(named_tensors)
@@ -292,6 +305,7 @@ class SGLangRolloutEngine:
 
         Raises:
             EngineStateError: as `load_weight_bucket`, or no bucket was sent.
+            WeightSyncError: a tensor sent with new values did not change on the server (generate then refuses).
         """
         sync = self._open_sync("finish_weight_sync")
         if sync.buckets == 0:
@@ -308,8 +322,15 @@ class SGLangRolloutEngine:
                 "succeeds: call it again once the server is idle"
             ) from e
         self._sync = None
+        try:
+            verified = self.verifier.finish()
+        except WeightSyncError as e:
+            self.weights_missing = f"the last weight sync did not land ({e})"
+            raise
         self.expect_weight_version(version)
-        report = SyncReport(sync.buckets, sync.tensors, sync.bytes, time.monotonic() - sync.start, version)
+        report = SyncReport(
+            sync.buckets, sync.tensors, sync.bytes, time.monotonic() - sync.start, version, tuple(verified)
+        )
         log.info(
             "synced %d tensors (%.1f MB, %d buckets) to %s in %.2fs as %r",
             report.tensors,
@@ -341,6 +362,7 @@ class SGLangRolloutEngine:
         """The server was relaunched: its memory is resident and its weights are `model_path`'s again."""
         self.server_restarts += 1
         self.released = False
+        self.verifier.server_restarted()
         if self.syncs:
             self.weights_missing = (
                 f"the server restarted and reloaded model_path, losing the synced weights {self.weight_version!r}"

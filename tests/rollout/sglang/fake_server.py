@@ -15,6 +15,14 @@ HTTP 500 (its processor raises StopIteration: "Internal Server Error", the reaso
 is expanded to that image's token count, from the PNG's size through Qwen's smart_resize (patch 16, merge 2, the
 min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids.
 
+Weights as 0.5.16's Qwen3-VL takes them: a name the server does not know (the model's names with hf_server.py;
+`FakeState.param_names` here, None = every name) is skipped without an error and only reported (log, journal,
+`GET /_fake/skipped`); `/weights_checker` answers per-rank hashes under SGLang's parameter names (`sglang_parameter`:
+fused `qkv_proj` / `gate_up_proj`, `visual.*`); `/get_weights_by_name` is refused with 400, as for Qwen3-VL. Flush,
+release and resume follow 0.5.16's scheduler: a busy server is not flushed (400), and releasing while a request runs
+or resuming memory that is not released kills the server (`_die`). Faults (`inject`) add 5xx answers, delays, exits,
+aborts (200 with an abort finish reason, or 400/500/503) and servers that ignore the weights they are sent.
+
 The "model" draws output tokens from a generator seeded by the prompt, the weight version and, only when the server
 runs with `--enable-deterministic-inference` (as 0.5.16, which otherwise ignores `sampling_seed`), the request's
 sampling seed: without the flag two identical sampled requests differ. A response ends with the first stop token id
@@ -30,7 +38,8 @@ As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or
                          [--fake-journal DIR]  (append every call to DIR/sglang_<port>.jsonl: survives the process)
                          [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
                                                 exists: a crash the host must recover from, once);
-                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log.
+                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log,
+                         GET /_fake/skipped.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
 """
 
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import io
 import json
 import math
@@ -113,6 +123,8 @@ REQUEST_FIELDS = {
     | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
     "/destroy_weights_update_group": BASE_REQ | {"group_name"},
     "/update_weight_version": BASE_REQ | {"new_version", "abort_all_requests"},
+    "/get_weights_by_name": BASE_REQ | {"name", "truncate_size"},
+    "/weights_checker": BASE_REQ | {"action", "allow_quant_error"},
     "/release_memory_occupation": BASE_REQ | {"tags"},
     "/resume_memory_occupation": BASE_REQ | {"tags"},
 }
@@ -190,6 +202,10 @@ class FakeState:
     group_devices: dict[str, str] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     weights: list[dict[str, Any]] = field(default_factory=list)
+    # The parameters a model-less stand-in knows (HF names), None: every name; and {HF name: hash of its value}.
+    param_names: set[str] | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # names load_weights skipped, in order
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)  # what the server wrote to its log (also on stderr as a process)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -396,6 +412,45 @@ def _receive(body: dict[str, Any], group, device: str) -> list:
     for h in handles:
         h.wait()
     return tensors
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the server's parameters, as 0.5.16's Qwen3-VL model names them
+
+
+FUSED_SHARDS = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+                (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."))  # fmt: skip
+
+
+def sglang_parameter(hf_name: str) -> str:
+    """The parameter of 0.5.16's `Qwen3VLForConditionalGeneration` an HF tensor loads into (`load_weights`,
+    srt/models/qwen3_vl.py:1449-1532): the language model drops its `language_model.` level and fuses q/k/v and
+    gate/up; the vision tower moves to the top level and calls its fused projection `qkv_proj`."""
+    if hf_name.startswith("model.visual."):
+        return "visual." + hf_name.removeprefix("model.visual.").replace(".attn.qkv.", ".attn.qkv_proj.")
+    name = (
+        "model." + hf_name.removeprefix("model.language_model.") if hf_name.startswith("model.language_") else hf_name
+    )
+    for shard, fused in FUSED_SHARDS:
+        if shard in name:
+            return name.replace(shard, fused)
+    return name
+
+
+def sglang_checksums(hashes: dict[str, str]) -> dict[str, str]:
+    """{HF name: hash} -> {0.5.16 parameter name: hash} (a fused parameter hashes the hashes of its parts): what
+    `/weights_checker` reports, per TP rank, for the weights a stand-in holds."""
+    parts: dict[str, list[str]] = {}
+    for name in sorted(hashes):
+        parts.setdefault(sglang_parameter(name), []).append(hashes[name])
+    return {name: hashlib.sha256("|".join(p).encode()).hexdigest()[:16] for name, p in parts.items()}
+
+
+def value_hash(tensor) -> str:
+    t = tensor.detach().contiguous().cpu()
+    import torch
+
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -667,13 +722,74 @@ class Handler(BaseHTTPRequestHandler):
             raise
         except Exception as e:
             raise BadRequest(f"Failed to deserialize named tensors: {type(e).__name__}: {e}") from e
-        if self.server.model is not None:
-            self.server.model.load(received[0])
+        skipped = self._load(received[0], "/update_weights_from_tensor")
         with s.lock:
-            s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0]})
+            s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0],
+                              "skipped": skipped})  # fmt: skip
             if body.get("weight_version") is not None:
                 s.weight_version = body["weight_version"]
         self._json(200, {"success": True, "message": "Success"})
+
+    def _load(self, named_tensors: list, path: str) -> list[str]:
+        """Load what the server knows and skip the rest without an error, as 0.5.16's Qwen3-VL `load_weights` does
+        (`if name in params_dict ... else: continue`, qwen3_vl.py:1522-1525); the skipped names go to the log, the
+        journal and `state.skipped` (GET /_fake/skipped). An "ignore" fault on `path` accepts the tensors and loads
+        none (a server that does not apply what it is sent). Returns the skipped names."""
+        s, model = self.server.state, self.server.model
+        known = model.names() if model is not None else s.param_names
+        skipped = [n for n, _ in named_tensors if known is not None and n not in known]
+        loaded = [(n, t) for n, t in named_tensors if known is None or n in known]
+        if skipped:
+            self.server.log(f"load_weights skipped {len(skipped)} tensor(s) it does not know: {skipped}")
+            self.server.journal({"event": "skipped", "names": skipped})
+        if s.take_fault(path, ("ignore",)) is not None:
+            loaded = []
+        if model is not None:
+            model.load(loaded)
+        with s.lock:
+            s.skipped += skipped
+            s.params.update((n, value_hash(t)) for n, t in loaded)
+        return skipped
+
+    def get_weights_by_name(self, body, query):
+        """0.5.16 (http_server.py:1403) asks the model's own `get_weights_by_name` (weight_exporter.py:142), which
+        Qwen3-VL does not have: the AttributeError is logged and the route answers 400 "Get parameter by name
+        failed"."""
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return self._json(400, error_response("body.name: Field required (GetWeightsByNameReqInput)",
+                                                  "Bad Request", 400))  # fmt: skip
+        _require_fields(body, REQUEST_FIELDS["/get_weights_by_name"], "GetWeightsByNameReqInput")
+        self.server.log(
+            f"Error when getting parameter {body['name']}: 'Qwen3VLForConditionalGeneration' object has no attribute "
+            "'get_weights_by_name'"
+        )
+        self._json(400, {"error": {"message": "Get parameter by name failed"}})
+
+    def weights_checker(self, body, query):
+        """`/weights_checker` with action "checksum" (http_server.py:1443, WeightChecker._compute_checksum): per TP
+        rank, a hash of every parameter under 0.5.16's names. Only "checksum" is implemented here."""
+        s = self.server.state
+        body = body if body is not None else {}
+        _require_fields(body, REQUEST_FIELDS["/weights_checker"], "CheckWeightsReqInput")
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            raise BadRequest(f"Unsupported action={action!r} (this stand-in implements 'checksum' only)")
+        if self.server.model is not None:
+            hashes = self.server.model.digest()
+        else:
+            with s.lock:
+                hashes = {n: hashlib.sha256(f"initial {n}".encode()).hexdigest()[:16] for n in s.param_names or ()}
+                hashes.update(s.params)
+        checksums = sglang_checksums(hashes)
+        overall = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
+        ranks = [
+            {"checksums": checksums, "per_gpu_checksum": overall,
+             "parallelism_info": {"tp_rank": r, "tp_size": s.tp_size, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                                  "pp_size": 1, "rank": r, "size": s.tp_size}}
+            for r in range(s.tp_size)
+        ]  # fmt: skip
+        engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+        self._json(200, {"success": True, "message": "Success.", "ranks": ranks, "per_engine_checksum": engine})
 
     def init_weights_update_group(self, body, query):
         s = self.server.state
@@ -707,12 +823,12 @@ class Handler(BaseHTTPRequestHandler):
         if group is not None:
             tensors = _receive(body, group, s.group_devices[name])
             summary = _summarize(tensors)
-            if self.server.model is not None:
-                self.server.model.load(tensors)
+            skipped = self._load(tensors, "/update_weights_from_distributed")
         else:
             summary = {"names": names, "dtypes": dtypes, "shapes": shapes}
+            skipped = []
         with s.lock:
-            s.weights.append({"path": "/update_weights_from_distributed", **summary})
+            s.weights.append({"path": "/update_weights_from_distributed", **summary, "skipped": skipped})
             if body.get("weight_version") is not None:
                 s.weight_version = body["weight_version"]
         self._json(200, {"success": True, "message": "Succeeded to update parameter online."})
@@ -784,6 +900,10 @@ class Handler(BaseHTTPRequestHandler):
         with self.server.state.lock:
             self._json(200, self.server.state.log)
 
+    def fake_skipped(self, body, query):
+        with self.server.state.lock:
+            self._json(200, self.server.state.skipped)
+
 
 ROUTES = {
     ("GET", "/health"): Handler.health,
@@ -806,6 +926,11 @@ ROUTES = {
     ("GET", "/_fake/calls"): Handler.fake_calls,
     ("GET", "/_fake/weights"): Handler.fake_weights,
     ("GET", "/_fake/log"): Handler.fake_log,
+    ("GET", "/_fake/skipped"): Handler.fake_skipped,
+    ("GET", "/get_weights_by_name"): Handler.get_weights_by_name,
+    ("POST", "/get_weights_by_name"): Handler.get_weights_by_name,
+    ("GET", "/weights_checker"): Handler.weights_checker,
+    ("POST", "/weights_checker"): Handler.weights_checker,
 }
 
 
@@ -853,8 +978,12 @@ class ServerModel(Protocol):
         """(output ids, their logprobs, finish_reason, the prompt ids the server used); BadRequest on bad input."""
         ...
 
+    def names(self) -> set[str]:
+        """The HF names of the model's tensors (what `load` takes; the stand-in skips any other name)."""
+        ...
+
     def load(self, named_tensors: list) -> None:
-        """Copy these (name, tensor) pairs into the weights."""
+        """Copy these (name, tensor) pairs into the weights (all names are known: see `names`)."""
         ...
 
     def resumed(self, tags: list[str]) -> None:

@@ -75,6 +75,7 @@ class HFServerModel:
         }
         self.engines = {ban: HFRolloutEngine(self.model, self.tokens, ban_vision_tokens=ban) for ban in (True, False)}
         self.memory_saver = memory_saver
+        self._names = set(self.model.state_dict())
         self.deterministic = deterministic
         self.cpu_backup = cpu_backup
         self.lock = threading.Lock()  # one generation at a time: the engine seeds torch's global generator
@@ -112,6 +113,9 @@ class HFServerModel:
         else:
             finish = {"type": "length", "length": len(out_ids)}
         return out_ids, gen.logprobs.tolist(), finish, prompt_ids
+
+    def names(self) -> set[str]:
+        return self._names
 
     def load(self, named_tensors) -> None:
         with self.lock:
