@@ -111,7 +111,7 @@ def server_name(name: str, server_names: Collection[str]) -> str | None:
 def parse_checksums(body: Any, where: str) -> dict[str, tuple[str, ...]]:
     """`/weights_checker` (action "checksum") answer -> {server parameter name: (hash on TP rank 0, rank 1, ...)}."""
     ranks = body.get("ranks") if isinstance(body, dict) else None
-    if not isinstance(ranks, list) or not ranks or not all(isinstance(r.get("checksums"), dict) for r in ranks):
+    if not isinstance(ranks, list) or not ranks or not all(isinstance((r or {}).get("checksums"), dict) for r in ranks):
         raise SGLangResponseError(f"{where}: /weights_checker answered {str(body)[:200]!r}; expected ranks[].checksums")
     ranks = sorted(ranks, key=lambda r: (r.get("parallelism_info") or {}).get("tp_rank", 0))
     names = set(ranks[0]["checksums"])
