@@ -52,7 +52,12 @@ from miles_vl.data import PromptEncoder, generate_problems, load_processor, spec
 from miles_vl.model import SpecialTokens, build_model  # noqa: E402
 from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost  # noqa: E402
-from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, parse_generate_response  # noqa: E402
+from miles_vl.rollout.sglang.generate import (  # noqa: E402
+    build_generate_payload,
+    image_data_url,
+    parse_generate_response,
+    request_input_ids,
+)
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
 SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -103,7 +108,7 @@ def sglang_call(host: SGLangRolloutHost, prompts, urls, tokens: SpecialTokens, n
     for i, p in enumerate(prompts):
         params = SamplingParams(max_new_tokens=n, temperature=temperature)
         body = build_generate_payload(
-            p.prompt_ids.tolist(),
+            request_input_ids(p.prompt_ids.tolist(), tokens.image_token_id, len(urls[i])),
             urls[i],
             params,
             seed=seed + i,

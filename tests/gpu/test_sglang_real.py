@@ -1,8 +1,9 @@
 """Contract (GPU, real SGLang 0.5.16): `SGLangRolloutHost` launches a real server on 127.0.0.1 with a tiny random
 Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP contract holds against it:
 
-- `/generate` with canonical `input_ids` + `image_data` + `return_logprob`: SGLang's `prompt_token_ids` equal ours
-  (decode -> re-process with the checkpoint's processor gives back our ids), one logprob per output token;
+- `/generate` with `input_ids` (one `<|image_pad|>` per image block) + `image_data` + `return_logprob`: SGLang's
+  `prompt_token_ids` equal our canonical ids (decode -> re-process with the checkpoint's processor -> each pad expanded
+  gives back our ids), one logprob per output token; the expanded ids are an HTTP 500 (StopIteration in the processor);
 - train/rollout consistency: the torch train backend (transformers Qwen3-VL, bf16, packed THD) scores SGLang's
   sampled responses; the mean |difference| is `train_rollout_logprob_abs_diff` (printed; ~0.01 is healthy in bf16);
 - `/update_weights_from_tensor` over CUDA IPC: a zero `lm_head` makes every logit 0, so every sampled token's
@@ -11,7 +12,13 @@ Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP con
 - `/flush_cache`, `/release_memory_occupation` (GPU memory really freed) and `/resume_memory_occupation` (weights
   undefined until the next sync: the engine refuses to generate, a full sync makes it generate as before);
 - a killed server is relaunched by the host on the same port; the engine refuses to generate until weights are
-  synced again, then generates as before.
+  synced again, then generates as before;
+- weights land under the names the trainer exports: `/get_weights_by_name` is refused for Qwen3-VL (why the engine
+  verifies with `/weights_checker` hashes, miles_vl/rollout/sglang/verify.py); the names of
+  `TorchTrainBackend.export_weights` (megatron's `export_hf_weights` yields the same HF names) are the checkpoint's;
+  a perturbed vision-tower tensor and `lm_head` change exactly their server parameters and the engine's own check
+  confirms them; a name the checkpoint lacks is accepted with HTTP 200 and changes nothing (skipped silently); the
+  server's parameter names are the stand-ins' `sglang_parameter` of the checkpoint's names.
 
 One server serves the whole module (tests run in file order and share it; `-x` stops at the first failure).
 Run with scripts/gpu/run_sglang_checks.sh, which installs the SGLang bundle and writes the checkpoint first.
@@ -34,8 +41,8 @@ import pytest
 import torch
 
 from miles_vl.rollout import SamplingParams
-from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost
-from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url
+from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRequestError, SGLangRolloutHost
+from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, request_input_ids
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,7 +195,7 @@ def _greedy(host, prompt) -> tuple[list[int], torch.Tensor]:
 def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     ids = prompts[0].prompt_ids.tolist()
     payload = build_generate_payload(
-        ids,
+        request_input_ids(ids, tokens.image_token_id, 1),  # one pad per image: SGLang expands it again
         [image_data_url(prompts[0].images[0])],
         SamplingParams(max_new_tokens=8),
         seed=0,
@@ -210,6 +217,25 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
             assert gen.finish_reason in ("stop", "length")
             assert not set(gen.response_ids.tolist()) & set(host.engine.banned_token_ids)
     record["greedy"] = _greedy(host, prompts[0])
+
+
+def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
+    """What the stand-ins answer to the canonical (expanded) ids, on the real server: SGLang's processor runs out of
+    images (StopIteration, not caught by the route: HTTP 500 "Internal Server Error", the reason in the log), and the
+    server keeps serving."""
+    from miles_vl.rollout.sglang import SGLangUnavailableError
+
+    payload = build_generate_payload(
+        prompts[0].prompt_ids.tolist(),  # expanded: what miles_vl sent before the one-pad fix
+        [image_data_url(prompts[0].images[0])],
+        SamplingParams(max_new_tokens=4),
+        seed=0,
+        stop_token_ids=tokens.eos_token_ids,
+    )
+    with pytest.raises(SGLangUnavailableError, match=r"HTTP 500: Internal Server Error"):
+        host.client.request("POST", "/generate", json=payload, retry=False)
+    assert "StopIteration" in host.server.log_tail(max_lines=400, max_bytes=1 << 17)
+    assert host.health()
 
 
 def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
@@ -265,7 +291,9 @@ def test_weight_update_changes_logprobs_as_expected(host, prompts, tokens, ckpt_
     )
     assert torch.allclose(logprobs, torch.full_like(logprobs, uniform), atol=1e-3)
 
-    host.load_weights([("lm_head.weight", lm_head)], weight_version="restored")
+    restored = host.load_weights([("lm_head.weight", lm_head)], weight_version="restored")
+    # The engine's check (verify.py): lm_head was sent with new values, and the server's hash of it changed.
+    assert restored.verified == ("lm_head.weight",)
     ids, lps = _greedy(host, prompts[0])
     before_ids, before_lps = record["greedy"]
     assert ids == before_ids
@@ -308,3 +336,55 @@ def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
     assert host.restarts == 1 and host.health()
     host.load_weights(ckpt_weights.items(), weight_version="after-restart")
     assert _greedy(host, prompts[0])[0] == record["greedy"][0]
+
+
+def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt, record):
+    from miles_vl.model import build_model
+    from miles_vl.rollout.sglang import checkpoint_names
+    from miles_vl.rollout.sglang.verify import PROBE_MAX_NUMEL, parse_checksums, server_name
+    from miles_vl.rollout.sglang.weights import send_tensor_bucket
+    from miles_vl.train import TorchTrainBackend
+    from tests.rollout.sglang.fake_server import sglang_parameter
+
+    # 0.5.16's Qwen3-VL has no get_weights_by_name: the route answers 400 (weight_exporter.py:142, http_server.py:1403)
+    with pytest.raises(SGLangRequestError, match="Get parameter by name failed"):
+        host.client.post_json("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 2})
+
+    def hashes() -> dict[str, tuple[str, ...]]:
+        return parse_checksums(host.client.check_weights(), host.url)
+
+    names = checkpoint_names(ckpt)
+    model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
+    exported = dict(TorchTrainBackend(model, tokens, lr=0.0).export_weights())
+    del model
+    torch.cuda.empty_cache()
+    assert set(exported) == names  # untied checkpoint, nothing frozen: every tensor, under the checkpoint's names
+
+    before = hashes()
+    # the vision tensor the engine probes (the first small one that loads 1:1), and lm_head (the last bucket's)
+    vision = next(
+        n
+        for n, t in exported.items()
+        if n.startswith("model.visual.") and t.numel() <= PROBE_MAX_NUMEL and server_name(n, before)
+    )
+    perturbed = {**exported, vision: exported[vision] + 0.5, "lm_head.weight": exported["lm_head.weight"] * 2}
+    report = host.load_weights(perturbed.items(), weight_version="perturbed")
+    after = hashes()
+    changed = {n for n in after if after[n] != before.get(n)}
+    print(f"SGLANG-REAL perturbed {vision} and lm_head.weight: server parameters changed {sorted(changed)}")
+    print(f"SGLANG-REAL engine-verified probes of that sync: {report.verified}")
+    assert {server_name(vision, after), "lm_head.weight"} <= changed
+    # The engine's own check: this sync's probes (lm_head closes the only bucket; `vision` is the first vision probe)
+    # were sent with new values again when restoring, so it compares the server's hashes of both.
+    restored = host.load_weights(exported.items(), weight_version="exported")
+    assert set(restored.verified) == {vision, "lm_head.weight"}
+
+    # a name the checkpoint does not have: 200, and no parameter changes (the engine would refuse to send it)
+    quiet = hashes()
+    send_tensor_bucket(host.client, [("model.visual.not_a_parameter.weight", torch.ones(4, 4))], device="cuda")
+    assert hashes() == quiet
+
+    # every checkpoint name loads into a parameter named as the stand-ins name it (fake_server.sglang_parameter)
+    mapped = {sglang_parameter(n) for n in names}
+    print(f"SGLANG-REAL /weights_checker entries that are no checkpoint tensor: {sorted(set(after) - mapped)}")
+    assert mapped <= set(after), sorted(mapped - set(after))

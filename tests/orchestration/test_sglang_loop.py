@@ -15,6 +15,7 @@ one POST per bucket while the trainer broadcasts, the version label, the flush; 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,17 +75,25 @@ def trainer_digests(run_dir: Path, step: int) -> dict[str, str]:
     return {name: tensor_digest(t) for name, t in tensors.items()}
 
 
-def check_weights_match_the_trainer(run_dir: Path, journal: dict[int, list[dict]]) -> None:
-    """Every weight version a server reported holds exactly the trainer's weights of that step."""
+# Tensors a checkpoint stores once for two names (the server's digest would list one name the trainer's checkpoint
+# lacks): none here, the tiny Qwen3-VL does not tie its embedding (checked in `check_weights_match_the_trainer`).
+TIED: frozenset[str] = frozenset()
+
+
+def check_weights_match_the_trainer(run_dir: Path, journal: dict[int, list[dict]], checkpoint: Path) -> None:
+    """Every weight version a server reported holds exactly the trainer's weights of that step: the same set of
+    names (no tensor the server lacks, none it has that the sync missed) and the same bytes; no name was skipped."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert not config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings"))
     trainer = {k: trainer_digests(run_dir, k) for k in (1, 2)}
     seen = 0
     for records in journal.values():
+        assert not [r for r in records if r.get("event") == "skipped"]  # SGLang would have skipped them silently
         for r in records:
             if r.get("event") == "weights":
                 want = trainer[int(r["version"].removeprefix("step-"))]
-                shared = set(want) & set(r["digest"])
-                assert len(shared) >= 0.9 * len(r["digest"])  # (tied tensors are saved once)
-                assert {n: r["digest"][n] for n in shared} == {n: want[n] for n in shared}, r["version"]
+                assert set(r["digest"]) == set(want) | TIED, r["version"]
+                assert r["digest"] == {**want, **{n: r["digest"][n] for n in TIED}}, r["version"]
                 seen += 1
     assert seen >= 2
 
@@ -122,12 +131,15 @@ def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, sglang_env, loc
     assert "eval/reward_mean" in rows[-1]
 
     [records] = read_journal(journal_dir).values()
-    check_weights_match_the_trainer(run, {0: records})
+    check_weights_match_the_trainer(run, {0: records}, checkpoint)
     paths = [r["path"] for r in records if "path" in r]
     syncs = sync_sequences(records)
     assert len(syncs) == 3  # step 1, the re-sync of the relaunched server, step 2
     for seq in syncs:  # several buckets, then the version label, then the flush
         assert len(seq) >= 4 and seq[:-2] == ["/update_weights_from_tensor"] * (len(seq) - 2)
+    # Each colocated sync is verified: the server's hashes are read before its first bucket (verify.py).
+    starts = [k for k, p in enumerate(paths) if p == "/update_weights_from_tensor" and paths[k - 1] != p]
+    assert len(starts) == 3 and all(paths[k - 1] == "/weights_checker" for k in starts)
     assert "/update_weights_from_distributed" not in paths
     # Colocated memory: released before and resumed after each of the 2 train steps.
     assert paths.count("/release_memory_occupation") == paths.count("/resume_memory_occupation") == 2
@@ -156,7 +168,7 @@ def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, sglang_env,
     rows = metrics(run)
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows)
     [records] = read_journal(journal_dir).values()
-    check_weights_match_the_trainer(run, {0: records})
+    check_weights_match_the_trainer(run, {0: records}, checkpoint)
     paths = [r["path"] for r in records if "path" in r]
     assert paths.count("/init_weights_update_group") == 1  # formed once, used by both syncs
     sync = paths[paths.index("/init_weights_update_group") :]

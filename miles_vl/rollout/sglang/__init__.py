@@ -5,6 +5,7 @@
 - `generate`: the `/generate` request and response, and the check that SGLang used our prompt ids.
 - `weights`: byte-bounded buckets; the colocated (`/update_weights_from_tensor`) and NCCL
   (`/update_weights_from_distributed`) weight-sync sequences.
+- `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
 - `engine`: `SGLangRolloutEngine`, the `RolloutEngine` over one server.
 - `actor`: `SGLangRolloutHost`, launch + restart + engine in one object; Ray runs one per engine.
 """
@@ -28,6 +29,7 @@ from miles_vl.rollout.sglang.server import (
     wait_until_healthy,
     write_server_config,
 )
+from miles_vl.rollout.sglang.verify import WeightSyncError, checkpoint_names
 from miles_vl.rollout.sglang.weights import (
     DistributedWeightSender,
     EngineEndpoint,
@@ -57,9 +59,11 @@ __all__ = [
     "ServerSpec",
     "SyncReport",
     "TensorMeta",
+    "WeightSyncError",
     "WeightVersionError",
     "build_server_argv",
     "build_server_env",
+    "checkpoint_names",
     "iter_buckets",
     "plan_buckets",
     "serialize_named_tensors",

@@ -38,6 +38,7 @@ from miles_vl.rollout.sglang.server import (
     wait_until_healthy,
     write_server_config,
 )
+from miles_vl.rollout.sglang.verify import checkpoint_names
 from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport
 from miles_vl.rollout.types import Generation, SamplingParams
 
@@ -63,6 +64,8 @@ class SGLangRolloutHost:
         launch_module: the module run with `python -m` (tests run a stand-in that takes SGLang's flags).
         env: extra environment variables for the server process.
         health_poll_s: pause between health polls while starting.
+        verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
+            names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class SGLangRolloutHost:
         launch_module: str = "sglang.launch_server",
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
+        verify_weights: bool = True,
     ):
         self.spec = spec
         self.startup_timeout_s = startup_timeout_s
@@ -117,6 +121,9 @@ class SGLangRolloutHost:
             weight_version=spec.weight_version,
             memory_saver=spec.colocated,
             weights_cpu_backup=spec.weights_cpu_backup,
+            deterministic=deterministic_inference(spec.extra_args),
+            known_names=checkpoint_names(spec.model_path),
+            verify_weights=verify_weights,
         )
         try:
             self._launch()
@@ -226,6 +233,14 @@ class SGLangRolloutHost:
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._dir.rmdir()
+
+
+def deterministic_inference(extra_args: Sequence[str]) -> bool:
+    """Whether these server flags make SGLang 0.5.16 honour `sampling_seed`: `--enable-deterministic-inference`, or
+    `--rl-on-policy-target`, which turns it on (`ServerArgs._handle_deterministic_inference`, srt/server_args.py)."""
+    return any(
+        a == "--enable-deterministic-inference" or a.split("=", 1)[0] == "--rl-on-policy-target" for a in extra_args
+    )
 
 
 def sglang_actor_class(**ray_options: Any):

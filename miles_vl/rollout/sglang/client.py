@@ -6,21 +6,28 @@ The endpoints and their request/response schemas are those of SGLang 0.5.16 (PyP
 - routes: `python/sglang/srt/entrypoints/http_server.py` (`/health_generate`, `/model_info`, `/server_info`,
   `/generate`, `/flush_cache`, `/update_weights_from_tensor`, `/init_weights_update_group`,
   `/update_weights_from_distributed`, `/destroy_weights_update_group`, `/update_weight_version`,
-  `/release_memory_occupation`, `/resume_memory_occupation`);
+  `/release_memory_occupation`, `/resume_memory_occupation`, `/weights_checker`);
 - bodies: `python/sglang/srt/managers/io_struct.py` (`GenerateReqInput`, `UpdateWeightsFromTensorReqInput`,
   `UpdateWeightsFromDistributedReqInput`, `InitWeightsUpdateGroupReqInput`, `DestroyWeightsUpdateGroupReqInput`,
-  `UpdateWeightVersionReqInput`, `ReleaseMemoryOccupationReqInput`, `ResumeMemoryOccupationReqInput`);
+  `UpdateWeightVersionReqInput`, `ReleaseMemoryOccupationReqInput`, `ResumeMemoryOccupationReqInput`,
+  `CheckWeightsReqInput`);
 - auth: `python/sglang/srt/utils/auth.py` (`Authorization: Bearer <api_key>` on every route but `/health*` and
   `/metrics*`, which are always open).
 
-What the server answers on failure (0.5.16): `/generate` 400 `{"error": {"message": ...}}`; the weight routes 400
+What the server answers on failure (0.5.16): `/generate` 400 `{"error": {"message": ...}}` (bad input, or a request
+the scheduler aborted with 400, e.g. an over-long prompt), 500/503 `{"object": "error", "message": ..., "code": ...}`
+(a request aborted for memory or a queue timeout: `TokenizerManager._handle_abort_finish_reason`), 500 "Internal
+Server Error" for an exception the route does not catch (the reason is in the server log only); the weight routes 400
 `{"success": false, "message": ...}`; `/flush_cache` 400 with a plain-text body when requests are still running;
-auth 401 `{"error": "Unauthorized"}`; `/health_generate` 503 while the server starts or is unhealthy.
+auth 401 `{"error": "Unauthorized"}`; `/health_generate` 503 while the server starts or is unhealthy. An exception in
+the scheduler (releasing memory while a request runs, resuming memory that is not released) kills the whole server:
+the call gets no answer.
 
 Retry rule: connection errors, timeouts and 429/500/502/503/504 are retried `max_retries` times with exponential
-backoff; any other 4xx is the caller's mistake and raises at once. Calls that must not run twice (the NCCL weight
-calls, whose broadcasts pair up with the trainer's) are sent once. A `liveness` callback (the supervising process's
-`death_reason`) turns "connection refused" into "the server process died" without waiting out the retries.
+backoff; any other 4xx is the caller's mistake and raises at once. Calls that must not run twice are sent once: the
+NCCL weight calls (their broadcasts pair up with the trainer's) and memory release/resume (not idempotent in 0.5.16).
+A `liveness` callback (the supervising process's `death_reason`) turns "connection refused" into "the server process
+died" without waiting out the retries.
 """
 
 from __future__ import annotations
@@ -181,7 +188,8 @@ class SGLangClient:
                 "Check the server log; raise rollout.sglang.request_timeout_s if generations are long, or "
                 "rollout.sglang.max_retries if the server is briefly overloaded."
                 if retry
-                else "This call is not retried (it pairs with collective operations on the trainer side)."
+                else "This call is not retried: sending it twice is not safe (the NCCL weight calls pair with the "
+                "trainer's collectives; releasing or resuming memory twice kills an SGLang 0.5.16 server)."
             )
         )
 
@@ -247,9 +255,27 @@ class SGLangClient:
         """`POST /flush_cache?timeout=...`: drop the radix (prefix) cache.
 
         With `timeout_s > 0` the server waits up to that long for running requests to finish before flushing; with 0
-        it refuses (HTTP 400) when any request is running.
+        it refuses at once when any request is running. 0.5.16 answers a refusal with HTTP 400 and a plain-text body:
+        "Flush cache failed." (busy), "Timed out waiting for idle state." or "Another flush_cache is already in
+        progress." (`scheduler_components/flush_wrapper.py`, `http_server.py:905`).
+
+        Raises:
+            SGLangRequestError: the server refused (it was not idle).
         """
-        self.request("POST", "/flush_cache", params={"timeout": timeout_s}, timeout_s=max(self.timeout_s, timeout_s))
+        try:
+            self.request(
+                "POST", "/flush_cache", params={"timeout": timeout_s}, timeout_s=max(self.timeout_s, timeout_s)
+            )
+        except SGLangRequestError as e:
+            if e.status_code != 400:
+                raise
+            raise SGLangRequestError(
+                f"{e}. SGLang flushes its cache only when no request is running or waiting, and requests were still "
+                f"there after waiting {timeout_s:g}s (requests of another client, or of an attempt that timed out on "
+                "our side); wait for them, or raise the flush timeout",
+                status_code=400,
+                path="/flush_cache",
+            ) from e
 
     # ------------------------------------------------------------------------------------------------------------
     # weights
@@ -339,12 +365,26 @@ class SGLangClient:
     # memory (colocated placement; the server needs --enable-memory-saver)
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """`POST /release_memory_occupation`; tags among "kv_cache", "weights", "cuda_graph" (None: all)."""
-        self.post_json("/release_memory_occupation", {"tags": None if tags is None else list(tags)})
+        """`POST /release_memory_occupation`; tags among "kv_cache", "weights", "cuda_graph" (None: all).
+
+        The server must be idle: 0.5.16's scheduler asserts it (`scheduler_components/weight_updater.py:187`), and a
+        failed assert kills the whole server. Not retried: a second release of paused memory is not a no-op there.
+        """
+        self.post_json("/release_memory_occupation", {"tags": None if tags is None else list(tags)}, retry=False)
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """`POST /resume_memory_occupation`; same tags as release."""
-        self.post_json("/resume_memory_occupation", {"tags": None if tags is None else list(tags)})
+        """`POST /resume_memory_occupation`; same tags as release. Resuming a tag that is not released raises a
+        KeyError in 0.5.16's scheduler (`offload_tags.remove`, `weight_updater.py:238`), which kills the server, so
+        this call is never retried (a retry after a timeout would resume twice)."""
+        self.post_json("/resume_memory_occupation", {"tags": None if tags is None else list(tags)}, retry=False)
+
+    def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        """`POST /weights_checker` (`CheckWeightsReqInput`): with "checksum", `{"success", "message", "ranks": [{
+        "checksums": {parameter: hash}, "per_gpu_checksum", "parallelism_info": {"tp_rank", ...}}, ...],
+        "per_engine_checksum"}`, one entry per TP rank, under SGLang's own parameter names. HTTP 400 on failure."""
+        body = self.post_json("/weights_checker", {"action": action})
+        self._expect_success("/weights_checker", body)
+        return body
 
     def _expect_success(self, path: str, body: Any) -> None:
         if not isinstance(body, dict) or "success" not in body:

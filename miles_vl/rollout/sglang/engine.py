@@ -20,7 +20,9 @@ server restart in between is detected and the sync must begin again); after an N
 equal the version last synced: a server that restarted (and reloaded `model_path`) cannot silently serve stale
 weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a server started with
 `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU backup) and
-`generate` refuses to run until `load_weights` has been called.
+`generate` refuses to run until `load_weights` has been called. Every colocated sync is verified (verify.py): names
+the server's checkpoint does not have are refused before they are sent (SGLang would skip them silently), and a few
+small tensors sent with new values must have changed on the server.
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ from PIL import Image
 from torch import Tensor
 
 from miles_vl.model import SpecialTokens
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
     build_generate_payload,
     image_data_url,
     parse_generate_response,
     prompt_images,
+    request_input_ids,
     sampling_seed,
 )
+from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
 from miles_vl.rollout.sglang.weights import (
     DEFAULT_BUCKET_BYTES,
     SyncReport,
@@ -99,6 +103,13 @@ class SGLangRolloutEngine:
         weights_cpu_backup: the server runs with `--enable-weights-cpu-backup` (weights survive release/resume).
         flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
         max_abort_retries: times a request that SGLang aborted is sent again.
+        known_names: the tensor names of the checkpoint the server loaded (`verify.checkpoint_names(model_path)`):
+            a colocated sync refuses any other name, which SGLang would skip silently; None: names are not checked.
+        verify_weights: after every colocated sync, check with `/weights_checker` that a few small tensors sent with
+            new values changed on the server (verify.py).
+        deterministic: the server runs with `--enable-deterministic-inference` (or `--rl-on-policy-target`, which turns
+            it on): only then does it sample with each request's `sampling_seed`. Without it the engine warns once
+            that sampled responses are not reproducible by `SamplingParams.seed`.
     """
 
     def __init__(
@@ -116,6 +127,9 @@ class SGLangRolloutEngine:
         weights_cpu_backup: bool = False,
         flush_timeout_s: float = 60.0,
         max_abort_retries: int = 2,
+        known_names: frozenset[str] | None = None,
+        verify_weights: bool = True,
+        deterministic: bool = False,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
@@ -137,6 +151,9 @@ class SGLangRolloutEngine:
         self.weights_cpu_backup = weights_cpu_backup
         self.flush_timeout_s = flush_timeout_s
         self.max_abort_retries = max_abort_retries
+        self.deterministic = deterministic
+        self.verifier = SyncVerifier(client, known_names, check_values=verify_weights)
+        self._warned_seed = False
         self.initial_weight_version = weight_version
         self.weight_version = weight_version  # what every response must report
         self.syncs = 0
@@ -160,9 +177,18 @@ class SGLangRolloutEngine:
         """
         _check_params(params)
         self._check_ready()
+        if params.temperature > 0 and not self.deterministic and not self._warned_seed:
+            self._warned_seed = True
+            log.warning(
+                "SGLang %s runs without --enable-deterministic-inference: SGLang 0.5.16 then ignores sampling_seed "
+                "(srt/sampling/sampling_batch_info.py:114), so sampled responses are not reproducible by "
+                "SamplingParams.seed; add the flag to rollout.sglang.extra_args for reproducible rollouts",
+                self.client.base_url,
+            )
         if not prompts:
             return []
-        images = [prompt_images(p, i) for i, p in enumerate(prompts)]  # fail on a bad prompt before any request
+        # fail on a bad prompt before any request
+        images = [prompt_images(p, i, self.tokens.video_token_id) for i, p in enumerate(prompts)]
         jobs = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         results: dict[tuple[int, int], Generation] = {}
         with ThreadPoolExecutor(
@@ -184,7 +210,7 @@ class SGLangRolloutEngine:
     def _generate_one(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int, j: int) -> Generation:
         ids = [int(t) for t in prompt_ids.tolist()]
         payload = build_generate_payload(
-            ids,
+            request_input_ids(ids, self.tokens.image_token_id, len(urls)) if urls else ids,
             urls,
             params,
             seed=sampling_seed(params.seed, i, j, params.n),
@@ -255,6 +281,7 @@ class SGLangRolloutEngine:
             raise EngineStateError("load_weights() while the engine's memory is released: call resume_memory() first")
         self.weights_missing = "a weight sync started and did not complete"
         self._sync = _SyncInProgress(restarts=self.server_restarts, start=time.monotonic())
+        self.verifier.begin()
 
     def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
         """Send one bucket of the sync begun by `begin_weight_sync` (`/update_weights_from_tensor`).
@@ -262,8 +289,10 @@ class SGLangRolloutEngine:
         Raises:
             EngineStateError: no sync begun, or the server restarted since it began (the buckets sent before are
                 gone with the old process): begin the sync again.
+            WeightSyncError: a tensor name the server's checkpoint does not have (nothing of the bucket is sent).
         """
         sync = self._open_sync("load_weight_bucket")
+        self.verifier.bucket(named_tensors)
         sync.bytes += send_tensor_bucket(self.client, named_tensors, tp_size=self.tp_size, device=self.weight_device)
         sync.buckets += 1
         sync.tensors += len(named_tensors)
@@ -276,15 +305,32 @@ class SGLangRolloutEngine:
 
         Raises:
             EngineStateError: as `load_weight_bucket`, or no bucket was sent.
+            WeightSyncError: a tensor sent with new values did not change on the server (generate then refuses).
         """
         sync = self._open_sync("finish_weight_sync")
         if sync.buckets == 0:
             raise EngineStateError("finish_weight_sync() without any bucket: there were no tensors to sync")
         version = weight_version or f"miles_vl-{self.syncs + 1}"
-        finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.flush_timeout_s)
+        try:
+            finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.flush_timeout_s)
+        except SGLangRequestError as e:
+            if e.path != "/flush_cache":
+                raise
+            raise EngineStateError(
+                f"finish_weight_sync(): the weights were sent and labelled {version!r}, but the prefix cache computed "
+                f"with the old weights could not be dropped ({e}); generate stays refused until finish_weight_sync() "
+                "succeeds: call it again once the server is idle"
+            ) from e
         self._sync = None
+        try:
+            verified = self.verifier.finish()
+        except WeightSyncError as e:
+            self.weights_missing = f"the last weight sync did not land ({e})"
+            raise
         self.expect_weight_version(version)
-        report = SyncReport(sync.buckets, sync.tensors, sync.bytes, time.monotonic() - sync.start, version)
+        report = SyncReport(
+            sync.buckets, sync.tensors, sync.bytes, time.monotonic() - sync.start, version, tuple(verified)
+        )
         log.info(
             "synced %d tensors (%.1f MB, %d buckets) to %s in %.2fs as %r",
             report.tensors,
@@ -316,6 +362,7 @@ class SGLangRolloutEngine:
         """The server was relaunched: its memory is resident and its weights are `model_path`'s again."""
         self.server_restarts += 1
         self.released = False
+        self.verifier.server_restarted()
         if self.syncs:
             self.weights_missing = (
                 f"the server restarted and reloaded model_path, losing the synced weights {self.weight_version!r}"
@@ -334,8 +381,15 @@ class SGLangRolloutEngine:
         if self.released:
             return
         # 0.5.16 asserts the scheduler is idle when releasing (a failed assert kills the server): flushing with a
-        # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind).
-        self.client.flush_cache(timeout_s=self.flush_timeout_s)
+        # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind), and
+        # its refusal means the server is not idle.
+        try:
+            self.client.flush_cache(timeout_s=self.flush_timeout_s)
+        except SGLangRequestError as e:
+            raise EngineStateError(
+                f"release_memory() refused: {e}. Releasing a busy server would kill it (0.5.16 asserts an idle "
+                "scheduler in release_memory_occupation)"
+            ) from e
         self.client.release_memory_occupation()
         self.released = True
 

@@ -13,11 +13,16 @@ Schema source: SGLang 0.5.16 (see docs/sglang.md for the wheel and its hash):
   schedule_batch.py`), `prompt_tokens`, `weight_version` and `output_token_logprobs` = `[[logprob, token_id,
   text|null], ...]`, one per output id.
 
-How SGLang reads `input_ids` + `image_data` for Qwen3-VL (`python/sglang/srt/multimodal/processors/qwen_vl.py`,
-`base_processor.py`): it decodes the ids back to text, finds each expanded `<|vision_start|><|image_pad|>...
-<|vision_end|>` block, and runs the HF processor again on that text and the images. The prompt it finally uses can
-therefore differ from ours (other min/max pixels, an image that is not the one the prompt was built from, a text
-that re-tokenizes differently), so every response is checked against our ids with `return_prompt_token_ids`.
+How SGLang 0.5.16 reads `input_ids` + `image_data` for Qwen3-VL (`srt/multimodal/processors/base_processor.py`,
+`BaseMultimodalProcessor.load_mm_data` -> `fast_load_mm_data` -> `process_and_combine_mm_data` -> `process_mm_data`,
+and `qwen_vl.py` `process_mm_data_async`): it decodes the ids back to text and runs the HF processor on that text and
+the images. The processor expands EVERY `<|image_pad|>` it finds into that image's token count, so the canonical
+(already expanded) ids run it out of images: `StopIteration` in transformers' `get_text_with_replacements`, HTTP 500
+(measured on an H100, 2026-11-23). So the request carries one `<|image_pad|>` per image block (`request_input_ids`);
+the processor expands each, and with `SGLANG_MM_AVOID_RETOKENIZE` (on by default in 0.5.16, `srt/environ.py`)
+SGLang keeps our other tokens verbatim and only re-expands the pads (`_expand_input_ids`). The prompt it finally
+uses can still differ from ours (other min/max pixels, an image that is not the one the prompt was built from), so
+every response is checked against our canonical ids with `return_prompt_token_ids`.
 
 Logprobs: 0.5.16 returns log softmax(logits / T) of the sampled token (`Sampler.forward` in
 `python/sglang/srt/layers/sampler.py`): top-p/top-k truncation is not applied to the reported value, and
@@ -90,15 +95,24 @@ def _png(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def prompt_images(prompt: Any, index: int) -> list[Image.Image | bytes]:
+def prompt_images(prompt: Any, index: int, video_token_id: int | None = None) -> list[Image.Image | bytes]:
     """The images of prompt `index`, checked against its `image_grid_thw` rows.
 
     The sglang engine needs `prompt.images` (PIL images or encoded bytes, in the order their blocks appear in
     `prompt_ids`): SGLang re-runs the image processor on the original images and cannot take `pixel_values`.
 
     Raises:
-        ValueError: images missing or not one per `image_grid_thw` row.
+        ValueError: images missing or not one per `image_grid_thw` row; a prompt with video tokens (the engine sends
+            no `video_data` yet: such a prompt would reach SGLang with pads and no frames).
     """
+    grid_v = getattr(prompt, "video_grid_thw", None)
+    has_video_tokens = video_token_id is not None and bool((torch.as_tensor(prompt.prompt_ids) == video_token_id).any())
+    if (grid_v is not None and int(grid_v.shape[0])) or has_video_tokens:
+        raise ValueError(
+            f"prompt {index} holds a video; the sglang engine sends images only (SGLang 0.5.16 takes videos as "
+            "`video_data` with its own frame sampling, which miles_vl does not drive yet). Use rollout.backend=hf for "
+            "video prompts"
+        )
     grid = getattr(prompt, "image_grid_thw", None)
     n_grid = 0 if grid is None else int(grid.shape[0])
     images = getattr(prompt, "images", None)
@@ -127,10 +141,43 @@ def prompt_images(prompt: Any, index: int) -> list[Image.Image | bytes]:
 def sampling_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> int:
     """Per-request `sampling_seed`: distinct for every (prompt, sample) of a call, a pure function of the inputs.
 
-    SGLang honours it only with `--enable-deterministic-inference` (`SamplingBatchInfo` in
-    `python/sglang/srt/sampling/sampling_batch_info.py`); otherwise sampling is not reproducible by seed.
+    SGLang 0.5.16 honours it only with `--enable-deterministic-inference` (`SamplingBatchInfo.from_schedule_batch`,
+    `srt/sampling/sampling_batch_info.py:114`, builds no seed tensor otherwise); without the flag sampling is not
+    reproducible by seed. With the flag, top-p and top-k are fine (the flag forces the pytorch sampling backend,
+    `srt/arg_groups/overrides.py:1586`, so flashinfer's "Sampling seed is not supported" assert,
+    `srt/layers/sampler.py:250`, is not reached); the one combination 0.5.16 asserts on is a seed with `min_p > 0`
+    (`sampler.py:570`, an assert in the scheduler that kills the server), and miles_vl never sends `min_p`.
     """
     return (seed * 1_000_003 + prompt_index * n + sample_index) % (2**63)
+
+
+def request_input_ids(prompt_ids: Sequence[int], image_token_id: int, n_images: int) -> list[int]:
+    """The `input_ids` SGLang 0.5.16 takes with `image_data`: the canonical ids with each run of `image_token_id`
+    (one image's expanded block) collapsed to a single pad, which SGLang's processor expands again (module docstring).
+
+    Args:
+        prompt_ids: canonical ids, image tokens expanded.
+        image_token_id: `<|image_pad|>`.
+        n_images: images sent with the request; must equal the number of pad runs.
+
+    Raises:
+        ValueError: the runs of image pads are not one per image.
+    """
+    out: list[int] = []
+    runs = 0
+    for t in prompt_ids:
+        t = int(t)
+        if t == image_token_id:
+            if out and out[-1] == image_token_id:
+                continue
+            runs += 1
+        out.append(t)
+    if runs != n_images:
+        raise ValueError(
+            f"the prompt has {runs} block(s) of image tokens ({image_token_id}) but {n_images} image(s) go with it; "
+            "each image must have exactly one expanded block in prompt_ids, in order"
+        )
+    return out
 
 
 def build_generate_payload(
@@ -145,7 +192,7 @@ def build_generate_payload(
     """One `GenerateReqInput` body: one prompt, one sample (`n` is expanded by the caller, see engine.py).
 
     Args:
-        prompt_ids: canonical ids, image tokens expanded.
+        prompt_ids: the ids to send: `request_input_ids` of the canonical ids when images go with them.
         image_urls: `image_data_url` of each image, in prompt order.
         params: sampling parameters (`params.n` is ignored here).
         seed: this request's `sampling_seed`.

@@ -86,6 +86,7 @@ class SyncReport:
     bytes: int
     seconds: float
     weight_version: str
+    verified: tuple[str, ...] = ()  # tensors whose landing the server confirmed (colocated syncs, see verify.py)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -18,6 +18,7 @@ from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
 VIDEO, VEND, PAD, EOS = 151656, 151653, 151643, 151645
+MIN_PIXELS, MAX_PIXELS = 3136, 12544  # the image range the test servers run with (--mm-process-config)
 TOKENS = SpecialTokens(IMAGE_TOKEN_ID, VIDEO, VISION_START_TOKEN_ID, VEND, PAD, (EOS,), vocab_size=151936)
 
 
@@ -32,13 +33,15 @@ class Prompt:
 
 
 def make_prompt(text: list[int], n_images: int = 0, *, color: int = 0, with_images: bool = True) -> Prompt:
-    """`text` followed by `n_images` vision blocks of 4 merged tokens each (grid 1x4x4, merge 2)."""
+    """`text` followed by `n_images` vision blocks of 64x64-pixel images: with patch 16 and merge 2 (Qwen3-VL), an
+    image of 64 * 64 = 4096 pixels in [MIN_PIXELS, MAX_PIXELS] keeps its size, so its grid is 1x4x4 and its block
+    holds 4x4 / 2^2 = 4 merged tokens."""
     ids = list(text)
     for _ in range(n_images):
         ids += [VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * 4 + [VEND]
     grid = torch.tensor([[1, 4, 4]] * n_images) if n_images else None
     pixels = torch.zeros(16 * n_images, 1536) if n_images else None
-    images = [Image.new("RGB", (32, 32), (color, 10 * k, 200)) for k in range(n_images)]
+    images = [Image.new("RGB", (64, 64), (color, 10 * k, 200)) for k in range(n_images)]
     return Prompt(torch.tensor(ids), pixels, grid, images if with_images else None)
 
 
@@ -64,5 +67,5 @@ def quick_client(url: str, **kwargs) -> SGLangClient:
 
 @pytest.fixture
 def fake() -> Iterator[FakeSGLang]:
-    with FakeSGLang(weight_version="base") as server:
+    with FakeSGLang(weight_version="base", image_min_pixels=MIN_PIXELS, image_max_pixels=MAX_PIXELS) as server:
         yield server

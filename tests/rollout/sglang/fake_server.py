@@ -9,8 +9,24 @@ deserializes `/update_weights_from_tensor` payloads under 0.5.16's unpickling al
 way 0.5.16's `init_custom_process_group` does and receives one broadcast per tensor from rank 0. It is stricter than
 SGLang in one way: unknown top-level request keys are refused (FastAPI would ignore them), to catch typos.
 
-The "model" is deterministic: output tokens are drawn from a generator seeded by the prompt, the sampling seed and
-the weight version; a response ends with the first stop token id unless its drawn length exceeds max_new_tokens.
+Images are taken as 0.5.16 takes them for Qwen3-VL (`expand_image_pads`): `input_ids` must hold one
+`<|vision_start|><|image_pad|>+<|vision_end|>` block per image; more `<|image_pad|>` tokens than images is 0.5.16's
+HTTP 500 (its processor raises StopIteration: "Internal Server Error", the reason in the server log); one pad per image
+is expanded to that image's token count, from the PNG's size through Qwen's smart_resize (patch 16, merge 2, the
+min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids.
+
+Weights as 0.5.16's Qwen3-VL takes them: a name the server does not know (the model's names with hf_server.py;
+`FakeState.param_names` here, None = every name) is skipped without an error and only reported (log, journal,
+`GET /_fake/skipped`); `/weights_checker` answers per-rank hashes under SGLang's parameter names (`sglang_parameter`:
+fused `qkv_proj` / `gate_up_proj`, `visual.*`); `/get_weights_by_name` is refused with 400, as for Qwen3-VL. Flush,
+release and resume follow 0.5.16's scheduler: a busy server is not flushed (400), and releasing while a request runs
+or resuming memory that is not released kills the server (`_die`). Faults (`inject`) add 5xx answers, delays, exits,
+aborts (200 with an abort finish reason, or 400/500/503) and servers that ignore the weights they are sent.
+
+The "model" draws output tokens from a generator seeded by the prompt, the weight version and, only when the server
+runs with `--enable-deterministic-inference` (as 0.5.16, which otherwise ignores `sampling_seed`), the request's
+sampling seed: without the flag two identical sampled requests differ. A response ends with the first stop token id
+unless its drawn length exceeds max_new_tokens.
 A real model can be plugged in instead (`FakeHTTPServer(model=...)`, see `ServerModel`; hf_server.py serves the
 tiny HF Qwen3-VL this way, for the driver's end-to-end tests).
 
@@ -22,7 +38,8 @@ As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or
                          [--fake-journal DIR]  (append every call to DIR/sglang_<port>.jsonl: survives the process)
                          [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
                                                 exists: a crash the host must recover from, once);
-                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights.
+                         control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log,
+                         GET /_fake/skipped.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
 """
 
@@ -30,11 +47,15 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import random
+import signal
+import struct
 import sys
 import threading
 import time
@@ -48,7 +69,12 @@ from urllib.parse import parse_qs, urlparse
 VERSION = "0.5.16"
 IMAGE_TOKEN_ID = 151655  # Qwen3-VL <|image_pad|>
 VISION_START_TOKEN_ID = 151652  # Qwen3-VL <|vision_start|>
+VISION_END_TOKEN_ID = 151653  # Qwen3-VL <|vision_end|>
 VOCAB_SIZE = 151936
+# Qwen3-VL's image processor: 16-pixel patches, 2x2 of them merged into one token; a checkpoint's preprocessor
+# config resizes into [65536, 16777216] pixels unless `--mm-process-config` says otherwise.
+PATCH_SIZE, MERGE_SIZE = 16, 2
+DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 65536, 16777216
 
 # GenerateReqInput fields of 0.5.16, plus BaseReq's rid/http_worker_ipc on the other request classes.
 GENERATE_FIELDS = frozenset(
@@ -97,6 +123,8 @@ REQUEST_FIELDS = {
     | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
     "/destroy_weights_update_group": BASE_REQ | {"group_name"},
     "/update_weight_version": BASE_REQ | {"new_version", "abort_all_requests"},
+    "/get_weights_by_name": BASE_REQ | {"name", "truncate_size"},
+    "/weights_checker": BASE_REQ | {"action", "allow_quant_error"},
     "/release_memory_occupation": BASE_REQ | {"tags"},
     "/resume_memory_occupation": BASE_REQ | {"tags"},
 }
@@ -133,9 +161,21 @@ class BadRequest(Exception):
     """Answered as HTTP 400 with the route's error shape."""
 
 
+class SchedulerCrash(Exception):
+    """An exception in 0.5.16's scheduler process (a failed assert, a KeyError): the whole server dies."""
+
+
+class ServerError(Exception):
+    """An exception 0.5.16's route does not catch (e.g. the processor's StopIteration, which leaves the coroutine as
+    `RuntimeError: coroutine raised StopIteration`): FastAPI answers HTTP 500 with Starlette's plain-text body
+    "Internal Server Error" and the traceback goes to the server log only. The stand-in logs the message."""
+
+
 @dataclass
 class Fault:
-    kind: str  # "status" | "delay" | "exit" | "abort" | "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
+    # "status" | "delay" | "exit" | "abort" (200 with finish_reason abort) | "abort_status" (value 400, 500 or 503) |
+    # "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
+    kind: str
     value: Any = None
     times: int = 1
 
@@ -145,6 +185,9 @@ class FakeState:
     model_path: str = "fake/model"
     api_key: str | None = None
     tp_size: int = 1
+    deterministic: bool = False  # --enable-deterministic-inference: sampling_seed is honoured
+    image_min_pixels: int = DEFAULT_MIN_PIXELS  # --mm-process-config {"image": {"min_pixels": ...}}
+    image_max_pixels: int = DEFAULT_MAX_PIXELS
     weight_version: str = "default"
     initial_weight_version: str = "default"
     startup_delay_s: float = 0.0
@@ -152,11 +195,19 @@ class FakeState:
     allow_exit: bool = False  # os._exit on an "exit" fault: only when this is its own process
     started_at: float = field(default_factory=time.monotonic)
     released: set[str] = field(default_factory=set)
+    running: int = 0  # /generate requests in flight (0.5.16: running or waiting in the scheduler)
+    flush_pending: bool = False  # a /flush_cache?timeout>0 waiting for the server to become idle
+    dead: bool = False  # in-process stand-in whose scheduler "crashed": every connection is dropped from then on
     groups: dict[str, Any] = field(default_factory=dict)
     group_devices: dict[str, str] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     weights: list[dict[str, Any]] = field(default_factory=list)
+    # The parameters a model-less stand-in knows (HF names), None: every name; and {HF name: hash of its value}.
+    param_names: set[str] | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # names load_weights skipped, in order
     faults: dict[str, list[Fault]] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)  # what the server wrote to its log (also on stderr as a process)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
@@ -173,14 +224,94 @@ class FakeState:
 
 
 def vision_blocks(input_ids: list[int]) -> int:
-    return sum(
-        1 for a, b in zip(input_ids, input_ids[1:], strict=False) if a == VISION_START_TOKEN_ID and b == IMAGE_TOKEN_ID
-    )
+    """Blocks `<|vision_start|> <|image_pad|>+ <|vision_end|>`: what 0.5.16's Qwen-VL processor counts as images in
+    the decoded prompt (its `image_token_regex`, srt/multimodal/processors/qwen_vl.py:301)."""
+    blocks, k = 0, 0
+    while k < len(input_ids):
+        if input_ids[k] == VISION_START_TOKEN_ID:
+            j = k + 1
+            while j < len(input_ids) and input_ids[j] == IMAGE_TOKEN_ID:
+                j += 1
+            if j > k + 1 and j < len(input_ids) and input_ids[j] == VISION_END_TOKEN_ID:
+                blocks += 1
+                k = j
+        k += 1
+    return blocks
 
 
-def fake_tokens(input_ids: list[int], sampling: dict[str, Any], version: str) -> tuple[list[int], list[float], dict]:
+def png_size(raw: bytes) -> tuple[int, int]:
+    """(height, width) of a PNG, read from its IHDR chunk."""
+    if len(raw) < 24 or raw[12:16] != b"IHDR":
+        raise BadRequest("an image is not a PNG with an IHDR chunk")
+    width, height = struct.unpack(">II", raw[16:24])
+    return height, width
+
+
+def image_token_count(height: int, width: int, min_pixels: int, max_pixels: int) -> int:
+    """Merged image tokens of one image: Qwen2-VL's `smart_resize` (both sides rounded to multiples of
+    patch * merge = 32, then scaled into [min_pixels, max_pixels] keeping the aspect ratio), written out here so that
+    the stand-in does not borrow the processor it stands in for."""
+    unit = PATCH_SIZE * MERGE_SIZE
+    h, w = round(height / unit) * unit, round(width / unit) * unit
+    if h * w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        h = max(unit, math.floor(height / shrink / unit) * unit)
+        w = max(unit, math.floor(width / shrink / unit) * unit)
+    elif h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * grow / unit) * unit, math.ceil(width * grow / unit) * unit
+    return (h // PATCH_SIZE) * (w // PATCH_SIZE) // MERGE_SIZE**2
+
+
+def expand_image_pads(input_ids: list[int], counts: list[int]) -> list[int]:
+    """The prompt ids 0.5.16 runs for `input_ids` + one image per count (Qwen3-VL, default environment).
+
+    0.5.16 decodes the ids to text (`BaseMultimodalProcessor.load_mm_data`, base_processor.py:812); with one
+    `<|vision_start|><|image_pad|>+<|vision_end|>` block per image it takes `fast_load_mm_data` (:893) and runs the HF
+    processor on the text and the images (`process_and_combine_mm_data` :1320 -> `process_mm_data`), which replaces
+    EVERY `<|image_pad|>` with the next image's expansion: more pads than images runs it out of images
+    (StopIteration, HTTP 500). With one pad per image, `SGLANG_MM_AVOID_RETOKENIZE` (on by default) keeps our ids and
+    expands the i-th pad into counts[i] pads (`_expand_input_ids`, :1285).
+
+    Raises:
+        ServerError: more pads than images (the real server's HTTP 500).
+        BadRequest: not one block per image (0.5.16 takes its legacy path then, which the stand-in does not model).
+    """
+    blocks = vision_blocks(input_ids)
+    if blocks != len(counts):
+        raise BadRequest(
+            f"{len(counts)} image(s) for {blocks} vision block(s) in input_ids (0.5.16 would take its legacy "
+            "multimodal path here, which this stand-in does not model)"
+        )
+    pads = input_ids.count(IMAGE_TOKEN_ID)
+    if pads > len(counts):
+        raise ServerError(
+            f"StopIteration in transformers ProcessorMixin.get_text_with_replacements: the decoded prompt holds {pads} "
+            f"<|image_pad|> tokens for {len(counts)} image(s) (BaseMultimodalProcessor.load_mm_data -> "
+            "fast_load_mm_data -> process_and_combine_mm_data -> process_mm_data); send one <|image_pad|> per image "
+            "block, SGLang expands it"
+        )
+    out: list[int] = []
+    images = iter(counts)
+    for t in input_ids:
+        out += [IMAGE_TOKEN_ID] * next(images) if t == IMAGE_TOKEN_ID else [t]
+    return out
+
+
+def fake_tokens(
+    input_ids: list[int], sampling: dict[str, Any], version: str, *, deterministic: bool = True
+) -> tuple[list[int], list[float], dict]:
+    """The fake model's answer: a function of the prompt, the weight version and, when the server runs with
+    `--enable-deterministic-inference`, the request's `sampling_seed`. Without that flag 0.5.16 builds no seed tensor
+    (sampling_batch_info.py:114) and samples from the global generator: the same request sampled twice differs (greedy
+    decoding, temperature 0, does not)."""
     greedy = float(sampling.get("temperature", 1.0)) == 0.0
-    seed = "greedy" if greedy else sampling.get("sampling_seed")
+    if greedy:
+        seed: Any = "greedy"
+    elif deterministic:
+        seed = sampling.get("sampling_seed", 42)  # 0.5.16's default seed in deterministic mode
+    else:
+        seed = uuid.uuid4().hex
     rng = random.Random(f"{input_ids}|{seed}|{version}")
     max_new = int(sampling.get("max_new_tokens", 128))
     stop_ids = [int(t) for t in sampling.get("stop_token_ids") or []]
@@ -284,6 +415,45 @@ def _receive(body: dict[str, Any], group, device: str) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# the server's parameters, as 0.5.16's Qwen3-VL model names them
+
+
+FUSED_SHARDS = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+                (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."))  # fmt: skip
+
+
+def sglang_parameter(hf_name: str) -> str:
+    """The parameter of 0.5.16's `Qwen3VLForConditionalGeneration` an HF tensor loads into (`load_weights`,
+    srt/models/qwen3_vl.py:1449-1532): the language model drops its `language_model.` level and fuses q/k/v and
+    gate/up; the vision tower moves to the top level and calls its fused projection `qkv_proj`."""
+    if hf_name.startswith("model.visual."):
+        return "visual." + hf_name.removeprefix("model.visual.").replace(".attn.qkv.", ".attn.qkv_proj.")
+    name = (
+        "model." + hf_name.removeprefix("model.language_model.") if hf_name.startswith("model.language_") else hf_name
+    )
+    for shard, fused in FUSED_SHARDS:
+        if shard in name:
+            return name.replace(shard, fused)
+    return name
+
+
+def sglang_checksums(hashes: dict[str, str]) -> dict[str, str]:
+    """{HF name: hash} -> {0.5.16 parameter name: hash} (a fused parameter hashes the hashes of its parts): what
+    `/weights_checker` reports, per TP rank, for the weights a stand-in holds."""
+    parts: dict[str, list[str]] = {}
+    for name in sorted(hashes):
+        parts.setdefault(sglang_parameter(name), []).append(hashes[name])
+    return {name: hashlib.sha256("|".join(p).encode()).hexdigest()[:16] for name, p in parts.items()}
+
+
+def value_hash(tensor) -> str:
+    t = tensor.detach().contiguous().cpu()
+    import torch
+
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # HTTP
 
 
@@ -304,6 +474,21 @@ class Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------------------------------------------------------
 
     def _dispatch(self, method: str) -> None:
+        state = self.server.state
+        if state.dead:  # a dead server answers nothing (as a process it is gone: connection refused)
+            self.close_connection = True
+            return
+        if self.path.split("?")[0] == "/generate":
+            with state.lock:
+                state.running += 1
+            try:
+                return self._dispatch_one(method)
+            finally:
+                with state.lock:
+                    state.running -= 1
+        return self._dispatch_one(method)
+
+    def _dispatch_one(self, method: str) -> None:
         state = self.server.state
         url = urlparse(self.path)
         path, query = url.path, {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -340,6 +525,22 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(400, {"error": {"message": str(e)}})
             else:
                 self._json(400, {"success": False, "message": str(e)})
+        except ServerError as e:
+            self.server.log(f"Exception in ASGI application ({path}): {e}")
+            self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
+        except SchedulerCrash as e:
+            self._die(str(e))
+
+    def _die(self, reason: str) -> None:
+        """0.5.16's scheduler raised: it logs "Scheduler hit an exception", sends SIGQUIT to the server process, whose
+        handler kills the whole process tree (scheduler.py:4641, tokenizer_manager.py:3260): the request in flight
+        gets no answer. As a process the stand-in kills itself the same way; in-process it drops every connection."""
+        self.server.log(f"Scheduler hit an exception: {reason}")
+        self.server.log("SIGQUIT received. It usually means one child failed.")
+        if self.server.state.allow_exit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.server.state.dead = True
+        self.close_connection = True
 
     def _authorized(self, path: str) -> bool:
         key = self.server.state.api_key
@@ -401,6 +602,8 @@ class Handler(BaseHTTPRequestHandler):
         if unknown:
             raise BadRequest(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
         _verify_sampling(sampling)
+        if s.deterministic and float(sampling.get("min_p", 0.0)) > 0:  # sampler.py:570, in the scheduler
+            raise SchedulerCrash("AssertionError: With sampling seed, multinomial_with_seed will provide wrong results")
         images = body.get("image_data") or []
         if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
             raise BadRequest("image_data must be a list of strings (data URLs) here")
@@ -414,15 +617,16 @@ class Handler(BaseHTTPRequestHandler):
         version = s.weight_version
         if (f := s.take_fault("/generate", ("weight_version",))) is not None:
             version = str(f.value)
+        if (f := s.take_fault("/generate", ("abort_status",))) is not None:
+            return self._abort_with_status(int(f.value))
         if self.server.model is not None:
             if s.released:
                 raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
             out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
         else:
-            if len(images) != vision_blocks(input_ids):
-                raise BadRequest(f"{len(images)} images for {vision_blocks(input_ids)} vision blocks in input_ids")
-            out, logprobs, finish = fake_tokens(input_ids, sampling, version)
-            prompt_ids = list(input_ids)
+            counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
+            prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
+            out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
         if s.take_fault("/generate", ("abort",)) is not None:
             out, logprobs, finish = out[:1], logprobs[:1], {"type": "abort", "message": "Abort before prefill",
                                                             "status_code": None, "err_type": None}  # fmt: skip
@@ -451,11 +655,55 @@ class Handler(BaseHTTPRequestHandler):
             response["prompt_token_ids"] = prompt_ids
         self._json(200, response)
 
+    def _abort_with_status(self, status: int) -> None:
+        """A request the scheduler aborted with a status code (tokenizer_manager.py:1438 `_handle_abort_finish_reason`):
+        400 is raised as a ValueError (`{"error": {"message"}}`, http_server.py:2006); 500 and 503 as an HTTPException,
+        which 0.5.16's handler answers as an ErrorResponse (http_server.py:494)."""
+        if status == 400:  # e.g. validate_input_length (managers/utils.py:181)
+            too_long = (
+                "Input length (9000 tokens) exceeds the maximum allowed length (8192 tokens). Use a shorter input or "
+                "enable --allow-auto-truncate."
+            )
+            return self._json(400, {"error": {"message": too_long}})
+        message = {
+            500: "Out of memory even after retracting all other requests in the decode batch. Aborting the last "
+            "request.",  # schedule_batch.py:2635
+            503: "Request waiting timeout reached.",  # scheduler.py:2505
+        }[status]
+        self._json(status, error_response(message, str(status), status))
+
     def flush_cache(self, body, query):
-        timeout = float(query.get("timeout", 0.0))
-        if timeout < 0:
-            return self._json(422, {"detail": "timeout must be >= 0"})
-        self._send(200, b"Cache flushed.\nPlease check backend logs for more details.\n", "text/plain")
+        """0.5.16 (http_server.py:905, SchedulerFlushWrapper in scheduler_components/flush_wrapper.py, Scheduler.
+        flush_cache in scheduler.py:3846): flushes only an idle server; `timeout` > 0 waits that long for it to become
+        idle. Refusals are HTTP 400 with a plain-text body."""
+        s = self.server.state
+        try:
+            timeout = float(query.get("timeout", 0.0))
+        except ValueError:
+            timeout = -1.0
+        if timeout < 0:  # Query(ge=0.0): FastAPI's validation error, which 0.5.16 answers as 400 (http_server.py:551)
+            message = f"query.timeout: Input should be greater than or equal to 0, got {query.get('timeout')!r}"
+            return self._json(400, error_response(message, "Bad Request", 400))
+        deadline = time.monotonic() + timeout
+        with s.lock:
+            if s.flush_pending:
+                return self._send(400, b"Another flush_cache is already in progress.", TEXT)
+            busy = s.running > 0
+            s.flush_pending = busy and timeout > 0
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with s.lock:
+                busy = s.running > 0
+        with s.lock:
+            s.flush_pending = False
+        if not busy:
+            self.server.log("Cache flushed successfully!")
+            return self._send(200, FLUSHED, TEXT)
+        if timeout > 0:
+            self.server.log("Deferred flush_cache timed out while waiting for idle state.")
+            return self._send(400, b"Timed out waiting for idle state.", TEXT)
+        self.server.log(f"Cache not flushed because there are pending requests. #running-req: {s.running}")
+        self._send(400, b"Flush cache failed.\n", TEXT)
 
     def update_weights_from_tensor(self, body, query):
         s = self.server.state
@@ -474,13 +722,74 @@ class Handler(BaseHTTPRequestHandler):
             raise
         except Exception as e:
             raise BadRequest(f"Failed to deserialize named tensors: {type(e).__name__}: {e}") from e
-        if self.server.model is not None:
-            self.server.model.load(received[0])
+        skipped = self._load(received[0], "/update_weights_from_tensor")
         with s.lock:
-            s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0]})
+            s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0],
+                              "skipped": skipped})  # fmt: skip
             if body.get("weight_version") is not None:
                 s.weight_version = body["weight_version"]
         self._json(200, {"success": True, "message": "Success"})
+
+    def _load(self, named_tensors: list, path: str) -> list[str]:
+        """Load what the server knows and skip the rest without an error, as 0.5.16's Qwen3-VL `load_weights` does
+        (`if name in params_dict ... else: continue`, qwen3_vl.py:1522-1525); the skipped names go to the log, the
+        journal and `state.skipped` (GET /_fake/skipped). An "ignore" fault on `path` accepts the tensors and loads
+        none (a server that does not apply what it is sent). Returns the skipped names."""
+        s, model = self.server.state, self.server.model
+        known = model.names() if model is not None else s.param_names
+        skipped = [n for n, _ in named_tensors if known is not None and n not in known]
+        loaded = [(n, t) for n, t in named_tensors if known is None or n in known]
+        if skipped:
+            self.server.log(f"load_weights skipped {len(skipped)} tensor(s) it does not know: {skipped}")
+            self.server.journal({"event": "skipped", "names": skipped})
+        if s.take_fault(path, ("ignore",)) is not None:
+            loaded = []
+        if model is not None:
+            model.load(loaded)
+        with s.lock:
+            s.skipped += skipped
+            s.params.update((n, value_hash(t)) for n, t in loaded)
+        return skipped
+
+    def get_weights_by_name(self, body, query):
+        """0.5.16 (http_server.py:1403) asks the model's own `get_weights_by_name` (weight_exporter.py:142), which
+        Qwen3-VL does not have: the AttributeError is logged and the route answers 400 "Get parameter by name
+        failed"."""
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return self._json(400, error_response("body.name: Field required (GetWeightsByNameReqInput)",
+                                                  "Bad Request", 400))  # fmt: skip
+        _require_fields(body, REQUEST_FIELDS["/get_weights_by_name"], "GetWeightsByNameReqInput")
+        self.server.log(
+            f"Error when getting parameter {body['name']}: 'Qwen3VLForConditionalGeneration' object has no attribute "
+            "'get_weights_by_name'"
+        )
+        self._json(400, {"error": {"message": "Get parameter by name failed"}})
+
+    def weights_checker(self, body, query):
+        """`/weights_checker` with action "checksum" (http_server.py:1443, WeightChecker._compute_checksum): per TP
+        rank, a hash of every parameter under 0.5.16's names. Only "checksum" is implemented here."""
+        s = self.server.state
+        body = body if body is not None else {}
+        _require_fields(body, REQUEST_FIELDS["/weights_checker"], "CheckWeightsReqInput")
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            raise BadRequest(f"Unsupported action={action!r} (this stand-in implements 'checksum' only)")
+        if self.server.model is not None:
+            hashes = self.server.model.digest()
+        else:
+            with s.lock:
+                hashes = {n: hashlib.sha256(f"initial {n}".encode()).hexdigest()[:16] for n in s.param_names or ()}
+                hashes.update(s.params)
+        checksums = sglang_checksums(hashes)
+        overall = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
+        ranks = [
+            {"checksums": checksums, "per_gpu_checksum": overall,
+             "parallelism_info": {"tp_rank": r, "tp_size": s.tp_size, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                                  "pp_size": 1, "rank": r, "size": s.tp_size}}
+            for r in range(s.tp_size)
+        ]  # fmt: skip
+        engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+        self._json(200, {"success": True, "message": "Success.", "ranks": ranks, "per_engine_checksum": engine})
 
     def init_weights_update_group(self, body, query):
         s = self.server.state
@@ -514,12 +823,12 @@ class Handler(BaseHTTPRequestHandler):
         if group is not None:
             tensors = _receive(body, group, s.group_devices[name])
             summary = _summarize(tensors)
-            if self.server.model is not None:
-                self.server.model.load(tensors)
+            skipped = self._load(tensors, "/update_weights_from_distributed")
         else:
             summary = {"names": names, "dtypes": dtypes, "shapes": shapes}
+            skipped = []
         with s.lock:
-            s.weights.append({"path": "/update_weights_from_distributed", **summary})
+            s.weights.append({"path": "/update_weights_from_distributed", **summary, "skipped": skipped})
             if body.get("weight_version") is not None:
                 s.weight_version = body["weight_version"]
         self._json(200, {"success": True, "message": "Succeeded to update parameter online."})
@@ -560,6 +869,12 @@ class Handler(BaseHTTPRequestHandler):
         if not set(tags) <= MEMORY_TAGS:
             return self._json(400, {"error": {"message": f"unknown tags {sorted(set(tags) - MEMORY_TAGS)}"}})
         with s.lock:
+            if release and s.running:  # SchedulerWeightUpdaterManager.release_memory_occupation's assert (:187)
+                raise SchedulerCrash(
+                    "AssertionError: release_memory_occupation should be called only when server is idle."
+                )
+            if not release and not set(tags) <= s.released:  # offload_tags.remove(tag) of resume (:238)
+                raise SchedulerCrash(f"KeyError: {sorted(set(tags) - s.released)[0]!r}")
             (s.released.update if release else s.released.difference_update)(tags)
         if self.server.model is not None and not release:
             self.server.model.resumed(tags)
@@ -580,6 +895,14 @@ class Handler(BaseHTTPRequestHandler):
     def fake_weights(self, body, query):
         with self.server.state.lock:
             self._json(200, self.server.state.weights)
+
+    def fake_log(self, body, query):
+        with self.server.state.lock:
+            self._json(200, self.server.state.log)
+
+    def fake_skipped(self, body, query):
+        with self.server.state.lock:
+            self._json(200, self.server.state.skipped)
 
 
 ROUTES = {
@@ -602,7 +925,26 @@ ROUTES = {
     ("POST", "/_fake/inject"): Handler.fake_inject,
     ("GET", "/_fake/calls"): Handler.fake_calls,
     ("GET", "/_fake/weights"): Handler.fake_weights,
+    ("GET", "/_fake/log"): Handler.fake_log,
+    ("GET", "/_fake/skipped"): Handler.fake_skipped,
+    ("GET", "/get_weights_by_name"): Handler.get_weights_by_name,
+    ("POST", "/get_weights_by_name"): Handler.get_weights_by_name,
+    ("GET", "/weights_checker"): Handler.weights_checker,
+    ("POST", "/weights_checker"): Handler.weights_checker,
 }
+
+
+TEXT = "text/plain; charset=utf-8"
+FLUSHED = (
+    b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the "
+    b"operation will not be performed.)\n"
+)
+
+
+def error_response(message: str, kind: str, code: int) -> dict[str, Any]:
+    """0.5.16's `ErrorResponse` (srt/entrypoints/openai/protocol.py:88), the body of its HTTPException and validation
+    error handlers."""
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
 def _require_fields(body: Any, allowed: frozenset[str] | set[str], cls: str) -> None:
@@ -636,8 +978,12 @@ class ServerModel(Protocol):
         """(output ids, their logprobs, finish_reason, the prompt ids the server used); BadRequest on bad input."""
         ...
 
+    def names(self) -> set[str]:
+        """The HF names of the model's tensors (what `load` takes; the stand-in skips any other name)."""
+        ...
+
     def load(self, named_tensors: list) -> None:
-        """Copy these (name, tensor) pairs into the weights."""
+        """Copy these (name, tensor) pairs into the weights (all names are known: see `names`)."""
         ...
 
     def resumed(self, tags: list[str]) -> None:
@@ -668,6 +1014,16 @@ class FakeHTTPServer(ThreadingHTTPServer):
         self.journal_path = None if journal_dir is None else Path(journal_dir) / f"sglang_{address[1]}.jsonl"
         self._journal_lock = threading.Lock()
         super().__init__(address, Handler)
+
+    def log(self, line: str) -> None:
+        """A line of the server's log: kept in `state.log` (GET /_fake/log), on stderr when this is a process, and in
+        the journal."""
+        with self.state.lock:
+            self.state.log.append(line)
+        if self.state.allow_exit:
+            sys.stderr.write(f"fake-sglang: {line}\n")
+            sys.stderr.flush()
+        self.journal({"log": line})
 
     def journal(self, record: dict[str, Any]) -> None:
         """Append one JSON line (with this process's pid) to the journal file, when there is one."""
@@ -756,6 +1112,9 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     parser.add_argument("--config")
     parser.add_argument("--api-key")
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--mm-process-config", default=None, help="JSON; its image min/max pixels are used")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--rl-on-policy-target", default=None, help="0.5.16 turns deterministic inference on with it")
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
@@ -772,10 +1131,14 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
 
         with open(args.config) as f:
             api_key = (yaml.safe_load(f) or {}).get("api-key", api_key)
+    image = (json.loads(args.mm_process_config) if args.mm_process_config else {}).get("image", {})
     state = FakeState(
         model_path=args.model_path,
         api_key=api_key,
         tp_size=args.tp_size,
+        deterministic=args.enable_deterministic_inference or args.rl_on_policy_target is not None,
+        image_min_pixels=int(image.get("min_pixels", DEFAULT_MIN_PIXELS)),
+        image_max_pixels=int(image.get("max_pixels", DEFAULT_MAX_PIXELS)),
         weight_version=args.weight_version,
         initial_weight_version=args.weight_version,
         startup_delay_s=args.fake_startup_delay,

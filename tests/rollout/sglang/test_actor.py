@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
+from miles_vl.rollout.sglang.actor import deterministic_inference
 from miles_vl.rollout.types import SamplingParams
-from tests.rollout.sglang.conftest import TOKENS, free_port, make_prompt
+from tests.rollout.sglang.conftest import MAX_PIXELS, MIN_PIXELS, TOKENS, free_port, make_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -24,7 +25,13 @@ PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=3)
 def host(tmp_path, *, extra_args=(), **kwargs) -> SGLangRolloutHost:
     """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang."""
     spec = ServerSpec(
-        model_path="/ckpt/m", port=free_port(), api_key="k3y", weight_version="base", extra_args=tuple(extra_args)
+        model_path="/ckpt/m",
+        port=free_port(),
+        api_key="k3y",
+        weight_version="base",
+        image_min_pixels=MIN_PIXELS,
+        image_max_pixels=MAX_PIXELS,
+        extra_args=("--enable-deterministic-inference", *extra_args),  # responses are compared across restarts
     )
     kwargs.setdefault("max_restarts", 2)
     return SGLangRolloutHost(
@@ -58,6 +65,7 @@ def test_host_serves_with_the_real_argv_and_api_key(tmp_path):
         groups = h.generate([make_prompt([1, 2], 1), make_prompt([3])], PARAMS)
         assert [len(g) for g in groups] == [2, 2]
         assert h.health() and h.restarts == 0
+        assert h.engine.deterministic  # --enable-deterministic-inference in the server's flags: seeds count
         calls = h.client.get_json("/_fake/calls")
         assert {c["path"] for c in calls} >= {"/health_generate", "/generate"}
         assert all(c["auth"] for c in calls)  # the key from the config file is enforced, and the client sends it
@@ -106,6 +114,15 @@ def test_a_relaunch_after_a_sync_refuses_to_generate_until_the_next_sync(tmp_pat
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(SGLangServerDiedError, match="(?s)died while starting.*scheduled exit"):
         host(tmp_path, extra_args=("--fake-startup-delay", "30", "--fake-exit-after", "0.2"))
+
+
+def test_which_server_flags_make_the_seed_count():
+    """0.5.16 honours sampling_seed with --enable-deterministic-inference, and --rl-on-policy-target turns that on."""
+    assert deterministic_inference(("--log-level", "info", "--enable-deterministic-inference"))
+    assert deterministic_inference(("--rl-on-policy-target", "fsdp")) and deterministic_inference(
+        ("--rl-on-policy-target=fsdp",)
+    )
+    assert not deterministic_inference(("--log-level", "info")) and not deterministic_inference(())
 
 
 def test_the_ray_actor_class_wraps_the_host_without_starting_ray():

@@ -5,6 +5,7 @@ and health checks need none (SGLang 0.5.16 auth)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -90,10 +91,83 @@ def test_flush_cache_passes_its_timeout_and_memory_calls_accept_null(fake):
     client = quick_client(fake.url)
     client.flush_cache(timeout_s=12.5)
     client.release_memory_occupation(["kv_cache"])
+    client.resume_memory_occupation(["kv_cache"])
+    client.release_memory_occupation()
     client.resume_memory_occupation()
     calls = fake.calls
     assert [(c["method"], c["path"], c["query"], c["body"]) for c in calls] == [
         ("POST", "/flush_cache", {"timeout": "12.5"}, None),
         ("POST", "/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
+        ("POST", "/resume_memory_occupation", {}, {"tags": ["kv_cache"]}),
+        ("POST", "/release_memory_occupation", {}, {"tags": None}),
         ("POST", "/resume_memory_occupation", {}, {"tags": None}),
     ]
+    assert not fake.state.dead and fake.state.released == set()
+
+
+def _busy(fake, seconds: float) -> threading.Thread:
+    """A /generate that runs for `seconds` (a delay fault), started in a thread; returns once the server counts it."""
+    fake.inject("/generate", "delay", seconds)
+    thread = threading.Thread(
+        target=quick_client(fake.url, timeout_s=30).generate,
+        args=({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},),
+    )
+    thread.start()
+    deadline = time.monotonic() + 5
+    while fake.state.running == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return thread
+
+
+def test_flush_cache_is_refused_while_requests_run_as_0_5_16_refuses_it(fake):
+    """0.5.16 flushes only an idle server (flush_wrapper.py): with timeout 0 a busy server answers 400 "Flush cache
+    failed.", with a timeout it waits and answers 400 "Timed out waiting for idle state." if still busy, and flushes as
+    soon as the requests are done; a refusal is not retried and says what to do; a negative timeout is a 400 too."""
+    client = quick_client(fake.url)
+    thread = _busy(fake, 1.5)
+    with pytest.raises(SGLangRequestError, match=r"HTTP 400: Flush cache failed\..*no request is running or waiting"):
+        client.flush_cache(timeout_s=0)
+    with pytest.raises(SGLangRequestError, match=r"HTTP 400: Timed out waiting for idle state.*after waiting 0.2s"):
+        client.flush_cache(timeout_s=0.2)
+    start = time.monotonic()
+    client.flush_cache(timeout_s=10)  # waits for the request, then flushes
+    assert time.monotonic() - start < 5 and fake.state.running == 0
+    thread.join()
+    assert [c["path"] for c in fake.calls].count("/flush_cache") == 3  # each refusal was sent once
+    with pytest.raises(SGLangRequestError, match="HTTP 400: query.timeout: Input should be greater than or equal to 0"):
+        client.flush_cache(timeout_s=-1)
+
+
+def test_release_and_resume_are_never_sent_twice(fake):
+    """Neither is idempotent in 0.5.16 (a second resume raises KeyError in the scheduler, which kills the server), so a
+    5xx or a timeout is reported, not retried."""
+    client = quick_client(fake.url, max_retries=3)
+    for path, call in (
+        ("/release_memory_occupation", client.release_memory_occupation),
+        ("/resume_memory_occupation", client.resume_memory_occupation),
+    ):
+        fake.inject(path, "status", 503)
+        with pytest.raises(SGLangUnavailableError, match=r"failed 1 time\(s\).*not retried"):
+            call()
+        assert fake.paths().count(path) == 1
+
+
+def test_a_busy_release_or_a_resume_of_unreleased_memory_kills_the_server(fake):
+    """The stand-in's model of 0.5.16's scheduler: release while a request runs fails its idle assert, resume of a tag
+    never released fails `offload_tags.remove`; either exception kills the whole server (no answer, then nothing)."""
+    client = quick_client(fake.url, max_retries=0)
+    thread = _busy(fake, 0.5)
+    with pytest.raises(SGLangUnavailableError, match="RemoteProtocolError"):
+        client.release_memory_occupation()
+    thread.join()
+    assert (
+        fake.state.dead
+        and "AssertionError: release_memory_occupation should be called only when server is idle."
+        in (fake.state.log[-2])
+    )
+    assert not quick_client(fake.url).is_healthy()
+    with FakeSGLang() as fresh:
+        with pytest.raises(SGLangUnavailableError):
+            quick_client(fresh.url, max_retries=0).resume_memory_occupation(["weights"])
+        assert fresh.state.dead and "KeyError: 'weights'" in fresh.state.log[-2]

@@ -7,6 +7,9 @@ release/resume is refused when it cannot work and leaves the engine refusing to 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -14,12 +17,13 @@ from miles_vl.rollout.sglang import (
     EngineStateError,
     PromptMismatchError,
     SGLangError,
+    SGLangRequestError,
     SGLangRolloutEngine,
     WeightVersionError,
 )
 from miles_vl.rollout.types import RolloutEngine, SamplingParams
-from tests.rollout.sglang.conftest import EOS, TOKENS, make_prompt, quick_client
-from tests.rollout.sglang.fake_server import fake_tokens
+from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
+from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
 
 
 def engine(fake, **kwargs) -> SGLangRolloutEngine:
@@ -38,8 +42,17 @@ def generate_bodies(fake) -> list[dict]:
     return [c["body"] for c in fake.calls if c["path"] == "/generate"]
 
 
-def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(fake):
-    eng: RolloutEngine = engine(fake)
+@pytest.fixture
+def deterministic_fake():
+    """A stand-in run with --enable-deterministic-inference: its answers are a function of the request's seed."""
+    with FakeSGLang(weight_version="base", image_min_pixels=MIN_PIXELS, image_max_pixels=MAX_PIXELS,
+                    deterministic=True) as server:  # fmt: skip
+        yield server
+
+
+def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(deterministic_fake):
+    fake = deterministic_fake
+    eng: RolloutEngine = engine(fake, deterministic=True)
     ps = prompts()
     params = SamplingParams(n=3, max_new_tokens=6, temperature=0.9, seed=11)
     groups = eng.generate(ps, params)
@@ -53,19 +66,23 @@ def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(fake):
         assert set(body["sampling_params"]["logit_bias"]) == {str(t) for t in (151655, 151656, 151652, 151653)}
     by_request = {(tuple(b["input_ids"]), b["sampling_params"]["sampling_seed"]): b for b in bodies}
     assert len(by_request) == 9  # every sample has its own seed
-    for p, group in zip(ps, groups, strict=True):
-        ids = tuple(p.prompt_ids.tolist())
-        sent = [b for (i, _), b in by_request.items() if i == ids]
+    # What goes over the wire: each image block collapsed to one <|image_pad|> (SGLang 0.5.16 expands it again).
+    vs, pad, ve = 151652, 151655, 151653
+    request_ids = [(11, 12, vs, pad, ve), (21, 22, 23), (31, vs, pad, ve, vs, pad, ve)]
+    for p, wire, group in zip(ps, request_ids, groups, strict=True):
+        sent = [b for (i, _), b in by_request.items() if i == wire]
         assert len(sent) == 3 and all(len(b.get("image_data", [])) == len(p.images) for b in sent)
-        # Each generation is exactly what the server produced for one of this prompt's requests.
-        expected = {tuple(fake_tokens(list(ids), b["sampling_params"], "base")[0]) for b in sent}
+        # Each generation is exactly what the server produced for one of this prompt's requests, from the
+        # canonical (expanded) prompt it rebuilt.
+        ids = p.prompt_ids.tolist()
+        expected = {tuple(fake_tokens(ids, b["sampling_params"], "base")[0]) for b in sent}
         assert {tuple(g.response_ids.tolist()) for g in group} == expected
         for g in group:
             assert g.logprobs.shape == g.response_ids.shape and bool((g.logprobs <= 0).all())
             assert (g.finish_reason == "stop") == (int(g.response_ids[-1]) == EOS)
             assert g.finish_reason == "stop" or len(g.response_ids) == 6
 
-    again = eng.generate(ps, params)  # same seed, same prompts, same weights: same responses (deterministic server)
+    again = eng.generate(ps, params)  # same seed, same prompts, same weights: same responses (deterministic mode)
     assert [[g.response_ids.tolist() for g in gs] for gs in again] == [
         [g.response_ids.tolist() for g in gs] for gs in groups
     ]
@@ -102,7 +119,7 @@ def test_invalid_sampling_parameters_are_rejected_before_sending(fake):
 
 def test_colocated_weight_sync_sequence_and_payloads(fake):
     fake.state.tp_size = 2
-    eng = engine(fake, tp_size=2, weight_bucket_bytes=64)
+    eng = engine(fake, tp_size=2, weight_bucket_bytes=64, verify_weights=False)  # verification: test_verify.py
     g = torch.Generator().manual_seed(0)
     tensors = [
         ("model.language_model.layers.0.mlp.up_proj.weight", torch.randn(4, 3, generator=g)),  # 48 B
@@ -183,7 +200,7 @@ def test_a_sync_bucket_by_bucket_and_a_restart_in_its_middle(fake):
     """Buckets handed over one call at a time (as the driver streams them from the trainer) make the same calls as
     `load_weights`; a server restart between two buckets voids the sync (its earlier buckets are lost), so the rest of
     it is refused until it begins again, and generate refuses until a sync completes."""
-    eng = engine(fake)
+    eng = engine(fake, verify_weights=False)  # the bare call sequence; verification: test_verify.py
     params = SamplingParams(max_new_tokens=2)
     eng.begin_weight_sync()
     with pytest.raises(EngineStateError, match="weight sync started and did not complete"):
@@ -210,3 +227,98 @@ def test_a_sync_bucket_by_bucket_and_a_restart_in_its_middle(fake):
     assert len(eng.generate([make_prompt([1])], params)[0]) == 1
     with pytest.raises(EngineStateError, match="without begin_weight_sync"):
         eng.load_weight_bucket([("a", torch.ones(2))])
+
+
+def test_aborts_answered_with_400_500_or_503(fake):
+    """0.5.16 turns a scheduler abort with a status code into an HTTP error (tokenizer_manager.py:1438): 503 (waiting
+    or running timeout) and 500 (out of memory) are transient, so the request is sent again and succeeds; 400 (e.g. an
+    over-long input) is the request's fault, so it fails at once with the server's words."""
+    eng = engine(fake)
+    prompt = make_prompt([5, 6])
+    fake.inject("/generate", "abort_status", 503)
+    fake.inject("/generate", "abort_status", 500)
+    [[gen]] = eng.generate([prompt], SamplingParams(n=1, max_new_tokens=4))
+    assert len(generate_bodies(fake)) == 3 and gen.response_ids.numel() >= 1
+    fake.inject("/generate", "abort_status", 503, times=3)  # every attempt
+    with pytest.raises(SGLangError, match=r"failed 3 time\(s\); last error: HTTP 503: Request waiting timeout reached"):
+        eng.generate([prompt], SamplingParams(n=1, max_new_tokens=4))
+    before = len(generate_bodies(fake))
+    fake.inject("/generate", "abort_status", 400)
+    with pytest.raises(SGLangRequestError, match=r"HTTP 400: Input length \(9000 tokens\) exceeds the maximum") as e:
+        eng.generate([prompt], SamplingParams(n=1, max_new_tokens=4))
+    assert e.value.status_code == 400 and len(generate_bodies(fake)) == before + 1
+
+
+def test_release_refuses_a_busy_server_instead_of_crashing_it(fake):
+    """0.5.16 kills itself when memory is released while a request runs (an assert in its scheduler). The engine
+    flushes with a timeout first; a refused flush means the server is still busy, so it refuses to release, says why,
+    and leaves the server alive and resident."""
+    eng = engine(fake, memory_saver=True, flush_timeout_s=0.2)
+    fake.inject("/generate", "delay", 1.5)
+    busy = threading.Thread(target=eng.generate, args=([make_prompt([1])], SamplingParams(max_new_tokens=2)))
+    busy.start()
+    while fake.state.running == 0:
+        time.sleep(0.01)
+    with pytest.raises(EngineStateError, match=r"release_memory\(\) refused: .*Timed out waiting for idle state"):
+        eng.release_memory()
+    assert not eng.released and not fake.state.dead and fake.state.released == set()
+    assert "/release_memory_occupation" not in fake.paths()
+    busy.join()
+    eng.release_memory()  # idle now
+    assert eng.released and fake.state.released == {"kv_cache", "weights", "cuda_graph"}
+    eng.resume_memory()
+    eng.resume_memory()  # not released any more: nothing is sent (a second resume would kill the server)
+    assert fake.paths().count("/resume_memory_occupation") == 1 and not fake.state.dead
+
+
+def test_a_sync_whose_flush_is_refused_can_be_finished_again(fake):
+    """The weights landed and were labelled, but the prefix cache of the old weights is still there: generate stays
+    refused and `finish_weight_sync` can be called again; once the server is idle it completes."""
+    eng = engine(fake, flush_timeout_s=0.2)
+    eng.begin_weight_sync()
+    eng.load_weight_bucket([("a", torch.ones(2))])
+    fake.inject("/flush_cache", "status", 400)
+    with pytest.raises(EngineStateError, match=r"could not be dropped.*call it again once the server is idle"):
+        eng.finish_weight_sync("step-1")
+    with pytest.raises(EngineStateError, match="weight sync started and did not complete"):
+        eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))
+    assert eng.finish_weight_sync("step-1").weight_version == "step-1"
+    assert len(eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))[0]) == 1
+
+
+def test_the_seed_counts_only_with_deterministic_inference(fake, deterministic_fake, caplog):
+    """0.5.16 ignores `sampling_seed` unless the server runs with --enable-deterministic-inference: the same sampled
+    request gives other responses each time (greedy ones do not change), and the engine says so once; with the flag the
+    seed decides the responses and the engine does not warn."""
+    prompt, sampled = make_prompt([3, 4], 1), SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=5)
+    eng = engine(fake)
+    with caplog.at_level("WARNING", logger="miles_vl.rollout.sglang.engine"):
+        first, second = (responses(eng.generate([prompt], sampled)) for _ in range(2))
+    assert first != second
+    assert sum("ignores sampling_seed" in r.message for r in caplog.records) == 1  # once per engine
+    greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    assert responses(eng.generate([prompt], greedy)) == responses(eng.generate([prompt], greedy))
+
+    caplog.clear()
+    det = engine(deterministic_fake, deterministic=True)
+    with caplog.at_level("WARNING", logger="miles_vl.rollout.sglang.engine"):
+        assert responses(det.generate([prompt], sampled)) == responses(det.generate([prompt], sampled))
+    assert not caplog.records
+    other_seed = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=6)
+    assert responses(det.generate([prompt], other_seed)) != responses(det.generate([prompt], sampled))
+
+
+def test_min_p_with_a_seed_kills_a_deterministic_server_and_the_engine_never_sends_it(deterministic_fake):
+    """The one sampling combination 0.5.16 asserts on in deterministic mode is `min_p > 0` (sampler.py:570, in the
+    scheduler: the server dies). The stand-in models it; the engine's requests carry no min_p at all."""
+    det = engine(deterministic_fake, deterministic=True)
+    det.generate([make_prompt([1])], SamplingParams(max_new_tokens=2, top_p=0.9, top_k=20))  # top-p/top-k are fine
+    assert all("min_p" not in b["sampling_params"] for b in generate_bodies(deterministic_fake))
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_p": 0.1}}
+    with pytest.raises(SGLangError, match="RemoteProtocolError"):
+        quick_client(deterministic_fake.url, max_retries=0).generate(body)
+    assert deterministic_fake.state.dead and "multinomial_with_seed" in deterministic_fake.state.log[-2]
+
+
+def responses(groups) -> list[list[list[int]]]:
+    return [[g.response_ids.tolist() for g in gs] for gs in groups]

@@ -20,6 +20,7 @@ from miles_vl.rollout.sglang.generate import (
     image_data_url,
     parse_generate_response,
     prompt_images,
+    request_input_ids,
     sampling_seed,
 )
 from miles_vl.rollout.types import SamplingParams
@@ -55,6 +56,25 @@ def test_payload_is_exactly_the_intended_request():
     text_only = build_generate_payload([7], [], SamplingParams(top_k=0), seed=0, stop_token_ids=[EOS])
     assert "image_data" not in text_only and "logit_bias" not in text_only["sampling_params"]
     assert text_only["sampling_params"]["top_k"] == -1  # SGLang: -1 disables top-k, 0 is rejected
+
+
+VS, PAD, VE = 151652, 151655, 151653  # Qwen3-VL <|vision_start|>, <|image_pad|>, <|vision_end|>
+
+
+def test_request_ids_collapse_each_image_block_to_one_pad():
+    """Contract: every run of `<|image_pad|>` (one image's expanded block) becomes one pad, everything else is kept
+    verbatim and in order; the number of runs must equal the number of images sent. Expected ids written out."""
+    ids = [1, 2, VS, PAD, PAD, PAD, VE, 3, VS, PAD, PAD, VE, 4]
+    assert request_input_ids(ids, PAD, 2) == [1, 2, VS, PAD, VE, 3, VS, PAD, VE, 4]
+    # adjacent blocks (no text between them) stay two blocks: <|vision_end|><|vision_start|> separates the runs
+    adjacent = [VS, PAD, PAD, PAD, PAD, VE, VS, PAD, VE, VS, PAD, PAD, VE]
+    assert request_input_ids(adjacent, PAD, 3) == [VS, PAD, VE, VS, PAD, VE, VS, PAD, VE]
+    assert request_input_ids([5, 6, 7], PAD, 0) == [5, 6, 7]  # text only: unchanged
+    assert request_input_ids([VS, PAD, VE], PAD, 1) == [VS, PAD, VE]  # already one pad: unchanged
+    with pytest.raises(ValueError, match=r"2 block\(s\) of image tokens \(151655\) but 1 image\(s\)"):
+        request_input_ids(ids, PAD, 1)
+    with pytest.raises(ValueError, match=r"0 block\(s\) of image tokens .* but 1 image\(s\)"):
+        request_input_ids([1, 2], PAD, 1)
 
 
 def test_sampling_seeds_are_distinct_per_sample_and_reproducible():
