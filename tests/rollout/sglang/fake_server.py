@@ -998,6 +998,9 @@ class ServerModel(Protocol):
 class FakeHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # The engine opens up to 128 connections at once (one per sample); socketserver's default backlog of 5 resets
+    # the rest (ECONNRESET, then client retries). SGLang's uvicorn listens with a backlog of 2048.
+    request_queue_size = 2048
 
     def __init__(
         self,
