@@ -151,3 +151,39 @@ def test_nccl_path_end_to_end_over_gloo():
         for s in servers:
             s.kill()
             s.wait(timeout=10)
+
+
+def test_cuda_tensors_name_their_gpu_by_uuid_not_index(monkeypatch):
+    """The colocated payload must carry the GPU's UUID where torch writes the device index (issue 20.8: a payload
+    with the index survived the CPU suite). The trainer's engine actor and the SGLang server see different
+    CUDA_VISIBLE_DEVICES, so index 3 here can be another GPU there. Without a GPU, torch's CUDA reduction is stood in
+    by a function of the same name and argument layout, checked against torch's own `rebuild_cuda_tensor`."""
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    from miles_vl.rollout.sglang import weights
+
+    # the slot we rewrite is torch's `storage_device` (an independent reading of torch's signature)
+    params = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert params[weights._CUDA_DEVICE_ARG] == "storage_device"
+
+    def rebuild_cuda_tensor(*args):  # the name the reducer looks for
+        raise AssertionError("never rebuilt here")
+
+    args = tuple(f"arg{i}" for i in range(len(params)))
+    args = (*args[: weights._CUDA_DEVICE_ARG], 3, *args[weights._CUDA_DEVICE_ARG + 1 :])
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (rebuild_cuda_tensor, args))
+    seen = []
+
+    class Props:
+        def __init__(self, index):
+            seen.append(index)
+            self.uuid = f"GPU-uuid-of-{index}"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
+    rebuild, out = weights._reduce_tensor_with_uuid(torch.zeros(1))
+    assert rebuild is rebuild_cuda_tensor and seen == [3]
+    assert out[weights._CUDA_DEVICE_ARG] == "GPU-uuid-of-3"
+    assert out[: weights._CUDA_DEVICE_ARG] == args[: weights._CUDA_DEVICE_ARG]
+    assert out[weights._CUDA_DEVICE_ARG + 1 :] == args[weights._CUDA_DEVICE_ARG + 1 :]
