@@ -11,7 +11,9 @@ Each case spawns one process per GPU (world = tp * cp). In that one spawn:
 2. layout under test: TP=tp (sequence parallel on when tp > 1), CP=cp: compute_logprobs and train() on the same
    samples; loss and gradient norm within bf16 noise of the reference (rel 2e-2), per-sample logprobs within
    0.1 mean absolute difference;
-3. checkpoint: save, take another step, load, and the logprobs and the next step repeat those after the save.
+3. checkpoint: save, take another step, load, and the logprobs and the next step repeat those after the save;
+4. negative control at the same 0.1 bound: the layout fed contiguous-block positions (the full row's positions cut
+   into C blocks instead of the zigzag chunks) must be off by more than 0.1 (not run yet: it needs 2 GPUs).
 
 Self-contained: a tiny random Qwen3-VL (deepstack into both language layers, GQA, interleaved MRoPE, large init std
 0.2 so that positions matter) written with transformers' `save_pretrained`, and its samples, are built here. Prints
@@ -150,10 +152,39 @@ def _phase(hf_dir: str, tp: int, cp: int, samples, *, export: bool, checkpoint_d
     return out
 
 
+def _contiguous_block_logprobs(hf_dir: str, tp: int, cp: int, samples) -> list[torch.Tensor]:
+    """The negative control: the layout under test fed the full row's positions cut into C contiguous blocks instead
+    of the zigzag chunks (positions that belong to other tokens: the layout bug CP integrations make)."""
+    import megatron.core.parallel_state as ps
+
+    from miles_vl.train.megatron import build_megatron_backend, step
+
+    real = step.model_inputs
+
+    def contiguous(mb, device, **kw):
+        out = real(mb, device, **kw)
+        local = mb.num_local_tokens
+        rank = ps.get_context_parallel_rank()
+        out["position_ids"] = mb.packed.position_ids[:, rank * local : (rank + 1) * local][:, None, :].to(device)
+        return out
+
+    step.model_inputs = contiguous
+    try:
+        backend = build_megatron_backend(hf_dir, _tokens(), tp=tp, cp=cp, sp=tp > 1, bf16=True, seed=0, **OPTIONS)
+        logprobs = backend.compute_logprobs(samples)
+    finally:
+        step.model_inputs = real
+    del backend
+    ps.destroy_model_parallel()
+    torch.cuda.empty_cache()
+    return logprobs
+
+
 def job(ctx: RankContext, hf_dir: str, tp: int, cp: int, checkpoint_dir: str) -> dict:
     samples = make_samples()
     reference = _phase(hf_dir, 1, 1, samples, export=True, checkpoint_dir=None)  # export is collective
     layout = _phase(hf_dir, tp, cp, samples, export=False, checkpoint_dir=checkpoint_dir)
+    layout["contiguous_logprobs"] = _contiguous_block_logprobs(hf_dir, tp, cp, samples)
     if ctx.rank != 0:
         reference.pop("export")
     return {"reference": reference, "layout": layout}
@@ -184,12 +215,14 @@ def test_megatron_train_step_matches_across_layouts(tmp_path, tp, cp):
     assert not different, different
 
     lp_diff = [float((a - b).abs().mean()) for a, b in zip(got["logprobs"], ref["logprobs"], strict=True)]
+    wrong = [float((a - b).abs().mean()) for a, b in zip(got["contiguous_logprobs"], ref["logprobs"], strict=True)]
     report = {
         "tp": tp,
         "cp": cp,
         "loss": (got["train"]["train/loss"], ref["train"]["train/loss"]),
         "grad_norm": (got["train"]["train/grad_norm"], ref["train"]["train/grad_norm"]),
         "logprob_mean_abs_diff": max(lp_diff),
+        "contiguous_positions_logprob_diff": max(wrong),
         "loaded_logprobs_diff": got["loaded_logprobs_diff"],
         "after_save_vs_after_load": (got["after_save"]["train/loss"], got["after_load"]["train/loss"]),
     }
@@ -200,6 +233,8 @@ def test_megatron_train_step_matches_across_layouts(tmp_path, tp, cp):
         assert r["layout"]["train"] == got["train"]
     # bf16 noise of this tiny model (init std 0.2: logits of tens): measured 0.033 (CP=2), 0.055 (TP=2 x CP=2, SP)
     assert max(lp_diff) < 0.1
+    # the negative control at the same bound (issue 20.6): positions of other tokens are far outside it
+    assert max(wrong) > 0.1, wrong
     assert _rel(got["train"]["train/loss"], ref["train"]["train/loss"]) < REL_TOL
     assert _rel(got["train"]["train/grad_norm"], ref["train"]["train/grad_norm"]) < REL_TOL
     assert got["train"]["train/n_loss_tokens"] == ref["train"]["train/n_loss_tokens"]

@@ -81,7 +81,8 @@ def test_megatron_cp2_job_matches_the_torch_backend(bridge, tmp_path, checkpoint
     assert {"train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"} <= set(train_keys)
     for key in train_keys:
         print(f"{key}: megatron {m[key]:.8g} torch {t[key]:.8g}")
-        assert math.isclose(m[key], t[key], rel_tol=1e-3, abs_tol=1e-5), (key, m[key], t[key])
+        assert math.isclose(m[key], t[key], rel_tol=1e-5, abs_tol=1e-6), (key, m[key], t[key])  # fp32 noise
+    assert math.isclose(m["train/grad_norm"], t["train/grad_norm"], rel_tol=1e-6)  # measured 5e-8
     assert 0 <= m["train/tokens"] - t["train/tokens"] < 8 * 2 * 2  # < 2*cp pads per sample and row (4 + <4 rows)
     assert m["train/grad_norm"] > 0 and m["train/optimizer_steps"] == 1
 
