@@ -139,6 +139,7 @@ class Job:
     eval_set: PromptDataset | None
     reward_fn: object
     completed_steps: int = 0
+    saved_step: int | None = None  # the newest step this job saved or resumed from: never saved again
     sinks: Sinks | None = None
     progress: Progress | None = None
     rollout: RolloutEngines | None = None
@@ -293,6 +294,8 @@ class Job:
         return out
 
     def save(self, step: int) -> None:
+        if step == self.saved_step:
+            return
         state = {
             "data": self.train_set.state_dict(),
             "engine_restarts": self.rollout.restarts(),
@@ -306,12 +309,13 @@ class Job:
             self.trainer.save_checkpoint,
             keep_last=self.cfg.checkpoint.keep_last,
         )
+        self.saved_step = step
 
     def restore(self, path: Path) -> int:
         state = read_driver_state(path)
         self.trainer.load_checkpoint(path)
         self.train_set.load_state_dict(state["data"])
-        self.completed_steps = state["step"]
+        self.completed_steps = self.saved_step = state["step"]
         self.rollout.restarts_before = state["engine_restarts"]
         self.rollout.resyncs = state.get("weight_resyncs", 0)  # absent from checkpoints written before it existed
         self.rollout.sync_weights(weight_version(state["step"]))
