@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 import miles_vl
-from miles_vl.config import ConfigError, JobConfig, load_config
+from miles_vl.config import ConfigError, JobConfig, load_config, redacted
 from miles_vl.data import cli as data_cli
 from miles_vl.logs import setup_logging
 
@@ -51,9 +51,9 @@ def _load(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Print the resolved config (YAML) and the derived values, or the problems."""
+    """Print the resolved config (YAML, secrets redacted) and the derived values, or the problems."""
     cfg = _load(args)
-    resolved = cfg.model_dump(mode="json")
+    resolved = redacted(cfg)
     sys.stdout.write(yaml.safe_dump(resolved, sort_keys=False))
     sys.stdout.write("# derived\n" + yaml.safe_dump({"derived": cfg.derived()}, sort_keys=False))
     log.info("config OK: %s", args.config)

@@ -23,6 +23,14 @@ def test_check_prints_resolved_config_with_overrides(capsys):
     assert out["derived"]["samples_per_step"] == out["rollout"]["batch_size"] * 8
 
 
+def test_check_never_prints_a_secret(capsys):
+    """Issue 15.10: `miles-vl check` printed rollout.sglang.api_key in plain text."""
+    assert main(["check", TINY, "rollout.sglang.api_key=s3cret-value"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret-value" not in out
+    assert yaml.safe_load(out)["rollout"]["sglang"]["api_key"] == "<redacted>"
+
+
 def test_check_reports_errors_with_exit_2(capsys):
     assert main(["check", TINY, "rollout.temprature=0.5", "train.cp=2"]) == 2
     err = capsys.readouterr().err
