@@ -3,8 +3,11 @@
     miles-vl check configs/geo3k_tiny_cpu.yaml rollout.n_samples_per_prompt=8   # print the resolved config
     miles-vl train configs/geo3k_tiny_cpu.yaml                                 # run the RL job
 
-Every subcommand that takes a config accepts `key.sub=value` overrides after it. A config that does not
-validate prints every problem and exits with status 2 before anything starts (no Ray, no model).
+Every subcommand that takes a config accepts `key.sub=value` overrides after it. Bad input exits with status 2 and
+one message before anything starts (no Ray, no model): a config that does not validate (every problem listed), a
+dataset file that cannot be read, a reward that cannot be resolved or loaded, a checkpoint that cannot be resumed.
+`miles-vl train` stopped by SIGINT or SIGTERM writes the checkpoint of its last completed step and exits with
+128 + the signal number (130, 143); the same command resumes it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from collections.abc import Callable, Sequence
 import yaml
 
 import miles_vl
-from miles_vl.config import ConfigError, JobConfig, load_config
+from miles_vl.config import ConfigError, JobConfig, load_config, redacted
 from miles_vl.data import cli as data_cli
+from miles_vl.data.layouts import DataError
 from miles_vl.logs import setup_logging
 
 log = logging.getLogger("miles_vl")
@@ -51,9 +55,9 @@ def _load(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Print the resolved config (YAML) and the derived values, or the problems."""
+    """Print the resolved config (YAML, secrets redacted) and the derived values, or the problems."""
     cfg = _load(args)
-    resolved = cfg.model_dump(mode="json")
+    resolved = redacted(cfg)
     sys.stdout.write(yaml.safe_dump(resolved, sort_keys=False))
     sys.stdout.write("# derived\n" + yaml.safe_dump({"derived": cfg.derived()}, sort_keys=False))
     log.info("config OK: %s", args.config)
@@ -65,11 +69,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     try:
         from miles_vl.orchestration import run_job
+        from miles_vl.orchestration.checkpoint import CheckpointError
+        from miles_vl.orchestration.loop import JobInterrupted
+        from miles_vl.reward import RewardResolutionError, RewardWorkerError
     except ImportError as e:
         log.error("the training loop is not available in this build (%s)", e)
         return 1
-    run_job(cfg, config_path=args.config)
+    try:
+        run_job(cfg, config_path=args.config)
+    except (CheckpointError, RewardResolutionError, RewardWorkerError) as e:
+        return _bad_input(e)
+    except JobInterrupted as stop:
+        where = f"resume from step {stop.checkpoint} with the same command" if stop.checkpoint else "nothing to resume"
+        log.error("stopped by %s: %s", stop, where)
+        return 128 + stop.signum
     return 0
+
+
+def _bad_input(error: Exception) -> int:
+    sys.stderr.write(f"error: {error}\n")
+    return EXIT_CONFIG
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -151,9 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return args.handler(args)
-    except ConfigError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return EXIT_CONFIG
+    except (ConfigError, DataError) as e:
+        return _bad_input(e)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 OmegaConf loads, merges and resolves (`${...}` interpolations work); pydantic validates. Each problem names
 the dotted key, where it came from (the YAML file or the command line), what was expected and what was
-found, with a did-you-mean for misspelt keys.
+found, with a did-you-mean for misspelt keys. A key given twice in one mapping of the file is an error (YAML
+would keep the second silently), as is a file that is not UTF-8 text (the message gives the line). The value of a
+secret field (`schema.secret_field`) is never repeated in a message.
 
     cfg = load_config("configs/geo3k_tiny_cpu.yaml", ["rollout.n_samples_per_prompt=8"])
 """
@@ -22,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from miles_vl.config.schema import JobConfig, cross_field_errors
+from miles_vl.config.schema import REDACTED, JobConfig, cross_field_errors, secret_keys
 
 
 class ConfigError(ValueError):
@@ -56,10 +58,15 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
             near = difflib.get_close_matches(path.name, [p.name for p in path.parent.glob("*.yaml")], n=1)
             hint = f"; did you mean {path.parent / near[0]}?" if near else ""
         raise ConfigError([f"config file not found: {path}{hint}"])
-    text = path.read_text()
+    try:
+        text = decode_utf8(path.read_bytes(), path)
+    except OSError as e:
+        raise ConfigError([f"cannot read the config file: {e.strerror or e}"], str(path)) from None
+    except ValueError as e:
+        raise ConfigError([str(e)], str(path)) from None
     try:
         # yaml first for a precise line/column on syntax errors; OmegaConf then owns merging and interpolation.
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -118,6 +125,47 @@ def _cross_field_problems_without(raw: dict[str, Any], bad: list[tuple[str, ...]
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def decode_utf8(data: bytes, path: str | Path) -> str:
+    """`data` as UTF-8 text.
+
+    Raises:
+        ValueError: not UTF-8; the message names the file, the line and the byte.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}); save the file as UTF-8"
+        ) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (merge keys `<<` still override)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); YAML would keep only the "
+                "second: merge them into one",
+                key_node.start_mark,
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def _is_override(text: str) -> bool:
     key, sep, _ = text.partition("=")
     return bool(sep) and bool(key) and all(part.isidentifier() for part in key.split("."))
@@ -141,6 +189,8 @@ def _describe(err: dict[str, Any], source: str | None, override_keys: set[str]) 
     if kind == "missing":
         return f"missing required key '{key}'{origin}"
     msg = err["msg"]
+    if key in secret_keys():
+        return f"'{key}'{origin}: {msg} (value {REDACTED})"
     if kind == "value_error":
         msg = msg.removeprefix("Value error, ")
         if not key:  # cross-field rules: one line each

@@ -34,6 +34,10 @@ Cross-field rules (checked together with the field types):
 - GRPO needs `rollout.n_samples_per_prompt >= 2`.
 - `train.micro_batch_max_tokens` must hold one sample of `data.max_prompt_len + rollout.max_response_len`.
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
+
+Every float must be finite (`inf` and `nan` are refused), Adam's betas lie in [0, 1), a key given twice in one
+mapping of the YAML file is an error, and the file must be UTF-8. Secret fields (marked "Secret" below) are written
+as `<redacted>` in config.yaml, every checkpoint's driver.json, the wandb config and `miles-vl check`.
 """
 
 

@@ -7,17 +7,34 @@ errors into messages that name the key, the file and a did-you-mean.
 Cross-field rules live in `JobConfig._cross_checks` and are reported together with the per-field errors.
 Values that are derived (e.g. the data-parallel size) are exposed as properties and printed by
 `miles-vl check`, never written back over what the user gave.
+
+Every float must be finite (`inf`/`nan` are refused everywhere). A field made with `secret_field` (e.g.
+`rollout.sglang.api_key`) is never written out: `redacted(cfg)` is the config as every file, log, wandb and
+`miles-vl check` see it, with each secret that is set replaced by `REDACTED`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+REDACTED = "<redacted>"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def secret_field(description: str) -> Any:
+    """A `str | None` field whose value is never written out (`redacted`); the schema marks it once, here."""
+    return Field(
+        None, description=description + " Secret: written out as " + REDACTED + ".", json_schema_extra={"secret": True}
+    )
+
+
+def is_secret(field: Any) -> bool:
+    return bool((field.json_schema_extra or {}).get("secret"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -84,6 +101,11 @@ class DataConfig(_Section):
     max_prompt_len: int = Field(2048, gt=0, description="prompts longer than this (in tokens) are dropped.")
     min_pixels: int = Field(256 * 32 * 32, gt=0)
     max_pixels: int = Field(1024 * 32 * 32, gt=0)
+    max_image_pixels: int = Field(
+        50_000_000,
+        gt=0,
+        description="source images with more pixels are dropped (counted as image_too_large) before decoding.",
+    )
     shuffle: bool = True
 
     @model_validator(mode="after")
@@ -102,7 +124,9 @@ class DataConfig(_Section):
 class SGLangConfig(_Section):
     host: str = Field("127.0.0.1", description="bind address; anything else requires api_key.")
     port: int = Field(30000, gt=0, lt=65536, description="first port; engine i uses port + i.")
-    api_key: str | None = None
+    api_key: str | None = secret_field(
+        "bearer token the server demands; give it as ${oc.env:SGLANG_API_KEY} to keep it off the command line."
+    )
     mem_fraction_static: float = Field(0.6, gt=0.0, le=1.0)
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
@@ -157,6 +181,13 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Adam betas must each be in [0, 1), found {list(betas)}; e.g. [0.9, 0.999]")
+        return betas
 
 
 class TrainConfig(_Section):
@@ -217,7 +248,11 @@ class RewardConfig(_Section):
     name: str = Field("geo3k", description="registry name or `module:function`.")
     format_weight: float = Field(0.1, ge=0, le=1, description="overall = (1-w)*acc + w*format; 0 = binary.")
     format_pattern: str | None = Field(None, description="regex the whole response must match; null = default.")
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(
+        10.0, gt=0, description="time limit per response; a reward past it is killed with its worker and scores 0."
+    )
+    num_workers: int = Field(2, gt=0, description="processes that score responses (one sync call each at a time).")
+    async_concurrency: int = Field(32, gt=0, description="calls of an `async def` reward at once per worker.")
 
 
 class RayConfig(_Section):
@@ -384,3 +419,35 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
     if a.tis.enabled and r.backend == "hf" and r.temperature == 0:
         errors.append("algo.tis.enabled with greedy rollouts (rollout.temperature=0) has no sampling distribution")
     return errors
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# secrets
+
+
+def secret_keys(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[str]:
+    """Dotted keys of every secret field (`secret_field`) under `model`."""
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = (
+            field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else None
+        )
+        if sub is not None:
+            keys += secret_keys(sub, f"{prefix}{name}.")
+        elif is_secret(field):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def redacted(cfg: BaseModel) -> dict[str, Any]:
+    """`cfg.model_dump(mode="json")` with every secret that is set replaced by `REDACTED` (None stays None, so
+    that the dump still says whether a secret was given)."""
+    data = cfg.model_dump(mode="json")
+    for key in secret_keys(type(cfg)):
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        if node.get(leaf) is not None:
+            node[leaf] = REDACTED
+    return data

@@ -23,6 +23,7 @@ _EXPORTS = {
     "build_datasets": "builder",
     "PromptDataset": "dataset",
     "split_train_eval": "dataset",
+    "DataError": "layouts",
     "ImageError": "images",
     "image_ref": "images",
     "open_image": "images",
@@ -61,6 +62,7 @@ __all__ = [
     "LAYOUT_CHOICES",
     "OFFLINE",
     "OFFLINE_PROCESSOR_DIR",
+    "DataError",
     "DataSplits",
     "DropReason",
     "DroppedRow",
@@ -109,7 +111,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from miles_vl.data.builder import DataSplits, build_datasets
     from miles_vl.data.dataset import PromptDataset, split_train_eval
     from miles_vl.data.images import ImageError, image_ref, open_image
-    from miles_vl.data.layouts import LAYOUT_CHOICES, load_dataset_fn, read_records, resolve_layout
+    from miles_vl.data.layouts import LAYOUT_CHOICES, DataError, load_dataset_fn, read_records, resolve_layout
     from miles_vl.data.loading import load_prompt_file, load_prompt_records
     from miles_vl.data.offline_processor import OFFLINE_PROCESSOR_DIR, build_offline_processor
     from miles_vl.data.processor import OFFLINE, load_processor, processor_metadata, special_tokens

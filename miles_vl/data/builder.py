@@ -5,7 +5,8 @@
 
 Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated geo3k-style problems (`synth`, seeded by the job
 seed). Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted
-and logged (`LoadReport`); a training set with no usable row is an error.
+and logged (`LoadReport`); a training set with no usable row is an error. Every problem with the files is a
+`DataError` naming the file (the CLI exits with status 2 on it, before Ray starts).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from miles_vl.config.schema import DataConfig
 from miles_vl.data.dataset import PromptDataset, split_train_eval
-from miles_vl.data.layouts import load_dataset_fn
+from miles_vl.data.layouts import DataError, load_dataset_fn
 from miles_vl.data.loading import load_prompt_file, load_prompt_records
 from miles_vl.data.prompt import PromptEncoder
 from miles_vl.data.records import LoadReport, PromptRow
@@ -41,10 +42,10 @@ def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
         The train dataset (shuffled per `cfg.shuffle`), the eval dataset (load order) or None, and the load reports.
 
     Raises:
-        ValueError: both train_path and synthetic_n set; no usable training row; errors of the loaders.
+        DataError: both train_path and synthetic_n set; no usable training row; errors of the loaders.
     """
     if cfg.train_path and cfg.synthetic_n:
-        raise ValueError(
+        raise DataError(
             f"data.train_path={cfg.train_path!r} and data.synthetic_n={cfg.synthetic_n} are both set; "
             "set data.synthetic_n=0 to train on the file, or data.train_path=null for generated problems"
         )
@@ -56,6 +57,7 @@ def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
         answer_key=cfg.answer_key,
         image_key=cfg.image_key,
         dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
+        max_image_pixels=cfg.max_image_pixels,
     )
     if cfg.train_path:
         train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
@@ -66,10 +68,11 @@ def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
             max_prompt_len=cfg.max_prompt_len,
             source=f"synthetic(n={cfg.synthetic_n}, seed={seed})",
             layout="geometry3k",
+            max_image_pixels=cfg.max_image_pixels,
         )
     reports = [report]
     if not train_rows:
-        raise ValueError(f"no usable training rows: {report.summary()}; fix the data or the limits (see the log)")
+        raise DataError(f"no usable training rows: {report.summary()}; fix the data or the limits (see the log)")
     eval_rows: list[PromptRow] | None = None
     if cfg.eval_path:
         eval_rows, eval_report = load_prompt_file(cfg.eval_path, encoder, **file_kwargs)

@@ -83,6 +83,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         answer_key=data.answer_key,
         image_key=data.image_key,
         dataset_fn=load_dataset_fn(data.dataset_fn) if data.dataset_fn else None,
+        max_image_pixels=data.max_image_pixels,
     )
     out = sys.stdout.write
     meta = processor_metadata(processor)

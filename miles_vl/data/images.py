@@ -4,8 +4,10 @@
     ref = image_ref("images/12.png", base_dir=Path("data"))       # relative to the dataset file's folder
     img = open_image(ref)                                         # decoded, RGB
 
-Remote URLs (http, https, ftp, s3, gs) are rejected: training never downloads. Every failure is an `ImageError`
-carrying the `DropReason` the loader counts the row under (corrupt, missing or remote).
+Remote URLs (http, https, ftp, s3, gs) are rejected: training never downloads. An image with more pixels than
+`max_pixels` is refused from its header, before it is decoded (a 100-megapixel PNG would take 300 MB and more to
+decode; PIL only warns below 179 megapixels). Every failure is an `ImageError` carrying the `DropReason` the loader
+counts the row under (corrupt, missing, remote or too large).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,26 +72,45 @@ def image_ref(value: Any, base_dir: Path | None = None) -> ImageRef:
     raise ImageError(DropReason.CORRUPT_IMAGE, f"unsupported image value of type {type(value).__name__}")
 
 
-def open_image(ref: ImageRef) -> Image.Image:
+def open_image(ref: ImageRef, max_pixels: int | None = None) -> Image.Image:
     """Decode an image completely (truncated data fails here, not later) and convert it to RGB.
 
     Args:
         ref: encoded bytes or a local path, as returned by `image_ref`.
+        max_pixels: refuse an image with more pixels (width * height, from its header) before decoding it; None
+            leaves only PIL's own bound (179 megapixels).
 
     Returns:
         A loaded RGB `PIL.Image.Image`.
 
     Raises:
-        ImageError: MISSING_IMAGE when the file is gone, CORRUPT_IMAGE when the data does not decode.
+        ImageError: MISSING_IMAGE when the file is gone, IMAGE_TOO_LARGE above `max_pixels` (or PIL's bound),
+            CORRUPT_IMAGE when the data does not decode.
     """
     where = f"{len(ref)} bytes" if isinstance(ref, bytes) else str(ref)
     try:
-        with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as img:
-            img.load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is checked here instead
+            img = Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref)
+        with img:
+            width, height = img.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageError(
+                    DropReason.IMAGE_TOO_LARGE,
+                    f"image of {width}x{height} = {width * height / 1e6:.1f} megapixels ({where}) is above "
+                    f"data.max_image_pixels={max_pixels}; downscale it or raise the limit",
+                )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img.load()
             return img.convert("RGB")
+    except ImageError:
+        raise
     except FileNotFoundError as err:
         raise ImageError(DropReason.MISSING_IMAGE, f"image file not found: {ref}") from err
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+    except Image.DecompressionBombError as err:
+        raise ImageError(DropReason.IMAGE_TOO_LARGE, f"image above PIL's pixel bound ({where}): {err}") from err
+    except (OSError, ValueError, SyntaxError) as err:
         raise ImageError(DropReason.CORRUPT_IMAGE, f"cannot decode image ({where}): {err}") from err
 
 

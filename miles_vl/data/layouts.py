@@ -11,6 +11,10 @@ Files: `.parquet` (pyarrow) or `.jsonl` (one JSON object per line). Layouts:
 defaults (by the type of the first image value), else generic. Any image value `images.image_ref` understands works
 in every layout; the layout fixes the columns. A custom `dataset_fn` (`module:function`, see `load_dataset_fn`)
 maps each raw record to the geometry3k shape instead.
+
+A file that cannot be read (missing, not parquet, truncated, a jsonl line that is not UTF-8 or not a JSON object,
+missing columns) is a `DataError` that names the file (and the line); the CLI prints it and exits with status 2
+before Ray starts.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ GEO3K_KEYS = ("problem", "answer", "images")  # prompt, answer, image columns of
 
 # A custom row mapper: one raw record -> {"problem": str, "answer": str, "images": list, "metadata": dict?} or None.
 DatasetFn = Callable[[dict[str, Any]], Mapping[str, Any] | None]
+
+
+class DataError(ValueError):
+    """A dataset file (or custom mapper) that cannot be used; the message names the file, the line and the fix."""
 
 
 @dataclass(frozen=True)
@@ -52,32 +60,50 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     """All records of a parquet or jsonl file, as dicts (parquet structs become dicts, lists stay lists).
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: another suffix, or a jsonl line that is not a JSON object (names the line).
+        DataError: no such file; another suffix; a parquet file that does not read (not parquet, truncated,
+            corrupt); a jsonl line that is not UTF-8, not JSON or not an object (names the line).
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}; check data.train_path / data.eval_path")
+        raise DataError(f"dataset file not found: {path}; check data.train_path / data.eval_path")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... depending on how the file is broken
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(
+                f"{path}: cannot read it as parquet ({first}); the file is truncated, corrupt or not parquet: write "
+                "it again (e.g. `miles-vl data synth`, pandas.DataFrame.to_parquet)"
+            ) from None
     if suffix == ".jsonl":
-        records = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err}); fix or remove the line") from err
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}")
-                records.append(record)
-        return records
-    raise ValueError(f"{path}: unsupported file type {suffix!r}; use .parquet or .jsonl")
+        return _read_jsonl(path)
+    raise DataError(f"{path}: unsupported file type {suffix!r}; use .parquet or .jsonl")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); save "
+                    "the file as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({err}); fix or remove the line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}")
+            records.append(record)
+    return records
 
 
 def resolve_layout(
@@ -101,15 +127,15 @@ def resolve_layout(
         The layout and its three column names.
 
     Raises:
-        ValueError: an unknown layout; a geo3k layout combined with non-default keys; a prompt or answer column that
-            no record has (the message lists the columns found).
+        DataError: an unknown layout; a geo3k layout combined with non-default keys; a prompt or answer column that
+            no record has (the message names the file and lists the columns found).
     """
     if layout not in LAYOUT_CHOICES:
-        raise ValueError(f"unknown data format {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+        raise DataError(f"unknown data format {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
     keys = (prompt_key, answer_key, image_key)
     columns = sorted({k for r in records for k in r})
     if layout in ("geometry3k", "geo3k_imgurl") and keys != GEO3K_KEYS:
-        raise ValueError(
+        raise DataError(
             f"data.format={layout} reads the columns {GEO3K_KEYS}, but prompt_key/answer_key/image_key are {keys}; "
             "set data.format=generic to use your own column names"
         )
@@ -123,7 +149,7 @@ def resolve_layout(
                 layout = "geo3k_imgurl"
     for what, key in (("prompt", prompt_key), ("answer", answer_key)):
         if records and key not in columns:
-            raise ValueError(
+            raise DataError(
                 f"{source}: no {what} column {key!r} (layout {layout}); the columns are {columns}; "
                 f"set data.{what}_key (with data.format=generic) or data.dataset_fn"
             )
@@ -160,21 +186,21 @@ def load_dataset_fn(spec: str) -> DatasetFn:
     as `skipped_by_dataset_fn`).
 
     Raises:
-        ValueError: malformed spec, module not importable, attribute missing or not callable (names the spec).
+        DataError: malformed spec, module not importable, attribute missing or not callable (names the spec).
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"data.dataset_fn={spec!r} must look like 'package.module:function'")
+        raise DataError(f"data.dataset_fn={spec!r} must look like 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"data.dataset_fn={spec!r}: cannot import {module_name!r}: {err}") from err
+        raise DataError(f"data.dataset_fn={spec!r}: cannot import {module_name!r}: {err}") from err
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"data.dataset_fn={spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise DataError(f"data.dataset_fn={spec!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"data.dataset_fn={spec!r} is a {type(obj).__name__}, not a function")
+        raise DataError(f"data.dataset_fn={spec!r} is a {type(obj).__name__}, not a function")
     return obj
 
 

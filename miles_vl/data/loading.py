@@ -5,7 +5,8 @@
 
 Checks, in order, for every row (the first failure is its drop reason, see `records.DropReason`):
 prompt and answer present -> as many `<image>` placeholders as images -> every image resolves (no remote URLs,
-no missing files) and decodes -> the canonical prompt (image tokens expanded) fits `max_prompt_len`.
+no missing files), is within `max_image_pixels` and decodes -> the canonical prompt (image tokens expanded) fits
+`max_prompt_len`. A custom `dataset_fn` that raises or returns junk is a `DataError` naming the file and row.
 The report is logged (`logging`, logger `miles_vl.data.loading`) when the load ends.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from miles_vl.data.images import ImageError, image_ref, open_image
 from miles_vl.data.layouts import (
+    DataError,
     DatasetFn,
     LayoutKeys,
     RowFields,
@@ -42,13 +44,14 @@ def load_prompt_file(
     answer_key: str = "answer",
     image_key: str = "images",
     dataset_fn: DatasetFn | None = None,
+    max_image_pixels: int | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
     """Read a parquet/jsonl file and validate every row (see `load_prompt_records`).
 
     Relative image paths are looked up in the file's folder first, then in the working directory.
 
     Raises:
-        FileNotFoundError, ValueError: from `layouts.read_records` / `layouts.resolve_layout`.
+        DataError: from `layouts.read_records` / `layouts.resolve_layout`, or a failing `dataset_fn`.
     """
     path = Path(path)
     return load_prompt_records(
@@ -62,6 +65,7 @@ def load_prompt_file(
         image_key=image_key,
         dataset_fn=dataset_fn,
         base_dir=path.parent,
+        max_image_pixels=max_image_pixels,
     )
 
 
@@ -77,6 +81,7 @@ def load_prompt_records(
     image_key: str = "images",
     dataset_fn: DatasetFn | None = None,
     base_dir: Path | None = None,
+    max_image_pixels: int | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
     """Validate raw records into `PromptRow`s; count and log every dropped row.
 
@@ -89,13 +94,16 @@ def load_prompt_records(
         prompt_key, answer_key, image_key: columns of the generic layout.
         dataset_fn: custom mapper from a raw record to the geometry3k shape (or None to skip it).
         base_dir: folder relative image paths are looked up in first.
+        max_image_pixels: rows with a larger image are dropped (`image_too_large`) before it is decoded; None: no
+            bound but PIL's.
 
     Returns:
         The kept rows in record order, and the `LoadReport`.
 
     Raises:
-        ValueError: a bad `max_prompt_len`, layout or missing column (see `resolve_layout`).
-        TypeError: a `dataset_fn` that returns something other than None or a mapping with problem and answer.
+        ValueError: a bad `max_prompt_len`.
+        DataError: a bad layout or missing column (see `resolve_layout`); a `dataset_fn` that raises or returns
+            something other than None or a mapping with problem and answer (names the source and the row).
     """
     if max_prompt_len <= 0:
         raise ValueError(f"max_prompt_len must be positive, found {max_prompt_len}; fix data.max_prompt_len")
@@ -107,11 +115,14 @@ def load_prompt_records(
     report = LoadReport(source=source, layout=keys.layout if keys else "custom", n_rows=len(records))
     rows: list[PromptRow] = []
     for index, record in enumerate(records):
-        fields = row_fields(record, keys) if keys else apply_dataset_fn(dataset_fn, record)
+        try:
+            fields = row_fields(record, keys) if keys else apply_dataset_fn(dataset_fn, record)
+        except Exception as err:
+            raise DataError(f"{source}: row {index}: dataset_fn failed: {type(err).__name__}: {err}") from err
         if fields is None:
             report.drop(index, DropReason.SKIPPED_BY_DATASET_FN, "dataset_fn returned None")
             continue
-        row = _validate(index, fields, encoder, max_prompt_len, base_dir, report)
+        row = _validate(index, fields, encoder, max_prompt_len, base_dir, report, max_image_pixels)
         if row is not None:
             rows.append(row)
     report.n_kept = len(rows)
@@ -126,6 +137,7 @@ def _validate(
     max_prompt_len: int,
     base_dir: Path | None,
     report: LoadReport,
+    max_image_pixels: int | None = None,
 ) -> PromptRow | None:
     problem, answer = fields.problem, fields.answer
     if not isinstance(problem, str) or not problem.strip():
@@ -144,7 +156,8 @@ def _validate(
         return None
     try:
         refs = tuple(image_ref(value, base_dir) for value in fields.images)
-        sizes = [open_image(ref).size for ref in refs]  # (width, height); decoding all of it catches truncation
+        # (width, height); decoding all of it catches truncation
+        sizes = [open_image(ref, max_image_pixels).size for ref in refs]
     except ImageError as err:
         report.drop(index, err.reason, str(err))
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from miles_vl.data.layouts import DataError
 from miles_vl.data.offline_processor import OFFLINE_PROCESSOR_DIR
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
         into [min_pixels, max_pixels].
 
     Raises:
-        ValueError: a pixel range that is empty or not positive; a processor without an image processor.
-        FileNotFoundError: `path_or_offline` is neither "offline" nor loadable from local files.
+        ValueError: a pixel range that is empty or not positive.
+        DataError: `path_or_offline` is neither "offline" nor loadable from local files, or it loads a processor
+            without an image processor.
         ImportError: torchvision is missing (transformers' Qwen3-VL video processor needs it).
     """
     if not 0 < min_pixels <= max_pixels:
@@ -58,13 +60,13 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
             "(the build that matches your torch, e.g. torchvision==0.26.0 for torch 2.11)"
         ) from err
     except OSError as err:
-        raise FileNotFoundError(
+        raise DataError(
             f"cannot load a processor from {path_or_offline!r} with local files only ({err}); point model.processor "
             "(or model.path) at a local checkpoint directory with its processor files, or use 'offline'"
         ) from err
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None:
-        raise ValueError(
+        raise DataError(
             f"{path_or_offline!r} loads a {type(processor).__name__} without an image processor; "
             "a vision-language checkpoint (Qwen3-VL) is needed"
         )

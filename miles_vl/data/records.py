@@ -28,6 +28,7 @@ class DropReason(StrEnum):
 
     PROMPT_TOO_LONG = "prompt_too_long"  # canonical prompt (image tokens expanded) longer than max_prompt_len
     CORRUPT_IMAGE = "corrupt_image"  # bytes that do not decode, no image at all, or a size the processor refuses
+    IMAGE_TOO_LARGE = "image_too_large"  # more pixels than data.max_image_pixels (found from the header, not decoded)
     MISSING_IMAGE = "missing_image"  # a path that does not exist
     REMOTE_IMAGE = "remote_image"  # an http(s)/ftp URL: miles_vl never downloads at training time
     PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # number of `<image>` in the prompt != number of images

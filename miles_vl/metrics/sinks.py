@@ -1,5 +1,10 @@
 """Where step metrics go: a JSONL file in the run dir (always), wandb (offline unless a key is set), and a rich
 progress line. Metrics are flat `{name: float}` dicts, one per RL step, with `step` set.
+
+metrics.jsonl is appended one whole line per step. A writer killed mid-line leaves a torn last line (no newline):
+readers skip it with a warning that names the file (its step is past the last checkpoint, so a resume writes it
+again); any other line that is not a JSON object is an error naming the file and line. A resume rewrites the file
+atomically (temp file + rename) without the records it will write again.
 """
 
 from __future__ import annotations
@@ -24,8 +29,18 @@ class JsonlSink:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            records = read_metrics(self.path)
+            kept = [r for r in records if r.get("step", 0) < resume_step]
+            if len(kept) < len(records):
+                log.info(
+                    "%s: %d records past step %d will be written again",
+                    self.path,
+                    len(records) - len(kept),
+                    resume_step - 1,
+                )
+            tmp = self.path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -36,13 +51,34 @@ class JsonlSink:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All step records of a metrics.jsonl (a run dir or the file itself)."""
+    """All step records of a metrics.jsonl (a run dir or the file itself); a torn last line is skipped (logged).
+
+    Raises:
+        FileNotFoundError: no metrics.jsonl there.
+        ValueError: a line other than a torn last one is not a JSON object (names the file and line).
+    """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"no {METRICS_FILE} at {path}; is this a miles-vl run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            if lineno == len(lines) and not text.endswith("\n"):
+                log.warning("%s:%d: skipped a torn last line (a writer stopped mid-line): %.80r", path, lineno, line)
+                continue
+            raise ValueError(f"{path}:{lineno}: not a JSON record ({err}); fix or remove the line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}")
+        records.append(record)
+    return records
 
 
 def _jsonable(v: Any) -> Any:

@@ -10,8 +10,11 @@ Recovery. When a call fails on engine i, the group looks at why:
 - the engine lives but has lost the current weights (its SGLang server restarted and reloaded model.path, or a sync
   to it broke off; the engine refuses to generate in that state);
 then syncs the current weights to it again (`repair`) and retries the call, at most `rollout.max_restarts` times per
-call: no prompt is lost and no sample comes from stale weights. Any other error is raised. Counted in the step
-metrics: `rollout/engine_restarts` (actors replaced + servers relaunched) and `rollout/weight_resyncs`.
+call: no prompt is lost and no sample comes from stale weights. Any other error is raised. The same recovery covers
+every call of the loop: generate, release_memory, resume_memory (an engine that dies while the trainer runs is found
+here) and the weight sync. A replacement starts with its memory held: after release_memory it is released too, after
+resume_memory it needs nothing more. Counted in the step metrics: `rollout/engine_restarts` (actors replaced +
+servers relaunched) and `rollout/weight_resyncs`.
 """
 
 from __future__ import annotations
@@ -108,14 +111,16 @@ class RolloutEngines:
         return [g for i in range(len(chunks)) for g in results.get(i, [])]
 
     def release_memory(self) -> None:
-        """Colocated: the engines free their accelerator memory for the trainer (no-op when disaggregated)."""
+        """Colocated: the engines free their accelerator memory for the trainer (no-op when disaggregated); a dead
+        engine is replaced and its replacement released."""
         if self.cfg.ray.placement == "colocate":
-            ray.get([e.release_memory.remote() for e in self.engines])
+            self._on_every_engine("release_memory", again_after_recovery=True)
 
     def resume_memory(self) -> None:
-        """Colocated: the engines take their memory back (sglang weights are then undefined until the sync)."""
+        """Colocated: the engines take their memory back (sglang weights are then undefined until the sync); an
+        engine that died meanwhile (e.g. while the trainer ran) is replaced, with the current weights."""
         if self.cfg.ray.placement == "colocate":
-            ray.get([e.resume_memory.remote() for e in self.engines])
+            self._on_every_engine("resume_memory", again_after_recovery=False)
 
     def sync_weights(self, version: str) -> None:
         """The trainer's current weights to every engine, labelled `version` (engines that fail are recovered)."""
@@ -125,8 +130,12 @@ class RolloutEngines:
             self._recover(failed)
 
     def restarts(self) -> int:
-        """Engine restarts of the whole run: actors replaced plus SGLang servers relaunched by their hosts."""
-        self._server_restarts = ray.get([e.server_restarts.remote() for e in self.engines])
+        """Engine restarts of the whole run: actors replaced plus SGLang servers relaunched by their hosts (an engine
+        that died since its last call keeps its last count; the next call replaces it)."""
+        refs = [e.server_restarts.remote() for e in self.engines]
+        for i, ref in enumerate(refs):
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                self._server_restarts[i] = ray.get(ref)
         return self.restarts_before + self.replaced + self._server_restarts_of_replaced + sum(self._server_restarts)
 
     def close(self) -> None:
@@ -137,6 +146,34 @@ class RolloutEngines:
             _end(engine)
 
     # -- recovery ------------------------------------------------------------------------------------------------
+
+    def _on_every_engine(self, method: str, again_after_recovery: bool) -> None:
+        """Call `method` on every engine; engines that fail are recovered (`_recover`), and called again when
+        `again_after_recovery` (a fresh engine is in the state `method` leaves the others in otherwise).
+
+        Raises:
+            RuntimeError: an engine failed more than `rollout.max_restarts` times in this call.
+        """
+        pending = {i: getattr(e, method).remote() for i, e in enumerate(self.engines)}
+        for attempt in range(self.cfg.rollout.max_restarts + 1):
+            failed: Failed = {}
+            for i, ref in pending.items():
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as error:
+                    failed[i] = error
+            if not failed:
+                return
+            if attempt == self.cfg.rollout.max_restarts:
+                raise RuntimeError(
+                    f"rollout engines {sorted(failed)} failed {method} {attempt + 1} times (rollout.max_restarts="
+                    f"{self.cfg.rollout.max_restarts}); see their logs"
+                ) from next(iter(failed.values()))
+            log.warning("rollout engine(s) %s failed in %s; recovering them", sorted(failed), method)
+            self._recover(failed)
+            if not again_after_recovery:
+                return
+            pending = {i: getattr(self.engines[i], method).remote() for i in failed}
 
     def _recover(self, failed: Failed) -> None:
         """Bring the failed engines back with the current weights (module docstring); at most

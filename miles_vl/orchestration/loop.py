@@ -3,14 +3,29 @@
     for step in range(start, num_steps):
         prompts  = next batch of the training set
         groups   = rollout (n_samples_per_prompt each; engines restarted and prompts retried if one dies)
-        rewards  = reward function on every response (errors and timeouts score 0 and are counted)
+        rewards  = reward function on every response, in worker processes (errors and timeouts score 0, counted)
         samples  = group advantages (zero for groups whose rewards are all equal)
+        --- from here the trainer changes: the step runs to its end ---
         metrics  = train on the samples (packed THD micro-batches)
         sync     = trainer weights -> every engine (then each flushes its caches)
-        eval / checkpoint when due
+        eval, log, commit the step; checkpoint when due
 
-Everything that can be wrong with the config, the data or the reward function is found before Ray starts.
-The engines (hf or sglang), their recovery and the weight sync live in engines.py and weight_sync.py.
+Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
+found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
+`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang), their recovery and the weight sync live
+in engines.py and weight_sync.py; checkpoint files in checkpoint.py.
+
+Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the step at once (nothing has changed
+but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
+finish (train, sync, eval, log). Either way the job then writes the checkpoint of the last completed step, unless
+it has one, and raises `JobInterrupted` (CLI exit 128 + signal number). A second signal stops at once and writes
+nothing: the newest checkpoint stands. A checkpoint is only ever written from a committed step, so it is never
+half-advanced (a cursor past its weights, or weights past its cursor), and a resume repeats the straight run.
+
+Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
+(`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
+checkpoints; without a run_name each start gets a new timestamped directory. A resume continues its own directory:
+metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs is kept beside it.
 """
 
 from __future__ import annotations
@@ -18,27 +33,37 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
+import signal
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
 from miles_vl.algo import compute_advantages
-from miles_vl.config import ConfigError, JobConfig
+from miles_vl.config import ConfigError, JobConfig, redacted
 from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
-from miles_vl.metrics import JsonlSink, Sinks, WandbSink, write_report
+from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
 from miles_vl.model import SpecialTokens
-from miles_vl.orchestration.checkpoint import read_driver_state, resolve_resume, save_checkpoint
+from miles_vl.orchestration.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    read_driver_state,
+    resolve_resume,
+    save_checkpoint,
+)
 from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.sglang_engines import config_problems as sglang_config_problems
 from miles_vl.orchestration.trainer import Trainer
-from miles_vl.reward import RewardSample, resolve_reward, score_batch
+from miles_vl.reward import RewardPool, RewardSample, resolve_reward
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.train import TrainSample
 
@@ -53,34 +78,51 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots).
 
     Raises:
-        ConfigError: a backend this build does not have (before anything starts).
+        ConfigError, DataError, CheckpointError, RewardResolutionError, RewardWorkerError: bad input, found before
+            Ray starts (module docstring).
+        JobInterrupted: SIGINT or SIGTERM; the checkpoint of the last completed step was written first.
     """
     check_backends(cfg, config_path)
-    run_dir = make_run_dir(cfg, config_path)
-    processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
-    tokens = special_tokens(processor)
-    (run_dir / "processor.yaml").write_text(yaml.safe_dump(processor_metadata(processor), sort_keys=False))
-    splits = build_datasets(cfg.data, processor, seed=cfg.seed)
-    reward_fn = resolve_reward(cfg.reward.name, **reward_options(cfg))
+    run_dir = choose_run_dir(cfg, config_path)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
-
-    with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard):
-        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, reward_fn)
+    resume_state = check_start(cfg, run_dir, ckpt_root, resume)
+    if resume_state and resume_state["step"] == cfg.num_steps:
+        log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
+        return run_dir
+    reward_fn = resolve_reward(cfg.reward.name, **reward_options(cfg))
+    processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
+    tokens = special_tokens(processor)
+    splits = build_datasets(cfg.data, processor, seed=cfg.seed)
+    if resume_state:  # a cursor saved for other data fails here, before Ray starts
+        splits.train.load_state_dict(resume_state["data"])
+    write_run_files(run_dir, cfg, processor_metadata(processor))
+    r = cfg.reward
+    with (
+        RewardPool(
+            reward_fn, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
+        ) as rewards,
+        ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
+        StopSignals() as signals,
+    ):
+        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals)
         try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
-            start = job.restore(resume) if resume else 0
+            start = job.restore(resume, resume_state) if resume else 0
             job.open_sinks(start)
             for step in range(start, cfg.num_steps):
-                metrics = job.rl_step(step)
-                if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
-                    metrics |= job.evaluate(step)
-                job.log(metrics)
-                if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
-                    job.save(step + 1)
-            job.save(cfg.num_steps)
-        except KeyboardInterrupt:
-            log.warning("interrupted: writing a final checkpoint of %d completed steps", job.completed_steps)
-            job.save(job.completed_steps)
+                batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
+                with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
+                    metrics = job.train_and_sync(step, batch)
+                    if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
+                        metrics |= job.evaluate(step)
+                    job.log(metrics)
+                    job.commit(step + 1)
+                    if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+                        job.save()
+            with signals.deferred():
+                job.save()
+        except BaseException as err:
+            job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
             raise
         finally:
             job.close()
@@ -109,14 +151,80 @@ def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
         raise ConfigError(problems, config_path)
 
 
-def make_run_dir(cfg: JobConfig, config_path: str | None) -> Path:
+# -- run directories and the start point ----------------------------------------------------------------------------
+
+
+def choose_run_dir(cfg: JobConfig, config_path: str | None) -> Path:
+    """`logging.output_dir/logging.run_name`; without a run_name, `<config stem>` when resuming, else a new
+    `<config stem>-<timestamp>` directory (never one that exists)."""
     name = cfg.logging.run_name or f"{Path(config_path).stem if config_path else 'job'}"
     run_dir = Path(cfg.logging.output_dir) / name
     if cfg.logging.run_name is None and cfg.checkpoint.resume == "never":
-        run_dir = run_dir.with_name(f"{name}-{datetime.now():%Y%m%d-%H%M%S}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        stamped = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
+        run_dir, n = run_dir.with_name(stamped), 1
+        while run_dir.exists():
+            n += 1
+            run_dir = run_dir.with_name(f"{stamped}-{n}")
     return run_dir
+
+
+def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None) -> dict[str, Any] | None:
+    """The driver state to resume from (None: a fresh start), after checking that the start is safe.
+
+    Raises:
+        CheckpointError: a fresh start in a directory that holds another run (metrics or checkpoints), a resume of
+            another directory's checkpoint into one that holds metrics, or a resume from a checkpoint past
+            `num_steps` (its state would be saved under an earlier label).
+    """
+    if resume is not None and resume.resolve().parent != ckpt_root.resolve() and _metric_records(run_dir):
+        raise CheckpointError(
+            f"checkpoint.resume={resume} belongs to another run than {run_dir}, which holds metrics of its own; "
+            "resume into a new logging.run_name"
+        )
+    if resume is None:
+        records = _metric_records(run_dir)
+        others = [p.name for _, p in list_checkpoints(ckpt_root)]
+        if records or others:
+            held = " and ".join([f"{records} logged steps"] * bool(records) + [f"checkpoints {others}"] * bool(others))
+            how = f"checkpoint.resume={cfg.checkpoint.resume}" + (" and no checkpoint" if not others else "")
+            raise CheckpointError(
+                f"{run_dir} (checkpoints in {ckpt_root}) holds another run ({held}); a fresh start ({how}) would "
+                "overwrite its metrics and prune its checkpoints: set another logging.run_name (or unset it for a "
+                "new timestamped directory), resume that run with checkpoint.resume=auto, or delete it"
+            )
+        return None
+    state = read_driver_state(resume)
+    if state["step"] > cfg.num_steps:
+        earlier = [str(p) for s, p in list_checkpoints(resume.parent) if s <= cfg.num_steps]
+        raise CheckpointError(
+            f"the checkpoint to resume from, {resume}, is at step {state['step']}, past num_steps={cfg.num_steps}; "
+            f"its state would be saved as step {cfg.num_steps}: raise num_steps to {state['step']} or more"
+            + (f", or resume an earlier one (checkpoint.resume={earlier[-1]})" if earlier else "")
+        )
+    return state
+
+
+def _metric_records(run_dir: Path) -> int:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return 0
+    try:
+        return len(read_metrics(path))
+    except ValueError:  # unreadable, but it is someone's
+        return 1
+
+
+def write_run_files(run_dir: Path, cfg: JobConfig, processor_meta: dict) -> None:
+    """config.yaml (secrets redacted) and processor.yaml; an earlier file that differs is kept as `<name>.<time>`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in (("config.yaml", redacted(cfg)), ("processor.yaml", processor_meta)):
+        text = yaml.safe_dump(data, sort_keys=False)
+        path = run_dir / name
+        if path.is_file() and path.read_text() != text:
+            kept = path.with_name(f"{path.stem}.{datetime.now():%Y%m%d-%H%M%S}{path.suffix}")
+            os.replace(path, kept)
+            log.warning("%s differs from the one this run started with, which is kept as %s", path, kept)
+        path.write_text(text)
 
 
 def reward_options(cfg: JobConfig) -> dict:
@@ -126,10 +234,90 @@ def reward_options(cfg: JobConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# stopping on SIGINT / SIGTERM
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """The job stopped on a signal; `checkpoint` is the step it can be resumed from (module docstring). A
+    KeyboardInterrupt, so that code which handles Ctrl-C handles SIGTERM the same way."""
+
+    def __init__(self, signum: int, forced: bool = False):
+        self.signum = signum
+        self.forced = forced
+        self.checkpoint: int | None = None
+        super().__init__(f"{signal.Signals(signum).name}{' (again: stopping at once)' if forced else ''}")
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as stop requests, for the duration of a `with` block in the main thread.
+
+    Outside `deferred()` blocks a first signal raises `JobInterrupted` at once; inside one it is remembered and
+    raised when the block ends. A second signal always raises at once (`forced`). Elsewhere than the main thread the
+    handlers are not installed (Python allows it only there) and signals keep their previous behaviour.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._deferred = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        else:
+            log.warning("the job runs outside the main thread: SIGINT/SIGTERM will not write a final checkpoint")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise JobInterrupted(signum, forced=True)
+        self.signum = signum
+        if not self._deferred:
+            raise JobInterrupted(signum)
+        log.warning(
+            "%s: finishing this step (its training has started), then writing its checkpoint; send it again to stop "
+            "at once without one",
+            signal.Signals(signum).name,
+        )
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block that a first signal does not interrupt; the stop is raised when it ends."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+        if self.signum is not None:
+            raise JobInterrupted(self.signum)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    """What the rollout phase of one step hands to training: the samples and the metrics gathered so far."""
+
+    samples: list[TrainSample]
+    metrics: dict[str, float]
+    timer: Timer
 
 
 @dataclass
 class Job:
+    """The running job: its actors, its data and what a checkpoint may hold.
+
+    A checkpoint holds `committed`, the driver state at the end of step `completed_steps`, and the trainer's state,
+    which is that of the same step while `trainer_at_commit` holds (from the start of training until the step is
+    committed it is not, and nothing is saved)."""
+
     cfg: JobConfig
     run_dir: Path
     ckpt_root: Path
@@ -137,8 +325,12 @@ class Job:
     tokens: SpecialTokens
     train_set: PromptDataset
     eval_set: PromptDataset | None
-    reward_fn: object
+    rewards: RewardPool
+    signals: StopSignals = field(default_factory=StopSignals)
     completed_steps: int = 0
+    committed: dict[str, Any] = field(default_factory=dict)  # driver state of `completed_steps` (checkpoint.py)
+    trainer_at_commit: bool = True
+    saved_step: int = 0  # the newest step this job saved or resumed from: never saved again
     sinks: Sinks | None = None
     progress: Progress | None = None
     rollout: RolloutEngines | None = None
@@ -153,28 +345,42 @@ class Job:
         except BaseException:
             self.close()
             raise
+        self.committed = self.driver_state()
 
     # -- one RL step ---------------------------------------------------------------------------------------------
 
-    def rl_step(self, step: int) -> dict[str, float]:
+    def collect_batch(self, step: int) -> StepBatch:
+        """Rollout, reward and advantages of `step`: the part of a step that changes nothing but the data cursor."""
         timer = Timer()
         prompts, groups, rewards, stats = self.collect(step, timer)  # times "rollout" and "reward"
-        perf = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
+        memory = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
         with timer("advantages"):
             samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
+        return StepBatch(samples, {"step": step + 1, **stats, **adv_stats, **memory}, timer)
+
+    def train_and_sync(self, step: int, batch: StepBatch) -> dict[str, float]:
+        """Train on the batch and hand the new weights to the engines; returns the step's metrics."""
+        timer = batch.timer
+        self.trainer_at_commit = False  # from the first optimizer step the trainer is past the committed step
         with timer("train"):
             self.rollout.release_memory()  # colocated: the trainer gets the devices
-            train_metrics = self.trainer.train(samples)
+            train_metrics = self.trainer.train(batch.samples)
             self.rollout.resume_memory()
         with timer("sync"):
             self.rollout.sync_weights(weight_version(step + 1))
-        self.completed_steps = step + 1
-        n_tokens = sum(s.input_ids.numel() for s in samples)
-        perf |= {
+        n_tokens = sum(s.input_ids.numel() for s in batch.samples)
+        response_tokens = batch.metrics["rollout/response_tokens"]
+        perf = {
             "perf/train_tokens_per_s": n_tokens / max(timer.seconds["train"], 1e-9),
-            "perf/rollout_tokens_per_s": stats["rollout/response_tokens"] / max(timer.seconds["rollout"], 1e-9),
+            "perf/rollout_tokens_per_s": response_tokens / max(timer.seconds["rollout"], 1e-9),
         }
-        return {"step": step + 1, **stats, **adv_stats, **train_metrics, **self.sync_sizes(), **perf, **timer.metrics()}
+        return {**batch.metrics, **train_metrics, **self.sync_sizes(), **perf, **timer.metrics()}
+
+    def commit(self, step: int) -> None:
+        """Step `step` is complete (trained, synced, evaluated, logged): it is now what a checkpoint holds."""
+        self.completed_steps = step
+        self.committed = self.driver_state()
+        self.trainer_at_commit = True
 
     def device_memory(self, key: str) -> dict[str, float]:
         """GiB in use on train rank 0's GPU, by every process on it; nothing on a CPU run."""
@@ -264,7 +470,7 @@ class Job:
             for p, gs in zip(prompts, groups, strict=True)
             for g in gs
         ]
-        results, stats = score_batch(self.reward_fn, samples, timeout_s=self.cfg.reward.timeout_s)
+        results, stats = self.rewards.score(samples)
         n = len(groups[0]) if groups else 0
         return [results[i * n : (i + 1) * n] for i in range(len(groups))], stats
 
@@ -309,29 +515,54 @@ class Job:
             out["eval/accuracy"] = _mean(acc)
         return out
 
-    def save(self, step: int) -> None:
-        state = {
+    def driver_state(self) -> dict[str, Any]:
+        """What a checkpoint of the current step holds besides the trainer's files (config with secrets redacted)."""
+        return {
             "data": self.train_set.state_dict(),
             "engine_restarts": self.rollout.restarts(),
             "weight_resyncs": self.rollout.resyncs,
-            "config": self.cfg.model_dump(mode="json"),
+            "config": redacted(self.cfg),
         }
-        save_checkpoint(
-            self.ckpt_root,
-            step,
-            state,
-            self.trainer.save_checkpoint,
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
 
-    def restore(self, path: Path) -> int:
-        state = read_driver_state(path)
+    def save(self) -> None:
+        """The checkpoint of the last completed step, unless it has one (or no step completed yet)."""
+        step = self.completed_steps
+        if step == self.saved_step:
+            return
+        if not self.trainer_at_commit:
+            log.warning(
+                "not saving: the trainer is past step %d; the newest checkpoint is step %d", step, self.saved_step
+            )
+            return
+        save_checkpoint(
+            self.ckpt_root, step, self.committed, self.trainer.save_checkpoint, self.cfg.checkpoint.keep_last
+        )
+        self.saved_step = step
+
+    def save_after(self, err: BaseException) -> None:
+        """On the way out after `err`: the checkpoint of the last completed step, if it can be written (not after a
+        second signal); a failure to write it is logged, and `err` stays the error the caller sees."""
+        if isinstance(err, JobInterrupted):
+            if err.forced:
+                log.warning("stopped at once: no final checkpoint; the newest checkpoint is step %d", self.saved_step)
+                err.checkpoint = self.saved_step or None
+                return
+            log.warning("%s: writing the checkpoint of the last completed step (%d)", err, self.completed_steps)
+        try:
+            self.save()
+        except Exception as save_err:  # e.g. the trainer actor is gone, or the disk is full: `err` is the story
+            log.error("could not write the checkpoint of step %d: %s", self.completed_steps, save_err)
+        if isinstance(err, JobInterrupted):
+            err.checkpoint = self.saved_step or None
+
+    def restore(self, path: Path, state: dict[str, Any]) -> int:
+        """Resume from checkpoint `path` (its driver `state`, already checked and its data cursor restored)."""
         self.trainer.load_checkpoint(path)
-        self.train_set.load_state_dict(state["data"])
-        self.completed_steps = state["step"]
+        self.completed_steps = self.saved_step = state["step"]
         self.rollout.restarts_before = state["engine_restarts"]
         self.rollout.resyncs = state.get("weight_resyncs", 0)  # absent from checkpoints written before it existed
         self.rollout.sync_weights(weight_version(state["step"]))
+        self.committed = self.driver_state()
         log.info("resumed from %s at step %d", path, state["step"])
         return state["step"]
 
@@ -346,7 +577,7 @@ class Job:
                     entity=w.entity,
                     mode=w.mode,
                     name=self.run_dir.name,
-                    config=self.cfg.model_dump(mode="json"),
+                    config=redacted(self.cfg),
                 )
             )
         self.sinks = Sinks(sinks)

@@ -1,7 +1,11 @@
 """Ray session and where actors go.
 
-Local runs start Ray with the dashboard off (or bound to 127.0.0.1) and no outside ports; cluster runs join
-`ray.address`. Placement:
+Local runs start Ray with the dashboard off (or bound to 127.0.0.1); cluster runs join `ray.address`. What listens
+where in a local session (Ray 2.60; Ray has no setting that binds its own servers to loopback): the GCS, the raylet
+(node manager and object manager) and every worker process serve gRPC on random ports of all interfaces, and the
+runtime-env agent on the node's IP. They take only callers that present the session's auth token, which Ray turns
+on for a local session unless RAY_AUTH_MODE says otherwise (`ray_session` warns loudly when it is "disabled"); the
+token lives in ~/.ray/auth_token. Keep a multi-user or exposed machine behind a firewall all the same. Placement:
 
 - colocate: rollout engines and the trainer share the same devices and take turns (the engine releases its
   memory while the trainer runs). On a CPU-only machine every actor takes 0 CPUs of Ray's accounting, since
@@ -50,6 +54,13 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         log.info("joined the Ray cluster at %s", address)
     else:
+        if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+            log.warning(
+                "RAY_AUTH_MODE=%s: the local Ray session's GCS, raylet and worker ports listen on all interfaces "
+                "without authentication; anyone who reaches this machine can run code in it. Unset RAY_AUTH_MODE "
+                "(token authentication is Ray's default) unless the machine is firewalled.",
+                os.environ["RAY_AUTH_MODE"],
+            )
         ray.init(
             num_cpus=num_cpus,
             include_dashboard=dashboard,

@@ -2,24 +2,29 @@
 
     fn = resolve_reward("geo3k", format_weight=0.1)            # or "my_pkg.rewards:score"
     results, stats = score_batch(fn, [RewardSample(response, label)], timeout_s=10.0)
+    with RewardPool(fn, timeout_s=10.0) as pool: ...           # worker processes kept for many batches
 
-A reward function takes one `RewardSample` and returns a `RewardResult` or a float, sync or async (`types`).
+A reward function takes one `RewardSample` and returns a `RewardResult` or a float, sync or async (`types`). It runs
+in worker processes that are killed when a call passes its time limit (`scoring`).
 """
 
 from miles_vl.reward.geo3k import DEFAULT_FORMAT_PATTERN, check_geo3k_options, format_score, geo3k_reward
 from miles_vl.reward.math_answer import answers_match, extract_last_boxed, math_reward
 from miles_vl.reward.registry import REWARD_REGISTRY, RewardResolutionError, resolve_reward
-from miles_vl.reward.scoring import RewardStats, score_batch, score_batch_async
-from miles_vl.reward.types import RewardFn, RewardResult, RewardSample, to_reward_result
+from miles_vl.reward.scoring import RewardPool, RewardStats, RewardWorkerError, score_batch, score_batch_async
+from miles_vl.reward.types import MAX_ABS_REWARD, RewardFn, RewardResult, RewardSample, to_reward_result
 
 __all__ = [
     "DEFAULT_FORMAT_PATTERN",
+    "MAX_ABS_REWARD",
     "REWARD_REGISTRY",
     "RewardFn",
+    "RewardPool",
     "RewardResolutionError",
     "RewardResult",
     "RewardSample",
     "RewardStats",
+    "RewardWorkerError",
     "answers_match",
     "check_geo3k_options",
     "extract_last_boxed",

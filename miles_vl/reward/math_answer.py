@@ -9,17 +9,24 @@ mathruler's grader is the other field-standard choice (EasyR1/verl); its import 
 not declare, so we use math-verify and keep the box extraction here (the same rule as mathruler's
 `extract_boxed_content`: the LAST `\\boxed{`, braces balanced).
 
-math-verify's own time limits use `signal.alarm`, which only works in the main thread; reward functions run in
-worker threads (`scoring.score_batch`), so its limits are off here and `score_batch` enforces the time limit.
+math-verify's own time limits (`signal.alarm`) are off here: rewards run in worker processes that the scorer kills
+when a call passes `reward.timeout_s` (`scoring.RewardPool`), which also stops what math-verify's limits cannot
+(e.g. sympy expanding `9^{9^{9}}`).
 """
 
 from __future__ import annotations
+
+import logging
 
 from math_verify import parse, verify
 
 from miles_vl.reward.types import RewardResult, RewardSample
 
 _BOX = "\\boxed{"
+
+# math-verify warns "Timeout is disabled" on every call made with its limits off; ours are enforced by the scorer.
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 def extract_last_boxed(text: str) -> str | None:

@@ -1,35 +1,58 @@
-"""Scoring a batch of responses: sync and async reward functions, a time limit per sample, failures counted.
+"""Scoring a batch of responses in worker processes: sync and async rewards, a hard time limit per sample, failures
+counted.
 
-    results, stats = score_batch(fn, samples, timeout_s=10.0)          # from plain code
-    results, stats = await score_batch_async(fn, samples, timeout_s=10.0)  # from inside an event loop
+    with RewardPool(fn, timeout_s=10.0, num_workers=2) as pool:       # the driver keeps one for the whole job
+        results, stats = pool.score(samples)
+    results, stats = score_batch(fn, samples, timeout_s=10.0)          # one-off: a pool for this batch
+    results, stats = await score_batch_async(fn, samples, timeout_s=10.0)  # the same, from inside an event loop
 
-A reward that raises, returns something that is not a score, or runs past `timeout_s` scores 0 for that sample;
-the sample's `RewardResult.error` says why, `RewardStats` counts errors and timeouts, each failure is logged (the
-first few in full), and the run continues.
+A reward that raises, returns something that is not a score (`types.to_reward_result`), or runs past `timeout_s`
+scores 0 for that sample; the sample's `RewardResult.error` says why, `RewardStats` counts errors and timeouts,
+each failure is logged (the first few in full), and the run continues.
 
-How functions run: `async def` rewards run concurrently on the event loop. Sync rewards each run in a daemon
-thread, so a hung reward cannot block the batch or the process exit; at most `max_concurrency` calls of either
-kind run at once. The time limit counts from the start of each call, not from when it was queued. Python cannot
-kill a thread: a sync reward that never returns is abandoned (it keeps a thread and, if CPU-bound, a share of the
-GIL), so a reward that can hang for good should be `async` or run its work in a subprocess.
+The time limit is hard. Every call runs in a worker process (`worker.py`: `python -m miles_vl.reward.worker`, its
+own session, started once per pool); a sync reward runs one call at a time per worker, and when a call passes its
+limit the pool kills the worker's whole process group (SIGKILL: sympy, C extensions and subprocesses the reward
+started stop too) and starts a new one. `async def` rewards run `async_concurrency` calls at once per worker under
+`asyncio.timeout`; a worker whose event loop is blocked past the limit (plus a small grace) is killed the same way.
+Which of its calls blocked it cannot be told from outside, so each call it held runs again alone on a fresh worker
+(once): the blocking one then times out, the others are scored. The time limit counts from the start of each call,
+not from when it was queued. A worker that dies on its own (a crash in the reward) fails the calls it held, as
+errors.
+
+The reward function must be picklable: a module-level function (a `module:function` path, as configs give it) or
+a `functools.partial` of one. It is loaded in each worker when the pool starts; a worker that cannot load it fails
+the pool's construction with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
+import collections
+import contextlib
 import logging
-import threading
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from miles_vl.reward.types import RewardFn, RewardResult, RewardSample, to_reward_result
+from miles_vl.reward.types import RewardFn, RewardResult, RewardSample, is_async_reward
 
 logger = logging.getLogger(__name__)
 
 _LOGGED_FAILURES = 5  # per batch; the rest only count
+START_TIMEOUT_S = 120.0  # a worker that has not loaded the reward function by then fails the pool
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward worker process could not start or load the reward function (the message has its reason)."""
 
 
 @dataclass(frozen=True)
@@ -37,11 +60,12 @@ class RewardStats:
     """Counts and means over one scored batch (failed samples count in `overall_mean` with their 0)."""
 
     n_samples: int
-    n_errors: int  # raised, or returned something that is not a finite score
+    n_errors: int  # raised, or returned something that is not a finite score within +-MAX_ABS_REWARD
     n_timeouts: int
     overall_mean: float
     accuracy_mean: float | None  # over samples that reported accuracy; None if none did
     format_mean: float | None  # over samples that reported format; None if none did
+    n_workers_killed: int = 0  # workers stopped by the time limit (and replaced) while scoring this batch
 
     def as_dict(self) -> dict[str, float]:
         """Flat metrics for logging (`reward_*`); means that are None are left out."""
@@ -57,105 +81,257 @@ class RewardStats:
         return out
 
 
-def score_batch(
-    fn: RewardFn, samples: Sequence[RewardSample], timeout_s: float, *, max_concurrency: int = 64
-) -> tuple[list[RewardResult], RewardStats]:
-    """Score every sample with `fn` (sync or async) from synchronous code.
+# ---------------------------------------------------------------------------------------------------------------------
+# the pool
+
+
+@dataclass
+class _Batch:
+    """The state of one `score` call."""
+
+    samples: Sequence[RewardSample]
+    results: list[RewardResult | None]
+    failures: list[str | None]
+    queue: collections.deque  # task ids (sample indices) not yet sent
+    alone: set[int] = field(default_factory=set)  # tasks to run with no other call in their worker
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    ready: bool = False
+    started: float = field(default_factory=time.monotonic)
+    inflight: dict[int, float] = field(default_factory=dict)  # task id -> deadline (time.monotonic)
+
+
+class RewardPool:
+    """`num_workers` processes that score samples with `fn` under a hard time limit (module docstring).
 
     Args:
-        fn: a reward function (see `miles_vl.reward.types`), e.g. from `resolve_reward`.
+        fn: a reward function (`miles_vl.reward.types`), picklable.
+        timeout_s: time limit per sample in seconds.
+        num_workers: worker processes.
+        async_concurrency: calls at once per worker for an `async def` reward (a sync one runs one at a time).
+
+    Raises:
+        ValueError: timeout_s <= 0, num_workers < 1 or async_concurrency < 1.
+        TypeError: `fn` cannot be pickled (a lambda or a function defined inside another).
+        RewardWorkerError: a worker could not load `fn`.
+    """
+
+    def __init__(self, fn: RewardFn, *, timeout_s: float, num_workers: int = 2, async_concurrency: int = 32):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, found {timeout_s}; fix reward.timeout_s")
+        if num_workers < 1 or async_concurrency < 1:
+            raise ValueError(
+                f"num_workers and async_concurrency must be >= 1, found {num_workers} and {async_concurrency}; fix "
+                "reward.num_workers / reward.async_concurrency"
+            )
+        self.name = _name(fn)
+        try:
+            self.payload = pickle.dumps(fn)
+        except Exception as err:
+            raise TypeError(
+                f"reward {self.name} cannot be sent to a worker process ({type(err).__name__}: {err}); define it at "
+                "module level and give it as 'package.module:function'"
+            ) from err
+        self.timeout_s = float(timeout_s)
+        self.is_async = is_async_reward(fn)
+        self.capacity = async_concurrency if self.is_async else 1
+        # async calls time out inside the worker; the kill is the backstop for a blocked event loop
+        self.hard_limit_s = self.timeout_s * 1.1 + 0.5 if self.is_async else self.timeout_s
+        self.workers: list[_Worker] = []
+        self.killed = 0  # workers killed by the time limit, over the pool's life
+        try:
+            self.workers = [self._start() for _ in range(num_workers)]
+            for w in self.workers:
+                self._wait_ready(w)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def score(self, samples: Sequence[RewardSample]) -> tuple[list[RewardResult], RewardStats]:
+        """Score every sample.
+
+        Returns:
+            (results in sample order, stats).
+
+        Raises:
+            RewardWorkerError: a replacement worker could not start.
+        """
+        n = len(samples)
+        batch = _Batch(samples, [None] * n, [None] * n, collections.deque(range(n)))
+        killed_before = self.killed
+        while batch.queue or any(w.inflight for w in self.workers):
+            self._dispatch(batch)
+            busy = [w for w in self.workers if w.inflight or not w.ready]
+            deadlines = [d for w in busy for d in w.inflight.values()]
+            deadlines += [w.started + START_TIMEOUT_S for w in busy if not w.ready]
+            wait([w.conn for w in busy], timeout=max(0.0, min(deadlines) - time.monotonic()))
+            for i, w in enumerate(self.workers):
+                self.workers[i] = self._collect(w, batch)
+        done = [r if r is not None else RewardResult(overall=0.0, error="not scored") for r in batch.results]
+        stats = _stats(done, batch.failures, self.killed - killed_before)
+        _log_failures(self.name, done, stats)
+        return done, stats
+
+    def close(self) -> None:
+        """Stop every worker (closing the socket ends a worker; a hung one is killed)."""
+        for w in self.workers:
+            w.conn.close()
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                _kill(w)
+        self.workers = []
+
+    # -- internals ---------------------------------------------------------------------------------------------------
+
+    def _start(self) -> _Worker:
+        parent, child = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "miles_vl.reward.worker", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C at the terminal reaches the driver, which stops the workers
+            )
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        conn.send_bytes(self.payload)
+        return _Worker(proc, conn)
+
+    def _wait_ready(self, w: _Worker) -> None:
+        if not w.conn.poll(START_TIMEOUT_S):
+            raise RewardWorkerError(f"a reward worker did not load {self.name} in {START_TIMEOUT_S:.0f} s")
+        self._on_ready(w, w.conn.recv())
+
+    def _on_ready(self, w: _Worker, msg: tuple) -> None:
+        if msg[0] != "ready":
+            raise RewardWorkerError(f"a reward worker could not load {self.name}: {msg[1]}")
+        w.ready = True
+
+    def _dispatch(self, batch: _Batch) -> None:
+        for w in self.workers:
+            while w.ready and batch.queue and len(w.inflight) < self.capacity:
+                if batch.alone & w.inflight.keys() or (batch.queue[0] in batch.alone and w.inflight):
+                    break
+                task = batch.queue.popleft()
+                w.conn.send((task, batch.samples[task], self.timeout_s))
+                w.inflight[task] = time.monotonic() + self.hard_limit_s
+
+    def _collect(self, w: _Worker, batch: _Batch) -> _Worker:
+        """Take what worker `w` answered; kill it if a call passed its limit; returns `w` or its replacement."""
+        try:
+            while w.conn.poll():
+                msg = w.conn.recv()
+                if not w.ready:
+                    self._on_ready(w, msg)
+                    continue
+                task, result, failure = msg
+                if w.inflight.pop(task, None) is not None:
+                    batch.results[task], batch.failures[task] = result, failure
+        except (EOFError, OSError):
+            code = w.proc.wait()
+            for task in w.inflight:
+                error = f"the reward worker process died (exit code {code})"
+                batch.results[task], batch.failures[task] = RewardResult(overall=0.0, error=error), "error"
+            logger.warning("reward worker %d died (exit code %s); starting another", w.proc.pid, code)
+            _kill(w)
+            return self._start()
+        if not w.ready and time.monotonic() > w.started + START_TIMEOUT_S:
+            raise RewardWorkerError(f"a reward worker did not load {self.name} in {START_TIMEOUT_S:.0f} s")
+        now = time.monotonic()
+        overdue = [task for task, deadline in w.inflight.items() if deadline <= now]
+        if not overdue:
+            return w
+        if len(w.inflight) == 1 or overdue[0] in batch.alone:  # this call alone held the worker past its limit
+            for task in overdue:
+                batch.results[task] = RewardResult(overall=0.0, error=f"timeout after {self.timeout_s:g}s")
+                batch.failures[task] = "timeout"
+                del w.inflight[task]
+        else:  # an async worker's loop was blocked by one of its calls: each runs again alone
+            batch.alone |= w.inflight.keys()
+        batch.queue.extendleft(sorted(w.inflight, reverse=True))
+        _kill(w)
+        self.killed += 1
+        return self._start()
+
+
+def _kill(w: _Worker) -> None:
+    """SIGKILL the worker's process group (the reward may have started processes of its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(w.proc.pid, signal.SIGKILL)
+    w.proc.wait()
+    w.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# one-off batches
+
+
+def score_batch(
+    fn: RewardFn,
+    samples: Sequence[RewardSample],
+    timeout_s: float,
+    *,
+    num_workers: int = 2,
+    async_concurrency: int = 32,
+) -> tuple[list[RewardResult], RewardStats]:
+    """Score every sample with `fn` (sync or async) in a pool made for this batch (see `RewardPool`).
+
+    Args:
+        fn: a reward function (see `miles_vl.reward.types`), e.g. from `resolve_reward`; picklable.
         samples: the responses to score.
-        timeout_s: time limit per sample in seconds; a call that runs longer scores 0.
-        max_concurrency: calls running at once.
+        timeout_s: time limit per sample in seconds; a call that runs longer is killed and scores 0.
+        num_workers: worker processes.
+        async_concurrency: calls at once per worker for an `async def` reward.
 
     Returns:
         (results in sample order, stats).
 
     Raises:
-        RuntimeError: called while an event loop is running in this thread; use `await score_batch_async(...)`.
-        ValueError: timeout_s <= 0 or max_concurrency < 1.
+        ValueError: timeout_s <= 0, num_workers < 1 or async_concurrency < 1.
+        TypeError: `fn` is not picklable.
+        RewardWorkerError: a worker could not load `fn`.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(score_batch_async(fn, samples, timeout_s, max_concurrency=max_concurrency))
-    raise RuntimeError(
-        "score_batch was called from inside a running event loop; use `await score_batch_async(...)` there"
-    )
+    with RewardPool(fn, timeout_s=timeout_s, num_workers=num_workers, async_concurrency=async_concurrency) as pool:
+        return pool.score(samples)
 
 
 async def score_batch_async(
-    fn: RewardFn, samples: Sequence[RewardSample], timeout_s: float, *, max_concurrency: int = 64
+    fn: RewardFn,
+    samples: Sequence[RewardSample],
+    timeout_s: float,
+    *,
+    num_workers: int = 2,
+    async_concurrency: int = 32,
 ) -> tuple[list[RewardResult], RewardStats]:
-    """Score every sample with `fn` (sync or async) inside a running event loop. Arguments as `score_batch`.
-
-    Raises:
-        ValueError: timeout_s <= 0 or max_concurrency < 1.
-    """
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, found {timeout_s}; fix reward.timeout_s")
-    if max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
-    slots = asyncio.Semaphore(max_concurrency)
-    is_async = _is_async(fn)
-    name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
-
-    async def one(sample: RewardSample) -> tuple[RewardResult, str | None]:
-        async with slots:
-            deadline = asyncio.timeout(timeout_s)
-            try:
-                async with deadline:
-                    raw = await fn(sample) if is_async else await _in_daemon_thread(fn, sample)
-                    if inspect.isawaitable(raw):  # a sync callable that returned a coroutine
-                        raw = await raw
-                return to_reward_result(raw), None
-            except TimeoutError as err:
-                if deadline.expired():
-                    return RewardResult(overall=0.0, error=f"timeout after {timeout_s}s"), "timeout"
-                return RewardResult(overall=0.0, error=f"{type(err).__name__}: {err}"), "error"
-            except Exception as err:  # any failure of user code scores 0; the run goes on
-                return RewardResult(overall=0.0, error=f"{type(err).__name__}: {err}"), "error"
-
-    scored = await asyncio.gather(*(one(s) for s in samples))
-    results = [result for result, _ in scored]
-    stats = _stats(results, [failure for _, failure in scored])
-    _log_failures(name, results, stats)
-    return results, stats
+    """`score_batch` from inside a running event loop (the pool runs in a thread; the loop stays free)."""
+    return await asyncio.to_thread(
+        score_batch, fn, samples, timeout_s, num_workers=num_workers, async_concurrency=async_concurrency
+    )
 
 
-def _is_async(fn: Any) -> bool:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+# ---------------------------------------------------------------------------------------------------------------------
 
 
-def _in_daemon_thread(fn: RewardFn, sample: RewardSample) -> asyncio.Future:
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if future.done():  # cancelled by the time limit
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    def target() -> None:
-        try:
-            out, ok = fn(sample), True
-        except BaseException as err:  # handed to the awaiting task, which turns it into a 0 score
-            out, ok = err, False
-        try:
-            loop.call_soon_threadsafe(settle, ok, out)
-        except RuntimeError:  # the loop finished while this call was abandoned after its time limit
-            pass
-
-    threading.Thread(target=target, name="miles-vl-reward", daemon=True).start()
-    return future
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
 
 
-def _stats(results: list[RewardResult], failures: list[str | None]) -> RewardStats:
+def _stats(results: list[RewardResult], failures: list[str | None], killed: int) -> RewardStats:
     n = len(results)
     acc = [r.accuracy for r in results if r.accuracy is not None]
     fmt = [r.format for r in results if r.format is not None]
@@ -166,6 +342,7 @@ def _stats(results: list[RewardResult], failures: list[str | None]) -> RewardSta
         overall_mean=sum(r.overall for r in results) / n if n else 0.0,
         accuracy_mean=sum(acc) / len(acc) if acc else None,
         format_mean=sum(fmt) / len(fmt) if fmt else None,
+        n_workers_killed=killed,
     )
 
 

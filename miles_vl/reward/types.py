@@ -6,10 +6,16 @@ function or an `async def`; `miles_vl.reward.scoring.score_batch` runs both kind
 
     def my_reward(sample: RewardSample) -> float: ...
     async def my_reward(sample: RewardSample) -> RewardResult: ...
+
+Scores must be finite and within +-`MAX_ABS_REWARD` (1e6): a larger one (e.g. 1e39, finite in float64 but inf in
+the float32 advantages) is refused like any other bad return value: that sample scores 0 and counts in
+`reward/errors`, with a message that names the value. Rescale such a reward.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,6 +59,7 @@ RewardValue = RewardResult | float | int | bool | Mapping[str, float]
 RewardFn = Callable[[RewardSample], RewardValue | Awaitable[RewardValue]]
 
 _RESULT_KEYS = ("overall", "accuracy", "format")
+MAX_ABS_REWARD = 1e6  # far beyond any sane reward scale, far inside float32 (advantages square rewards)
 
 
 def to_reward_result(value: object) -> RewardResult:
@@ -67,7 +74,7 @@ def to_reward_result(value: object) -> RewardResult:
 
     Raises:
         TypeError: a value of another type, or a mapping with unknown keys or without `overall`.
-        ValueError: a score that is NaN or infinite.
+        ValueError: a score that is NaN, infinite or beyond +-MAX_ABS_REWARD.
     """
     if isinstance(value, RewardResult):
         result = value
@@ -90,4 +97,16 @@ def to_reward_result(value: object) -> RewardResult:
         score = getattr(result, name)
         if score is not None and not math.isfinite(score):
             raise ValueError(f"reward {name}={score} is not finite; a reward function must return finite scores")
+        if score is not None and abs(score) > MAX_ABS_REWARD:
+            raise ValueError(
+                f"reward {name}={score:g} is outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]; rescale the reward "
+                "(advantages are computed in float32)"
+            )
     return result
+
+
+def is_async_reward(fn: object) -> bool:
+    """Whether `fn` (or the function a `functools.partial` wraps, or its `__call__`) is an `async def`."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import pickle
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -274,9 +275,22 @@ class TorchTrainBackend:
             save_model(self.ref_model, str(directory / "ref_model.safetensors"))
 
     def load_checkpoint(self, directory: Path) -> None:
+        """Restore what `save_checkpoint` wrote.
+
+        Raises:
+            ValueError: trainer_state.pt holds anything but tensors and plain containers (a crafted pickle would run
+                code on load: it is refused, never executed).
+        """
         directory = Path(directory)
         load_model(self.model, str(directory / "model.safetensors"), device=str(self.device))
-        state = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
+        file = directory / "trainer_state.pt"
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"{file}: refused to load: it holds objects other than tensors and plain containers, which only a "
+                f"crafted or foreign file does ({str(err).splitlines()[0]}); resume from a checkpoint miles-vl wrote"
+            ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]

@@ -23,6 +23,14 @@ def test_check_prints_resolved_config_with_overrides(capsys):
     assert out["derived"]["samples_per_step"] == out["rollout"]["batch_size"] * 8
 
 
+def test_check_never_prints_a_secret(capsys):
+    """Issue 15.10: `miles-vl check` printed rollout.sglang.api_key in plain text."""
+    assert main(["check", TINY, "rollout.sglang.api_key=s3cret-value"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret-value" not in out
+    assert yaml.safe_load(out)["rollout"]["sglang"]["api_key"] == "<redacted>"
+
+
 def test_check_reports_errors_with_exit_2(capsys):
     assert main(["check", TINY, "rollout.temprature=0.5", "train.cp=2"]) == 2
     err = capsys.readouterr().err
@@ -59,3 +67,44 @@ def test_report_writes_plots(tmp_path, capsys):
 def test_report_on_a_non_run_dir(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["duplicate-key", "parquet-is-text", "jsonl-not-utf8", "reward-missing", "checkpoint-broken"],
+)
+def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
+    """Issue 15.15: each bad input gets one message naming the file (and line), exit status 2, and no traceback,
+    before Ray starts."""
+    import ray
+
+    config, overrides, expected = TINY, [], ""
+    if case == "duplicate-key":
+        config = str(tmp_path / "dup.yaml")
+        Path(config).write_text(Path(TINY).read_text() + "\nrollout:\n  batch_size: 2\n")
+        expected = "key 'rollout' appears twice in one mapping"
+    elif case == "parquet-is-text":
+        (tmp_path / "train.parquet").write_text("problem,answer\nx,1\n")
+        overrides = ["data.synthetic_n=0", f"data.train_path={tmp_path / 'train.parquet'}"]
+        expected = f"{tmp_path / 'train.parquet'}: cannot read it as parquet"
+    elif case == "jsonl-not-utf8":
+        (tmp_path / "train.jsonl").write_bytes(b'{"problem": "x", "answer": "1"}\n{"problem": "\xe9"}\n')
+        overrides = ["data.synthetic_n=0", f"data.train_path={tmp_path / 'train.jsonl'}"]
+        expected = f"{tmp_path / 'train.jsonl'}:2: not UTF-8 text"
+    elif case == "reward-missing":
+        overrides = ["reward.name=no_such_module_xyz:score"]
+        expected = "module 'no_such_module_xyz' not found"
+    elif case == "checkpoint-broken":
+        ckpt = tmp_path / "ckpt" / "step_00000001"
+        ckpt.mkdir(parents=True)
+        (ckpt / "driver.json").write_text('{"step": 1}')
+        (ckpt / "manifest.json").write_text('{"files": {"model.safetensors": 1000, "driver.json": 11}}')
+        overrides = [f"checkpoint.resume={ckpt}"]
+        expected = f"{ckpt / 'model.safetensors'}: missing"
+    code = main(["train", config, f"logging.output_dir={tmp_path / 'runs'}", "logging.wandb.mode=disabled", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not ray.is_initialized()
+    error = err[err.index("error: ") :]  # after the log lines of what loaded fine
+    assert expected in " ".join(error.split())
+    assert "Traceback" not in err

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from miles_vl.data import (
+    DataError,
     DropReason,
     load_dataset_fn,
     load_prompt_file,
@@ -145,7 +146,7 @@ def test_dataset_fn(tmp_path, encoder):
     rows, report = load_prompt_records(records, encoder, max_prompt_len=512, source="custom", dataset_fn=fn)
     assert report.layout == "custom" and report.dropped == {DropReason.SKIPPED_BY_DATASET_FN: 1}
     assert rows[0].problem == "<image>Find x." and rows[0].metadata == {"k": 1}
-    with pytest.raises(TypeError, match="must return None or a mapping"):
+    with pytest.raises(DataError, match="x: row 0: dataset_fn failed: TypeError: .*must return None or a mapping"):
         load_prompt_records([{}], encoder, max_prompt_len=512, source="x", dataset_fn=lambda r: "oops")
     for spec, match in [
         ("no_colon", "package.module:function"),
@@ -158,7 +159,7 @@ def test_dataset_fn(tmp_path, encoder):
 
 
 def test_file_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.train_path"):
+    with pytest.raises(DataError, match="data.train_path"):
         read_records(tmp_path / "nope.parquet")
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="use .parquet or .jsonl"):

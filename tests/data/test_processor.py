@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
 
-from miles_vl.data import build_offline_processor, load_processor, processor_metadata, special_tokens
+from miles_vl.data import DataError, build_offline_processor, load_processor, processor_metadata, special_tokens
 from miles_vl.data.offline_processor import QWEN3_VL_ADDED_TOKENS
 from miles_vl.model import tiny_config
 from tests.data.helpers import MAX_PIXELS, MIN_PIXELS
@@ -113,7 +113,7 @@ def test_pixel_range_decides_the_grid(tmp_path):
 
 
 def test_load_processor_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model.processor"):
+    with pytest.raises(DataError, match="model.processor"):
         load_processor(str(tmp_path / "nope"), 1024, 4096)
     with pytest.raises(ValueError, match="min_pixels <= max_pixels"):
         load_processor("offline", 4096, 1024)

@@ -13,3 +13,19 @@ def half_constant_reward(sample: RewardSample) -> float:
     if sample.metadata["index"] % 2 == 0:
         return 1.0
     return length_reward(sample)
+
+
+def hostile_reward(sample: RewardSample) -> float:
+    """Per prompt index, from HOSTILE_REWARD (`index=huge,index=hang`): 1e39 (finite in float64, inf in float32),
+    a call that never returns, or else `length_reward`."""
+    import os
+    import time
+
+    behaviour = dict(item.split("=") for item in os.environ.get("HOSTILE_REWARD", "").split(",") if item)
+    do = behaviour.get(str(sample.metadata["index"]))
+    if do == "huge":
+        return 1e39
+    if do == "hang":
+        while True:
+            time.sleep(1)
+    return length_reward(sample)

@@ -1,17 +1,50 @@
-"""Contract: checkpoints appear only complete (atomic rename), the last K are kept, `auto` finds the newest."""
+"""Contract of checkpoint.py: checkpoints appear only complete (atomic rename), the last K are kept, `auto` finds the
+newest that verifies; a label is never rewritten; a failed or interrupted save leaves nothing behind; a broken
+checkpoint is named file by file before anything starts."""
+
+import errno
+import json
+import logging
+import subprocess
+import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from miles_vl.orchestration.checkpoint import (
+    CheckpointError,
     list_checkpoints,
     read_driver_state,
     resolve_resume,
     save_checkpoint,
+    verify_checkpoint,
 )
 
 
 def writer(payload):
     return lambda d: (d / "model.bin").write_text(payload)
+
+
+def real_writer(seed: int):
+    """Writes what the torch backend writes: a safetensors file and a torch.save archive."""
+
+    def write(d):
+        g = torch.Generator().manual_seed(seed)
+        save_file({"w": torch.randn(64, 64, generator=g)}, str(d / "model.safetensors"))
+        torch.save({"step": seed, "m": torch.randn(64, generator=g)}, d / "trainer_state.pt")
+
+    return write
+
+
+def leftovers(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has this id now (ids are not reused that fast)
 
 
 def test_save_prune_and_resume(tmp_path):
@@ -21,22 +54,137 @@ def test_save_prune_and_resume(tmp_path):
     newest = resolve_resume(tmp_path, "auto")
     assert read_driver_state(newest) == {"step": 3, "cursor": 30}
     assert (newest / "model.bin").read_text() == "w3"
+    assert json.loads((newest / "manifest.json").read_text())["files"] == {
+        "driver.json": len(json.dumps({"step": 3, "cursor": 30}, indent=1)),  # what read_driver_state parsed
+        "model.bin": len("w3"),
+    }
     assert resolve_resume(tmp_path, "never") is None
     assert resolve_resume(tmp_path / "empty", "auto") is None
 
 
-def test_failed_write_leaves_no_checkpoint(tmp_path):
+def test_failed_write_leaves_no_checkpoint_and_no_temp_dir(tmp_path):
     save_checkpoint(tmp_path, 1, {}, writer("ok"), keep_last=3)
 
     def broken(d):
         (d / "model.bin").write_text("partial")
-        raise RuntimeError("disk full")
+        raise RuntimeError("writer bug")
 
     with pytest.raises(RuntimeError):
         save_checkpoint(tmp_path, 2, {}, broken, keep_last=3)
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]  # the temp dir is not a checkpoint
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]  # the temp dir is not a checkpoint ...
+    assert leftovers(tmp_path) == []  # ... and it is gone
+
+
+def test_a_full_disk_names_the_place_and_leaves_nothing(tmp_path):
+    """Issue 15.5: ENOSPC mid-save left `.step_*.tmp-<pid>` behind, so the rerun hit ENOSPC again."""
+
+    def fills_the_disk(d):
+        (d / "model.bin").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="no space left on the device of .* free space there") as info:
+        save_checkpoint(tmp_path, 1, {}, fills_the_disk, keep_last=2)
+    assert info.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temp_dirs_of_dead_processes_are_removed_by_the_next_save(tmp_path):
+    """A process killed mid-save (SIGKILL, power loss) cannot clean up; the next save does, but never touches the
+    temp dir of a process that is still alive (it may be saving right now)."""
+    stale = tmp_path / f".step_00000002.tmp-{dead_pid()}"
+    stale.mkdir()
+    (stale / "model.bin").write_bytes(b"x" * 100)
+    live = tmp_path / f".step_00000002.tmp-{subprocess.os.getppid()}"
+    live.mkdir()
+    save_checkpoint(tmp_path, 3, {}, writer("w3"), keep_last=2)
+    assert not stale.exists()
+    assert live.exists()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3]
+
+
+def test_a_label_is_never_rewritten(tmp_path):
+    """A checkpoint label holds one state for ever: saving an existing step raises before writing anything, and the
+    existing checkpoint is untouched (issue 15.1/15.2 rewrote step_2 with another state; issue 20 asks that
+    dropping this guard is caught here)."""
+    save_checkpoint(tmp_path, 2, {"cursor": 20}, writer("first"), keep_last=3)
+    calls = []
+
+    def second(d):
+        calls.append(d)
+        (d / "model.bin").write_text("second")
+
+    with pytest.raises(FileExistsError, match="step_00000002 already exists and a checkpoint label is never rewritten"):
+        save_checkpoint(tmp_path, 2, {"cursor": 99}, second, keep_last=3)
+    assert calls == []  # refused before the backend wrote anything
+    path = tmp_path / "step_00000002"
+    assert (path / "model.bin").read_text() == "first"
+    assert read_driver_state(path) == {"step": 2, "cursor": 20}
+    assert leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# verification before a resume
+
+
+def test_a_whole_checkpoint_verifies(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {}, real_writer(1), keep_last=2)
+    assert verify_checkpoint(path) == []
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda p: (p / "trainer_state.pt").unlink(), "trainer_state.pt: missing"),
+        (lambda p: _truncate(p / "model.safetensors", 100), "model.safetensors: 100 bytes, the manifest says"),
+        (lambda p: _truncate(p / "trainer_state.pt", 200), "trainer_state.pt: 200 bytes, the manifest says"),
+        (lambda p: (p / "driver.json").write_text('{"step": 1, "da'), "driver.json: not valid JSON"),
+    ],
+    ids=["missing-file", "truncated-safetensors", "truncated-torch-archive", "torn-driver-json"],
+)
+def test_auto_skips_a_broken_newest_checkpoint_naming_the_file(tmp_path, caplog, damage, expected):
+    """Issue 15.6: a missing or truncated file in the newest checkpoint failed after Ray had started. Now `auto`
+    verifies before anything starts, names the file, resumes from the previous checkpoint and keeps the broken one
+    aside (its label is free again for the resumed run to write)."""
+    save_checkpoint(tmp_path, 1, {}, real_writer(1), keep_last=3)
+    newest = save_checkpoint(tmp_path, 2, {}, real_writer(2), keep_last=3)
+    damage(newest)
+    with caplog.at_level(logging.WARNING, logger="miles_vl.orchestration.checkpoint"):
+        assert resolve_resume(tmp_path, "auto") == tmp_path / "step_00000001"
+    assert expected in caplog.text and "resuming from step_00000001 instead" in caplog.text
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert len(list(tmp_path.glob("step_00000002.broken-*"))) == 1
+
+
+def test_an_explicit_broken_checkpoint_is_an_error_that_offers_the_previous_one(tmp_path):
+    good = save_checkpoint(tmp_path, 1, {}, real_writer(1), keep_last=3)
+    bad = save_checkpoint(tmp_path, 2, {}, real_writer(2), keep_last=3)
+    _truncate(bad / "model.safetensors", 50)
+    with pytest.raises(CheckpointError, match=f"model.safetensors: 50 bytes.*checkpoint.resume={good}"):
+        resolve_resume(tmp_path, str(bad))
+    assert bad.exists()  # an explicit choice is not moved
+
+
+def test_only_broken_checkpoints_is_an_error(tmp_path):
+    bad = save_checkpoint(tmp_path, 1, {}, real_writer(1), keep_last=3)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint under .* can be resumed from: step_00000001: .*missing"):
+        resolve_resume(tmp_path, "auto")
+
+
+def test_checkpoints_without_a_manifest_still_resume(tmp_path):
+    """Checkpoints written before manifests existed: the format checks still run, the resume still works."""
+    path = save_checkpoint(tmp_path, 1, {}, real_writer(1), keep_last=2)
+    (path / "manifest.json").unlink()
+    assert resolve_resume(tmp_path, "auto") == path
+    _truncate(path / "model.safetensors", 300)
+    assert "model.safetensors: 300 bytes, its header describes" in verify_checkpoint(path)[0]
 
 
 def test_explicit_resume_path_must_exist(tmp_path):
-    with pytest.raises(FileNotFoundError, match="is not a checkpoint directory"):
+    with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
         resolve_resume(tmp_path, str(tmp_path / "nope"))
+
+
+def _truncate(path, size):
+    data = path.read_bytes()
+    path.write_bytes(data[:size])

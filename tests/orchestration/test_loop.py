@@ -55,14 +55,15 @@ def test_killed_engine_is_replaced_and_no_sample_is_lost(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_writes_a_final_checkpoint(tmp_path, monkeypatch):
-    original = Job.rl_step
+    """A KeyboardInterrupt raised in step 2's rollout (not through the job's signal handler): step 1 is saved."""
+    original = Job.collect_batch
 
     def interrupt_at_step_2(self, step):
         if step == 1:
             raise KeyboardInterrupt
         return original(self, step)
 
-    monkeypatch.setattr(Job, "rl_step", interrupt_at_step_2)
+    monkeypatch.setattr(Job, "collect_batch", interrupt_at_step_2)
     with pytest.raises(KeyboardInterrupt):
         run_job(config(tmp_path, "ctrlc", "num_steps=3", "checkpoint.interval=0"))
     assert [s for s, _ in list_checkpoints(tmp_path / "ctrlc" / "checkpoints")] == [1]

@@ -1,16 +1,44 @@
-"""Contract: `score_batch` scores sync and async rewards in sample order; a reward that raises, returns junk or
-runs past its time limit scores 0 for that sample, is counted in `RewardStats` and logged, and the batch goes on."""
+"""Contract: rewards are scored in worker processes, in sample order; a reward that raises, returns junk (NaN, a
+string, a value beyond +-1e6) or runs past its time limit scores 0 for that sample, is counted in `RewardStats` and
+logged, and the batch goes on. The time limit is hard: the worker running a call past it is killed (its whole
+process group), for any reward, built-in or custom, sync or async, CPU-bound or not (issue 15.7)."""
 
-import asyncio
 import logging
-import threading
+import os
 import time
 
 import pytest
 
-from miles_vl.reward import RewardResult, RewardSample, resolve_reward, score_batch, score_batch_async
+from miles_vl.reward import (
+    RewardPool,
+    RewardSample,
+    RewardWorkerError,
+    resolve_reward,
+    score_batch,
+    score_batch_async,
+)
+from tests.reward.helpers import async_misbehave, misbehave
 
 SAMPLES = [RewardSample(str(i), str(i if i % 2 == 0 else -1), {"index": i}) for i in range(6)]  # even ones correct
+
+
+def doing(*behaviours: str, **metadata) -> list[RewardSample]:
+    return [RewardSample("r", "l", {"do": b, "index": i, **metadata}) for i, b in enumerate(behaviours)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One pool of the misbehaving reward for the module (workers start once; killed ones are replaced)."""
+    with RewardPool(misbehave, timeout_s=1.0, num_workers=2) as p:
+        yield p
 
 
 def test_sync_and_async_rewards_agree():
@@ -30,94 +58,126 @@ def test_sync_and_async_rewards_agree():
     }
 
 
-def test_raising_and_sleeping_rewards_score_zero_and_are_counted(caplog):
-    def flaky(sample: RewardSample) -> float:
-        i = sample.metadata["index"]
-        if i == 1:
-            raise ValueError("cannot parse")
-        if i == 2:
-            time.sleep(30)  # abandoned after the time limit; a daemon thread, so it does not hold up exit
-        if i == 3:
-            return float("nan")
-        if i == 4:
-            return "junk"  # type: ignore[return-value]
-        return 1.0
-
+def test_failures_score_zero_and_are_counted(pool, caplog):
+    """Raising, a NaN, a string, 1e39 (issue 15.8: finite in float64, inf in the float32 advantages) and a sleeper
+    each score 0 with a reason; the others are scored."""
+    samples = doing("ok", "raise", "sleep", "nan", "junk", "huge", "own_timeout", "ok")
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="miles_vl.reward.scoring"):
-        results, stats = score_batch(flaky, SAMPLES, timeout_s=0.3)
-    assert time.monotonic() - start < 5  # the sleeper did not hold the batch
-    assert [r.overall for r in results] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        results, stats = pool.score(samples)
+    assert time.monotonic() - start < 8  # the sleeper was cut at 1 s, not waited for (60 s)
+    assert [r.overall for r in results] == [1.0, 0, 0, 0, 0, 0, 0, 1.0]
     assert results[1].error == "ValueError: cannot parse"
-    assert results[2].error == "timeout after 0.3s"
+    assert results[2].error == "timeout after 1s"
     assert "not finite" in results[3].error and "must return a RewardResult" in results[4].error
-    assert (stats.n_samples, stats.n_errors, stats.n_timeouts) == (6, 3, 1)
-    assert stats.overall_mean == pytest.approx(2 / 6)
-    assert "failed on sample 2, scored 0: timeout after 0.3s" in caplog.text
-    assert "4 of 6 samples scored 0 (3 errors, 1 timeouts)" in caplog.text
+    assert "reward overall=1e+39 is outside [-1e+06, 1e+06]; rescale the reward" in results[5].error
+    assert results[6].error == "TimeoutError: upstream service"  # the reward's own TimeoutError is not our limit
+    assert (stats.n_samples, stats.n_errors, stats.n_timeouts, stats.n_workers_killed) == (8, 5, 1, 1)
+    assert stats.overall_mean == pytest.approx(2 / 8)
+    assert "failed on sample 2, scored 0: timeout after 1s" in caplog.text
+    assert "6 of 8 samples scored 0 (5 errors, 1 timeouts)" in caplog.text
 
 
-def test_async_timeout_and_concurrency():
-    async def slow(sample: RewardSample) -> RewardResult:
-        await asyncio.sleep(30 if sample.metadata["index"] == 0 else 0.1)
-        return RewardResult(overall=1.0, accuracy=1.0, format=0.0)
+def test_a_cpu_bound_reward_is_killed_with_the_processes_it_started(pool, tmp_path):
+    """A spinning call and a call whose reward started a process of its own: both stop at the limit; the worker
+    and the reward's child are gone (the process group is killed), and the pool goes on with new workers."""
+    pid_file = tmp_path / "child.pid"
+    pids_before = {r.overall for r in pool.score(doing("pid", "pid", "pid", "pid"))[0]}
+    results, stats = pool.score(doing("spin", "spawn", pid_file=str(pid_file)))
+    assert [r.error for r in results] == ["timeout after 1s", "timeout after 1s"]
+    assert stats.n_workers_killed == 2
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(child)
+    for pid in pids_before:
+        assert gone(int(pid))
+    after, stats = pool.score(doing("ok", "ok", "ok"))
+    assert [r.overall for r in after] == [1.0, 1.0, 1.0] and stats.n_workers_killed == 0
 
-    start = time.monotonic()
-    results, stats = score_batch(slow, SAMPLES, timeout_s=0.5)
-    assert time.monotonic() - start < 2  # the five 0.1 s calls ran concurrently, the 30 s one was cut at 0.5 s
-    assert [r.overall for r in results] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert (stats.n_timeouts, stats.n_errors, stats.format_mean) == (1, 0, 0.0)
+
+def test_geo3k_on_a_tower_of_powers_stops_at_the_limit():
+    """Issue 15.7: geo3k (math-verify, sympy) on `\\boxed{9^{9^{9}}}` had not returned after 90 s with a 2 s limit."""
+    samples = [
+        RewardSample("<think>x</think> \\boxed{9^{9^{9}}}", "3"),
+        RewardSample("<think>a</think> \\boxed{30^\\circ}", "30"),
+    ]
+    with RewardPool(resolve_reward("geo3k"), timeout_s=2.0, num_workers=2) as p:
+        start = time.monotonic()
+        results, stats = p.score(samples)
+        elapsed = time.monotonic() - start
+    assert elapsed < 6
+    assert results[0].error == "timeout after 2s" and results[0].overall == 0.0
+    assert results[1].overall == 1.0
+    assert (stats.n_timeouts, stats.n_workers_killed) == (1, 1)
+
+
+def test_a_worker_that_dies_fails_only_its_call(pool):
+    results, stats = pool.score(doing("ok", "exit", "ok", "ok"))
+    assert [r.overall for r in results] == [1.0, 0.0, 1.0, 1.0]
+    assert results[1].error == "the reward worker process died (exit code 3)"
+    assert (stats.n_errors, stats.n_timeouts) == (1, 0)
 
 
 def test_time_limit_counts_from_call_start_not_queue():
-    def sleepy(sample: RewardSample) -> float:
-        time.sleep(0.2)
-        return 1.0
-
-    # One call at a time: the batch takes ~1.2 s, longer than the limit, yet no single call exceeds it.
-    results, stats = score_batch(sleepy, SAMPLES, timeout_s=0.6, max_concurrency=1)
+    # One worker: the batch takes ~1.2 s, longer than the limit, yet no single call exceeds it.
+    samples = doing(*["sleep"] * 6, seconds=0.2)
+    results, stats = score_batch(misbehave, samples, timeout_s=0.8, num_workers=1)
     assert stats.n_timeouts == 0 and all(r.overall == 1.0 for r in results)
 
 
-def test_a_users_own_timeout_error_is_an_error_not_a_timeout():
-    def raises_timeout(sample: RewardSample) -> float:
-        raise TimeoutError("upstream service")
-
-    _, stats = score_batch(raises_timeout, SAMPLES[:2], timeout_s=5.0)
-    assert (stats.n_errors, stats.n_timeouts) == (2, 0)
-
-
-def test_sync_rewards_run_off_the_event_loop_thread():
-    seen = set()
-
-    def record(sample: RewardSample) -> float:
-        seen.add(threading.current_thread().name)
-        return 0.0
-
-    score_batch(record, SAMPLES, 5.0)
-    assert seen == {"miles-vl-reward"}
+def test_async_rewards_run_concurrently_and_time_out():
+    """Five 0.3 s calls run at once in one worker; a 30 s one is cut at its limit."""
+    samples = doing("ok", "ok", "ok", "ok", "ok", seconds=0.3) + [RewardSample("r", "l", {"seconds": 30})]
+    with RewardPool(async_misbehave, timeout_s=1.0, num_workers=1) as p:
+        start = time.monotonic()
+        results, stats = p.score(samples)
+        elapsed = time.monotonic() - start
+    assert elapsed < 2.5  # concurrent: 5 x 0.3 s in sequence plus the 1 s limit would be 2.5 s
+    assert [r.overall for r in results] == [1.0] * 5 + [0.0]
+    assert (stats.n_timeouts, stats.n_errors, stats.n_workers_killed) == (1, 0, 0)  # cooperative: no kill needed
 
 
-def test_geo3k_through_the_batch_scorer():
-    fn = resolve_reward("geo3k")
-    samples = [RewardSample("<think>a</think> \\boxed{30^\\circ}", "30"), RewardSample("\\boxed{31}", "30")]
-    results, stats = score_batch(fn, samples, timeout_s=10.0)
-    assert [r.overall for r in results] == [1.0, 0.0]
-    assert (stats.accuracy_mean, stats.format_mean) == (0.5, 0.5)
+def test_an_async_reward_that_blocks_its_loop_is_killed_and_its_neighbours_retried():
+    """A call that blocks the worker's event loop (CPU work in an `async def`) holds the other calls of its worker
+    too: the worker is killed, each of its calls runs again alone, and only the blocking one scores 0."""
+    samples = doing("ok", "block", "ok", seconds=0.2)
+    with RewardPool(async_misbehave, timeout_s=1.0, num_workers=1) as p:
+        results, stats = p.score(samples)
+    assert [r.overall for r in results] == [1.0, 0.0, 1.0]
+    assert results[1].error == "timeout after 1s"
+    assert (stats.n_timeouts, stats.n_workers_killed) == (1, 2)  # killed with all three, then alone
 
 
-def test_inside_a_running_loop_use_the_async_form():
-    async def main():
-        with pytest.raises(RuntimeError, match="use `await score_batch_async"):
-            score_batch(lambda s: 1.0, SAMPLES, 1.0)
-        return await score_batch_async(lambda s: 1.0, SAMPLES, 1.0)
+def test_the_async_form_from_inside_an_event_loop():
+    import asyncio
 
-    results, stats = asyncio.run(main())
-    assert stats.overall_mean == 1.0 and len(results) == 6
+    results, stats = asyncio.run(score_batch_async(misbehave, doing("ok", "raise"), 5.0))
+    assert [r.overall for r in results] == [1.0, 0.0] and stats.n_errors == 1
+
+
+def test_a_reward_that_cannot_reach_a_worker_is_refused_at_start(tmp_path, monkeypatch):
+    def local(sample):
+        return 1.0
+
+    with pytest.raises(TypeError, match="cannot be sent to a worker process.*define it at module level"):
+        RewardPool(local, timeout_s=1.0)
+    # importable here, not in the worker (its folder is not on the path the workers get): the pool says why
+    (tmp_path / "only_here.py").write_text("def score(sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from only_here import score
+
+    monkeypatch.syspath_prepend("/nonexistent")  # keep sys.path's length; drop tmp_path from it
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(tmp_path)])
+    with pytest.raises(
+        RewardWorkerError, match="could not load score: ModuleNotFoundError: No module named 'only_here'"
+    ):
+        RewardPool(score, timeout_s=1.0, num_workers=1)
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        score_batch(lambda s: 1.0, SAMPLES, 0.0)
-    with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
-        score_batch(lambda s: 1.0, SAMPLES, 1.0, max_concurrency=0)
+        score_batch(misbehave, SAMPLES, 0.0)
+    with pytest.raises(ValueError, match="num_workers and async_concurrency must be >= 1"):
+        score_batch(misbehave, SAMPLES, 1.0, num_workers=0)

@@ -140,6 +140,29 @@ def test_checkpoint_round_trip_continues_identically(base_model, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+def test_a_crafted_trainer_state_is_refused_and_never_run(base_model, tmp_path):
+    """Issue 15.11: torch.load(weights_only=False) executed code from a crafted checkpoint given as
+    checkpoint.resume=<path>. The real files load with weights_only=True (round trip above); a pickle that calls a
+    function on load is refused with the file named, and the function never runs."""
+    a = backend(copy.deepcopy(base_model))
+    a.save_checkpoint(tmp_path)
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer": _RunsCodeWhenUnpickled(marker)}, tmp_path / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"trainer_state.pt: refused to load"):
+        backend(copy.deepcopy(base_model)).load_checkpoint(tmp_path)
+    assert not marker.exists()
+    torch.load(tmp_path / "trainer_state.pt", weights_only=False)  # the control: unguarded loading does run it
+    assert marker.exists()
+
+
 def test_frozen_vision_is_not_trained_or_exported(base_model):
     b = backend(copy.deepcopy(base_model), freeze_vision=True)
     names = [n for n, _ in b.export_weights()]

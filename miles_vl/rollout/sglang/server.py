@@ -68,6 +68,10 @@ OWNED_FLAGS: dict[str, str] = {
 }
 
 
+def _abbreviates(arg: str, flag: str) -> bool:
+    return arg.startswith("--") and len(arg) > 2 and flag.startswith(arg)
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """Everything needed to launch one SGLang server for one rollout engine.
@@ -127,10 +131,14 @@ class ServerSpec:
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0]
-            if flag in OWNED_FLAGS:
+            # SGLang's argparse takes any unique prefix of a flag (`--hos` is `--host`): a prefix of an owned flag
+            # sets it too (or is ambiguous, which SGLang refuses anyway)
+            owned = flag if flag in OWNED_FLAGS else next((f for f in OWNED_FLAGS if _abbreviates(flag, f)), None)
+            if owned is not None:
+                alias = "" if owned == flag else f" (a prefix of {owned}, which SGLang's argparse reads as that flag)"
                 raise ValueError(
-                    f"rollout.sglang.extra_args sets {flag}, which miles_vl sets itself from "
-                    f"{OWNED_FLAGS[flag]}; remove it from extra_args"
+                    f"rollout.sglang.extra_args sets {flag}{alias}, which miles_vl sets itself from "
+                    f"{OWNED_FLAGS[owned]}; remove it from extra_args"
                 )
 
     @property

@@ -1,0 +1,109 @@
+"""Contract (issue 15 items 10, 14, 15, 16): a config file that YAML or Python would accept with a silent surprise is
+refused with one message naming the file and line: a key given twice, bytes that are not UTF-8, `inf`/`nan` in any
+float, Adam betas outside [0, 1). Secret fields are marked once in the schema and never written out (`redacted`),
+not even in an error message about them."""
+
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from miles_vl.config import ConfigError, JobConfig, load_config
+from miles_vl.config.schema import REDACTED, redacted, secret_keys
+
+MINIMAL = "model:\n  init: random\n  processor: offline\ndata:\n  synthetic_n: 8\n"
+
+
+def problems(path: Path, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides or [])
+    return info.value.problems
+
+
+def write(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+def test_a_section_given_twice_is_refused_with_both_lines(tmp_path):
+    """Issue 15.14: the second `rollout:` silently replaced the first (batch_size 2 was lost)."""
+    path = write(tmp_path, MINIMAL + "rollout:\n  batch_size: 2\nrollout:\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"invalid config {path}" in str(info.value)
+    (msg,) = info.value.problems
+    assert "at line 8" in msg and "key 'rollout' appears twice in one mapping (lines 6 and 8)" in msg
+
+
+def test_a_nested_key_given_twice_is_refused(tmp_path):
+    (msg,) = problems(write(tmp_path, MINIMAL + "train:\n  optimizer:\n    lr: 1.0\n    lr: 2.0\n"))
+    assert "key 'lr' appears twice in one mapping (lines 8 and 9)" in msg
+
+
+def test_yaml_merge_keys_still_override(tmp_path):
+    """`<<: *anchor` then a key of the anchor is YAML's way to override, not a duplicate."""
+    text = MINIMAL + "rollout: &r\n  temperature: 0.5\n  top_p: 0.9\neval:\n  <<: *r\n  temperature: 0.0\n"
+    with pytest.raises(ConfigError) as info:  # the merge happened (eval got top_p), and no duplicate was reported
+        load_config(write(tmp_path, text))
+    assert [p.split(" (known")[0] for p in info.value.problems] == [
+        f"unknown key 'eval.top_p' in {tmp_path / 'job.yaml'}"
+    ]
+
+
+def test_a_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    """Issue 15.15: a Latin-1 byte gave a UnicodeDecodeError that named no file."""
+    path = write(tmp_path, (MINIMAL + "# caf\xe9\n").encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"{path}: not UTF-8 text (byte 0xe9 at line 6)" in str(info.value)
+
+
+def float_keys(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[str]:
+    """Every key of the schema whose type holds a float (found by walking the annotations, not from a list)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += float_keys(ann, f"{prefix}{name}.")
+        elif ann is float or float in typing.get_args(ann):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_no_float_takes_inf_or_nan(tmp_path, value):
+    """Issue 15.16: inf/nan passed for lr, temperature, grad_clip, kl_coef, clip_high (and failed after Ray started)."""
+    keys = float_keys()
+    assert {"train.optimizer.lr", "rollout.temperature", "train.optimizer.grad_clip", "algo.kl_coef"} <= set(keys)
+    for key in keys:
+        found = problems(write(tmp_path, MINIMAL), [f"{key}={value}"])
+        assert any(key in p for p in found), (key, found)
+
+
+@pytest.mark.parametrize("betas", ["[0.9,1.0]", "[-0.1,0.999]", "[0.9,1.5]"])
+def test_adam_betas_must_lie_in_0_1(tmp_path, betas):
+    (msg,) = problems(write(tmp_path, MINIMAL), [f"train.optimizer.betas={betas}"])
+    assert "'train.optimizer.betas': Adam betas must each be in [0, 1)" in msg
+
+
+def test_betas_at_the_edges_are_fine(tmp_path):
+    assert load_config(write(tmp_path, MINIMAL), ["train.optimizer.betas=[0.0,0.999]"]).train.optimizer.betas[0] == 0
+
+
+def test_secrets_are_marked_once_and_redacted_generically(tmp_path):
+    """Issue 15.10: rollout.sglang.api_key was written in plain text. Every field marked secret is redacted by one
+    function that walks the schema, so a future secret field needs only the mark."""
+    assert secret_keys() == ["rollout.sglang.api_key"]
+    cfg = load_config(write(tmp_path, MINIMAL), ["rollout.sglang.api_key=s3cret-value"])
+    assert cfg.rollout.sglang.api_key == "s3cret-value"  # the job itself still has it
+    out = redacted(cfg)
+    assert out["rollout"]["sglang"]["api_key"] == REDACTED
+    assert "s3cret-value" not in repr(out)
+    assert redacted(load_config(write(tmp_path, MINIMAL)))["rollout"]["sglang"]["api_key"] is None  # unset stays unset
+
+
+def test_an_error_about_a_secret_does_not_repeat_it(tmp_path):
+    (msg,) = problems(write(tmp_path, MINIMAL + "rollout:\n  sglang:\n    api_key: [s3cret, value]\n"))
+    assert "'rollout.sglang.api_key'" in msg and "s3cret" not in msg and REDACTED in msg

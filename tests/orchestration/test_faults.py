@@ -1,0 +1,352 @@
+"""Fault injection on the embedded job (issue 15, "nothing lost, nothing hung"). The invariant, checked directly:
+
+- a run stopped by SIGINT or SIGTERM in any phase of a step (rollout, train, sync, save) ends with the checkpoint of
+  its last completed step, and resumed with the same command it equals the straight run metric for metric, weights
+  and optimizer state included;
+- no checkpoint that existed before a stop or a resume is changed (byte for byte), and no file of the run is
+  truncated (each only grows);
+- an engine killed in any phase (release, train, resume, sync) is replaced, re-synced, and the run equals the
+  straight one;
+- a broken newest checkpoint is skipped with the run still equal to the straight one; a start that would reuse
+  another run's directory, or save a newer state under an older label, is refused before Ray starts.
+
+Signals are real: the test sends them to its own process from inside the phase (a wrapper around the method that
+runs it), so they arrive at a known point; one test sends SIGTERM from outside to a `miles-vl train` process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from miles_vl.data import build_datasets, load_processor
+from miles_vl.orchestration import run_job
+from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints
+from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.loop import JobInterrupted
+from miles_vl.orchestration.trainer import Trainer
+from tests.orchestration.jobs import REPO, metrics, tiny_job
+
+STEPS = 5
+# saves at 2, 4 and the final 5, nothing pruned; one reward worker (the test rewards are instant)
+BASE = ("checkpoint.interval=2", "checkpoint.keep_last=10", "reward.num_workers=1")
+SECRET = "s3cret-token-4242"
+ENGINE_COUNTERS = ("rollout/engine_restarts", "rollout/weight_resyncs")
+
+
+def config(tmp_path: Path, name: str, *overrides: str):
+    return tiny_job(tmp_path, name, f"num_steps={STEPS}", *BASE, *overrides)
+
+
+def comparable(record: dict, drop: tuple[str, ...] = ()) -> dict:
+    """Everything but wall-clock figures (and `drop`)."""
+    return {k: v for k, v in record.items() if not k.startswith(("time/", "perf/")) and k not in drop}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The reference: 5 steps in one go (with an API key set and wandb offline: `test_secrets_never_reach_a_file`)."""
+    secret = (f"rollout.sglang.api_key={SECRET}", "logging.wandb.mode=offline")
+    return run_job(config(tmp_path_factory.mktemp("straight"), "straight", *secret))
+
+
+def copy_of(straight: Path, dest: Path, steps: int) -> Path:
+    """A run directory as a run of `steps` steps of the straight one leaves it (a deterministic run: the same files),
+    made by copying, to start from there without running those steps again."""
+    shutil.copytree(straight, dest, ignore=shutil.ignore_patterns("wandb", "plots"))
+    for s, path in list_checkpoints(dest / "checkpoints"):
+        if s > steps:
+            shutil.rmtree(path)
+    rows = (dest / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dest / "metrics.jsonl").write_text("".join(rows[:steps]))
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def snapshot(run_dir: Path) -> dict[Path, bytes]:
+    """Every file of a run (plots are drawn again at the end of each run and left out)."""
+    return {
+        p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "plots" not in p.parts
+    }
+
+
+def assert_nothing_lost(before: dict[Path, bytes], run_dir: Path) -> None:
+    """Checkpoint files are unchanged byte for byte; every other file only grew (its old bytes are a prefix), or,
+    for a config.yaml/processor.yaml that the new start differs from, is kept whole beside it (`config.<time>.yaml`).
+    """
+    for rel, old in before.items():
+        path = run_dir / rel
+        assert path.is_file(), f"{rel} is gone"
+        new = path.read_bytes()
+        if rel.parts[0] == "checkpoints":
+            assert new == old, f"checkpoint file {rel} changed"
+        elif not new.startswith(old):
+            kept = [p for p in path.parent.glob(f"{path.stem}.*{path.suffix}") if p.read_bytes() == old]
+            assert kept, f"{rel} was truncated or rewritten"
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    """Two checkpoint directories hold the same weights and the same optimizer state, exactly."""
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), f"weights differ: {a} vs {b}"
+    oa = torch.load(a / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
+    ob = torch.load(b / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        assert all(torch.equal(oa[k][n], ob[k][n]) for n in ("exp_avg", "exp_avg_sq")), f"optimizer differs: {a}"
+
+
+def signal_during(monkeypatch, cls, method: str, call: int, signum: int) -> None:
+    """Send `signum` to this process at the start of the `call`-th call of `cls.method` (counted from now)."""
+    original = getattr(cls, method)
+    seen = [0]
+
+    def wrapper(self, *args, **kwargs):
+        seen[0] += 1
+        if seen[0] == call:
+            os.kill(os.getpid(), signum)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, wrapper)
+
+
+# (phase, the method that runs it, which call of it in the segment, the step the segment's checkpoint holds)
+#   rollout: generate #2 is step 2's rollout (step 1 ran first): the step is abandoned, step 1 is saved
+#   train:   the first train after resuming from 1 is step 2's: it finishes (eval, log, the periodic save of 2)
+#   sync:    sync_weights #1 is the restore's, #2 is step 3's: step 3 finishes and is saved
+#   save:    the first save_checkpoint after resuming from 3 is step 4's periodic one: it completes, nothing after it
+CHAIN = [
+    ("rollout", RolloutEngines, "generate", 2, 1),
+    ("train", Trainer, "train", 1, 2),
+    ("sync", RolloutEngines, "sync_weights", 2, 3),
+    ("save", Trainer, "save_checkpoint", 1, 4),
+]
+
+
+def test_stopped_in_every_phase_and_resumed_equals_the_straight_run(tmp_path, monkeypatch, straight):
+    """Issue 15.1: Ctrl-C saved a half-advanced state over a good checkpoint (4 prompts skipped, 15 metrics off after
+    resume) and SIGTERM saved nothing. Four stops, one per phase, SIGTERM and SIGINT in turn (SIGINT in training and
+    SIGTERM from outside are in the two tests below)."""
+    run_dir = tmp_path / "chain"
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT)
+    for (phase, cls, method, call, saved), signum in zip(CHAIN, signals, strict=True):
+        before = snapshot(run_dir) if run_dir.exists() else {}
+        with monkeypatch.context() as m:
+            signal_during(m, cls, method, call, signum)
+            with pytest.raises(JobInterrupted) as info:
+                run_job(config(tmp_path, "chain"))
+        assert (info.value.signum, info.value.checkpoint) == (signum, saved), phase
+        assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == saved, phase
+        assert [r["step"] for r in metrics(run_dir)] == list(range(1, saved + 1)), phase  # logged = saved
+        assert_nothing_lost(before, run_dir)
+    before = snapshot(run_dir)
+    run_job(config(tmp_path, "chain"))  # the same command, to the end
+    assert_nothing_lost(before, run_dir)
+    assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(straight)]
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [1, 2, 3, 4, 5]
+    for step in (2, 4, 5):  # the steps both runs saved
+        name = f"step_{step:08d}"
+        assert_same_state(run_dir / "checkpoints" / name, straight / "checkpoints" / name)
+    assert any(r["train/grad_norm"] > 0 for r in metrics(straight))  # training moved the weights
+
+
+def test_a_second_signal_stops_at_once_and_the_last_checkpoint_stands(tmp_path, monkeypatch, straight):
+    """Ctrl-C twice during training: no checkpoint of a half-trained step; the newest one (step 2) is untouched and
+    no temporary directory is left."""
+    run_dir = copy_of(straight, tmp_path / "twice", steps=2)
+    before = snapshot(run_dir)
+    original = Trainer.train
+
+    def train_twice_interrupted(self, samples):
+        os.kill(os.getpid(), signal.SIGINT)  # deferred: training has started
+        os.kill(os.getpid(), signal.SIGINT)  # again: stop now
+        return original(self, samples)
+
+    monkeypatch.setattr(Trainer, "train", train_twice_interrupted)
+    with pytest.raises(JobInterrupted) as info:
+        run_job(config(tmp_path, "twice"))
+    assert info.value.forced and info.value.checkpoint == 2
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert_nothing_lost(before, run_dir)
+
+
+def test_sigterm_from_outside_ends_miles_vl_train_with_a_checkpoint(tmp_path):
+    """What Slurm and Kubernetes do on preemption: SIGTERM to the `miles-vl train` process while it trains. It used
+    to die with rc -6 and no checkpoint (Ray's handler); now the step finishes, its checkpoint is written and the
+    exit status is 143."""
+    marker = tmp_path / "training"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.orchestration.slow_train",
+        str(marker),
+        str(REPO / "configs" / "geo3k_tiny_cpu.yaml"),
+        *tiny_overrides(tmp_path, "preempted"),
+    ]
+    env = dict(os.environ, COLUMNS="300")  # rich wraps log lines at the terminal width
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM: resume from step 1 with the same command" in out
+    run_dir = tmp_path / "preempted"
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [1]
+    assert [r["step"] for r in metrics(run_dir)] == [1]
+
+
+def tiny_overrides(tmp_path: Path, name: str) -> list[str]:
+    from tests.orchestration.jobs import FAST
+
+    return [
+        *FAST,
+        f"logging.output_dir={tmp_path}",
+        f"logging.run_name={name}",
+        "num_steps=3",
+        "checkpoint.interval=0",
+        "reward.num_workers=1",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# engines, checkpoints and run directories
+
+
+def test_an_engine_killed_in_any_phase_is_replaced_and_nothing_is_lost(tmp_path, monkeypatch, straight):
+    """Issue 15.9: an engine killed while the trainer ran killed the job (release/resume had no recovery). Kills at
+    release (step 1), during training (step 2: found at resume) and before the sync (step 2 again; step 3's rollout
+    runs on that replacement): the run equals the straight one but for the restart counters (counted at rollout)."""
+    kills = {"release_memory": 1, "train": 2, "sync_weights": 2}  # method -> the step whose call kills engine 0
+    calls: dict[str, int] = {}
+
+    def killing(cls, method):
+        original = getattr(cls, method)
+
+        def wrapper(self, *args, **kwargs):
+            calls[method] = calls.get(method, 0) + 1
+            if calls[method] == kills[method]:
+                engines = self if isinstance(self, RolloutEngines) else job_engines[0]
+                ray.kill(engines.engines[0], no_restart=True)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, method, wrapper)
+
+    job_engines: list[RolloutEngines] = []
+    init = RolloutEngines.__init__
+
+    def remember(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        job_engines.append(self)
+
+    monkeypatch.setattr(RolloutEngines, "__init__", remember)
+    killing(RolloutEngines, "release_memory")
+    killing(Trainer, "train")
+    killing(RolloutEngines, "sync_weights")
+    run = run_job(config(tmp_path, "engine-deaths", "num_steps=3"))
+    rows = metrics(run)
+    assert [r["rollout/engine_restarts"] for r in rows] == [0, 1, 3]
+    expected = [comparable(r, ENGINE_COUNTERS) for r in metrics(straight)[:3]]
+    assert [comparable(r, ENGINE_COUNTERS) for r in rows] == expected
+    assert_same_state(run / "checkpoints" / "step_00000002", straight / "checkpoints" / "step_00000002")
+
+
+def test_a_broken_newest_checkpoint_is_skipped_and_the_run_still_equals_the_straight_one(tmp_path, straight):
+    """Issue 15.6: a truncated file in the newest checkpoint. `auto` resumes from the one before (the broken one is
+    kept aside), and the step it repeats comes out as in the straight run."""
+    run_dir = copy_of(straight, tmp_path / "broken", steps=4)
+    model = run_dir / "checkpoints" / "step_00000004" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:1000])
+    run = run_job(config(tmp_path, "broken", "num_steps=4"))
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4]
+    assert len(list((run / "checkpoints").glob("step_00000004.broken-*"))) == 1
+    assert [comparable(r) for r in metrics(run)] == [comparable(r) for r in metrics(straight)[:4]]
+    assert_same_state(run / "checkpoints" / "step_00000004", straight / "checkpoints" / "step_00000004")
+
+
+def test_starts_that_would_lose_another_runs_data_are_refused_before_ray(tmp_path, straight):
+    """Issue 15.2: num_steps=2 with step_4 present saved step 4's state as step_2. Issue 15.3: resume=never with a
+    fixed run_name truncated the old run's metrics and pruned across both runs. Both are refused, naming the fix,
+    with every file of the existing run untouched."""
+    name = straight.name
+    before = snapshot(straight)
+    with pytest.raises(CheckpointError, match=r"is at step 5, past num_steps=2.*raise num_steps to 5 or more"):
+        run_job(config(straight.parent, name, "num_steps=2"))
+    with pytest.raises(CheckpointError, match=r"holds another run \(5 logged steps and checkpoints .*set another"):
+        run_job(config(straight.parent, name, "checkpoint.resume=never"))
+    assert snapshot(straight) == before
+    # the same, with nothing to resume: a run that logged steps but left no checkpoint is not overwritten either
+    (tmp_path / "no-ckpt").mkdir()
+    (tmp_path / "no-ckpt" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(CheckpointError, match="holds another run \\(1 logged steps\\)"):
+        run_job(tiny_job(tmp_path, "no-ckpt", "num_steps=1"))
+    assert (tmp_path / "no-ckpt" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # another run's checkpoint, resumed into that directory, would mix two runs' metrics
+    other = straight / "checkpoints" / "step_00000002"
+    with pytest.raises(CheckpointError, match="belongs to another run than .*no-ckpt, which holds metrics"):
+        run_job(tiny_job(tmp_path, "no-ckpt", "num_steps=3", f"checkpoint.resume={other}"))
+    assert (tmp_path / "no-ckpt" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_run_already_at_num_steps_does_nothing(tmp_path, straight):
+    before = snapshot(straight)
+    assert run_job(config(straight.parent, straight.name)) == straight
+    assert snapshot(straight) == before
+
+
+def test_hostile_rewards_do_not_stop_the_run(tmp_path, monkeypatch):
+    """Issue 15.7/15.8: a reward of 1e39 killed the run at the advantages; a reward that never returns hung it.
+    Both score 0, are counted, and training goes on with finite numbers."""
+    cfg = tiny_job(
+        tmp_path,
+        "hostile",
+        "num_steps=1",
+        "rollout.batch_size=3",
+        "reward.num_workers=1",
+        "reward.name=tests.orchestration.rewards:hostile_reward",
+        "reward.timeout_s=1",
+    )
+    processor = load_processor(cfg.model.processor, cfg.data.min_pixels, cfg.data.max_pixels)
+    first, second, _ = [p.index for p in build_datasets(cfg.data, processor, seed=cfg.seed).train.next_batch(3)]
+    monkeypatch.setenv("HOSTILE_REWARD", f"{first}=huge,{second}=hang")  # the reward workers inherit it
+    (row,) = metrics(run_job(cfg))
+    n = cfg.rollout.n_samples_per_prompt
+    assert (row["reward/errors"], row["reward/timeouts"]) == (n, n)  # every sample of the two prompts
+    assert all(isinstance(v, float | int) and v == v for v in row.values())  # finite JSON numbers (no "nan" text)
+    assert row["train/grad_norm"] > 0
+
+
+def test_secrets_never_reach_a_file(straight):
+    """Issue 15.10: rollout.sglang.api_key was written to config.yaml, every driver.json and the wandb config. The
+    straight run had one set (and wandb offline): no file of the run holds it."""
+    files = [p for p in straight.rglob("*") if p.is_file()]
+    assert (
+        any("wandb" in p.parts for p in files)
+        and (straight / "checkpoints" / "step_00000005" / "driver.json").is_file()
+    )
+    assert [p for p in files if SECRET.encode() in p.read_bytes()] == []
+    assert "<redacted>" in (straight / "config.yaml").read_text()
