@@ -65,6 +65,8 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 # (srt/multimodal/processors/base_processor.py, srt/managers/mm_utils.py):
 #   default     pixel values copied to the CPU, sha256-hashed there (`tensor_hash`), pickled to the scheduler
 #   cuda_ipc    `--mm-feature-transport cuda_ipc`: pixel values stay on the GPU, hashed there, handed over by CUDA IPC
+#               (crashed the scheduler on an H100, 2026-11-23: `torch.cat` of image features on cuda:0 and cpu in
+#               qwen3_vl.py get_image_feature, once the IPC pool fell back to the CPU for some images)
 #   skip_hash   SGLANG_MM_SKIP_COMPUTE_HASH=1: a random id instead of the content hash (no prefix sharing of images)
 VARIANTS = {
     "default": ((), {}),
@@ -292,10 +294,17 @@ def main() -> None:
     for name in engines:
         t0 = time.perf_counter()
         if name == "sglang":
-            by_variant = [bench_sglang(args, ckpt, prompts, tokens, v) for v in variants]
-            results[name] = by_variant[0]
-            if len(by_variant) > 1:
-                results[name] = dict(by_variant[0], variants=by_variant)
+            by_variant = []
+            for v in variants:  # each printed as it finishes; a variant that fails is recorded, the rest still run
+                try:
+                    by_variant.append(bench_sglang(args, ckpt, prompts, tokens, v))
+                except Exception as e:  # noqa: BLE001 (the server's log says why; the JSON line says which)
+                    by_variant.append(dict(variant=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                print(f"[sglang {v}] {json.dumps(by_variant[-1])}", flush=True)
+            ok = [r for r in by_variant if "error" not in r]
+            if not ok:
+                raise SystemExit(f"bench_sglang_decode: every SGLang variant failed: {by_variant}")
+            results[name] = dict(ok[0], variants=by_variant) if len(by_variant) > 1 else ok[0]
         else:
             results[name], model = bench_hf(args, ckpt, prompts, tokens)
         print(f"[{name}] {json.dumps(results[name])} ({time.perf_counter() - t0:.1f}s)", flush=True)
@@ -309,7 +318,7 @@ def main() -> None:
     sync(torch.device("cuda"))
     bandwidth = copy_bandwidth(torch.device("cuda"), int(args.copy_gib * 2**30))
     bound = args.batch * bandwidth / weight_bytes
-    for r in [*results.values(), *results.get("sglang", {}).get("variants", [])]:
+    for r in [*results.values(), *[v for v in results.get("sglang", {}).get("variants", []) if "error" not in v]]:
         r["fraction_of_bound"] = round(r["decode_tokens_per_s"] / bound, 4)
         r["engine_over_decode"] = round(r["engine_tokens_per_s"] / r["decode_tokens_per_s"], 3)
 

@@ -48,6 +48,10 @@ SHAPES = {
         "rollout.max_response_len=256",
         "train.global_batch_size=64",
         "train.optimizer.lr=1e-6",
+        # measured on an H100: without recompute an 8192-token micro-batch needs more than the 80 GB (OOM at 75.7 GB
+        # in the vocab-parallel backward, docs/gpu-runs/2026-11-23-loop-2b-oom); full recompute keeps only the
+        # layer inputs
+        "train.recompute=full",
     ),
 }
 

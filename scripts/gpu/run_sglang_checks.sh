@@ -96,9 +96,9 @@ if [ "$skip_tests" = 0 ]; then
   t=$(( $(left) - (skip_bench ? 10 : 200) ))
   [ "$t" -gt 450 ] && t=450
   [ "$t" -lt 60 ] && fail tests "only ${t}s left for the tests"
-  say "tests: pytest -x -v -s (timeout ${t}s)"
+  say "tests: pytest -v -s (timeout ${t}s)"
   timeout -s INT -k 30 "$t" "$py" -m pytest tests/gpu/test_sglang_real.py tests/rollout/sglang/test_gpu.py \
-    -x -v -s -p no:cacheprovider >> "$log" 2>&1
+    -v -s -p no:cacheprovider >> "$log" 2>&1
   status=$?
   cleanup_servers
   grep -oE "SGLANG-REAL.*|[0-9]+ (passed|failed|skipped|errors?)[^=]*" "$log" | tail -8 | while read -r line; do say "tests: $line"; done

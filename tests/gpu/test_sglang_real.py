@@ -20,7 +20,7 @@ Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP con
   confirms them; a name the checkpoint lacks is accepted with HTTP 200 and changes nothing (skipped silently); the
   server's parameter names are the stand-ins' `sglang_parameter` of the checkpoint's names.
 
-One server serves the whole module (tests run in file order and share it; `-x` stops at the first failure).
+One server serves the whole module (tests run in file order and share it).
 Run with scripts/gpu/run_sglang_checks.sh, which installs the SGLang bundle and writes the checkpoint first.
 Environment: MILES_VL_SGLANG_CKPT (checkpoint directory; default: written to a temp dir here),
 MILES_VL_SGLANG_STARTUP_S (server start timeout; default 300 s: the first start JIT-compiles SGLang's kernels),
@@ -234,6 +234,10 @@ def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     )
     with pytest.raises(SGLangUnavailableError, match=r"HTTP 500: Internal Server Error"):
         host.client.request("POST", "/generate", json=payload, retry=False)
+    # the server writes the traceback ("RuntimeError: coroutine raised StopIteration") after it answered: wait for it
+    deadline = time.monotonic() + 15
+    while "StopIteration" not in host.server.log_tail(max_lines=400, max_bytes=1 << 17) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert "StopIteration" in host.server.log_tail(max_lines=400, max_bytes=1 << 17)
     assert host.health()
 
