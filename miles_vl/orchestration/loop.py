@@ -171,6 +171,9 @@ def choose_run_dir(cfg: JobConfig, config_path: str | None) -> Path:
 def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None) -> dict[str, Any] | None:
     """The driver state to resume from (None: a fresh start), after checking that the start is safe.
 
+    `checkpoint.resume=auto` in a directory whose run logged steps but left no checkpoint (it died before its first
+    one) starts that run again; its metrics.jsonl is kept as `metrics.<time>.jsonl`.
+
     Raises:
         CheckpointError: a fresh start in a directory that holds another run (metrics or checkpoints), a resume of
             another directory's checkpoint into one that holds metrics, or a resume from a checkpoint past
@@ -184,7 +187,16 @@ def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | N
     if resume is None:
         records = _metric_records(run_dir)
         others = [p.name for _, p in list_checkpoints(ckpt_root)]
-        if records or others:
+        if cfg.checkpoint.resume == "auto" and records and not others:
+            kept = run_dir / f"{Path(METRICS_FILE).stem}.{datetime.now():%Y%m%d-%H%M%S}.jsonl"
+            os.replace(run_dir / METRICS_FILE, kept)
+            log.warning(
+                "%s logged %d steps but left no checkpoint: starting it again; its metrics are kept as %s",
+                run_dir,
+                records,
+                kept,
+            )
+        elif records or others:
             held = " and ".join([f"{records} logged steps"] * bool(records) + [f"checkpoints {others}"] * bool(others))
             how = f"checkpoint.resume={cfg.checkpoint.resume}" + (" and no checkpoint" if not others else "")
             raise CheckpointError(
