@@ -113,12 +113,10 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
                 batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
                 with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
                     metrics = job.train_and_sync(step, batch)
-                    if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
-                        metrics |= job.evaluate(step)
+                    metrics |= job.evaluate_if_due(step)
                     job.log(metrics)
                     job.commit(step + 1)
-                    if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
-                        job.save()
+                    job.save_if_due()
             with signals.deferred():
                 job.save()
         except BaseException as err:
@@ -497,6 +495,11 @@ class Job:
 
     # -- eval, checkpoints, logging -------------------------------------------------------------------------------
 
+    def evaluate_if_due(self, step: int) -> dict[str, float]:
+        """Eval metrics after step `step` when `eval.interval` divides its number, else none."""
+        interval = self.cfg.eval.interval
+        return self.evaluate(step) if interval and (step + 1) % interval == 0 else {}
+
     def evaluate(self, step: int) -> dict[str, float]:
         if self.eval_set is None or len(self.eval_set) == 0:
             return {}
@@ -518,6 +521,12 @@ class Job:
             "weight_resyncs": self.rollout.resyncs,
             "config": redacted(self.cfg),
         }
+
+    def save_if_due(self) -> None:
+        """The checkpoint of the last completed step when `checkpoint.interval` divides its number."""
+        interval = self.cfg.checkpoint.interval
+        if interval and self.completed_steps % interval == 0:
+            self.save()
 
     def save(self) -> None:
         """The checkpoint of the last completed step, unless it has one (or no step completed yet)."""
