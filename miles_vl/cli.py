@@ -80,7 +80,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (CheckpointError, RewardResolutionError, RewardWorkerError) as e:
         return _bad_input(e)
     except JobInterrupted as stop:
-        where = f"resume from step {stop.checkpoint} with the same command" if stop.checkpoint else "nothing to resume"
+        where = (
+            f"resume from step {stop.checkpoint} with the same command"
+            if stop.checkpoint
+            else "this run saved no checkpoint; the same command starts from the newest one there is, if any"
+        )
         log.error("stopped by %s: %s", stop, where)
         return 128 + stop.signum
     return 0

@@ -113,12 +113,10 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
                 batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
                 with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
                     metrics = job.train_and_sync(step, batch)
-                    if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
-                        metrics |= job.evaluate(step)
+                    metrics |= job.evaluate_if_due(step)
                     job.log(metrics)
                     job.commit(step + 1)
-                    if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
-                        job.save()
+                    job.save_if_due()
             with signals.deferred():
                 job.save()
         except BaseException as err:
@@ -171,6 +169,9 @@ def choose_run_dir(cfg: JobConfig, config_path: str | None) -> Path:
 def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None) -> dict[str, Any] | None:
     """The driver state to resume from (None: a fresh start), after checking that the start is safe.
 
+    `checkpoint.resume=auto` in a directory whose run logged steps but left no checkpoint (it died before its first
+    one) starts that run again; its metrics.jsonl is kept as `metrics.<time>.jsonl`.
+
     Raises:
         CheckpointError: a fresh start in a directory that holds another run (metrics or checkpoints), a resume of
             another directory's checkpoint into one that holds metrics, or a resume from a checkpoint past
@@ -184,7 +185,16 @@ def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | N
     if resume is None:
         records = _metric_records(run_dir)
         others = [p.name for _, p in list_checkpoints(ckpt_root)]
-        if records or others:
+        if cfg.checkpoint.resume == "auto" and records and not others:
+            kept = run_dir / f"{Path(METRICS_FILE).stem}.{datetime.now():%Y%m%d-%H%M%S}.jsonl"
+            os.replace(run_dir / METRICS_FILE, kept)
+            log.warning(
+                "%s logged %d steps but left no checkpoint: starting it again; its metrics are kept as %s",
+                run_dir,
+                records,
+                kept,
+            )
+        elif records or others:
             held = " and ".join([f"{records} logged steps"] * bool(records) + [f"checkpoints {others}"] * bool(others))
             how = f"checkpoint.resume={cfg.checkpoint.resume}" + (" and no checkpoint" if not others else "")
             raise CheckpointError(
@@ -502,6 +512,11 @@ class Job:
 
     # -- eval, checkpoints, logging -------------------------------------------------------------------------------
 
+    def evaluate_if_due(self, step: int) -> dict[str, float]:
+        """Eval metrics after step `step` when `eval.interval` divides its number, else none."""
+        interval = self.cfg.eval.interval
+        return self.evaluate(step) if interval and (step + 1) % interval == 0 else {}
+
     def evaluate(self, step: int) -> dict[str, float]:
         if self.eval_set is None or len(self.eval_set) == 0:
             return {}
@@ -523,6 +538,12 @@ class Job:
             "weight_resyncs": self.rollout.resyncs,
             "config": redacted(self.cfg),
         }
+
+    def save_if_due(self) -> None:
+        """The checkpoint of the last completed step when `checkpoint.interval` divides its number."""
+        interval = self.cfg.checkpoint.interval
+        if interval and self.completed_steps % interval == 0:
+            self.save()
 
     def save(self) -> None:
         """The checkpoint of the last completed step, unless it has one (or no step completed yet)."""

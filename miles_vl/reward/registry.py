@@ -11,7 +11,9 @@ or a signature that cannot take one sample. The contract every reward function f
 
 Options (e.g. geo3k's `format_weight`, `format_pattern`) are bound as keyword arguments; an option the function
 does not take is an error, never silently dropped. For registered rewards with an option check (geo3k) the option
-values are validated here too.
+values are validated here too. Rewards run in worker processes (`scoring.RewardPool`), so the resolved function
+must pickle (by reference: a module-level function); one that does not (a lambda assigned in a module) is refused
+here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +58,8 @@ def resolve_reward(name: str, **options: Any) -> RewardFn:
     Raises:
         RewardResolutionError: unknown name, malformed path, module not found or failing to import, attribute
             missing, target not callable, option not accepted or invalid, or a signature that cannot be called with
-            exactly one sample. The message names `name` and the fix.
+            exactly one sample, or a function that cannot be sent to a worker process (does not pickle). The message
+            names `name` and the fix.
     """
     if ":" in name:
         fn = _import_path(name)
@@ -76,7 +80,15 @@ def resolve_reward(name: str, **options: Any) -> RewardFn:
             REWARD_OPTION_CHECKS[name](**options)
         except (TypeError, ValueError) as err:
             raise RewardResolutionError(f"reward {name!r}: bad option: {err}") from err
-    return functools.partial(fn, **options) if options else fn
+    resolved = functools.partial(fn, **options) if options else fn
+    try:
+        pickle.dumps(resolved)
+    except Exception as err:
+        raise RewardResolutionError(
+            f"reward {name!r} cannot be sent to the reward worker processes ({type(err).__name__}: {err}); make it a "
+            "function defined with `def` at module level"
+        ) from err
+    return resolved
 
 
 def _import_path(path: str) -> Any:

@@ -33,7 +33,7 @@ from miles_vl.data import build_datasets, load_processor
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints
 from miles_vl.orchestration.engines import RolloutEngines
-from miles_vl.orchestration.loop import JobInterrupted
+from miles_vl.orchestration.loop import JobInterrupted, check_start
 from miles_vl.orchestration.trainer import Trainer
 from tests.orchestration.jobs import REPO, metrics, tiny_job
 
@@ -299,17 +299,30 @@ def test_starts_that_would_lose_another_runs_data_are_refused_before_ray(tmp_pat
     with pytest.raises(CheckpointError, match=r"holds another run \(5 logged steps and checkpoints .*set another"):
         run_job(config(straight.parent, name, "checkpoint.resume=never"))
     assert snapshot(straight) == before
-    # the same, with nothing to resume: a run that logged steps but left no checkpoint is not overwritten either
+    # a run that logged a step but left no checkpoint: a fresh start is refused as well
     (tmp_path / "no-ckpt").mkdir()
     (tmp_path / "no-ckpt" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(CheckpointError, match="holds another run \\(1 logged steps\\)"):
-        run_job(tiny_job(tmp_path, "no-ckpt", "num_steps=1"))
+        run_job(tiny_job(tmp_path, "no-ckpt", "num_steps=1", "checkpoint.resume=never"))
     assert (tmp_path / "no-ckpt" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     # another run's checkpoint, resumed into that directory, would mix two runs' metrics
     other = straight / "checkpoints" / "step_00000002"
     with pytest.raises(CheckpointError, match="belongs to another run than .*no-ckpt, which holds metrics"):
         run_job(tiny_job(tmp_path, "no-ckpt", "num_steps=3", f"checkpoint.resume={other}"))
     assert (tmp_path / "no-ckpt" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_auto_restarts_a_run_that_left_no_checkpoint_keeping_its_metrics(tmp_path):
+    """A run that died before its first checkpoint (SIGKILL) is started again by the same command; what it logged
+    is kept beside the new metrics.jsonl, not overwritten."""
+    run_dir = tmp_path / "died-early"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = tiny_job(tmp_path, "died-early", "num_steps=1")
+    assert check_start(cfg, run_dir, run_dir / "checkpoints", None) is None
+    assert not (run_dir / "metrics.jsonl").exists()
+    (kept,) = run_dir.glob("metrics.*.jsonl")
+    assert kept.read_text() == '{"step": 1}\n'
 
 
 def test_a_run_already_at_num_steps_does_nothing(tmp_path, straight):

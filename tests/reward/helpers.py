@@ -3,6 +3,7 @@
 from miles_vl.reward import RewardSample
 
 NOT_CALLABLE = 42
+AS_LAMBDA = lambda sample: 1.0  # noqa: E731 (the case under test: a lambda does not pickle by reference)
 
 
 def exact_match(sample: RewardSample) -> float:
