@@ -132,6 +132,13 @@ class SGLangConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to the SGLang server.")
+    one_request_per_prompt: bool | None = Field(
+        None,
+        description="send the n samples of a prompt as one request (sampling_params.n): SGLang decodes, processes "
+        "and hashes the prompt's images and prefills it once instead of n times. null = on, unless extra_args make "
+        "the server deterministic (--enable-deterministic-inference): SGLang gives every sample of a request one "
+        "sampling_seed, so the n samples would be identical, and true is refused there.",
+    )
     vision_cache_mb: int = Field(
         0,
         ge=0,

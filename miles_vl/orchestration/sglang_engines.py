@@ -38,6 +38,7 @@ from miles_vl.rollout.sglang import (
     SGLangRolloutHost,
     SyncReport,
 )
+from miles_vl.rollout.sglang.actor import deterministic_inference
 from miles_vl.rollout.sglang.server import LOOPBACK_HOSTS
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,12 @@ def config_problems(cfg: JobConfig) -> list[str]:
         problems.append(
             "rollout.backend=sglang serves the checkpoint at model.path, but model.init=random trains a random model "
             "the server cannot load; set model.init=pretrained (with model.path) or rollout.backend=hf"
+        )
+    if cfg.rollout.sglang.one_request_per_prompt and deterministic_inference(cfg.rollout.sglang.extra_args):
+        problems.append(
+            "rollout.sglang.one_request_per_prompt=true with a deterministic server (--enable-deterministic-inference "
+            "in rollout.sglang.extra_args): SGLang gives every sample of a request one sampling_seed, so the n samples "
+            "of a prompt would be identical; set rollout.sglang.one_request_per_prompt to null or false"
         )
     return problems
 
@@ -145,6 +152,7 @@ class SGLangWorker:
             max_restarts=cfg.rollout.max_restarts,
             log_path=log_path,
             launch_module=launch_module,
+            one_request_per_prompt=s.one_request_per_prompt,
             env={"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)} if gpu_ids else None,
         )
         log.info("engine %d: SGLang server at %s (log %s)", index, self.host.url, self.host.log_path)

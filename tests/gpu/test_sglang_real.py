@@ -219,6 +219,26 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     record["greedy"] = _greedy(host, prompts[0])
 
 
+def test_a_prompts_n_samples_in_one_request(host, prompts, tokens):
+    """`sampling_params.n` on the real server (what the engine sends by default, and the stand-ins' list answer):
+    one body per sample, each with our prompt ids, sampled apart (no deterministic inference: the shared
+    sampling_seed is ignored)."""
+    ids = prompts[0].prompt_ids.tolist()
+    payload = build_generate_payload(
+        request_input_ids(ids, tokens.image_token_id, 1),
+        [image_data_url(prompts[0].images[0])],
+        SamplingParams(max_new_tokens=16, temperature=1.0),
+        seed=0,
+        stop_token_ids=tokens.eos_token_ids,
+        banned_token_ids=host.engine.banned_token_ids,
+        n=4,
+    )
+    bodies = host.client.generate_n(payload, 4)
+    assert all(b["prompt_token_ids"] == ids for b in bodies)
+    assert len({tuple(b["output_ids"]) for b in bodies}) > 1
+    assert host.engine.one_request_per_prompt
+
+
 def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     """What the stand-ins answer to the canonical (expanded) ids, on the real server: SGLang's processor runs out of
     images (StopIteration, not caught by the route: HTTP 500 "Internal Server Error", the reason in the log), and the
@@ -392,3 +412,56 @@ def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckp
     mapped = {sglang_parameter(n) for n in names}
     print(f"SGLANG-REAL /weights_checker entries that are no checkpoint tensor: {sorted(set(after) - mapped)}")
     assert mapped <= set(after), sorted(mapped - set(after))
+
+
+def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens, prompts):
+    """Why a deterministic engine sends one request per sample (and the stand-in's deterministic answer to n > 1):
+    with --enable-deterministic-inference every sample of one request gets its sampling_seed, so the n samples are
+    the same response; requests with two seeds differ."""
+    spec = ServerSpec(
+        model_path=str(ckpt),
+        port=free_port(),
+        mem_fraction_static=0.2,
+        random_seed=0,
+        image_min_pixels=MIN_PIXELS,
+        image_max_pixels=MAX_PIXELS,
+        extra_args=(*EXTRA_ARGS, "--enable-deterministic-inference"),
+    )
+    out = os.environ.get("OUT")
+    det = SGLangRolloutHost(
+        spec,
+        tokens,
+        startup_timeout_s=float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "300")),
+        request_timeout_s=120.0,
+        max_retries=1,
+        max_restarts=0,
+        log_path=Path(out) / "sglang_server_deterministic.log" if out else None,
+        env=SERVER_ENV,
+        health_poll_s=0.5,
+    )
+    _note_pid(det)
+    try:
+        assert not det.engine.one_request_per_prompt
+        ids = prompts[0].prompt_ids.tolist()
+
+        def sample(seed: int, n: int) -> list[tuple[int, ...]]:
+            payload = build_generate_payload(
+                request_input_ids(ids, tokens.image_token_id, 1),
+                [image_data_url(prompts[0].images[0])],
+                SamplingParams(max_new_tokens=16, temperature=1.0),
+                seed=seed,
+                stop_token_ids=tokens.eos_token_ids,
+                banned_token_ids=det.engine.banned_token_ids,
+                n=n,
+            )
+            bodies = det.client.generate_n(payload, n) if n > 1 else [det.client.generate(payload)]
+            return [tuple(b["output_ids"]) for b in bodies]
+
+        same = sample(7, 3)
+        print(f"SGLANG-REAL deterministic server, one request with n=3: {len(set(same))} distinct response(s)")
+        assert len(set(same)) == 1
+        assert sample(7, 1) == same[:1] and sample(8, 1) != same[:1]
+        groups = det.generate(prompts[:1], SamplingParams(n=3, max_new_tokens=16, temperature=1.0, seed=1))
+        assert len({tuple(g.response_ids.tolist()) for g in groups[0]}) == 3  # one request (one seed) per sample
+    finally:
+        det.shutdown()

@@ -190,6 +190,10 @@ def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
             config(tmp_path, checkpoint, "x", "train.num_gpus=1", wide)
         check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", "ray.placement=disaggregate", wide))
     check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1"))  # one engine on the trainer's GPU
+    deterministic = "rollout.sglang.extra_args=[--enable-deterministic-inference]"
+    with pytest.raises(ConfigError, match="one_request_per_prompt=true with a deterministic server"):
+        check_backends(config(tmp_path, checkpoint, "x", deterministic, "rollout.sglang.one_request_per_prompt=true"))
+    check_backends(config(tmp_path, checkpoint, "x", deterministic))  # null: one request per sample there
 
 
 def test_server_spec_follows_the_config(tmp_path):

@@ -66,6 +66,8 @@ class SGLangRolloutHost:
         health_poll_s: pause between health polls while starting.
         verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
             names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
+        one_request_per_prompt: send a prompt's n samples as one request (`SGLangRolloutEngine`); None: unless the
+            server's flags make it deterministic.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class SGLangRolloutHost:
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
         verify_weights: bool = True,
+        one_request_per_prompt: bool | None = None,
     ):
         self.spec = spec
         self.startup_timeout_s = startup_timeout_s
@@ -124,6 +127,7 @@ class SGLangRolloutHost:
             deterministic=deterministic_inference(spec.extra_args),
             known_names=checkpoint_names(spec.model_path),
             verify_weights=verify_weights,
+            one_request_per_prompt=one_request_per_prompt,
         )
         try:
             self._launch()

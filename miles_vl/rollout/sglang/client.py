@@ -251,6 +251,17 @@ class SGLangClient:
             )
         return body
 
+    def generate_n(self, payload: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+        """`POST /generate` of one prompt with `sampling_params.n = n` > 1; returns the `n` response dicts in order."""
+        body = self.post_json("/generate", dict(payload))
+        if not isinstance(body, list) or len(body) != n or not all(isinstance(b, dict) for b in body):
+            got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+            raise SGLangResponseError(
+                f"/generate with sampling_params.n={n} at {self.base_url} answered {got}, expected a list of {n} "
+                "objects (SGLang 0.5.16 answers one body per sample)"
+            )
+        return body
+
     def flush_cache(self, *, timeout_s: float = 0.0) -> None:
         """`POST /flush_cache?timeout=...`: drop the radix (prefix) cache.
 
