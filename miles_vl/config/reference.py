@@ -28,7 +28,7 @@ Cross-field rules (checked together with the field types):
 - `train.tp/pp/cp/ep > 1` need `train.backend: megatron`; the torch backend trains on one device.
 - `train.backend: megatron` needs `train.num_gpus > 0` and `model.init: pretrained` (AutoBridge loads `model.path`).
 - `ray.placement: colocate` with GPUs: `rollout.num_engines * rollout.gpus_per_engine <= train.num_gpus`.
-- `train.cp > 1` needs `train.packing: thd`; `train.sp` needs `train.tp > 1`.
+- `train.sp` needs `train.tp > 1`.
 - `train.num_gpus` must be divisible by `tp * pp * cp`; `train.global_batch_size` by the data-parallel size,
   and the samples of one step (`rollout.batch_size * rollout.n_samples_per_prompt`) by `train.global_batch_size`.
 - GRPO needs `rollout.n_samples_per_prompt >= 2`.

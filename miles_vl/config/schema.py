@@ -205,7 +205,6 @@ class TrainConfig(_Section):
     cp: int = Field(1, gt=0, description="context parallel size.")
     ep: int = Field(1, gt=0, description="expert parallel size (MoE).")
     sp: bool = Field(False, description="sequence parallel (needs tp > 1).")
-    packing: Literal["thd", "padded"] = "thd"
     micro_batch_max_tokens: int = Field(8192, gt=0, description="token budget of one packed micro-batch per CP group.")
     global_batch_size: int | None = Field(
         None, gt=0, description="samples per optimizer step; null = all samples of the RL step (one update)."
@@ -280,7 +279,9 @@ class WandbConfig(_Section):
 class LoggingConfig(_Section):
     output_dir: str = "runs"
     run_name: str | None = Field(None, description="null = config file stem + timestamp.")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level of the `miles-vl` process (the driver); `--log-level` on the command line wins."
+    )
     progress: bool = True
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
@@ -386,8 +387,6 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.gpus_per_engine = {engine_gpus} > train.num_gpus={t.num_gpus}; lower the engine count or set "
             "ray.placement=disaggregate"
         )
-    if t.cp > 1 and t.packing != "thd":
-        errors.append(f"train.cp={t.cp} needs THD packing, found train.packing={t.packing}; set train.packing=thd")
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:

@@ -98,11 +98,16 @@ def test_cp_needs_a_backend_with_cp(tmp_path):
     )
 
 
-def test_cp_needs_thd_packing(tmp_path):
-    found = problems(
-        write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=8", "train.cp=2", "train.packing=padded"]
-    )
-    assert any("train.cp=2 needs THD packing" in p for p in found), found
+def test_removed_train_packing_names_the_fix(tmp_path):
+    """Issue 16: `train.packing` was in the schema but nothing read it (training always packs THD rows); it is gone,
+    and an old config that still sets it is told so, by name, with the fix, from the file or the command line."""
+    old = MINIMAL + "train:\n  packing: thd\n"
+    found = problems(write(tmp_path, old), [])
+    assert len(found) == 1, found
+    assert "train.packing was removed" in found[0] and "delete it from the config" in found[0], found
+    assert "job.yaml" in found[0], found
+    found = problems(write(tmp_path, MINIMAL), ["train.packing=padded"])
+    assert "train.packing was removed" in found[0] and "command-line override train.packing" in found[0], found
 
 
 def test_gpus_not_divisible_by_model_parallel(tmp_path):
