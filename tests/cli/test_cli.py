@@ -108,3 +108,125 @@ def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
     error = err[err.index("error: ") :]  # after the log lines of what loaded fine
     assert expected in " ".join(error.split())
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, level",
+    [
+        (["check", "--config-only", TINY], "INFO"),  # the config's logging.level default
+        (["check", "--config-only", TINY, "logging.level=WARNING"], "WARNING"),  # the config's, read
+        (["--log-level", "debug", "check", "--config-only", TINY, "logging.level=WARNING"], "DEBUG"),  # before
+        (["check", "--config-only", TINY, "logging.level=WARNING", "--log-level", "DEBUG"], "DEBUG"),  # after
+        (["check", "--config-only", TINY, "--log-level", "ERROR", "num_steps=7"], "ERROR"),  # overrides go on
+    ],
+)
+def test_log_level_before_or_after_the_subcommand_and_from_the_config(capsys, argv, level):
+    """Issue 16: `--log-level` was refused after the subcommand, and `logging.level` was never read. The command
+    line wins over the config; overrides may follow the option."""
+    import logging
+
+    assert main(argv) == 0
+    assert logging.getLevelName(logging.getLogger().level) == level
+    if "num_steps=7" in argv:
+        assert yaml.safe_load(capsys.readouterr().out)["num_steps"] == 7
+
+
+def test_data_inspect_takes_the_file_before_or_after_the_config(tmp_path, capsys):
+    """Issue 16: `data inspect --config CFG FILE` took FILE for an override and failed; both orders now give the same
+    report, with the config's overrides applied."""
+    data = tmp_path / "synth.parquet"
+    assert main(["data", "synth", str(data), "--n", "3"]) == 0
+    capsys.readouterr()
+    outputs = []
+    for argv in (
+        ["data", "inspect", str(data), "--config", TINY, "data.max_prompt_len=300"],
+        ["data", "inspect", "--config", TINY, str(data), "data.max_prompt_len=300"],
+        ["data", "inspect", "--config", TINY, "data.max_prompt_len=300", str(data)],
+    ):
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert f"file: {data}" in outputs[0] and "max_prompt_len 300" in outputs[0]
+    assert main(["data", "inspect", "--config", TINY, "data.max_prompt_len=300"]) == 2
+    assert "data inspect takes one dataset file (found none)" in capsys.readouterr().err
+
+
+def dry_run_problems(tmp_path: Path) -> tuple[list[str], list[str]]:
+    """Overrides with one problem in every part `check` looks at, and a phrase of each expected message."""
+    (tmp_path / "broken.parquet").write_text("not parquet")
+    (tmp_path / "columns.jsonl").write_text('{"question": "x", "answer": "1"}\n')
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text("{}")
+    overrides = [
+        f"logging.output_dir={tmp_path / 'runs'}",
+        "reward.name=no_such_reward_module:score",
+        "data.dataset_fn=no_such_data_module:row",
+        "data.synthetic_n=0",
+        f"data.train_path={tmp_path / 'missing.parquet'}",
+        f"data.eval_path={tmp_path / 'broken.parquet'}",
+        "model.init=pretrained",
+        f"model.path={tmp_path / 'no_model'}",
+        f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}",
+    ]
+    expected = [
+        "reward.name='no_such_reward_module:score'",
+        "module 'no_such_reward_module' not found",
+        "data.dataset_fn='no_such_data_module:row': cannot import 'no_such_data_module'",
+        f"data.train_path: dataset file not found: {tmp_path / 'missing.parquet'}",
+        f"data.eval_path: {tmp_path / 'broken.parquet'}: cannot read it as parquet",
+        f"model.path='{tmp_path / 'no_model'}': no such directory, nor a hub id in the local Hugging Face cache",
+        f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}: ",
+    ]
+    return overrides, expected
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_check_and_train_report_every_problem_of_the_machine_at_once_and_create_nothing(tmp_path, capsys, command):
+    """Issue 16: `check` only validated the config; a missing data file, reward module or model directory surfaced
+    one at a time when `train` reached it. Now both commands run the same dry run first: every problem at once, each
+    with its fix, exit 2, no traceback, no run directory, no Ray."""
+    import ray
+
+    overrides, expected = dry_run_problems(tmp_path)
+    assert main([command, TINY, *overrides]) == 2
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    for phrase in expected:
+        assert phrase in err, phrase
+    assert "Traceback" not in err and captured.out == ""
+    assert not (tmp_path / "runs").exists()
+    assert not ray.is_initialized()
+
+
+def test_check_names_a_model_directory_without_weights_and_a_data_file_without_the_columns(tmp_path, capsys):
+    (tmp_path / "rows.jsonl").write_text('{"question": "x", "answer": "1"}\n')
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    argv = ["check", TINY, "data.synthetic_n=0", f"data.train_path={tmp_path / 'rows.jsonl'}"]
+    argv += ["model.init=pretrained", f"model.path={tmp_path / 'ckpt'}", "model.processor=offline"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"model.path='{tmp_path / 'ckpt'}': {tmp_path / 'ckpt'} has no weights (*.safetensors or *.bin)" in err
+    assert "data.train_path: " in err and "no prompt column 'problem'" in err
+
+
+def test_check_config_only_skips_the_machine(tmp_path, capsys):
+    overrides, _ = dry_run_problems(tmp_path)
+    assert main(["check", "--config-only", TINY, *overrides]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["reward"]["name"] == "no_such_reward_module:score"
+
+
+def test_check_names_each_missing_backend_package_with_its_fix(monkeypatch, capsys):
+    """The packages of the chosen backends must import; one line each, naming the backend, the fix and the fallback.
+    A package that fails only because another listed one is missing is not repeated."""
+    from miles_vl import stack
+
+    te = stack.Package("fake-te", "no_such_te_xyz", "train.backend=megatron", "layers", "pip install fake-te")
+    bridge = stack.Package("fake-bridge", "tests.cli.needs_fake_te", "train.backend=megatron", "bridge", "pip b")
+    monkeypatch.setattr(stack, "PACKAGES", (*stack.PACKAGES[:4], te, bridge))
+    assert stack.backend_problems("hf", "torch") == []
+    problems = stack.backend_problems("hf", "megatron")
+    assert problems == [
+        "train.backend=megatron needs fake-te (layers), which does not import here: ModuleNotFoundError: No module "
+        "named 'no_such_te_xyz'; pip install fake-te, or set train.backend=torch"
+    ]
