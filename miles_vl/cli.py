@@ -3,6 +3,7 @@
     miles-vl check configs/geo3k_tiny_cpu.yaml rollout.n_samples_per_prompt=8   # dry run: every problem, or the config
     miles-vl train configs/geo3k_tiny_cpu.yaml                                 # run the RL job
     miles-vl doctor                                                            # the installed stack; what can run
+    miles-vl configs geo3k_tiny_cpu my_job.yaml                                # copy a shipped config to edit
 
 Every subcommand that takes a config accepts `key.sub=value` overrides after it, and `--log-level` before or after
 the subcommand (else the config's `logging.level`). Bad input exits with status 2 and one message listing every
@@ -16,10 +17,13 @@ completed step and exits with 128 + the signal number (130, 143); the same comma
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import yaml
 
@@ -41,7 +45,10 @@ quickstart:
 examples:
   miles-vl check configs/geo3k_tiny_cpu.yaml
   miles-vl check configs/geo3k_tiny_cpu.yaml rollout.n_samples_per_prompt=8 algo.kl_coef=0.01
-  miles-vl train configs/geo3k_tiny_cpu.yaml num_steps=2
+  miles-vl train configs/geo3k_tiny_cpu.yaml num_steps=2 --log-level DEBUG
+  miles-vl configs                                      the configs that ship with miles-vl
+  miles-vl configs geo3k_tiny_cpu my_job.yaml           copy one to edit (from a wheel install too)
+  miles-vl doctor                                       what is installed, and which backends can run
 
 Overrides are key.sub=value pairs with YAML values: train.optimizer.lr=1e-6, data.system_prompt=null.
 Every key, its default and its meaning: miles_vl/config/schema.py (docs/configs.md).
@@ -210,6 +217,52 @@ def _patch_lines(megatron_missing: list[str]) -> str:
     return "".join(lines)
 
 
+def shipped_configs() -> Path:
+    """The folder of the runnable configs: `miles_vl/configs` in an installed wheel (setup.py copies them there), else
+    `configs/` of the checkout this package runs from."""
+    package = Path(miles_vl.__file__).resolve().parent
+    for folder in (package / "configs", package.parent / "configs"):
+        if folder.is_dir() and any(folder.glob("*.yaml")):
+            return folder
+    raise FileNotFoundError(f"no configs next to {package}: the installation is incomplete; reinstall miles-vl")
+
+
+def _configure_configs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="a shipped config, e.g. geo3k_tiny_cpu (without it: list them)")
+    p.add_argument("dest", nargs="?", help="file or folder to copy it to (without it: print it)")
+    p.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
+
+
+def cmd_configs(args: argparse.Namespace) -> int:
+    """List the shipped configs, print one, or copy one to a path to edit and run."""
+    folder = shipped_configs()
+    configs = {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+    if not args.name:
+        for name, path in configs.items():
+            first = path.read_text().splitlines()[0] if path.read_text() else ""
+            sys.stdout.write(f"{name:36s} {first.removeprefix('#').strip()}\n")
+        sys.stdout.write(f"\n({folder}) copy one: miles-vl configs NAME my_job.yaml; then miles-vl train my_job.yaml\n")
+        return 0
+    name = args.name.removesuffix(".yaml")
+    if name not in configs:
+        near = difflib.get_close_matches(name, configs, n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        return _bad_input(ValueError(f"no shipped config {args.name!r}; {hint}the configs: {', '.join(configs)}"))
+    if not args.dest:
+        sys.stdout.write(configs[name].read_text())
+        return 0
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / f"{name}.yaml"
+    if dest.exists() and not args.force:
+        return _bad_input(FileExistsError(f"{dest} exists; choose another path, or --force to overwrite it"))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(configs[name], dest)
+    sys.stdout.write(f"{dest}\n")
+    log.info("wrote %s; check it with: miles-vl check %s", dest, dest)
+    return 0
+
+
 # name -> (help, configure parser, handler). Later subcommands (doctor, data, report) register here.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "check": (
@@ -223,6 +276,11 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "the installed stack (torch/CUDA, transformers, Ray, SGLang, megatron, TE), the patches, what can run",
         lambda p: None,
         cmd_doctor,
+    ),
+    "configs": (
+        "list the shipped configs, print one (NAME), or copy one to a path (NAME DEST)",
+        _configure_configs,
+        cmd_configs,
     ),
     "report": ("write PNG plots of a run's metrics (RUN_DIR/plots)", lambda p: p.add_argument("run_dir"), cmd_report),
 }

@@ -1,6 +1,7 @@
 """Contract: `miles-vl check` prints the resolved config (exit 0) or every problem (exit 2);
 `--version` and `--help` work without a config."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,60 @@ def test_check_names_each_missing_backend_package_with_its_fix(monkeypatch, caps
         "train.backend=megatron needs fake-te (layers), which does not import here: ModuleNotFoundError: No module "
         "named 'no_such_te_xyz'; pip install fake-te, or set train.backend=torch"
     ]
+
+
+def test_configs_lists_prints_and_copies_the_shipped_configs(tmp_path, capsys):
+    """Issue 16: the configs did not ship with the package; `miles-vl configs` lists them and copies one."""
+    shipped = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    assert main(["configs"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line and not line.startswith("(")]
+    assert listed == shipped
+    assert main(["configs", "geo3k_tiny_cpu"]) == 0
+    assert capsys.readouterr().out == Path(TINY).read_text()
+    dest = tmp_path / "jobs" / "my_job.yaml"
+    assert main(["configs", "geo3k_tiny_cpu.yaml", str(dest)]) == 0
+    assert dest.read_text() == Path(TINY).read_text() and capsys.readouterr().out.strip() == str(dest)
+    assert main(["configs", "geo3k_tiny_cpu", str(dest)]) == 2  # never overwrites unasked
+    assert "exists; choose another path, or --force" in capsys.readouterr().err
+    assert main(["configs", "geo3k_tiny_cpu", str(tmp_path)]) == 0  # a folder: the config's own name in it
+    assert (tmp_path / "geo3k_tiny_cpu.yaml").is_file()
+    assert main(["configs", "geo3k_tiny_cpus"]) == 2
+    assert "did you mean geo3k_tiny_cpu?" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_configs(tmp_path):
+    """Build the sdist and, from it, the wheel (setuptools, offline), install the wheel into a folder and run
+    `miles-vl configs` from there, away from the checkout: every config of configs/ is in it."""
+    import shutil
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("miles_vl", "configs"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    build = "from setuptools import build_meta as b; import sys; print(getattr(b, sys.argv[1])(sys.argv[2]))"
+    run = dict(capture_output=True, text=True, check=True, timeout=300)
+    sdist = subprocess.run([sys.executable, "-c", build, "build_sdist", str(tmp_path)], cwd=src, **run)
+    with tarfile.open(tmp_path / sdist.stdout.split()[-1]) as tar:
+        tar.extractall(tmp_path / "sdist", filter="data")
+    [unpacked] = (tmp_path / "sdist").iterdir()
+    wheel = subprocess.run([sys.executable, "-c", build, "build_wheel", str(tmp_path)], cwd=unpacked, **run)
+    wheel_path = tmp_path / wheel.stdout.split()[-1]
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    import zipfile
+
+    names = zipfile.ZipFile(wheel_path).namelist()
+    assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("miles_vl/configs/")) == shipped
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site)]
+    subprocess.run([*pip, str(wheel_path)], **run)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    cli = [sys.executable, "-m", "miles_vl.cli", "configs"]
+    listed = subprocess.run(cli, cwd=tmp_path, env=env, **run).stdout
+    assert f"({site / 'miles_vl' / 'configs'})" in listed
+    assert sorted(f"{line.split()[0]}.yaml" for line in listed.splitlines() if line and line[0] != "(") == shipped
+    subprocess.run([*cli, "geo3k_tiny_cpu", "job.yaml"], cwd=tmp_path, env=env, **run)
+    assert (tmp_path / "job.yaml").read_text() == Path(TINY).read_text()
