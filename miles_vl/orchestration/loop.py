@@ -24,7 +24,8 @@ half-advanced (a cursor past its weights, or weights past its cursor), and a res
 
 Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
 (`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
-checkpoints; without a run_name each start gets a new timestamped directory. A resume continues its own directory:
+checkpoints. Without a run_name the directory is named after the config file, so that the same command resumes it;
+only `checkpoint.resume=never` adds a timestamp (a new directory each start). A resume continues its own directory:
 metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs is kept beside it.
 """
 
