@@ -46,8 +46,8 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 
 Checked by `miles-vl check` and `train` (not by `--config-only`): `rollout.backend: sglang` needs
 `model.init: pretrained` (the server loads `model.path`), and `rollout.sglang.one_request_per_prompt: true` refuses a
-deterministic server (`--enable-deterministic-inference` in `extra_args`). A config key that was removed (`train.packing`: training
-always packs THD rows) is named with the fix.
+deterministic server (`--enable-deterministic-inference` in `extra_args`). A config key that was removed
+(`train.packing`: training always packs THD rows) is named with the fix.
 
 Every float must be finite (`inf` and `nan` are refused), Adam's betas lie in [0, 1), a key given twice in one
 mapping of the YAML file is an error, and the file must be UTF-8. Secret fields (marked "Secret" below) are written
