@@ -112,6 +112,11 @@ class DataConfig(_Section):
     def _source(self) -> DataConfig:
         if self.train_path is None and self.synthetic_n == 0:
             raise ValueError("no training data: set data.train_path or data.synthetic_n > 0")
+        if self.train_path is not None and self.synthetic_n > 0:
+            raise ValueError(
+                f"data.train_path={self.train_path!r} and data.synthetic_n={self.synthetic_n} are both set; set "
+                "data.synthetic_n=0 to train on the file, or data.train_path=null for generated problems"
+            )
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels})")
         return self
@@ -205,7 +210,6 @@ class TrainConfig(_Section):
     cp: int = Field(1, gt=0, description="context parallel size.")
     ep: int = Field(1, gt=0, description="expert parallel size (MoE).")
     sp: bool = Field(False, description="sequence parallel (needs tp > 1).")
-    packing: Literal["thd", "padded"] = "thd"
     micro_batch_max_tokens: int = Field(8192, gt=0, description="token budget of one packed micro-batch per CP group.")
     global_batch_size: int | None = Field(
         None, gt=0, description="samples per optimizer step; null = all samples of the RL step (one update)."
@@ -263,9 +267,18 @@ class RewardConfig(_Section):
 
 
 class RayConfig(_Section):
-    address: str | None = Field(None, description="null = start Ray locally; else `ray.init(address=...)`.")
+    address: str | None = Field(
+        None,
+        description="null = `ray.init()` with no address, which (Ray 2.x) joins the cluster that RAY_ADDRESS names "
+        "(`ray job submit` sets it) or that `ray start` started on this machine, and else starts a local Ray for the "
+        "job; `auto` joins a running cluster and fails if there is none; else `ray.init(address=...)`.",
+    )
     placement: Literal["colocate", "disaggregate"] = "colocate"
-    num_cpus: int | None = Field(None, gt=0, description="CPUs for a local Ray; null = all.")
+    num_cpus: int | None = Field(
+        None,
+        gt=0,
+        description="CPUs for a local Ray; null = all. Must be null when joining a cluster (Ray refuses it).",
+    )
     dashboard: bool = Field(False, description="start the dashboard (bound to 127.0.0.1) on a local Ray.")
 
 
@@ -279,8 +292,15 @@ class WandbConfig(_Section):
 
 class LoggingConfig(_Section):
     output_dir: str = "runs"
-    run_name: str | None = Field(None, description="null = config file stem + timestamp.")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    run_name: str | None = Field(
+        None,
+        description="the run directory is output_dir/run_name. null = the config file's stem (`runs/geo3k_tiny_cpu`), "
+        "so that the same command resumes it (checkpoint.resume=auto); with checkpoint.resume=never, the stem + "
+        "`-<YYYYmmdd-HHMMSS>`, a new directory each start.",
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level of the `miles-vl` process (the driver); `--log-level` on the command line wins."
+    )
     progress: bool = True
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
@@ -386,8 +406,6 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.gpus_per_engine = {engine_gpus} > train.num_gpus={t.num_gpus}; lower the engine count or set "
             "ray.placement=disaggregate"
         )
-    if t.cp > 1 and t.packing != "thd":
-        errors.append(f"train.cp={t.cp} needs THD packing, found train.packing={t.packing}; set train.packing=thd")
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:
@@ -422,9 +440,15 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             "rollout.sglang.vision_cache_mb=0"
         )
     if r.backend == "sglang" and r.gpus_per_engine == 0:
-        errors.append("rollout.backend=sglang needs rollout.gpus_per_engine >= 1")
-    if a.tis.enabled and r.backend == "hf" and r.temperature == 0:
-        errors.append("algo.tis.enabled with greedy rollouts (rollout.temperature=0) has no sampling distribution")
+        errors.append(
+            "rollout.backend=sglang needs rollout.gpus_per_engine >= 1 (an SGLang server runs on GPUs); set it, or "
+            "rollout.backend=hf"
+        )
+    if a.tis.enabled and r.temperature == 0:
+        errors.append(
+            "algo.tis.enabled reweights tokens by the rollout's sampling distribution, but rollout.temperature=0 "
+            "(greedy) samples from none; set rollout.temperature > 0 or algo.tis.enabled=false"
+        )
     return errors
 
 

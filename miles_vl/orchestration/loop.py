@@ -24,14 +24,14 @@ half-advanced (a cursor past its weights, or weights past its cursor), and a res
 
 Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
 (`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
-checkpoints; without a run_name each start gets a new timestamped directory. A resume continues its own directory:
+checkpoints. Without a run_name the directory is named after the config file, so that the same command resumes it;
+only `checkpoint.resume=never` adds a timestamp (a new directory each start). A resume continues its own directory:
 metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs is kept beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -129,20 +129,10 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     return run_dir
 
 
-# Packages a backend needs beyond the core install (checked before Ray starts), and the backend to use instead.
-BACKEND_PACKAGES = {("train", "megatron"): (("megatron.bridge", "megatron.core"), "torch")}
-
-
 def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
-    """What the config asks of this environment that it cannot do, as one ConfigError (before Ray starts)."""
+    """What the chosen rollout engine cannot do with the config, as one ConfigError (before Ray starts). Whether the
+    backends' packages import is for `preflight` (the CLI runs it before `run_job`)."""
     problems = []
-    for (role, name), (packages, fallback) in BACKEND_PACKAGES.items():
-        missing = [p for p in packages if getattr(cfg, role).backend == name and not _importable(p)]
-        if missing:
-            problems.append(
-                f"{role}.backend={name} needs {', '.join(missing)}, which this environment does not have; install "
-                f"miles-vl[{name}] (docs/cluster.md lists the versions) or set {role}.backend={fallback}"
-            )
     if cfg.rollout.backend == "sglang":
         problems += sglang_config_problems(cfg)
     if problems:
@@ -655,10 +645,3 @@ def _mean(values) -> float:
 
 def _visual_tokens(prompt, tokens: SpecialTokens) -> int:
     return int((prompt.prompt_ids == tokens.image_token_id).sum() + (prompt.prompt_ids == tokens.video_token_id).sum())
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a missing parent package
-        return False

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 
+from miles_vl import stack
 from miles_vl.config import ConfigError, load_config
-from miles_vl.orchestration import loop, run_job, weight_sync
+from miles_vl.orchestration import run_job, weight_sync
 from miles_vl.orchestration.placement import engine_slots, reserve_gpus
 from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
 from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
@@ -158,10 +159,14 @@ def test_megatron_config_errors_name_the_fix(tmp_path, checkpoint, monkeypatch):
         config(tmp_path, checkpoint, "x", "train.backend=megatron", "train.num_gpus=2", "model.init=random")
     with pytest.raises(ConfigError, match=r"rollout.gpus_per_engine = 4 > train.num_gpus=2"):
         config(tmp_path, checkpoint, "x", "train.backend=megatron", "train.num_gpus=2", "rollout.gpus_per_engine=4")
-    monkeypatch.setattr(loop, "_importable", lambda module: not module.startswith("megatron"))
-    cfg = load_config(REPO / "configs" / "geo3k_qwen3vl_2b.yaml")
-    with pytest.raises(ConfigError, match=r"needs megatron.bridge, megatron.core.*install miles-vl\[megatron\]"):
-        run_job(cfg)
+    # Without megatron the preflight of `miles-vl check` / `train` (miles_vl.stack) names each package and the fix.
+    missing = (None, "ModuleNotFoundError: No module named 'megatron'", [])
+    monkeypatch.setattr(
+        stack, "quiet_import", lambda name: missing if name.startswith("megatron") else (stack, None, [])
+    )
+    problems = stack.backend_problems("hf", "megatron")
+    assert len(problems) == 2 and all("or set train.backend=torch" in p for p in problems), problems
+    assert "train.backend=megatron needs megatron-core" in problems[0] and "scripts/setup_megatron.sh" in problems[0]
 
 
 def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
