@@ -131,18 +131,17 @@ def ckpt_weights(ckpt) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def host(ckpt, tokens):
+def _start_host(ckpt, tokens, *, extra_args=EXTRA_ARGS, mem_fraction=0.3, colocated=True, log_name="sglang_server"):
     out = os.environ.get("OUT")
     spec = ServerSpec(
         model_path=str(ckpt),
         port=free_port(),
-        mem_fraction_static=0.3,
-        colocated=True,  # --enable-memory-saver: release/resume below
+        mem_fraction_static=mem_fraction,
+        colocated=colocated,  # --enable-memory-saver: release/resume
         random_seed=0,
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
-        extra_args=EXTRA_ARGS,
+        extra_args=extra_args,
     )
     host = SGLangRolloutHost(
         spec,
@@ -151,11 +150,17 @@ def host(ckpt, tokens):
         request_timeout_s=120.0,
         max_retries=1,
         max_restarts=1,
-        log_path=Path(out) / "sglang_server.log" if out else None,
+        log_path=Path(out) / f"{log_name}.log" if out else None,
         env=SERVER_ENV,
         health_poll_s=0.5,
     )
     _note_pid(host)
+    return host
+
+
+@pytest.fixture(scope="module")
+def host(ckpt, tokens):
+    host = _start_host(ckpt, tokens)
     try:
         yield host
     finally:
@@ -418,28 +423,14 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
     """Why a deterministic engine sends one request per sample (and the stand-in's deterministic answer to n > 1):
     with --enable-deterministic-inference every sample of one request gets its sampling_seed, so the n samples are
     the same response; requests with two seeds differ."""
-    spec = ServerSpec(
-        model_path=str(ckpt),
-        port=free_port(),
-        mem_fraction_static=0.2,
-        random_seed=0,
-        image_min_pixels=MIN_PIXELS,
-        image_max_pixels=MAX_PIXELS,
-        extra_args=(*EXTRA_ARGS, "--enable-deterministic-inference"),
-    )
-    out = os.environ.get("OUT")
-    det = SGLangRolloutHost(
-        spec,
+    det = _start_host(
+        ckpt,
         tokens,
-        startup_timeout_s=float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "300")),
-        request_timeout_s=120.0,
-        max_retries=1,
-        max_restarts=0,
-        log_path=Path(out) / "sglang_server_deterministic.log" if out else None,
-        env=SERVER_ENV,
-        health_poll_s=0.5,
+        extra_args=(*EXTRA_ARGS, "--enable-deterministic-inference"),
+        mem_fraction=0.2,
+        colocated=False,
+        log_name="sglang_server_deterministic",
     )
-    _note_pid(det)
     try:
         assert not det.engine.one_request_per_prompt
         ids = prompts[0].prompt_ids.tolist()

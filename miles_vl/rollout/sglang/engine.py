@@ -238,18 +238,10 @@ class SGLangRolloutEngine:
         generations: list[Generation] = []
         for j, body in enumerate(self.client.generate_n(payload, params.n)):
             try:
-                generation, version = parse_generate_response(
-                    body,
-                    prompt_ids=ids,
-                    stop_token_ids=self.stop_token_ids,
-                    max_new_tokens=params.max_new_tokens,
-                    prompt_index=i,
-                )
+                generation = self._parse(body, ids, params, i)
             except GenerationAbortedError as e:
                 log.warning("%s (sample %d of %d); sending that sample again alone", e, j, params.n)
                 generation = self._generate_one(prompt_ids, urls, params, i, j)
-            else:
-                self._check_version(version, i)
             generations.append(generation)
         return generations
 
@@ -259,21 +251,24 @@ class SGLangRolloutEngine:
         for attempt in range(self.max_abort_retries + 1):
             body = self.client.generate(payload)
             try:
-                generation, version = parse_generate_response(
-                    body,
-                    prompt_ids=ids,
-                    stop_token_ids=self.stop_token_ids,
-                    max_new_tokens=params.max_new_tokens,
-                    prompt_index=i,
-                )
+                return self._parse(body, ids, params, i)
             except GenerationAbortedError as e:
                 if attempt == self.max_abort_retries:
                     raise SGLangError(f"{e} ({attempt + 1} attempts); see the server log for why it aborts") from e
                 log.warning("%s; sending it again", e)
-                continue
-            self._check_version(version, i)
-            return generation
         raise AssertionError("unreachable")
+
+    def _parse(self, body: dict, ids: list[int], params: SamplingParams, i: int) -> Generation:
+        """One answer body as a Generation, checked against our prompt ids and the last synced weight version."""
+        generation, version = parse_generate_response(
+            body,
+            prompt_ids=ids,
+            stop_token_ids=self.stop_token_ids,
+            max_new_tokens=params.max_new_tokens,
+            prompt_index=i,
+        )
+        self._check_version(version, i)
+        return generation
 
     def _payload(self, ids: list[int], urls: list[str], params: SamplingParams, seed: int, n: int = 1) -> dict:
         return build_generate_payload(
