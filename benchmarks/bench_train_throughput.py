@@ -57,7 +57,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from miles_vl.algo import policy_loss
 from miles_vl.model import SpecialTokens, tiny_config
 from miles_vl.packing import pack_thd, plan_micro_batches
-from miles_vl.rollout.hf_engine import vision_token_ids
+from miles_vl.rollout.hf.engine import vision_token_ids
 from miles_vl.train import TorchTrainBackend, TrainSample
 from miles_vl.train.packed_forward import packed_hidden_states
 

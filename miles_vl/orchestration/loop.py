@@ -59,10 +59,11 @@ from miles_vl.orchestration.checkpoint import (
     save_checkpoint,
 )
 from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
-from miles_vl.orchestration.sglang_engines import config_problems as sglang_config_problems
 from miles_vl.orchestration.trainer import Trainer
+from miles_vl.orchestration.weight_sync import make_weight_sync
 from miles_vl.reward import RewardPool, RewardSample, resolve_reward
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.train import TrainSample
@@ -74,15 +75,17 @@ log = logging.getLogger(__name__)
 # the job
 
 
-def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
-    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots).
+def run_job(cfg: JobConfig, config_path: str | None = None, hooks: Hooks | None = None) -> Path:
+    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots). `hooks`:
+    what the job builds its parts with (factories.py; tests pass stand-ins).
 
     Raises:
         ConfigError, DataError, CheckpointError, RewardResolutionError, RewardWorkerError: bad input, found before
             Ray starts (module docstring).
         JobInterrupted: SIGINT or SIGTERM; the checkpoint of the last completed step was written first.
     """
-    check_backends(cfg, config_path)
+    hooks = hooks or Hooks()
+    check_backends(cfg, config_path, hooks.engines)
     run_dir = choose_run_dir(cfg, config_path)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
@@ -105,7 +108,7 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
         ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
         StopSignals() as signals,
     ):
-        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals)
+        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
         try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
             start = job.restore(resume, resume_state) if resume else 0
             job.open_sinks(start)
@@ -133,7 +136,9 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
 BACKEND_PACKAGES = {("train", "megatron"): (("megatron.bridge", "megatron.core"), "torch")}
 
 
-def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
+def check_backends(
+    cfg: JobConfig, config_path: str | None = None, engines: dict[str, EngineKind] | None = None
+) -> None:
     """What the config asks of this environment that it cannot do, as one ConfigError (before Ray starts)."""
     problems = []
     for (role, name), (packages, fallback) in BACKEND_PACKAGES.items():
@@ -143,8 +148,7 @@ def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
                 f"{role}.backend={name} needs {', '.join(missing)}, which this environment does not have; install "
                 f"miles-vl[{name}] (docs/cluster.md lists the versions) or set {role}.backend={fallback}"
             )
-    if cfg.rollout.backend == "sglang":
-        problems += sglang_config_problems(cfg)
+    problems += (engines or ENGINES)[cfg.rollout.backend].config_problems(cfg)
     if problems:
         raise ConfigError(problems, config_path)
 
@@ -337,6 +341,7 @@ class Job:
     eval_set: PromptDataset | None
     rewards: RewardPool
     signals: StopSignals = field(default_factory=StopSignals)
+    hooks: Hooks = field(default_factory=Hooks)
     completed_steps: int = 0
     committed: dict[str, Any] = field(default_factory=dict)  # driver state of `completed_steps` (checkpoint.py)
     trainer_at_commit: bool = True
@@ -351,7 +356,11 @@ class Job:
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
             self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
             self.trainer = Trainer(self.cfg, self.tokens, self.gpus)
-            self.rollout = RolloutEngines(self.cfg, self.tokens, self.trainer, self.run_dir / "logs", self.gpus)
+            kind = self.hooks.engines[self.cfg.rollout.backend]
+            weights = make_weight_sync(
+                self.cfg, self.trainer, kind.nccl_when_disaggregated and self.cfg.ray.placement == "disaggregate"
+            )
+            self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
         except BaseException:
             self.close()
             raise

@@ -32,11 +32,12 @@ import torch
 
 from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens
-from miles_vl.orchestration.actors import build_policy, set_threads
+from miles_vl.orchestration.factories import build_policy, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
-from miles_vl.orchestration.sglang_engines import EngineAddress, TrainerWeightGroup
-from miles_vl.rollout.hf_engine import vision_token_ids
+from miles_vl.orchestration.weight_sync import TrainerWeightGroup
+from miles_vl.rollout.hf.engine import vision_token_ids
 from miles_vl.rollout.sglang import SyncReport, iter_buckets
+from miles_vl.rollout.sglang.host import EngineAddress
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,7 @@ def build_train_backend(cfg: JobConfig, tokens: SpecialTokens, megatron_builder:
         return build(cfg.model.path, tokens, **megatron_options(cfg), **algo_options(cfg, tokens))
     from miles_vl.train import TorchTrainBackend
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return TorchTrainBackend(build_policy(cfg, tokens, device), tokens, **algo_options(cfg, tokens))
+    return TorchTrainBackend(build_policy(cfg, tokens), tokens, **algo_options(cfg, tokens))
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 Two ways, picked by `make_weight_sync`:
 
-    tensors  (hf engines; sglang colocated) — through Ray's object store, one bucket at a time:
+    tensors  (through the driver: hf engines, sglang colocated) — Ray's object store, one bucket at a time:
         every engine  begin_weight_sync()
         for bucket in trainer.weight_buckets(WEIGHT_BUCKET_BYTES, ahead=2)  # streamed from train rank 0
             every engine  load_weight_bucket(bucket)                        # sglang: POST /update_weights_from_tensor
         every engine  finish_weight_sync(version)                           # sglang: label the version, flush
 
-    nccl  (sglang disaggregated) — train rank 0 broadcasts, the engines receive:
+    nccl  (an engine kind with `nccl_when_disaggregated`, disaggregated: sglang) — train rank 0 broadcasts:
         once:      trainer.open_weight_group(engine addresses)  # every engine POST /init_weights_update_group while
                                                                  # the trainer joins as rank 0
         each sync: trainer.send_weights(version)                 # per bucket: every engine POST
@@ -24,12 +24,16 @@ Two ways, picked by `make_weight_sync`:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import socket
+from collections.abc import Iterable, Sequence
 
 import ray
+import torch
+from torch import Tensor
 
 from miles_vl.config import JobConfig
-from miles_vl.orchestration.trainer import Trainer
+from miles_vl.rollout.sglang import DistributedWeightSender, EngineEndpoint, SGLangClient, SyncReport
+from miles_vl.rollout.sglang.host import EngineAddress
 from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
@@ -44,8 +48,9 @@ GROUP_BACKEND: str | None = None
 Failed = dict[int, BaseException]
 
 
-def make_weight_sync(cfg: JobConfig, trainer: Trainer) -> TensorWeightSync | NcclWeightSync:
-    if cfg.rollout.backend == "sglang" and cfg.ray.placement == "disaggregate":
+def make_weight_sync(cfg: JobConfig, trainer, nccl: bool) -> WeightSync:
+    """The sync from `trainer` (orchestration/trainer.py) to the engines: over NCCL when `nccl`, else tensors."""
+    if nccl:
         return NcclWeightSync(
             trainer,
             backend=GROUP_BACKEND or ("nccl" if cfg.train.num_gpus > 0 else "gloo"),
@@ -153,3 +158,76 @@ def _blame(engines: Sequence, error: BaseException) -> Failed:
         except ray.exceptions.RayError as probe_error:
             failed[i] = probe_error
     return failed
+
+
+WeightSync = TensorWeightSync | NcclWeightSync
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the trainer's side of the NCCL sync (runs inside the train actor)
+
+
+class TrainerWeightGroup:
+    """Trainer rank 0's weight-update group with every engine (`DistributedWeightSender`), formed on construction.
+
+    Args:
+        engines: the engines' addresses, in engine order.
+        backend: "nccl" (tensors go to this process's GPU first) or "gloo" (CPU; tests).
+        max_bucket_bytes: bound of one bucket (one `/update_weights_from_distributed` call).
+        timeout_s: the group's timeout (rendezvous and every broadcast).
+        request_timeout_s: per-attempt timeout of the HTTP calls to the servers.
+
+    Raises:
+        ValueError: an engine bound to loopback on another node (the trainer could not reach it).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineAddress],
+        *,
+        backend: str,
+        max_bucket_bytes: int,
+        timeout_s: float = 600.0,
+        request_timeout_s: float,
+    ):
+        here = ray.util.get_node_ip_address()
+        far = [i for i, e in enumerate(engines) if e.loopback and e.node_ip != here]
+        if far:
+            raise ValueError(
+                f"engines {far} bind 127.0.0.1 on another node than the trainer ({here}), so the NCCL weight sync "
+                "cannot reach them; set rollout.sglang.host=0.0.0.0 and rollout.sglang.api_key"
+            )
+        local = all(e.node_ip == here for e in engines)
+        self.backend = backend
+        self.sender = DistributedWeightSender(
+            [
+                EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+                for e in engines
+            ],
+            master_address="127.0.0.1" if local else here,
+            master_port=_free_port(),
+            backend=backend,
+            max_bucket_bytes=max_bucket_bytes,
+            timeout_s=timeout_s,
+        )
+        try:
+            self.sender.init_group()
+        except BaseException:
+            self.sender.close()
+            raise
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], weight_version: str) -> SyncReport:
+        """Broadcast the tensors bucket by bucket, then label and flush every engine."""
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            named_tensors = ((name, t.to(device)) for name, t in named_tensors)
+        return self.sender.send(named_tensors, weight_version=weight_version)
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

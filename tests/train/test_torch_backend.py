@@ -11,7 +11,7 @@ from miles_vl.model import build_model
 from miles_vl.train.torch_backend import TorchTrainBackend
 from miles_vl.train.types import TrainSample
 from tests.packing.samples import IMAGE, VEND, VIDEO, VSTART
-from tests.rollout.test_hf_engine import PATCH, SPECIAL
+from tests.rollout.hf.test_engine import PATCH, SPECIAL
 
 
 def make_samples():

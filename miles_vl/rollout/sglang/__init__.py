@@ -7,10 +7,9 @@
   (`/update_weights_from_distributed`) weight-sync sequences.
 - `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
 - `engine`: `SGLangRolloutEngine`, the `RolloutEngine` over one server.
-- `actor`: `SGLangRolloutHost`, launch + restart + engine in one object; Ray runs one per engine.
+- `host`: `SGLangRolloutHost`, the `RolloutEngine`: launch + restart + engine in one object; Ray runs one per engine.
 """
 
-from miles_vl.rollout.sglang.actor import SGLangRolloutHost, sglang_actor_class
 from miles_vl.rollout.sglang.client import (
     SGLangClient,
     SGLangError,
@@ -21,6 +20,7 @@ from miles_vl.rollout.sglang.client import (
 )
 from miles_vl.rollout.sglang.engine import EngineStateError, SGLangPrompt, SGLangRolloutEngine, WeightVersionError
 from miles_vl.rollout.sglang.generate import PromptMismatchError
+from miles_vl.rollout.sglang.host import SGLangRolloutHost, sglang_actor_class
 from miles_vl.rollout.sglang.server import (
     ServerProcess,
     ServerSpec,

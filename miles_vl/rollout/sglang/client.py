@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from miles_vl.rollout.types import EngineDiedError
+
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -61,7 +63,7 @@ class SGLangRequestError(SGLangError):
         self.path = path
 
 
-class SGLangServerDiedError(SGLangError):
+class SGLangServerDiedError(SGLangError, EngineDiedError):
     """The supervised server process is gone (exit code and the tail of its log are in the message)."""
 
 

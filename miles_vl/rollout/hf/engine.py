@@ -1,5 +1,8 @@
 """The embedded rollout engine: transformers `generate` in-process (CPU or one GPU), batched, with images.
 
+    engine = HFRolloutEngine(model, tokens)                            # in this process (tests, benchmarks)
+    actor = ray.remote(HFRolloutEngine).remote(build_model, tokens)   # a Ray actor: the model is built where it runs
+
 Logprobs are those of the sampled tokens under the distribution the sampler drew from (temperature, top-k and
 top-p applied; with the defaults top_p=1, top_k=-1 this is softmax(logits / T), the same distribution the
 trainer scores, so `train_rollout_logprob_abs_diff` is ~0 in fp32). Vision special tokens are banned from
@@ -9,27 +12,39 @@ sampling by default: a generated `<|image_pad|>` has no image behind it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
 from miles_vl.model import SpecialTokens
-from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
+from miles_vl.rollout.types import Generation, PromptLike, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
+    """`RolloutEngine` over a transformers model in this process.
+
+    Args:
+        model: the policy, or a function that builds it, called here (how a Ray actor gets its model: built where it
+            runs, never shipped through the object store).
+        tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
+        max_batch_size: sequences per `generate` call.
+        ban_vision_tokens: forbid sampling vision special tokens.
+    """
+
     def __init__(
         self,
-        model: Qwen3VLForConditionalGeneration,
+        model: Qwen3VLForConditionalGeneration | Callable[[], Qwen3VLForConditionalGeneration],
         tokens: SpecialTokens,
         *,
         max_batch_size: int = 32,
         ban_vision_tokens: bool = True,
     ):
+        if not isinstance(model, torch.nn.Module):
+            model = model()
         self.model = model.eval()
         self.tokens = tokens
         self.max_batch_size = max_batch_size
@@ -114,6 +129,10 @@ class HFRolloutEngine:
             raise ValueError(f"weights with names this model does not have: {sorted(unexpected)[:5]}")
         log.debug("rollout engine loaded %d tensors", len(state))
         self.model.model.rope_deltas = None
+
+    def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """`load_weights` of one bucket: buckets load as they come, and nothing here depends on the version label."""
+        self.load_weights(named_tensors)
 
     def release_memory(self) -> None:
         """Move the model to the CPU while the trainer uses the GPU (no-op on CPU)."""

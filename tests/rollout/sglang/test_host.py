@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
-from miles_vl.rollout.sglang.actor import deterministic_inference
+from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import MAX_PIXELS, MIN_PIXELS, TOKENS, free_port, make_prompt
 

@@ -1,0 +1,184 @@
+"""What a job is built from: the table of rollout engines, picked by `rollout.backend`, and `Hooks`, through which
+tests put stand-ins in (production defaults everywhere).
+
+    kind = hooks.engines[cfg.rollout.backend]             # an EngineKind
+    actor = kind.launch(cfg, tokens, slot)                # a Ray actor that implements miles_vl.rollout.RolloutEngine
+    run_job(cfg, hooks=Hooks(engines={**ENGINES, "hf": EngineKind(my_launch)}))
+
+The builders here are the only code between the config and the engines' plain arguments (STYLE §2.5). Adding a rollout
+engine: its folder under miles_vl/rollout/ (a class that derives from `RolloutEngine`), one `EngineKind` here, and its
+name in `rollout.backend` (config/schema.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from miles_vl.config import JobConfig
+from miles_vl.model import SpecialTokens, build_model
+from miles_vl.rollout import HFRolloutEngine
+from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
+
+SGLANG_LAUNCH_MODULE = "sglang.launch_server"
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """Where engine `index` runs: its Ray actor options, the GPUs its server uses (a colocated engine's actor holds
+    only the first in Ray's accounting; None: those Ray gives the actor), the directory for its logs."""
+
+    index: int
+    ray_options: dict[str, Any]
+    gpu_ids: Sequence[str] | None
+    log_dir: Path
+
+
+def no_problems(cfg: JobConfig) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One rollout engine of the table.
+
+    Args:
+        launch: (cfg, tokens, slot) -> the engine's Ray actor.
+        config_problems: what this build cannot do with the config (checked before Ray starts).
+        sends_pixels: False when the engine processes the prompts' `images` itself: `pixel_values` stay home.
+        nccl_when_disaggregated: with `ray.placement=disaggregate` trainer rank 0 broadcasts the weights to the
+            engine over NCCL (it implements `endpoint` and `expect_weight_version`); else they go through the driver.
+    """
+
+    launch: Callable[[JobConfig, SpecialTokens, EngineSlot], Any]
+    config_problems: Callable[[JobConfig], list[str]] = no_problems
+    sends_pixels: bool = True
+    nccl_when_disaggregated: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the policy both roles start from
+
+
+def torch_dtype(cfg: JobConfig, device: str) -> torch.dtype:
+    if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and device == "cpu"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def set_threads(cfg: JobConfig) -> None:
+    if cfg.ray.num_cpus:
+        torch.set_num_threads(cfg.ray.num_cpus)
+
+
+def build_policy(cfg: JobConfig, tokens: SpecialTokens):
+    """The policy model both roles start from, on this process's device (same seed: identical random init on every
+    actor)."""
+    set_threads(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return build_model(
+        tokens,
+        path=cfg.model.path if cfg.model.init == "pretrained" else None,
+        tiny=cfg.model.tiny.model_dump(),
+        seed=cfg.seed,
+        dtype=torch_dtype(cfg, device),
+        device=device,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the engines
+
+
+@functools.cache
+def _actor_class(cls: type):
+    return ray.remote(cls)
+
+
+def launch_hf(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, engine: type = HFRolloutEngine, **kwargs):
+    """An hf engine; `engine` and `kwargs`: a stand-in class and its extra arguments (tests)."""
+    return (
+        _actor_class(engine)
+        .options(**slot.ray_options)
+        .remote(
+            functools.partial(build_policy, cfg, tokens),
+            tokens,
+            ban_vision_tokens=cfg.rollout.ban_vision_tokens,
+            **kwargs,
+        )
+    )
+
+
+def server_spec(cfg: JobConfig, index: int) -> ServerSpec:
+    """What sglang engine `index` launches: the checkpoint at `model.path`, port `rollout.sglang.port + index`, one
+    GPU per TP rank, the processor's pixel range, memory saver when colocated."""
+    s = cfg.rollout.sglang
+    return ServerSpec(
+        model_path=cfg.model.path or "",
+        port=s.port + index,
+        host=s.host,
+        api_key=s.api_key,
+        tp_size=cfg.rollout.gpus_per_engine,
+        mem_fraction_static=s.mem_fraction_static,
+        colocated=cfg.ray.placement == "colocate",
+        random_seed=cfg.seed + index,
+        weight_version="base",
+        image_min_pixels=cfg.data.min_pixels,
+        image_max_pixels=cfg.data.max_pixels,
+        vision_cache_mb=s.vision_cache_mb,
+        extra_args=tuple(s.extra_args),
+    )
+
+
+def sglang_problems(cfg: JobConfig) -> list[str]:
+    if cfg.model.init != "pretrained":
+        return [
+            "rollout.backend=sglang serves the checkpoint at model.path, but model.init=random trains a random model "
+            "the server cannot load; set model.init=pretrained (with model.path) or rollout.backend=hf"
+        ]
+    return []
+
+
+def launch_sglang(
+    cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, launch_module: str = SGLANG_LAUNCH_MODULE
+):
+    """An sglang engine: its server's log goes to `slot.log_dir/sglang_<index>.log` (on the actor's node);
+    `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags)."""
+    s = cfg.rollout.sglang
+    return (
+        _actor_class(SGLangRolloutHost)
+        .options(**slot.ray_options)
+        .remote(
+            server_spec(cfg, slot.index),
+            tokens,
+            ban_vision_tokens=cfg.rollout.ban_vision_tokens,
+            startup_timeout_s=s.startup_timeout_s,
+            request_timeout_s=s.request_timeout_s,
+            max_retries=s.max_retries,
+            max_restarts=cfg.rollout.max_restarts,
+            log_path=str(slot.log_dir / f"sglang_{slot.index}.log"),
+            launch_module=launch_module,
+            env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
+            cpu_tensors_by_name=True,
+        )
+    )
+
+
+ENGINES: Mapping[str, EngineKind] = {
+    "hf": EngineKind(launch_hf),
+    "sglang": EngineKind(launch_sglang, sglang_problems, sends_pixels=False, nccl_when_disaggregated=True),
+}
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a job builds its parts with. Production defaults; tests replace entries (stand-in servers, engines that
+    die on cue)."""
+
+    engines: Mapping[str, EngineKind] = field(default_factory=lambda: ENGINES)
