@@ -3,7 +3,7 @@
     rollout = RolloutEngines(cfg, tokens, kind, weights, log_dir, gpus)   # rollout.num_engines actors of `kind`
     groups = rollout.generate(prompts, params)                   # prompts split over the engines, prompt order kept
     rollout.release_memory(); <train>; rollout.resume_memory()   # colocated placement only
-    rollout.sync_weights("step-3")                               # trainer -> every engine (weight_sync.py)
+    rollout.sync_weights("step-3")                         # trainer -> every engine (miles_vl/rollout/weight_sync.py)
 
 Every engine is a Ray actor that implements `miles_vl.rollout.RolloutEngine`; `kind` (factories.py) launches it.
 
@@ -34,8 +34,8 @@ from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens
 from miles_vl.orchestration.factories import EngineKind, EngineSlot
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options, engine_slots
-from miles_vl.orchestration.weight_sync import Failed, WeightSync
 from miles_vl.rollout import EngineDiedError, Generation, RolloutEngine, SamplingParams
+from miles_vl.rollout.weight_sync import Failed, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RolloutEngines:
         cfg: the job config.
         tokens: special token ids.
         kind: the engine (`factories.ENGINES[rollout.backend]`).
-        weights: the weight sync from the trainer (weight_sync.py).
+        weights: the weight sync from the trainer (`miles_vl.rollout.weight_sync.make_weight_sync`).
         log_dir: where engines write their logs (an sglang server's `sglang_<i>.log`).
         gpus: the trainer's GPU slots; colocated engines take theirs (`placement.engine_slots`). None: no GPUs.
 

@@ -1,5 +1,5 @@
 """What a job is built from: the table of rollout engines, picked by `rollout.backend`, and `Hooks`, through which
-tests put stand-ins in (production defaults everywhere).
+tests put stand-ins in (production defaults everywhere: the engines, how weights travel).
 
     kind = hooks.engines[cfg.rollout.backend]             # an EngineKind
     actor = kind.launch(cfg, tokens, slot)                # a Ray actor that implements miles_vl.rollout.RolloutEngine
@@ -25,6 +25,7 @@ from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens, build_model
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
+from miles_vl.rollout.weight_sync import WeightSyncOptions
 
 SGLANG_LAUNCH_MODULE = "sglang.launch_server"
 
@@ -182,3 +183,4 @@ class Hooks:
     die on cue)."""
 
     engines: Mapping[str, EngineKind] = field(default_factory=lambda: ENGINES)
+    weight_sync: WeightSyncOptions = WeightSyncOptions()

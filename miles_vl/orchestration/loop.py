@@ -12,8 +12,8 @@
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
-`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang), their recovery and the weight sync live
-in engines.py and weight_sync.py; checkpoint files in checkpoint.py.
+`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang) and their recovery live in engines.py, the
+weight sync in miles_vl/rollout/weight_sync.py; checkpoint files in checkpoint.py.
 
 Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the step at once (nothing has changed
 but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
@@ -63,9 +63,9 @@ from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.trainer import Trainer
-from miles_vl.orchestration.weight_sync import make_weight_sync
 from miles_vl.reward import RewardPool, RewardSample, resolve_reward
 from miles_vl.rollout import Generation, SamplingParams
+from miles_vl.rollout.weight_sync import make_weight_sync
 from miles_vl.train import TrainSample
 
 log = logging.getLogger(__name__)
@@ -358,7 +358,11 @@ class Job:
             self.trainer = Trainer(self.cfg, self.tokens, self.gpus)
             kind = self.hooks.engines[self.cfg.rollout.backend]
             weights = make_weight_sync(
-                self.cfg, self.trainer, kind.nccl_when_disaggregated and self.cfg.ray.placement == "disaggregate"
+                self.trainer,
+                nccl=kind.nccl_when_disaggregated and self.cfg.ray.placement == "disaggregate",
+                trainer_gpus=self.cfg.train.num_gpus > 0,
+                request_timeout_s=self.cfg.rollout.sglang.request_timeout_s,
+                options=self.hooks.weight_sync,
             )
             self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
         except BaseException:

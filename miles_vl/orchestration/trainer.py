@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -34,10 +33,15 @@ from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens
 from miles_vl.orchestration.factories import build_policy, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
-from miles_vl.orchestration.weight_sync import TrainerWeightGroup
 from miles_vl.rollout.hf.engine import vision_token_ids
-from miles_vl.rollout.sglang import SyncReport, iter_buckets
-from miles_vl.rollout.sglang.host import EngineAddress
+from miles_vl.rollout.weight_sync import (
+    DistributedWeightSender,
+    EngineAddress,
+    ExportStats,
+    SyncReport,
+    iter_buckets,
+    open_trainer_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,20 +112,6 @@ def build_train_backend(cfg: JobConfig, tokens: SpecialTokens, megatron_builder:
     return TorchTrainBackend(build_policy(cfg, tokens), tokens, **algo_options(cfg, tokens))
 
 
-@dataclass
-class ExportStats:
-    """What one export of the trainer's weights held: tensors, bytes and buckets."""
-
-    tensors: int = 0
-    bytes: int = 0
-    buckets: int = 0
-
-    def add(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.buckets += 1
-        self.tensors += len(bucket)
-        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the actor of one rank
 
@@ -143,7 +133,7 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
         self.megatron_builder = megatron_builder
         self.backend = None
-        self.weight_group: TrainerWeightGroup | None = None
+        self.weight_group: DistributedWeightSender | None = None
         self.exported: ExportStats | None = None
 
     def rendezvous(self) -> str:
@@ -191,8 +181,8 @@ class TrainWorker:
 
     def export_weight_buckets(self, max_bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The trainable weights in byte-bounded buckets, one at a time: call with
-        `.options(num_returns="streaming")` so that each bucket is its own object (weight_sync.py). The sizes of the
-        last export are kept for `last_export`."""
+        `.options(num_returns="streaming")` so that each bucket is its own object (miles_vl/rollout/weight_sync.py).
+        The sizes of the last export are kept for `last_export`."""
         self.exported = ExportStats()
         for bucket in iter_buckets(self.backend.export_weights(), max_bucket_bytes):
             self.exported.add(bucket)
@@ -213,10 +203,10 @@ class TrainWorker:
 
     def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
         """Form the weight-update group with these engines (they join concurrently; returns once formed).
-        `options`: those of `TrainerWeightGroup` (backend, max_bucket_bytes, timeouts)."""
+        `options`: those of `weight_sync.open_trainer_group` (backend, max_bucket_bytes, timeouts)."""
         if self.weight_group is not None:
             raise RuntimeError("a weight-update group is already open: close_weight_group() first")
-        self.weight_group = TrainerWeightGroup(engines, **options)
+        self.weight_group = open_trainer_group(engines, **options)
 
     def send_weights(self, weight_version: str) -> SyncReport:
         """Broadcast the trainable weights to every engine of the group, labelled `weight_version`."""
@@ -224,7 +214,7 @@ class TrainWorker:
             raise RuntimeError("send_weights() before open_weight_group()")
         weights = iter(self.backend.export_weights())
         try:
-            report = self.weight_group.send(weights, weight_version)
+            report = self.weight_group.send(weights, weight_version=weight_version)
         finally:
             _drain(weights)  # the other ranks are still in the collective export
         self.exported = ExportStats(tensors=report.tensors, bytes=report.bytes, buckets=report.buckets)

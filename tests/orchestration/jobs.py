@@ -1,7 +1,7 @@
 """What the driver tests share: the tiny job (configs/geo3k_tiny_cpu.yaml made fast), a tiny HF checkpoint with the
 offline processor (what `model.init=pretrained` and SGLang load), the metrics a run wrote, and the stand-ins the
-driver is built with (`stand_ins`: `Hooks` with SGLang servers served by tests/rollout/sglang/hf_server.py, or an
-engine that dies on cue)."""
+driver is built with (`stand_ins`: `Hooks` with SGLang servers served by tests/rollout/sglang/hf_server.py, an
+engine that dies on cue, small weight buckets)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from miles_vl.data import load_processor, special_tokens
 from miles_vl.model import build_model
 from miles_vl.orchestration.factories import ENGINES, Hooks, launch_hf, launch_sglang
 from miles_vl.rollout import HFRolloutEngine
+from miles_vl.rollout.weight_sync import WeightSyncOptions
 
 REPO = Path(__file__).resolve().parents[2]
 PIXELS = (3136, 12544)  # data.min_pixels / max_pixels of configs/geo3k_tiny_cpu.yaml
@@ -75,10 +76,12 @@ class EngineThatDiesOnce(HFRolloutEngine):
         return super().generate(prompts, params)
 
 
-def stand_ins(*, sglang: bool = False, kill_once: Path | None = None) -> Hooks:
+def stand_ins(
+    *, sglang: bool = False, kill_once: Path | None = None, weight_sync: WeightSyncOptions | None = None
+) -> Hooks:
     """The driver's parts with stand-ins: `sglang` servers are tests/rollout/sglang/hf_server.py (the real host runs
     it from the real argv, with this module in place of `sglang.launch_server`); with `kill_once`, the hf engines die
-    once (`EngineThatDiesOnce`)."""
+    once (`EngineThatDiesOnce`); `weight_sync`: e.g. small buckets, gloo in place of NCCL."""
     engines = dict(ENGINES)
     if sglang:
         launch = functools.partial(launch_sglang, launch_module="tests.rollout.sglang.hf_server")
@@ -86,4 +89,4 @@ def stand_ins(*, sglang: bool = False, kill_once: Path | None = None) -> Hooks:
     if kill_once is not None:
         launch = functools.partial(launch_hf, engine=EngineThatDiesOnce, kill_file=str(kill_once))
         engines["hf"] = dataclasses.replace(ENGINES["hf"], launch=launch)
-    return Hooks(engines=engines)
+    return Hooks(engines=engines, weight_sync=weight_sync or WeightSyncOptions())

@@ -17,9 +17,10 @@ import pytest
 import ray
 
 from miles_vl.config import ConfigError, load_config
-from miles_vl.orchestration import loop, run_job, weight_sync
+from miles_vl.orchestration import loop, run_job
 from miles_vl.orchestration.placement import engine_slots, reserve_gpus
 from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
+from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration.jobs import REPO, metrics, pretrained, stand_ins, tiny_job, write_checkpoint
 from tests.patches.harness.shims import require_bridge
 from tests.rollout.sglang.conftest import free_port
@@ -96,8 +97,6 @@ def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake
     """Rank 0 broadcasts each bucket to an SGLang-API server (tests/rollout/sglang/hf_server.py, gloo in place of
     NCCL) while rank 1 takes part in the collective export: one group for the job, one POST per bucket."""
     monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
-    monkeypatch.setattr(weight_sync, "WEIGHT_BUCKET_BYTES", 64 * 1024)  # several buckets
-    monkeypatch.setattr(weight_sync, "GROUP_BACKEND", "gloo")
     journal = tmp_path / "journal"
     journal.mkdir()
     cfg = config(
@@ -108,7 +107,8 @@ def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake
         *("rollout.backend=sglang", "ray.placement=disaggregate", f"rollout.sglang.port={free_port()}"),
         *("rollout.sglang.startup_timeout_s=120", f"rollout.sglang.extra_args=[--fake-journal,{journal}]"),
     )
-    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True)))
+    sync = WeightSyncOptions(bucket_bytes=64 * 1024, group_backend="gloo")  # several buckets; gloo in place of NCCL
+    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True, weight_sync=sync)))
     for r in rows:
         print("step", r["step"], "train_rollout_logprob_abs_diff", r["train/train_rollout_logprob_abs_diff"])
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4  # step 2: the server holds step 1's weights

@@ -23,10 +23,11 @@ import ray
 from safetensors.torch import load_file
 
 from miles_vl.config import ConfigError
-from miles_vl.orchestration import run_job, weight_sync
+from miles_vl.orchestration import run_job
 from miles_vl.orchestration.factories import server_spec
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.rollout.sglang import build_server_env
+from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration.jobs import metrics, pretrained, stand_ins, tiny_job, write_checkpoint
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
@@ -49,9 +50,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def hooks(monkeypatch):
-    monkeypatch.setattr(weight_sync, "WEIGHT_BUCKET_BYTES", 64 * 1024)  # the tiny model then takes several buckets
-    return stand_ins(sglang=True)
+def hooks():
+    # 64 KiB buckets: the tiny model then takes several
+    return stand_ins(sglang=True, weight_sync=WeightSyncOptions(bucket_bytes=64 * 1024))
 
 
 def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):

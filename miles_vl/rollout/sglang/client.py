@@ -290,7 +290,8 @@ class SGLangClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
     ) -> None:
-        """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see weights.py).
+        """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see
+        miles_vl/rollout/weight_sync.py).
 
         Safe to retry: loading the same tensors twice gives the same weights.
         """

@@ -21,7 +21,6 @@ import logging
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +41,10 @@ from miles_vl.rollout.sglang.server import (
     write_server_config,
 )
 from miles_vl.rollout.sglang.verify import checkpoint_names
-from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport
 from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, EngineAddress, SyncReport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineAddress:
-    """How trainer rank 0 reaches one engine's server for the NCCL sync."""
-
-    url: str
-    api_key: str | None
-    tp_size: int
-    node_ip: str
-    loopback: bool  # the server binds a loopback address: reachable from its own node only
 
 
 class SGLangRolloutHost(RolloutEngine):

@@ -289,7 +289,7 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     are TE's (fused norms)."""
     import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
 
-    from miles_vl.rollout.sglang import iter_buckets
+    from miles_vl.rollout.weight_sync import iter_buckets
     from miles_vl.train.megatron.backend import MegatronTrainBackend
     from miles_vl.train.megatron.build import build_provider
     from miles_vl.train.megatron.export import export_hf_weights
