@@ -1,13 +1,15 @@
-"""What a job is built from: the table of rollout engines, picked by `rollout.backend`, and `Hooks`, through which
-tests put stand-ins in (production defaults everywhere: the engines, how weights travel).
+"""What a job is built from: the tables of rollout engines (picked by `rollout.backend`) and train backends (picked
+by `train.backend`), and `Hooks`, through which tests put stand-ins in (production defaults everywhere).
 
     kind = hooks.engines[cfg.rollout.backend]             # an EngineKind
     actor = kind.launch(cfg, tokens, slot)                # a Ray actor that implements miles_vl.rollout.RolloutEngine
+    backend = hooks.train_backends[cfg.train.backend](cfg, tokens)   # in each train rank: a TrainBackend
     run_job(cfg, hooks=Hooks(engines={**ENGINES, "hf": EngineKind(my_launch)}))
 
-The builders here are the only code between the config and the engines' plain arguments (STYLE §2.5). Adding a rollout
-engine: its folder under miles_vl/rollout/ (a class that derives from `RolloutEngine`), one `EngineKind` here, and its
-name in `rollout.backend` (config/schema.py).
+The builders here are the only code between the config and the plain arguments of engines and backends (STYLE
+§2.5). Adding a rollout engine: its folder under miles_vl/rollout/ (a class that derives from `RolloutEngine`), one
+`EngineKind` here, and its name in `rollout.backend` (config/schema.py). Adding a train backend: a class that
+implements `miles_vl.train.TrainBackend`, one builder here, and its name in `train.backend`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import torch
 from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens, build_model
 from miles_vl.rollout import HFRolloutEngine
+from miles_vl.rollout.hf.engine import vision_token_ids
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.weight_sync import WeightSyncOptions
+from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions
+from miles_vl.train.megatron.parallel import ParallelOptions
 
 SGLANG_LAUNCH_MODULE = "sglang.launch_server"
 
@@ -177,10 +182,79 @@ ENGINES: Mapping[str, EngineKind] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the train backends (built inside each train rank, after its process group is formed)
+
+TrainBackendBuilder = Callable[[JobConfig, SpecialTokens], TrainBackend]
+
+
+def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
+    """The optimizer, loss and batching both backends train with."""
+    t, a, o = cfg.train, cfg.algo, cfg.train.optimizer
+    return TrainOptions(
+        optimizer=OptimizerOptions(
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=o.betas,
+            eps=o.eps,
+            grad_clip=o.grad_clip,
+            warmup_steps=o.warmup_steps,
+        ),
+        loss=LossOptions(
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            dual_clip_c=a.dual_clip_c,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            entropy_coef=a.entropy_coef,
+            tis_mode=a.tis.mode if a.tis.enabled else None,
+            tis_cap=a.tis.cap,
+            reduction=a.loss_reduction,
+            temperature=cfg.rollout.temperature,
+            suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
+        ),
+        micro_batch_max_tokens=t.micro_batch_max_tokens,
+        global_batch_size=t.global_batch_size,
+        ppo_epochs=t.ppo_epochs,
+        freeze_vision=t.freeze_vision,
+    )
+
+
+def parallel_options(cfg: JobConfig) -> ParallelOptions:
+    """The megatron model's parallel layout from `train.*`."""
+    t = cfg.train
+    return ParallelOptions(
+        tp=t.tp,
+        pp=t.pp,
+        cp=t.cp,
+        ep=t.ep,
+        sp=t.sp,
+        recompute=t.recompute,
+        vision_dp_when_cp=t.vision_dp_when_cp,
+        bf16=cfg.model.dtype != "fp32",
+        seed=t.seed,
+    )
+
+
+def build_torch(cfg: JobConfig, tokens: SpecialTokens) -> TrainBackend:
+    return TorchTrainBackend(build_policy(cfg, tokens), tokens, train_options(cfg, tokens))
+
+
+def build_megatron(cfg: JobConfig, tokens: SpecialTokens, *, builder: Callable | None = None) -> TrainBackend:
+    """This rank's megatron backend (collective); `builder`: a stand-in with `build_megatron_backend`'s signature."""
+    if builder is None:
+        from miles_vl.train.megatron.build import build_megatron_backend as builder
+    return builder(cfg.model.path, tokens, train_options(cfg, tokens), parallel_options(cfg))
+
+
+TRAIN_BACKENDS: Mapping[str, TrainBackendBuilder] = {"torch": build_torch, "megatron": build_megatron}
+
+
 @dataclass(frozen=True)
 class Hooks:
     """What a job builds its parts with. Production defaults; tests replace entries (stand-in servers, engines that
-    die on cue)."""
+    die on cue, a megatron backend on CPU stand-ins)."""
 
     engines: Mapping[str, EngineKind] = field(default_factory=lambda: ENGINES)
+    train_backends: Mapping[str, TrainBackendBuilder] = field(default_factory=lambda: TRAIN_BACKENDS)
     weight_sync: WeightSyncOptions = WeightSyncOptions()

@@ -355,7 +355,8 @@ class Job:
     def __post_init__(self):
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
             self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
-            self.trainer = Trainer(self.cfg, self.tokens, self.gpus)
+            build = self.hooks.train_backends[self.cfg.train.backend]
+            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build)
             kind = self.hooks.engines[self.cfg.rollout.backend]
             weights = make_weight_sync(
                 self.trainer,

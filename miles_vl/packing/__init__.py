@@ -10,7 +10,7 @@ Public API (DESIGN §4; outside checks call these names):
 
 from miles_vl.packing.plan import MicroBatchPlan, plan_micro_batches
 from miles_vl.packing.rope import get_rope_index, packed_position_ids
-from miles_vl.packing.thd import LocalShard, PackableSample, PackedBatch, pack_thd, padded_length
+from miles_vl.packing.thd import LocalShard, PackableSample, PackedBatch, cat_present, pack_thd, padded_length
 from miles_vl.packing.zigzag import detect_layout, segment_lengths, unzigzag, zigzag_index
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "MicroBatchPlan",
     "PackableSample",
     "PackedBatch",
+    "cat_present",
     "detect_layout",
     "get_rope_index",
     "pack_thd",

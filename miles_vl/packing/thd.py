@@ -111,6 +111,13 @@ class PackedBatch:
         )
 
 
+def cat_present(parts: Sequence[Tensor | None]) -> Tensor | None:
+    """The tensors that are present and not empty, concatenated along dim 0 (e.g. the pixel values of a micro-batch's
+    samples, in row order as their grids); None when there are none."""
+    present = [p for p in parts if p is not None and p.numel()]
+    return torch.cat(present) if present else None
+
+
 def padded_length(length: int, cp_size: int) -> int:
     """`ceil(length / 2C) * 2C`: the length a sample occupies in a THD row at context parallel size C."""
     unit = 2 * cp_size

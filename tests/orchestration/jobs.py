@@ -15,9 +15,10 @@ from miles_vl.config import JobConfig, load_config
 from miles_vl.config.schema import TinyModelConfig
 from miles_vl.data import load_processor, special_tokens
 from miles_vl.model import build_model
-from miles_vl.orchestration.factories import ENGINES, Hooks, launch_hf, launch_sglang
+from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, Hooks, build_megatron, launch_hf, launch_sglang
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.weight_sync import WeightSyncOptions
+from tests.orchestration import megatron_cpu
 
 REPO = Path(__file__).resolve().parents[2]
 PIXELS = (3136, 12544)  # data.min_pixels / max_pixels of configs/geo3k_tiny_cpu.yaml
@@ -77,11 +78,16 @@ class EngineThatDiesOnce(HFRolloutEngine):
 
 
 def stand_ins(
-    *, sglang: bool = False, kill_once: Path | None = None, weight_sync: WeightSyncOptions | None = None
+    *,
+    sglang: bool = False,
+    megatron: bool = False,
+    kill_once: Path | None = None,
+    weight_sync: WeightSyncOptions | None = None,
 ) -> Hooks:
     """The driver's parts with stand-ins: `sglang` servers are tests/rollout/sglang/hf_server.py (the real host runs
-    it from the real argv, with this module in place of `sglang.launch_server`); with `kill_once`, the hf engines die
-    once (`EngineThatDiesOnce`); `weight_sync`: e.g. small buckets, gloo in place of NCCL."""
+    it from the real argv, with this module in place of `sglang.launch_server`); the `megatron` backend is built by
+    tests/orchestration/megatron_cpu.py on CPU stand-ins; with `kill_once`, the hf engines die once
+    (`EngineThatDiesOnce`); `weight_sync`: e.g. small buckets, gloo in place of NCCL."""
     engines = dict(ENGINES)
     if sglang:
         launch = functools.partial(launch_sglang, launch_module="tests.rollout.sglang.hf_server")
@@ -89,4 +95,7 @@ def stand_ins(
     if kill_once is not None:
         launch = functools.partial(launch_hf, engine=EngineThatDiesOnce, kill_file=str(kill_once))
         engines["hf"] = dataclasses.replace(ENGINES["hf"], launch=launch)
-    return Hooks(engines=engines, weight_sync=weight_sync or WeightSyncOptions())
+    backends = dict(TRAIN_BACKENDS)
+    if megatron:
+        backends["megatron"] = functools.partial(build_megatron, builder=megatron_cpu.build)
+    return Hooks(engines=engines, train_backends=backends, weight_sync=weight_sync or WeightSyncOptions())

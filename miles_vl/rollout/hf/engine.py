@@ -19,6 +19,7 @@ from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
 from miles_vl.model import SpecialTokens
+from miles_vl.packing import cat_present
 from miles_vl.rollout.types import Generation, PromptLike, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ class HFRolloutEngine(RolloutEngine):
         types = torch.zeros_like(ids)
         types[(ids == t.image_token_id) & (mask == 1)] = 1
         types[(ids == t.video_token_id) & (mask == 1)] = 2
-        pixel_values = _cat([p.pixel_values for p in prompts])
-        grids = _cat([p.image_grid_thw for p in prompts])
+        pixel_values = cat_present([p.pixel_values for p in prompts])
+        grids = cat_present([p.image_grid_thw for p in prompts])
         greedy = params.temperature == 0
         kwargs = dict(
             input_ids=ids.to(self.device),
@@ -150,8 +151,3 @@ class HFRolloutEngine(RolloutEngine):
 def vision_token_ids(tokens: SpecialTokens) -> tuple[int, ...]:
     """The tokens a policy must not generate: they only make sense with an image behind them."""
     return (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
-
-
-def _cat(parts: list[Tensor | None]) -> Tensor | None:
-    present = [p for p in parts if p is not None and p.numel()]
-    return torch.cat(present) if present else None

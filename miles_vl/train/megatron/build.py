@@ -1,7 +1,7 @@
 """Build the megatron backend from a Qwen3-VL HF checkpoint (dense or MoE) on GPUs: the CUDA-only parts.
 
     torch.distributed.init_process_group("nccl")       # torchrun or the Ray train actor does this
-    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, tp=2, cp=2, lr=1e-6)
+    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, options, ParallelOptions(tp=2, cp=2))
 
 Steps: `AutoBridge.from_hf_pretrained(path)` -> `bridge.to_megatron_provider()` (weights load in a pre-wrap hook)
 -> parallel sizes, sequence parallel, recompute, bf16, frozen vision tower -> `miles_vl.patches.configure_provider`
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +23,8 @@ import torch.distributed as dist
 
 from miles_vl.model import SpecialTokens
 from miles_vl.train.megatron.backend import MegatronTrainBackend
-from miles_vl.train.megatron.parallel import ParallelGroups
+from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions
+from miles_vl.train.types import TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -111,45 +111,12 @@ def build_provider(
 
 
 def build_megatron_backend(
-    hf_path: str | Path,
-    tokens: SpecialTokens,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    sp: bool = False,
-    recompute: Recompute = "none",
-    freeze_vision: bool = False,
-    vision_dp_when_cp: bool = False,
-    bf16: bool = True,
-    seed: int = 1234,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    grad_clip: float = 1.0,
-    warmup_steps: int = 0,
-    micro_batch_max_tokens: int = 8192,
-    global_batch_size: int | None = None,
-    ppo_epochs: int = 1,
-    temperature: float = 1.0,
-    suppress_token_ids: Sequence[int] = (),
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip_c: float | None = None,
-    loss_reduction: str = "token_mean",
-    kl_coef: float = 0.0,
-    kl_estimator: str = "low_var_kl",
-    entropy_coef: float = 0.0,
-    tis_mode: str | None = None,
-    tis_cap: float = 2.0,
+    hf_path: str | Path, tokens: SpecialTokens, options: TrainOptions, parallel: ParallelOptions
 ) -> MegatronTrainBackend:
     """The megatron train backend on this rank (collective: every rank of the train world calls it).
 
     `torch.distributed` must be initialized with NCCL and the CUDA device set; the world size must be a multiple of
-    tp * pp * cp (the rest is data parallel). Algorithm and optimizer arguments mean what they mean for
-    `TorchTrainBackend`.
+    tp * pp * cp (the rest is data parallel).
 
     Raises:
         RuntimeError: torch.distributed is not initialized, or the world does not fit the parallel sizes.
@@ -164,23 +131,26 @@ def build_megatron_backend(
             "build_megatron_backend needs torch.distributed: call torch.distributed.init_process_group('nccl') "
             "(torchrun and the Ray train actors do) and torch.cuda.set_device(local_rank) first"
         )
+    p, o, bf16 = parallel, options.optimizer, parallel.bf16
     world = dist.get_world_size()
-    if world % (tp * pp * cp):
-        raise RuntimeError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}; change train.* sizes")
+    if world % (p.tp * p.pp * p.cp):
+        raise RuntimeError(
+            f"world size {world} is not a multiple of tp*pp*cp = {p.tp}*{p.pp}*{p.cp}; change train.* sizes"
+        )
 
     bridge, provider = build_provider(
         hf_path,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        ep=ep,
-        sp=sp,
-        recompute=recompute,
-        freeze_vision=freeze_vision,
-        vision_dp_when_cp=vision_dp_when_cp,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        ep=p.ep,
+        sp=p.sp,
+        recompute=p.recompute,
+        freeze_vision=options.freeze_vision,
+        vision_dp_when_cp=p.vision_dp_when_cp,
         bf16=bf16,
     )
-    provider.initialize_model_parallel(seed=seed)
+    provider.initialize_model_parallel(seed=p.seed)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -193,13 +163,13 @@ def build_megatron_backend(
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=lr,
-            min_lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=betas[0],
-            adam_beta2=betas[1],
-            adam_eps=eps,
-            clip_grad=grad_clip,
+            lr=o.lr,
+            min_lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip,
             bf16=bf16,
             fp16=False,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -214,24 +184,8 @@ def build_megatron_backend(
         model,
         optimizer,
         tokens,
+        options,
         groups=ParallelGroups.from_megatron(sequence_parallel=provider.sequence_parallel),
         bridge=bridge,
-        frozen_prefixes=FROZEN_VISION_PREFIXES if freeze_vision else (),
-        lr=lr,
-        weight_decay=weight_decay,
-        warmup_steps=warmup_steps,
-        micro_batch_max_tokens=micro_batch_max_tokens,
-        global_batch_size=global_batch_size,
-        ppo_epochs=ppo_epochs,
-        temperature=temperature,
-        suppress_token_ids=suppress_token_ids,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip_c=dual_clip_c,
-        loss_reduction=loss_reduction,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef,
-        tis_mode=tis_mode,
-        tis_cap=tis_cap,
+        frozen_prefixes=FROZEN_VISION_PREFIXES if options.freeze_vision else (),
     )

@@ -19,6 +19,30 @@ from miles_vl.algo import PolicyLossMetrics
 
 
 @dataclass(frozen=True)
+class ParallelOptions:
+    """The megatron model's parallel layout and precision (`build_megatron_backend`).
+
+    Args:
+        tp, pp, cp, ep: tensor, pipeline, context and expert parallel sizes (the rest of the world is data parallel).
+        sp: sequence parallel (needs tp > 1).
+        recompute: activation recompute ("none", "selective", "full").
+        vision_dp_when_cp: split the vision tower's work across CP ranks.
+        bf16: bf16 weights and compute (else fp32).
+        seed: megatron's model-parallel RNG seed.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    vision_dp_when_cp: bool = False
+    bf16: bool = True
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
 class ParallelGroups:
     tp: dist.ProcessGroup
     cp: dist.ProcessGroup
