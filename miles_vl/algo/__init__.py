@@ -1,4 +1,5 @@
-"""RL algorithms: group advantages, the PPO-style policy loss, KL estimators, TIS and split-safe loss weights.
+"""RL algorithms: group advantages, the PPO-style policy loss, KL estimators, TIS and split-safe loss weights; the
+`TrainSample` a trainer learns from and how rollouts become one (`to_train_samples`).
 
     adv = compute_advantages(rewards, n_samples_per_prompt, estimator="grpo")       # [N] fp32 + zero-adv fraction
     weights = loss_token_weights(loss_mask, seq_ids, seq_loss_tokens, denominators, reduction="token_mean")
@@ -26,6 +27,7 @@ from miles_vl.algo.loss_weights import (
     sequence_loss_tokens,
 )
 from miles_vl.algo.policy_loss import PolicyLossMetrics, PolicyLossOutput, combine_metrics, policy_loss
+from miles_vl.algo.samples import TrainSample, to_train_samples
 from miles_vl.algo.tis import TISMode, tis_weights
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "PolicyLossMetrics",
     "PolicyLossOutput",
     "TISMode",
+    "TrainSample",
     "combine_metrics",
     "compute_advantages",
     "grpo_advantages",
@@ -50,4 +53,5 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "sequence_loss_tokens",
     "tis_weights",
+    "to_train_samples",
 ]

@@ -25,6 +25,7 @@ import torch
 
 from miles_vl.config import JobConfig
 from miles_vl.model import SpecialTokens, build_model
+from miles_vl.reward import REWARD_CONFIG_KEYS
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.hf.engine import vision_token_ids
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
@@ -248,6 +249,13 @@ def build_megatron(cfg: JobConfig, tokens: SpecialTokens, *, builder: Callable |
 
 
 TRAIN_BACKENDS: Mapping[str, TrainBackendBuilder] = {"torch": build_torch, "megatron": build_megatron}
+
+
+def reward_options(cfg: JobConfig) -> dict[str, Any]:
+    """The keyword arguments bound to the reward function: the options a registered reward takes from keys of the
+    `reward` section (`REWARD_CONFIG_KEYS`: geo3k's format_weight, format_pattern), then `reward.kwargs`, which win."""
+    r = cfg.reward
+    return {**{k: getattr(r, k) for k in REWARD_CONFIG_KEYS.get(r.name, ())}, **r.kwargs}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What the driver hands a train backend, the options both backends take, and the `TrainBackend` protocol that the RL
-step (step.py) runs over."""
+"""The options both train backends take, and the `TrainBackend` protocol that the RL step (step.py) runs over. What
+the driver hands a backend is `miles_vl.algo.TrainSample` (algo/samples.py)."""
 
 from __future__ import annotations
 
@@ -9,29 +9,9 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
-from torch import FloatTensor, LongTensor, Tensor
+from torch import FloatTensor, Tensor
 
-from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, TISMode
-
-
-@dataclass
-class TrainSample:
-    """One response with its prompt, ready to be packed. `input_ids = prompt_ids + response_ids`."""
-
-    input_ids: LongTensor  # [L]
-    prompt_len: int
-    advantage: float
-    rollout_logprobs: FloatTensor  # [L - prompt_len] the engine's logprobs of the response tokens
-    image_grid_thw: LongTensor | None = None  # [n_images, 3]
-    video_grid_thw: LongTensor | None = None
-    pixel_values: Tensor | None = None  # [n_patches, C*T*P*P]
-    pixel_values_videos: Tensor | None = None
-    loss_mask: LongTensor | None = None  # [L]; None: every response token
-
-    @property
-    def response_len(self) -> int:
-        return self.input_ids.numel() - self.prompt_len
-
+from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, TISMode, TrainSample
 
 # ---------------------------------------------------------------------------------------------------------------------
 # options
