@@ -12,7 +12,7 @@ in 50..650. Every variant trains on the same mini-batches with the same model an
 mini-batch of `--prompts * --n-per-prompt` samples:
 
 - `packed`: `TorchTrainBackend.accumulate_gradients` (FFD micro-batches under `--max-tokens`, `pack_thd`, the packed
-  forward of `miles_vl.train.packed_forward`, the policy loss, backward), then gradient clipping and AdamW, as
+  forward of `miles_vl.models.qwen3_vl.forward`, the policy loss, backward), then gradient clipping and AdamW, as
   `miles_vl.train.train_step` steps. The text attention runs `flex_attention`: transformers turns the restarting
   segment-local text positions into a BlockMask, so blocks across segments are skipped. If flex fails, sdpa.
 - `padded`: the same samples in arrival order, grouped greedily so that B * Lmax <= `--max-tokens`, right-padded,
@@ -55,11 +55,12 @@ from torch import Tensor
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from miles_vl.algo import policy_loss
-from miles_vl.model import SpecialTokens, tiny_config
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.forward import packed_hidden_states
+from miles_vl.models.qwen3_vl.model import tiny_config
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.packing import pack_thd, plan_micro_batches
-from miles_vl.rollout.hf.engine import vision_token_ids
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
-from miles_vl.train.packed_forward import packed_hidden_states
 
 # Qwen3-VL processor ids (vocabulary 151936).
 IMAGE, VIDEO, VSTART, VEND, PAD, EOS = 151655, 151656, 151652, 151653, 151643, 151645

@@ -31,7 +31,7 @@ from pathlib import Path
 import ray
 
 from miles_vl.config import JobConfig
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import EngineKind, EngineSlot
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options, engine_slots
 from miles_vl.rollout import EngineDiedError, Generation, RolloutEngine, SamplingParams

@@ -24,10 +24,11 @@ import ray
 import torch
 
 from miles_vl.config import JobConfig
-from miles_vl.model import SpecialTokens, build_model
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.model import build_model
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.reward import REWARD_CONFIG_KEYS
 from miles_vl.rollout import HFRolloutEngine
-from miles_vl.rollout.hf.engine import vision_token_ids
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.weight_sync import WeightSyncOptions
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions

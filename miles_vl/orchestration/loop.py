@@ -47,9 +47,10 @@ import yaml
 
 from miles_vl.algo import TrainSample, to_train_samples
 from miles_vl.config import ConfigError, JobConfig, redacted
-from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
+from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata
 from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     CheckpointError,
     list_checkpoints,

@@ -29,7 +29,7 @@ import ray
 import torch
 
 from miles_vl.config import JobConfig
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import TrainBackendBuilder, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
 from miles_vl.rollout.weight_sync import (

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import BoolTensor, LongTensor, Tensor
 
-from miles_vl.packing.rope import packed_position_ids
+from miles_vl.models.qwen3_vl.rope import packed_position_ids
 from miles_vl.packing.zigzag import zigzag_index
 
 

@@ -3,11 +3,11 @@
     backend = TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=1e-6)))
     metrics = train_step(backend, samples)                      # step.py: the RL step over any backend
 
-Implements `TrainBackend`: micro-batches planned under the token budget and packed (`pack_thd`, per-segment
-positions, block-diagonal attention), label logprobs under the engine's sampling distribution (packed_forward.py),
-the policy loss with global denominators, AdamW with gradient clipping. The reference policy for the KL term is a
-frozen copy of the initial weights. Per-token tensors are taken at label positions: logits at row position j score
-the token at j + 1.
+Implements `TrainBackend`: micro-batches planned under the token budget and packed (`pack_thd`, per-segment positions,
+block-diagonal attention), label logprobs under the engine's sampling distribution (models/qwen3_vl/forward.py), the
+policy loss with global denominators, AdamW with gradient clipping. The reference policy for the KL term is a frozen
+copy of the initial weights. Per-token tensors are taken at label positions: logits at row position j score the token at
+j + 1.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
 from miles_vl.algo import combine_metrics, loss_denominators, loss_token_weights, policy_loss, sequence_loss_tokens
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.forward import label_logprobs
 from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batches
-from miles_vl.train.packed_forward import label_logprobs
 from miles_vl.train.types import Accumulated, TrainOptions, TrainSample, at_labels, check_loss_masks
 
 

@@ -66,7 +66,7 @@ OPTIONS = TrainOptions(
 
 
 def _tokens():
-    from miles_vl.model import SpecialTokens
+    from miles_vl.models import SpecialTokens
 
     return SpecialTokens(
         image_token_id=IMAGE,
@@ -83,7 +83,7 @@ def write_checkpoint(directory: str) -> dict[str, torch.Tensor]:
     """A tiny random Qwen3-VL saved with transformers; returns its state dict (fp32, CPU)."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from miles_vl.model import tiny_config
+    from miles_vl.models.qwen3_vl.model import tiny_config
 
     config = tiny_config(_tokens(), initializer_range=0.2, deepstack_visual_indexes=[0, 1])
     torch.manual_seed(0)

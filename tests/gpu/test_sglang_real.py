@@ -104,7 +104,7 @@ def processor(ckpt):
 
 @pytest.fixture(scope="module")
 def tokens(processor):
-    from miles_vl.data import special_tokens
+    from miles_vl.models.qwen3_vl.tokens import special_tokens
 
     return special_tokens(processor)
 
@@ -243,7 +243,7 @@ def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
 
 
 def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
 
     params = SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=2)
@@ -344,7 +344,7 @@ def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
 
 
 def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt, record):
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.rollout.sglang import checkpoint_names
     from miles_vl.rollout.sglang.verify import PROBE_MAX_NUMEL, parse_checksums, server_name
     from miles_vl.rollout.weight_sync import send_tensor_bucket

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from miles_vl.config import JobConfig, load_config
 from miles_vl.config.schema import TinyModelConfig
-from miles_vl.data import load_processor, special_tokens
-from miles_vl.model import build_model
+from miles_vl.data import load_processor
+from miles_vl.models.qwen3_vl.model import build_model
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, Hooks, build_megatron, launch_hf, launch_sglang
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.weight_sync import WeightSyncOptions

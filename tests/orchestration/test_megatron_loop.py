@@ -166,7 +166,8 @@ def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
     import ast
     import inspect
 
-    from miles_vl.data import load_processor, special_tokens
+    from miles_vl.data import load_processor
+    from miles_vl.models.qwen3_vl.tokens import special_tokens
     from miles_vl.orchestration.factories import parallel_options, train_options
 
     tree = ast.parse((REPO / "miles_vl" / "train" / "megatron" / "build.py").read_text())

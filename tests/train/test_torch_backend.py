@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from miles_vl.model import build_model
+from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample, train_step
 from tests.packing.samples import IMAGE, VEND, VIDEO, VSTART
 from tests.rollout.hf.test_engine import PATCH, SPECIAL

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.packing import cat_present
 from miles_vl.rollout.types import Generation, PromptLike, RolloutEngine, SamplingParams
 
@@ -146,8 +147,3 @@ class HFRolloutEngine(RolloutEngine):
         home = getattr(self, "_home", None)
         if home is not None and home != self.device:
             self.model.to(home)
-
-
-def vision_token_ids(tokens: SpecialTokens) -> tuple[int, ...]:
-    """The tokens a policy must not generate: they only make sense with an image behind them."""
-    return (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)

@@ -38,7 +38,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
@@ -136,11 +137,7 @@ class SGLangRolloutEngine:
         self.client = client
         self.tokens = tokens
         self.stop_token_ids = tuple(int(t) for t in tokens.eos_token_ids)
-        self.banned_token_ids = (
-            (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
-            if ban_vision_tokens
-            else ()
-        )
+        self.banned_token_ids = vision_token_ids(tokens) if ban_vision_tokens else ()
         self.tp_size = tp_size
         self.max_concurrency = max_concurrency
         self.weight_bucket_bytes = weight_bucket_bytes

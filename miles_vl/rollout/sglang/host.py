@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError
 from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (

@@ -35,7 +35,7 @@ from torch import Tensor
 
 import miles_vl.patches
 from miles_vl.algo import PolicyLossMetrics, combine_metrics, loss_denominators, policy_loss
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
 from miles_vl.train.megatron import checkpoint as ckpt
 from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
 from miles_vl.train.megatron.export import export_hf_weights

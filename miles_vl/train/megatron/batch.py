@@ -25,7 +25,7 @@ import torch
 from torch import LongTensor, Tensor
 
 from miles_vl.algo import LossDenominators, LossReduction, loss_token_weights, sequence_loss_tokens
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
 from miles_vl.packing import LocalShard, PackedBatch, cat_present, pack_thd
 from miles_vl.train.megatron.plan import MicroBatchSpec
 from miles_vl.train.types import TrainSample, at_labels

@@ -21,7 +21,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.train.megatron.backend import MegatronTrainBackend
 from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions
 from miles_vl.train.types import TrainOptions
@@ -29,7 +30,7 @@ from miles_vl.train.types import TrainOptions
 log = logging.getLogger(__name__)
 
 Recompute = Literal["none", "selective", "full"]
-FROZEN_VISION_PREFIXES = ("vision_model.",)  # megatron names of the vision tower, its merger and deepstack mergers
+FROZEN_VISION_PREFIXES = MEGATRON_VISION_PREFIXES  # the vision tower, its merger and deepstack mergers
 
 
 def build_provider(

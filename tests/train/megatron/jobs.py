@@ -30,7 +30,7 @@ LR = 1e-5
 
 
 def tokens():
-    from miles_vl.model import SpecialTokens
+    from miles_vl.models import SpecialTokens
     from tests.patches.harness.tiny import IMAGE, PAD, VEND, VIDEO, VOCAB, VSTART
 
     return SpecialTokens(
@@ -387,7 +387,7 @@ def exact_gelu_in_patch_mergers(model) -> int:
 def cross_backend_options():
     """Backend options shared by the torch and megatron backends in the cross-backend test.
 
-    No entropy term: the torch backend's entropy (packed_forward.label_logprobs) has a NaN gradient wherever a
+    No entropy term: the torch backend's entropy (models.qwen3_vl.forward.label_logprobs) has a NaN gradient wherever a
     token is suppressed (`where(p > 0, p * logp, 0)` back-propagates 0 * -inf), so it would skip every step."""
     import dataclasses
 
@@ -468,7 +468,7 @@ def cpu_te_named_vit_spec():
 def write_tiny_hf_checkpoint(directory: str, seed: int = 0, **tiny) -> dict:
     """A tiny random Qwen3-VL (transformers; `tiny` overrides its config) saved to `directory`; returns its state
     dict."""
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
 
     tiny = {"initializer_range": 0.2, "deepstack_visual_indexes": [0, 1]} | tiny
     model = build_model(tokens(), tiny=tiny, seed=seed)
@@ -484,7 +484,7 @@ def write_tiny_moe_checkpoint(directory: str, seed: int = 0) -> None:
     """A tiny random Qwen3-VL-MoE (transformers; the dense tiny config plus 4 experts, top-2) saved to `directory`."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from miles_vl.model.qwen3_vl import tiny_config
+    from miles_vl.models.qwen3_vl.model import tiny_config
 
     dense = tiny_config(tokens()).to_dict()
     text = dense["text_config"] | dict(

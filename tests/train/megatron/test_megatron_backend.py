@@ -141,7 +141,7 @@ def test_export_round_trips_the_hf_checkpoint(runs, hf_checkpoint):
 
 def test_megatron_backend_matches_torch_backend(runs, hf_checkpoint):
     """Same HF checkpoint, same samples and options (DP=2 for megatron): the same logprobs and RL-step metrics."""
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.train import TorchTrainBackend, train_step
 
     torch_backend = TorchTrainBackend(
@@ -164,7 +164,7 @@ def test_pipeline_parallel_matches_torch_backend(tmp_path):
     """PP=2 (megatron's 1F1B schedule over gloo, variable lengths, the vision tower on stage 0 only): the same
     logprobs on both stages and the same RL step as the torch backend on the same checkpoint. Four layers: megatron-
     bridge needs every deepstack layer (two here) on the first stage."""
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.train import TorchTrainBackend, train_step
 
     jobs.write_tiny_hf_checkpoint(str(tmp_path), num_hidden_layers=4)
