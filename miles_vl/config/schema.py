@@ -235,10 +235,6 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     tis: TISConfig = Field(default_factory=TISConfig)
 
-    @property
-    def needs_ref(self) -> bool:
-        return self.kl_coef > 0
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # reward, ray, logging, checkpoint, eval

@@ -105,14 +105,15 @@ def build_policy(cfg: JobConfig, tokens: SpecialTokens):
 
 
 @functools.cache
-def _actor_class(cls: type):
+def actor_class(cls: type):
+    """`cls` as a Ray actor class (made once per class; making it does not start Ray)."""
     return ray.remote(cls)
 
 
 def launch_hf(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, engine: type = HFRolloutEngine, **kwargs):
     """An hf engine; `engine` and `kwargs`: a stand-in class and its extra arguments (tests)."""
     return (
-        _actor_class(engine)
+        actor_class(engine)
         .options(**slot.ray_options)
         .remote(
             functools.partial(build_policy, cfg, tokens),
@@ -160,7 +161,7 @@ def launch_sglang(
     `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags)."""
     s = cfg.rollout.sglang
     return (
-        _actor_class(SGLangRolloutHost)
+        actor_class(SGLangRolloutHost)
         .options(**slot.ray_options)
         .remote(
             server_spec(cfg, slot.index),
@@ -192,50 +193,26 @@ TrainBackendBuilder = Callable[[JobConfig, SpecialTokens], TrainBackend]
 
 def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
     """The optimizer, loss and batching both backends train with."""
-    t, a, o = cfg.train, cfg.algo, cfg.train.optimizer
+    t, a = cfg.train, cfg.algo
+    same = ("clip_low", "clip_high", "dual_clip_c", "kl_coef", "kl_estimator", "entropy_coef")  # same names in algo.*
     return TrainOptions(
-        optimizer=OptimizerOptions(
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=o.betas,
-            eps=o.eps,
-            grad_clip=o.grad_clip,
-            warmup_steps=o.warmup_steps,
-        ),
+        optimizer=OptimizerOptions(**t.optimizer.model_dump(exclude={"name"})),
         loss=LossOptions(
-            clip_low=a.clip_low,
-            clip_high=a.clip_high,
-            dual_clip_c=a.dual_clip_c,
-            kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator,
-            entropy_coef=a.entropy_coef,
+            **a.model_dump(include=set(same)),
             tis_mode=a.tis.mode if a.tis.enabled else None,
             tis_cap=a.tis.cap,
             reduction=a.loss_reduction,
             temperature=cfg.rollout.temperature,
             suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
         ),
-        micro_batch_max_tokens=t.micro_batch_max_tokens,
-        global_batch_size=t.global_batch_size,
-        ppo_epochs=t.ppo_epochs,
-        freeze_vision=t.freeze_vision,
+        **t.model_dump(include={"micro_batch_max_tokens", "global_batch_size", "ppo_epochs", "freeze_vision"}),
     )
 
 
 def parallel_options(cfg: JobConfig) -> ParallelOptions:
     """The megatron model's parallel layout from `train.*`."""
-    t = cfg.train
-    return ParallelOptions(
-        tp=t.tp,
-        pp=t.pp,
-        cp=t.cp,
-        ep=t.ep,
-        sp=t.sp,
-        recompute=t.recompute,
-        vision_dp_when_cp=t.vision_dp_when_cp,
-        bf16=cfg.model.dtype != "fp32",
-        seed=t.seed,
-    )
+    layout = {"tp", "pp", "cp", "ep", "sp", "recompute", "vision_dp_when_cp", "seed"}  # same names in train.*
+    return ParallelOptions(**cfg.train.model_dump(include=layout), bf16=cfg.model.dtype != "fp32")
 
 
 def build_torch(cfg: JobConfig, tokens: SpecialTokens) -> TrainBackend:

@@ -27,7 +27,14 @@ from miles_vl.algo import combine_metrics, loss_denominators, loss_token_weights
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.forward import label_logprobs
 from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batches
-from miles_vl.train.types import Accumulated, TrainOptions, TrainSample, at_labels, check_loss_masks
+from miles_vl.train.types import (
+    Accumulated,
+    TrainOptions,
+    TrainSample,
+    at_labels,
+    check_loss_masks,
+    response_logprobs,
+)
 
 
 class TorchTrainBackend:
@@ -105,10 +112,8 @@ class TorchTrainBackend:
                 temperature=self.loss.score_temperature,
                 suppress_token_ids=self.loss.suppress_token_ids,
             )
-            logp = logp.float().cpu()
-            for j, i in enumerate(mb):
-                start = int(packed.cu_seqlens[j]) + samples[i].prompt_len - 1  # logits before the first response token
-                out[i] = logp[start : start + samples[i].response_len].clone()
+            for i, lp in zip(mb, response_logprobs(logp, packed.cu_seqlens, [samples[i] for i in mb]), strict=True):
+                out[i] = lp
         return out  # type: ignore[return-value]
 
     def compute_ref_logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:

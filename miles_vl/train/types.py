@@ -4,7 +4,7 @@ the driver hands a backend is `miles_vl.algo.TrainSample` (algo/samples.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -53,17 +53,9 @@ class LossOptions:
         return self.temperature if self.temperature > 0 else 1.0
 
     def policy_loss_kwargs(self) -> dict:
-        """The keyword arguments of `miles_vl.algo.policy_loss`."""
-        return dict(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip_c=self.dual_clip_c,
-            kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            entropy_coef=self.entropy_coef,
-            tis_mode=self.tis_mode,
-            tis_cap=self.tis_cap,
-        )
+        """The keyword arguments of `miles_vl.algo.policy_loss` (the fields but the scoring ones)."""
+        scoring = ("reduction", "temperature", "suppress_token_ids")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in scoring}
 
 
 @dataclass(frozen=True)
@@ -168,3 +160,10 @@ def at_labels(per_sample: Sequence[Tensor], ids: Sequence[int], sample: Tensor, 
     flat = torch.cat([per_sample[i].detach().float().cpu().reshape(-1) for i in ids])
     lens = torch.tensor([per_sample[i].numel() for i in ids])
     return flat[(torch.cumsum(lens, 0) - lens)[sample] + resp_idx]
+
+
+def response_logprobs(full_row: Tensor, cu_seqlens: Tensor, row_samples: Sequence[TrainSample]) -> list[Tensor]:
+    """Per-sample `[response_len]` slices (fp32, CPU) of a full packed row's `[T]` label logprobs, whose segments are
+    `cu_seqlens` and hold `row_samples` in order: the logits before the first response token score it."""
+    starts = [int(cu_seqlens[j]) + s.prompt_len - 1 for j, s in enumerate(row_samples)]
+    return [full_row[a : a + s.response_len].float().cpu().clone() for a, s in zip(starts, row_samples, strict=True)]

@@ -1,8 +1,11 @@
 """Contract: the config picks the rollout engine, the train backend and the reward's options from one table each
 (orchestration/factories.py): `reward.kwargs` reach any reward, geo3k's own keys reach geo3k only."""
 
-from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, reward_options
+import pytest
+
+from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, actor_class, reward_options
 from miles_vl.reward import resolve_reward
+from miles_vl.rollout.sglang import SGLangRolloutHost
 from tests.orchestration.jobs import tiny_job
 
 
@@ -20,3 +23,12 @@ def test_reward_kwargs_reach_any_reward_and_geo3k_keys_only_geo3k(tmp_path):
     custom = tiny_job(tmp_path, "x", "reward.format_weight=0.3", "reward.kwargs.scale=2")
     assert custom.reward.name == "tests.orchestration.rewards:length_reward"
     assert reward_options(custom) == {"scale": 2}
+
+
+def test_the_ray_actor_class_wraps_the_host_without_starting_ray():
+    ray = pytest.importorskip("ray")  # a project dependency; only bare GPU images lack it
+
+    actor = actor_class(SGLangRolloutHost)
+    assert callable(actor.remote) and callable(actor.options)
+    assert callable(actor.options(num_gpus=1, max_restarts=0).remote)  # launch_sglang's per-engine options
+    assert not ray.is_initialized()

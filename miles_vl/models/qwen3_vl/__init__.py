@@ -16,3 +16,5 @@ HF_VISION_PREFIX = "model.visual."
 # SGLang 0.5.16's plain renames of HF names in Qwen3-VL's `load_weights` (srt/models/qwen3_vl.py:1463 and :1515-1516),
 # in its order.
 SGLANG_RENAMES = (("model.language_model.", "model."), ("attn.qkv.", "attn.qkv_proj."), ("model.visual.", "visual."))
+
+__all__ = ["BRIDGE_MODULE", "HF_VISION_PREFIX", "MEGATRON_VISION_PREFIXES", "SGLANG_RENAMES"]

@@ -19,9 +19,9 @@ from miles_vl.rollout.sglang.client import (
     SGLangServerDiedError,
     SGLangUnavailableError,
 )
-from miles_vl.rollout.sglang.engine import EngineStateError, SGLangPrompt, SGLangRolloutEngine, WeightVersionError
+from miles_vl.rollout.sglang.engine import EngineStateError, SGLangRolloutEngine, WeightVersionError
 from miles_vl.rollout.sglang.generate import PromptMismatchError
-from miles_vl.rollout.sglang.host import SGLangRolloutHost, sglang_actor_class
+from miles_vl.rollout.sglang.host import SGLangRolloutHost
 from miles_vl.rollout.sglang.server import (
     ServerProcess,
     ServerSpec,
@@ -37,7 +37,6 @@ __all__ = [
     "PromptMismatchError",
     "SGLangClient",
     "SGLangError",
-    "SGLangPrompt",
     "SGLangRequestError",
     "SGLangResponseError",
     "SGLangRolloutEngine",
@@ -51,7 +50,6 @@ __all__ = [
     "build_server_argv",
     "build_server_env",
     "checkpoint_names",
-    "sglang_actor_class",
     "wait_until_healthy",
     "write_server_config",
 ]

@@ -1,7 +1,7 @@
 """One rollout engine with its own SGLang server process: launch, wait for health, restart when it dies.
 
-The driver runs one `SGLangRolloutHost` per engine as a Ray actor (`sglang_actor_class(num_gpus=...)`); it
-implements `RolloutEngine`. Ray's `CUDA_VISIBLE_DEVICES` for the actor is inherited by the server, which uses those
+The driver runs one `SGLangRolloutHost` per engine as a Ray actor (`ray.remote(SGLangRolloutHost)`); it implements
+`RolloutEngine`. Ray's `CUDA_VISIBLE_DEVICES` for the actor is inherited by the server, which uses those
 GPUs from index 0 (`--tp-size` = GPUs of the engine). The host is a plain class: it runs (and is tested) without Ray.
 
     host = SGLangRolloutHost(ServerSpec(model_path=..., port=30000, tp_size=1), tokens)
@@ -268,13 +268,3 @@ def deterministic_inference(extra_args: Sequence[str]) -> bool:
     return any(
         a == "--enable-deterministic-inference" or a.split("=", 1)[0] == "--rl-on-policy-target" for a in extra_args
     )
-
-
-def sglang_actor_class(**ray_options: Any):
-    """`SGLangRolloutHost` as a Ray actor class, e.g. `sglang_actor_class(num_gpus=1).remote(spec, tokens)`.
-
-    Ray is imported here, not at module import, so that the host runs where Ray is not installed.
-    """
-    import ray
-
-    return ray.remote(**ray_options)(SGLangRolloutHost) if ray_options else ray.remote(SGLangRolloutHost)

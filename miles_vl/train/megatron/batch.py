@@ -183,12 +183,3 @@ def model_inputs(mb: MicroBatch, device: torch.device | str, *, with_vision: boo
         kwargs["video_grid_thw"] = packed.video_grid_thw.to(device)
         kwargs["video_input_mask"] = (vision & (ids == mb.video_token_id)).to(device)
     return kwargs
-
-
-def response_logprobs(full_row_logprobs: Tensor, mb: MicroBatch, samples: Sequence[TrainSample]) -> list[Tensor]:
-    """Per-sample `[response_len]` slices of a full-row `[T]` tensor of label logprobs (fp32, CPU)."""
-    out = []
-    for j, i in enumerate(mb.spec.samples):
-        start = int(mb.packed.cu_seqlens[j]) + samples[i].prompt_len - 1  # logits before the first response token
-        out.append(full_row_logprobs[start : start + samples[i].response_len].float().cpu().clone())
-    return out

@@ -34,10 +34,10 @@ from torch import Tensor
 
 from miles_vl.algo import policy_loss
 from miles_vl.packing.distributed import gather_full_row
-from miles_vl.train.megatron.batch import MicroBatch, model_inputs, response_logprobs
+from miles_vl.train.megatron.batch import MicroBatch, model_inputs
 from miles_vl.train.megatron.parallel import ParallelGroups
 from miles_vl.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from miles_vl.train.types import LossOptions, TrainSample
+from miles_vl.train.types import LossOptions, TrainSample, response_logprobs
 
 
 @dataclass
@@ -97,7 +97,8 @@ def logprobs_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple
         full = logp.detach()
     per_sample = {}
     if not mb.spec.dummy:
-        per_sample = dict(zip(mb.spec.samples, response_logprobs(full, mb, options.samples), strict=True))
+        chosen = [options.samples[i] for i in mb.spec.samples]
+        per_sample = dict(zip(mb.spec.samples, response_logprobs(full, mb.packed.cu_seqlens, chosen), strict=True))
     zero = logits.new_zeros((), dtype=torch.float32)
     return zero, _num_tokens(mb, logits), {"logprobs": per_sample}
 

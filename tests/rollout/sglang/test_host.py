@@ -123,13 +123,3 @@ def test_which_server_flags_make_the_seed_count():
         ("--rl-on-policy-target=fsdp",)
     )
     assert not deterministic_inference(("--log-level", "info")) and not deterministic_inference(())
-
-
-def test_the_ray_actor_class_wraps_the_host_without_starting_ray():
-    ray = pytest.importorskip("ray")  # a project dependency; only bare GPU images lack it
-
-    from miles_vl.rollout.sglang import sglang_actor_class
-
-    actor = sglang_actor_class(num_gpus=1, max_restarts=0)
-    assert callable(actor.remote) and callable(actor.options)
-    assert not ray.is_initialized()
