@@ -210,9 +210,16 @@ def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
 
 
 def parallel_options(cfg: JobConfig) -> ParallelOptions:
-    """The megatron model's parallel layout from `train.*`."""
-    layout = {"tp", "pp", "cp", "ep", "sp", "recompute", "vision_dp_when_cp", "seed"}  # same names in train.*
-    return ParallelOptions(**cfg.train.model_dump(include=layout), bf16=cfg.model.dtype != "fp32")
+    """The megatron model's parallel layout from `train.*` (whose `tp/pp/cp/ep` are the `*_size`s)."""
+    t = cfg.train
+    return ParallelOptions(
+        tp_size=t.tp,
+        pp_size=t.pp,
+        cp_size=t.cp,
+        ep_size=t.ep,
+        **t.model_dump(include={"sp", "recompute", "vision_dp_when_cp", "seed"}),  # same names in train.*
+        bf16=cfg.model.dtype != "fp32",
+    )
 
 
 def build_torch(cfg: JobConfig, tokens: SpecialTokens) -> TrainBackend:

@@ -134,7 +134,7 @@ def _phase(hf_dir: str, tp: int, cp: int, samples, *, export: bool, checkpoint_d
     from miles_vl.train.megatron import build_megatron_backend
 
     backend = build_megatron_backend(
-        hf_dir, _tokens(), OPTIONS, ParallelOptions(tp=tp, cp=cp, sp=tp > 1, bf16=True, seed=0)
+        hf_dir, _tokens(), OPTIONS, ParallelOptions(tp_size=tp, cp_size=cp, sp=tp > 1, bf16=True, seed=0)
     )
     out: dict = {}
     if export:
@@ -176,7 +176,7 @@ def _contiguous_block_logprobs(hf_dir: str, tp: int, cp: int, samples) -> list[t
     step.model_inputs = contiguous
     try:
         backend = build_megatron_backend(
-            hf_dir, _tokens(), OPTIONS, ParallelOptions(tp=tp, cp=cp, sp=tp > 1, bf16=True, seed=0)
+            hf_dir, _tokens(), OPTIONS, ParallelOptions(tp_size=tp, cp_size=cp, sp=tp > 1, bf16=True, seed=0)
         )
         logprobs = backend.compute_logprobs(samples)
     finally:

@@ -23,8 +23,8 @@ def build(hf_path: str, tokens, options, parallel):
 
     from tests.patches.harness.shims import load_qwen3vl_module
 
-    tp, cp, o = parallel.tp, parallel.cp, options.optimizer
-    if parallel.pp != 1 or parallel.ep != 1:
+    tp, cp, o = parallel.tp_size, parallel.cp_size, options.optimizer
+    if parallel.pp_size != 1 or parallel.ep_size != 1:
         raise ValueError("the CPU stand-in runs tp/cp layouts only (pp = ep = 1)")
     module = load_qwen3vl_module("0.6.2")  # the TE stub and CPU shims, before megatron-bridge's model imports
     import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
@@ -61,8 +61,8 @@ def build(hf_path: str, tokens, options, parallel):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     bridge, provider = build_provider(
         hf_path,
-        tp=tp,
-        cp=cp,
+        tp_size=tp,
+        cp_size=cp,
         sp=parallel.sp,
         freeze_vision=options.freeze_vision,
         vision_dp_when_cp=parallel.vision_dp_when_cp,

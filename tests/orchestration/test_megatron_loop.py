@@ -183,4 +183,6 @@ def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
         cfg = load_config(path)
         assert cfg.train.backend == "megatron", path.name
         bound = signature.bind(cfg.model.path, tokens, train_options(cfg, tokens), parallel_options(cfg))
-        assert bound.arguments["parallel"].tp == cfg.train.tp and bound.arguments["parallel"].ep == cfg.train.ep
+        assert (
+            bound.arguments["parallel"].tp_size == cfg.train.tp and bound.arguments["parallel"].ep_size == cfg.train.ep
+        )

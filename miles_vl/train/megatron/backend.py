@@ -1,6 +1,7 @@
 """The production train backend: megatron-bridge's Qwen3-VL under TP/PP/CP/EP, trained on pre-sharded THD rows.
 
-    backend = build_megatron_backend(hf_path, tokens, options, ParallelOptions(tp=2, cp=2))   # build.py (GPUs, NCCL)
+    parallel = ParallelOptions(tp_size=2, cp_size=2)
+    backend = build_megatron_backend(hf_path, tokens, options, parallel)   # build.py (GPUs, NCCL)
     metrics = train_step(backend, samples)    # miles_vl/train/step.py; every rank calls with the SAME samples
 
 The RL step (miles_vl/train/step.py) is the same as the torch backend's; this backend spreads its parts over the

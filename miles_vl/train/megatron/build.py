@@ -1,7 +1,8 @@
 """Build the megatron backend from a Qwen3-VL HF checkpoint (dense or MoE) on GPUs: the CUDA-only parts.
 
     torch.distributed.init_process_group("nccl")       # torchrun or the Ray train actor does this
-    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, options, ParallelOptions(tp=2, cp=2))
+    parallel = ParallelOptions(tp_size=2, cp_size=2)
+    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, options, parallel)
 
 Steps: `AutoBridge.from_hf_pretrained(path)` -> `bridge.to_megatron_provider()` (weights load in a pre-wrap hook)
 -> parallel sizes, sequence parallel, recompute, bf16, frozen vision tower -> `miles_vl.patches.configure_provider`
@@ -36,10 +37,10 @@ FROZEN_VISION_PREFIXES = MEGATRON_VISION_PREFIXES  # the vision tower, its merge
 def build_provider(
     hf_path: str | Path,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    cp_size: int = 1,
+    ep_size: int = 1,
     sp: bool = False,
     recompute: Recompute = "none",
     freeze_vision: bool = False,
@@ -56,19 +57,19 @@ def build_provider(
 
     from miles_vl.patches import configure_provider
 
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+    for name, value in (("tp", tp_size), ("pp", pp_size), ("cp", cp_size), ("ep", ep_size)):
         if value < 1:
             raise ValueError(f"train.{name} must be >= 1, found {value}")
-    if sp and tp == 1:
+    if sp and tp_size == 1:
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"train.recompute must be none, selective or full; found {recompute!r}")
 
     bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.tensor_model_parallel_size = tp
-    provider.pipeline_model_parallel_size = pp
-    provider.expert_model_parallel_size = ep
+    provider.tensor_model_parallel_size = tp_size
+    provider.pipeline_model_parallel_size = pp_size
+    provider.expert_model_parallel_size = ep_size
     provider.sequence_parallel = sp
     provider.bf16, provider.fp16 = bf16, False
     provider.params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -83,7 +84,7 @@ def build_provider(
     provider.freeze_language_model = False
     provider.freeze_vision_model = freeze_vision
     provider.freeze_vision_projection = freeze_vision
-    configure_provider(provider, cp_size=cp, vision_dp_when_cp=vision_dp_when_cp)
+    configure_provider(provider, cp_size=cp_size, vision_dp_when_cp=vision_dp_when_cp)
     if not provider.calculate_per_token_loss:
         log.info("provider.calculate_per_token_loss: False -> True (the loss carries global denominators)")
         provider.calculate_per_token_loss = True
@@ -92,7 +93,7 @@ def build_provider(
         # would fuse without it, but the flag is model-wide
         log.info("provider.gradient_accumulation_fusion: True -> False (APEX fused_weight_gradient_mlp_cuda missing)")
         provider.gradient_accumulation_fusion = False
-    if pp > 1:  # THD rows differ in length per micro-batch: pipeline stages exchange shapes
+    if pp_size > 1:  # THD rows differ in length per micro-batch: pipeline stages exchange shapes
         provider.variable_seq_lengths = True
         if provider.moe_token_dispatcher_type == "allgather":  # megatron rejects it with variable lengths
             log.info("provider.moe_token_dispatcher_type: allgather -> alltoall (pp > 1, variable lengths)")
@@ -105,7 +106,7 @@ def build_provider(
             "train.sp=%s but the provider set sequence_parallel=%s (tp=%d); training with sequence_parallel=%s",
             sp,
             provider.sequence_parallel,
-            tp,
+            tp_size,
             provider.sequence_parallel,
         )
     return bridge, provider
@@ -134,17 +135,18 @@ def build_megatron_backend(
         )
     p, o, bf16 = parallel, options.optimizer, parallel.bf16
     world = dist.get_world_size()
-    if world % (p.tp * p.pp * p.cp):
+    if world % (p.tp_size * p.pp_size * p.cp_size):
         raise RuntimeError(
-            f"world size {world} is not a multiple of tp*pp*cp = {p.tp}*{p.pp}*{p.cp}; change train.* sizes"
+            f"world size {world} is not a multiple of tp*pp*cp = {p.tp_size}*{p.pp_size}*{p.cp_size}; "
+            "change train.* sizes"
         )
 
     bridge, provider = build_provider(
         hf_path,
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
-        ep=p.ep,
+        tp_size=p.tp_size,
+        pp_size=p.pp_size,
+        cp_size=p.cp_size,
+        ep_size=p.ep_size,
         sp=p.sp,
         recompute=p.recompute,
         freeze_vision=options.freeze_vision,

@@ -339,7 +339,7 @@ def job_pipeline(ctx, hf_dir: str, hf_samples) -> dict:
     provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
     ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
     ctx.init_parallel(pp=2)
-    _, provider = build_provider(hf_dir, pp=2, bf16=False)
+    _, provider = build_provider(hf_dir, pp_size=2, bf16=False)
     model = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
     )
@@ -513,8 +513,8 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
         setattr(moe_utils, fn, getattr(moe_utils, fn) or object())
     out = {}
     for name, kw in {
-        "tp2_ep2": dict(tp=2, ep=2, sp=False),
-        "pp2": dict(pp=2),
+        "tp2_ep2": dict(tp_size=2, ep_size=2, sp=False),
+        "pp2": dict(pp_size=2),
         "frozen_vision": dict(freeze_vision=True),
     }.items():
         _, p = build_provider(hf_dir, load_weights=False, bf16=False, **kw)
