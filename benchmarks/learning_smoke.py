@@ -49,7 +49,6 @@ def main() -> None:
             "eval.interval=0",
             "checkpoint.interval=0",
             "checkpoint.resume=never",
-            "logging.run_name=learning_smoke",
             f"logging.output_dir={args.out}",
             "logging.progress=false",
             "logging.wandb.mode=disabled",

@@ -1,42 +1,79 @@
-"""A one-line rich progress display of the RL steps with the health metrics an RL engineer watches."""
+"""Progress of the RL steps with the health metrics an RL engineer watches.
+
+On a terminal: one live line whose step counter and time left come first, so that they stay visible at 80 columns
+(the metrics after them are cut with an ellipsis when the line is too long). Anywhere else (a log file, `ray job
+submit`, a CI log): one plain line per step, e.g.
+
+    step 3/30  eta 0:01:10  reward 0.316  |dlogp| 0.0097  clip 0  gnorm 0.41  len 16  s/step 1.9
+
+Numbers use 3 significant digits, so a logprob difference of 1.2e-07 shows as such.
+"""
 
 from __future__ import annotations
 
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-from rich.progress import Progress as RichProgress
+import sys
+import time
+from datetime import timedelta
 
-SHOWN = [  # (metric, label, format)
-    ("reward/mean", "reward", "{:.3f}"),
-    ("reward/accuracy", "acc", "{:.2f}"),
-    ("train/train_rollout_logprob_abs_diff", "|dlogp|", "{:.4f}"),
-    ("train/clip_frac", "clip", "{:.3f}"),
-    ("train/grad_norm", "gnorm", "{:.2f}"),
-    ("rollout/response_len_mean", "len", "{:.0f}"),
-    ("time/step_s", "s/step", "{:.1f}"),
+from rich.console import Console
+from rich.progress import Progress as RichProgress
+from rich.progress import TextColumn
+from rich.table import Column
+
+SHOWN = [  # (metric, label)
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "acc"),
+    ("train/train_rollout_logprob_abs_diff", "|dlogp|"),
+    ("train/clip_frac", "clip"),
+    ("train/grad_norm", "gnorm"),
+    ("rollout/response_len_mean", "len"),
+    ("time/step_s", "s/step"),
 ]
 
 
+def metrics_text(metrics: dict[str, float]) -> str:
+    """The shown metrics of one step, 3 significant digits each."""
+    return "  ".join(f"{label} {metrics[k]:.3g}" for k, label in SHOWN if isinstance(metrics.get(k), int | float))
+
+
 class Progress:
-    def __init__(self, total: int, start: int, enabled: bool = True):
-        self.enabled = enabled
+    """Args:
+    total: the job's num_steps.
+    start: steps already done (a resumed run).
+    enabled: False: print nothing.
+    console: where to write (default: stderr); a terminal gets the live line, anything else plain lines.
+    """
+
+    def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None):
+        self.enabled, self.total, self.start = enabled, total, start
         if not enabled:
             return
-        self.bar = RichProgress(
-            TextColumn("[bold]RL steps"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-        )
-        self.bar.start()
-        self.task = self.bar.add_task("steps", total=total, completed=start, info="")
+        self.console = console or Console(file=sys.stderr)
+        self.live = self.console.is_terminal
+        self.t0 = time.monotonic()
+        if self.live:
+            # one column: the counter and the time left lead, the metrics after them are cut at the console's width
+            self.bar = RichProgress(
+                TextColumn("{task.fields[line]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+                console=self.console,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("steps", total=total, completed=start, line=f"step {start}/{total}")
+
+    def line(self, metrics: dict[str, float]) -> str:
+        """`step k/total  eta h:mm:ss  <metrics>`; the time left from the mean step time of this run so far."""
+        step = int(metrics["step"])
+        eta = (time.monotonic() - self.t0) / max(step - self.start, 1) * (self.total - step)
+        return f"step {step}/{self.total}  eta {timedelta(seconds=round(eta))}  {metrics_text(metrics)}"
 
     def update(self, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        info = "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in SHOWN if k in metrics)
-        self.bar.update(self.task, completed=metrics["step"], info=info)
+        if self.live:
+            self.bar.update(self.task, completed=int(metrics["step"]), line=self.line(metrics))
+        else:
+            self.console.print(self.line(metrics), highlight=False, markup=False, soft_wrap=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.live:
             self.bar.stop()

@@ -1,6 +1,7 @@
 """Contract of `placement.ray_session` for a local Ray (issue 15.13): Ray's own servers listen on all interfaces
 (Ray 2.60 has no loopback setting for them), so a local session must run with Ray's token authentication, which it
-does unless RAY_AUTH_MODE turns it off, and then the driver says so loudly; the dashboard is off or on 127.0.0.1."""
+does unless RAY_AUTH_MODE turns it off, and then the driver says so loudly; the dashboard is off or on 127.0.0.1;
+every worker runs with NVLink multicast off."""
 
 import logging
 import os
@@ -11,10 +12,25 @@ from miles_vl.orchestration import placement
 
 
 def test_a_local_session_runs_with_token_authentication(monkeypatch):
+    """Also: every worker of the session runs with NVLink multicast off (the job's runtime_env), whatever the
+    driver's own environment says: on shared hosts a program that uses it can take the GPUs out of service."""
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(key, raising=False)  # not inherited from the driver: the session sets them
     assert not ray.is_initialized()
     with placement.ray_session(None, num_cpus=1):
         assert os.environ.get("RAY_AUTH_MODE") == "token"  # what Ray's processes of this session inherit
+
+        @ray.remote(num_cpus=0)
+        def worker_env() -> dict:
+            keys = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+            return {k: os.environ.get(k) for k in keys}
+
+        assert ray.get(worker_env.remote()) == {
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
     assert not ray.is_initialized()
 
 
