@@ -14,6 +14,7 @@ with fp32 gradient buffers, SUM reduction) -> megatron's distributed optimizer (
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from pathlib import Path
@@ -141,18 +142,8 @@ def build_megatron_backend(
             "change train.* sizes"
         )
 
-    bridge, provider = build_provider(
-        hf_path,
-        tp_size=p.tp_size,
-        pp_size=p.pp_size,
-        cp_size=p.cp_size,
-        ep_size=p.ep_size,
-        sp=p.sp,
-        recompute=p.recompute,
-        freeze_vision=options.freeze_vision,
-        vision_dp_when_cp=p.vision_dp_when_cp,
-        bf16=bf16,
-    )
+    layout = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "seed"}  # build_provider's names
+    bridge, provider = build_provider(hf_path, **layout, freeze_vision=options.freeze_vision)
     provider.initialize_model_parallel(seed=p.seed)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
