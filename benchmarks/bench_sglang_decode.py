@@ -54,8 +54,10 @@ sys.path[:0] = [p for p in (str(REPO), str(REPO / "benchmarks")) if p not in sys
 from bench_decode import copy_bandwidth, decode_rates, timed_generate  # noqa: E402
 from bench_train_throughput import sync  # noqa: E402
 
-from miles_vl.data import PromptEncoder, generate_problems, load_processor, special_tokens  # noqa: E402
-from miles_vl.model import SpecialTokens, build_model  # noqa: E402
+from miles_vl.data import PromptEncoder, generate_problems, load_processor  # noqa: E402
+from miles_vl.models import SpecialTokens  # noqa: E402
+from miles_vl.models.qwen3_vl.model import build_model  # noqa: E402
+from miles_vl.models.qwen3_vl.tokens import special_tokens  # noqa: E402
 from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost  # noqa: E402
 from miles_vl.rollout.sglang.generate import (  # noqa: E402

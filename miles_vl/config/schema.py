@@ -246,10 +246,6 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     tis: TISConfig = Field(default_factory=TISConfig)
 
-    @property
-    def needs_ref(self) -> bool:
-        return self.kl_coef > 0
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # reward, ray, logging, checkpoint, eval
@@ -257,8 +253,13 @@ class AlgoConfig(_Section):
 
 class RewardConfig(_Section):
     name: str = Field("geo3k", description="registry name or `module:function`.")
-    format_weight: float = Field(0.1, ge=0, le=1, description="overall = (1-w)*acc + w*format; 0 = binary.")
-    format_pattern: str | None = Field(None, description="regex the whole response must match; null = default.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments bound to the reward function (any reward), e.g. `reward.kwargs.max_len=64`; "
+        "for geo3k they win over format_weight/format_pattern.",
+    )
+    format_weight: float = Field(0.1, ge=0, le=1, description="geo3k: overall = (1-w)*acc + w*format; 0 = binary.")
+    format_pattern: str | None = Field(None, description="geo3k: regex the whole response must match; null = default.")
     timeout_s: float = Field(
         10.0, gt=0, description="time limit per response; a reward past it is killed with its worker and scores 0."
     )

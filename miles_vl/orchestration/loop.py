@@ -12,8 +12,8 @@
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
-`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang), their recovery and the weight sync live
-in engines.py and weight_sync.py; checkpoint files in checkpoint.py.
+`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang) and their recovery live in engines.py, the
+weight sync in miles_vl/rollout/weight_sync.py; checkpoint files in checkpoint.py.
 
 Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the step at once (nothing has changed
 but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
@@ -43,14 +43,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from miles_vl.algo import compute_advantages
+from miles_vl.algo import TrainSample, to_train_samples
 from miles_vl.config import ConfigError, JobConfig, redacted
-from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
+from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata
 from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -59,13 +59,14 @@ from miles_vl.orchestration.checkpoint import (
     save_checkpoint,
 )
 from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, reward_options
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
-from miles_vl.orchestration.sglang_engines import config_problems as sglang_config_problems
 from miles_vl.orchestration.trainer import Trainer
-from miles_vl.reward import RewardPool, RewardSample, resolve_reward
+from miles_vl.reward import RewardPool, resolve_reward
 from miles_vl.rollout import Generation, SamplingParams
-from miles_vl.train import TrainSample
+from miles_vl.rollout.collect import collect, has_reward_variance, mean, rollout_metrics, score_groups
+from miles_vl.rollout.weight_sync import make_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,17 @@ log = logging.getLogger(__name__)
 # the job
 
 
-def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
-    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots).
+def run_job(cfg: JobConfig, config_path: str | None = None, hooks: Hooks | None = None) -> Path:
+    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots). `hooks`:
+    what the job builds its parts with (factories.py; tests pass stand-ins).
 
     Raises:
         ConfigError, DataError, CheckpointError, RewardResolutionError, RewardWorkerError: bad input, found before
             Ray starts (module docstring).
         JobInterrupted: SIGINT or SIGTERM; the checkpoint of the last completed step was written first.
     """
-    check_backends(cfg, config_path)
+    hooks = hooks or Hooks()
+    check_backends(cfg, config_path, hooks.engines)
     run_dir = choose_run_dir(cfg, config_path)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
@@ -105,7 +108,7 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
         ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
         StopSignals() as signals,
     ):
-        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals)
+        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
         try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
             start = job.restore(resume, resume_state) if resume else 0
             job.open_sinks(start)
@@ -129,12 +132,12 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     return run_dir
 
 
-def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
+def check_backends(
+    cfg: JobConfig, config_path: str | None = None, engines: dict[str, EngineKind] | None = None
+) -> None:
     """What the chosen rollout engine cannot do with the config, as one ConfigError (before Ray starts). Whether the
     backends' packages import is for `preflight` (the CLI runs it before `run_job`)."""
-    problems = []
-    if cfg.rollout.backend == "sglang":
-        problems += sglang_config_problems(cfg)
+    problems = (engines or ENGINES)[cfg.rollout.backend].config_problems(cfg)
     if problems:
         raise ConfigError(problems, config_path)
 
@@ -225,12 +228,6 @@ def write_run_files(run_dir: Path, cfg: JobConfig, processor_meta: dict) -> None
             os.replace(path, kept)
             log.warning("%s differs from the one this run started with, which is kept as %s", path, kept)
         path.write_text(text)
-
-
-def reward_options(cfg: JobConfig) -> dict:
-    if cfg.reward.name == "geo3k":
-        return {"format_weight": cfg.reward.format_weight, "format_pattern": cfg.reward.format_pattern}
-    return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -327,6 +324,7 @@ class Job:
     eval_set: PromptDataset | None
     rewards: RewardPool
     signals: StopSignals = field(default_factory=StopSignals)
+    hooks: Hooks = field(default_factory=Hooks)
     completed_steps: int = 0
     committed: dict[str, Any] = field(default_factory=dict)  # driver state of `completed_steps` (checkpoint.py)
     trainer_at_commit: bool = True
@@ -340,8 +338,17 @@ class Job:
     def __post_init__(self):
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
             self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
-            self.trainer = Trainer(self.cfg, self.tokens, self.gpus)
-            self.rollout = RolloutEngines(self.cfg, self.tokens, self.trainer, self.run_dir / "logs", self.gpus)
+            build = self.hooks.train_backends[self.cfg.train.backend]
+            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build)
+            kind = self.hooks.engines[self.cfg.rollout.backend]
+            weights = make_weight_sync(
+                self.trainer,
+                nccl=kind.nccl_when_disaggregated and self.cfg.ray.placement == "disaggregate",
+                trainer_gpus=self.cfg.train.num_gpus > 0,
+                request_timeout_s=self.cfg.rollout.sglang.request_timeout_s,
+                options=self.hooks.weight_sync,
+            )
+            self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
         except BaseException:
             self.close()
             raise
@@ -352,10 +359,27 @@ class Job:
     def collect_batch(self, step: int) -> StepBatch:
         """Rollout, reward and advantages of `step`: the part of a step that changes nothing but the data cursor."""
         timer = Timer()
-        prompts, groups, rewards, stats = self.collect(step, timer)  # times "rollout" and "reward"
+        ds = self.cfg.rollout.dynamic_sampling
+        batch = collect(
+            self.train_set.next_batch,
+            lambda prompts, round_: self.rollout.generate(prompts, self.sampling(step, round_=round_)),
+            self.score,
+            want=self.cfg.rollout.batch_size,
+            keep=has_reward_variance if ds.enabled else None,
+            max_rounds=ds.max_rounds,
+            timer=timer,
+        )
+        media = (self.tokens.image_token_id, self.tokens.video_token_id)
+        stats = rollout_metrics(batch, media_token_ids=media, dynamic_sampling=ds.enabled)
+        stats["rollout/engine_restarts"] = float(self.rollout.restarts())
+        stats["rollout/weight_resyncs"] = float(self.rollout.resyncs)
+        stats["rollout/rounds"] = float(batch.rounds)
         memory = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
         with timer("advantages"):
-            samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
+            a = self.cfg.algo
+            samples, adv_stats = to_train_samples(
+                batch.prompts, batch.groups, batch.rewards, estimator=a.estimator, norm_adv_by_std=a.norm_adv_by_std
+            )
         return StepBatch(samples, {"step": step + 1, **stats, **adv_stats, **memory}, timer)
 
     def train_and_sync(self, step: int, batch: StepBatch) -> dict[str, float]:
@@ -395,60 +419,6 @@ class Job:
         return {"sync/tensors": float(exported.tensors), "sync/bytes": float(exported.bytes),
                 "sync/buckets": float(exported.buckets)}  # fmt: skip
 
-    def collect(self, step: int, timer: Timer | None = None):
-        """Rollout + reward, with DAPO-style dynamic sampling when enabled (bounded extra rounds); the generation and
-        scoring seconds of all rounds go to `timer` as "rollout" and "reward"."""
-        timer = timer or Timer()
-        ds = self.cfg.rollout.dynamic_sampling
-        want = self.cfg.rollout.batch_size
-        prompts, groups, rewards, dropped, rounds = [], [], [], 0, 0
-        reward_stats = []
-        while len(prompts) < want:
-            batch = self.train_set.next_batch(want - len(prompts))
-            with timer("rollout"):
-                gens = self.rollout.generate(batch, self.sampling(step, round_=rounds))
-            with timer("reward"):
-                scored = self.score(batch, gens)
-            reward_stats.append(scored[1])
-            for p, g, r in zip(batch, gens, scored[0], strict=True):
-                if ds.enabled and len({x.overall for x in r}) == 1:
-                    dropped += 1
-                    continue
-                prompts.append(p)
-                groups.append(g)
-                rewards.append(r)
-            rounds += 1
-            if not ds.enabled or rounds > ds.max_rounds:
-                break
-        if not prompts:
-            raise RuntimeError(
-                f"dynamic sampling kept no group in {rounds} rounds (every group had equal rewards); raise "
-                "rollout.dynamic_sampling.max_rounds or check the reward function"
-            )
-        flat = [r for rs in rewards for r in rs]
-        gens = [g for gs in groups for g in gs]
-        stats = {
-            "reward/mean": _mean([r.overall for r in flat]),
-            "reward/std": float(torch.tensor([r.overall for r in flat]).std()) if len(flat) > 1 else 0.0,
-            "reward/errors": float(sum(s.n_errors for s in reward_stats)),
-            "reward/timeouts": float(sum(s.n_timeouts for s in reward_stats)),
-            "rollout/prompts": float(len(prompts)),
-            "rollout/response_len_mean": _mean([g.response_ids.numel() for g in gens]),
-            "rollout/truncated_fraction": _mean([g.finish_reason == "length" for g in gens]),
-            "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
-            "rollout/visual_tokens_per_sample": _mean([_visual_tokens(p, self.tokens) for p in prompts]),
-            "rollout/engine_restarts": float(self.rollout.restarts()),
-            "rollout/weight_resyncs": float(self.rollout.resyncs),
-            "rollout/rounds": float(rounds),
-        }
-        for part in ("accuracy", "format"):
-            values = [getattr(r, part) for r in flat if getattr(r, part) is not None]
-            if values:
-                stats[f"reward/{part}"] = _mean(values)
-        if ds.enabled:
-            stats["rollout/dynamic_sampling_drop_rate"] = dropped / max(dropped + len(prompts), 1)
-        return prompts, groups, rewards, stats
-
     def sampling(self, step: int, round_: int = 0, eval_: bool = False) -> SamplingParams:
         r = self.cfg.rollout
         e = self.cfg.eval
@@ -464,41 +434,7 @@ class Job:
         )
 
     def score(self, prompts: Sequence, groups: list[list[Generation]]):
-        decode = self.processor.tokenizer.decode
-        samples = [
-            RewardSample(decode(g.response_ids, skip_special_tokens=True), p.label, {"index": p.index, **p.metadata})
-            for p, gs in zip(prompts, groups, strict=True)
-            for g in gs
-        ]
-        results, stats = self.rewards.score(samples)
-        n = len(groups[0]) if groups else 0
-        return [results[i * n : (i + 1) * n] for i in range(len(groups))], stats
-
-    def to_train_samples(self, prompts, groups, rewards) -> tuple[list[TrainSample], dict[str, float]]:
-        a = self.cfg.algo
-        flat_rewards = torch.tensor([r.overall for rs in rewards for r in rs], dtype=torch.float32)
-        adv = compute_advantages(
-            flat_rewards,
-            len(groups[0]),
-            estimator=a.estimator,
-            norm_adv_by_std=a.norm_adv_by_std,
-            token_counts=torch.tensor([g.response_ids.numel() for gs in groups for g in gs]),
-        )
-        samples, k = [], 0
-        for p, gs in zip(prompts, groups, strict=True):
-            for g in gs:
-                samples.append(
-                    TrainSample(
-                        input_ids=torch.cat([p.prompt_ids, g.response_ids]),
-                        prompt_len=p.prompt_ids.numel(),
-                        advantage=float(adv.advantages[k]),
-                        rollout_logprobs=g.logprobs,
-                        image_grid_thw=p.image_grid_thw,
-                        pixel_values=p.pixel_values,
-                    )
-                )
-                k += 1
-        return samples, {"rollout/zero_adv_group_fraction": adv.zero_adv_group_fraction}
+        return score_groups(self.rewards, self.processor.tokenizer.decode, prompts, groups)
 
     # -- eval, checkpoints, logging -------------------------------------------------------------------------------
 
@@ -514,10 +450,10 @@ class Job:
         groups = self.rollout.generate(prompts, self.sampling(step, eval_=True))
         rewards, _ = self.score(prompts, groups)
         flat = [r for rs in rewards for r in rs]
-        out = {"eval/reward_mean": _mean([r.overall for r in flat]), "eval/prompts": float(len(prompts))}
+        out = {"eval/reward_mean": mean([r.overall for r in flat]), "eval/prompts": float(len(prompts))}
         acc = [r.accuracy for r in flat if r.accuracy is not None]
         if acc:
-            out["eval/accuracy"] = _mean(acc)
+            out["eval/accuracy"] = mean(acc)
         return out
 
     def driver_state(self) -> dict[str, Any]:
@@ -636,12 +572,3 @@ class Timer:
 def weight_version(step: int) -> str:
     """The label of the weights after `step` completed RL steps (what sglang responses must carry)."""
     return f"step-{step}"
-
-
-def _mean(values) -> float:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else 0.0
-
-
-def _visual_tokens(prompt, tokens: SpecialTokens) -> int:
-    return int((prompt.prompt_ids == tokens.image_token_id).sum() + (prompt.prompt_ids == tokens.video_token_id).sum())

@@ -28,7 +28,8 @@ from miles_vl.data import load_processor
 from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
 from miles_vl.data.processor import OFFLINE
 from miles_vl.orchestration.checkpoint import verify_checkpoint
-from miles_vl.orchestration.loop import check_backends, reward_options
+from miles_vl.orchestration.factories import reward_options
+from miles_vl.orchestration.loop import check_backends
 from miles_vl.reward import resolve_reward
 from miles_vl.stack import backend_problems, captured_output
 

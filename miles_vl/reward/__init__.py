@@ -8,17 +8,16 @@ A reward function takes one `RewardSample` and returns a `RewardResult` or a flo
 in worker processes that are killed when a call passes its time limit (`scoring`).
 """
 
-from miles_vl.reward.geo3k import DEFAULT_FORMAT_PATTERN, check_geo3k_options, format_score, geo3k_reward
+from miles_vl.reward.geo3k import DEFAULT_FORMAT_PATTERN, format_score, geo3k_reward
 from miles_vl.reward.math_answer import answers_match, extract_last_boxed, math_reward
-from miles_vl.reward.registry import REWARD_REGISTRY, RewardResolutionError, resolve_reward
+from miles_vl.reward.registry import REWARD_CONFIG_KEYS, REWARD_REGISTRY, RewardResolutionError, resolve_reward
 from miles_vl.reward.scoring import RewardPool, RewardStats, RewardWorkerError, score_batch, score_batch_async
-from miles_vl.reward.types import MAX_ABS_REWARD, RewardFn, RewardResult, RewardSample, to_reward_result
+from miles_vl.reward.types import RewardResult, RewardSample
 
 __all__ = [
     "DEFAULT_FORMAT_PATTERN",
-    "MAX_ABS_REWARD",
+    "REWARD_CONFIG_KEYS",
     "REWARD_REGISTRY",
-    "RewardFn",
     "RewardPool",
     "RewardResolutionError",
     "RewardResult",
@@ -26,7 +25,6 @@ __all__ = [
     "RewardStats",
     "RewardWorkerError",
     "answers_match",
-    "check_geo3k_options",
     "extract_last_boxed",
     "format_score",
     "geo3k_reward",
@@ -34,5 +32,4 @@ __all__ = [
     "resolve_reward",
     "score_batch",
     "score_batch_async",
-    "to_reward_result",
 ]

@@ -9,8 +9,9 @@ message that names the path and what went wrong: module not found, import failed
 or a signature that cannot take one sample. The contract every reward function follows is in
 `miles_vl.reward.types`: one positional argument (a `RewardSample`), sync or `async def`.
 
-Options (e.g. geo3k's `format_weight`, `format_pattern`) are bound as keyword arguments; an option the function
-does not take is an error, never silently dropped. For registered rewards with an option check (geo3k) the option
+Options (`reward.kwargs` in the config, for any reward; geo3k also takes `reward.format_weight` and
+`reward.format_pattern`) are bound as keyword arguments; an option the function does not take is an error, never
+silently dropped. For registered rewards with an option check (geo3k) the option
 values are validated here too. Rewards run in worker processes (`scoring.RewardPool`), so the resolved function
 must pickle (by reference: a module-level function); one that does not (a lambda assigned in a module) is refused
 here.
@@ -37,6 +38,12 @@ REWARD_REGISTRY: dict[str, RewardFn] = {
 # Validators of registered rewards' option values, run at resolution time so bad values fail early.
 REWARD_OPTION_CHECKS: dict[str, Callable[..., None]] = {
     "geo3k": check_geo3k_options,
+}
+
+# Options a registered reward takes from keys of its own in the config's `reward` section (every reward takes
+# `reward.kwargs`): the driver binds them only for that reward.
+REWARD_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "geo3k": ("format_weight", "format_pattern"),
 }
 
 

@@ -104,7 +104,7 @@ def processor(ckpt):
 
 @pytest.fixture(scope="module")
 def tokens(processor):
-    from miles_vl.data import special_tokens
+    from miles_vl.models.qwen3_vl.tokens import special_tokens
 
     return special_tokens(processor)
 
@@ -268,8 +268,8 @@ def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
 
 
 def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
-    from miles_vl.model import build_model
-    from miles_vl.train import TorchTrainBackend, TrainSample
+    from miles_vl.models.qwen3_vl.model import build_model
+    from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
 
     params = SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=2)
     groups = host.generate(prompts, params)
@@ -287,7 +287,8 @@ def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
                 )
             )
     model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
-    backend = TorchTrainBackend(model, tokens, lr=0.0, suppress_token_ids=host.engine.banned_token_ids)
+    loss = LossOptions(suppress_token_ids=tuple(host.engine.banned_token_ids))
+    backend = TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=0.0), loss))
     train = torch.cat(backend.compute_logprobs(samples))
     rollout = torch.cat([s.rollout_logprobs for s in samples])
     diff = (train - rollout).abs()
@@ -368,11 +369,11 @@ def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
 
 
 def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt, record):
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.rollout.sglang import checkpoint_names
     from miles_vl.rollout.sglang.verify import PROBE_MAX_NUMEL, parse_checksums, server_name
-    from miles_vl.rollout.sglang.weights import send_tensor_bucket
-    from miles_vl.train import TorchTrainBackend
+    from miles_vl.rollout.weight_sync import send_tensor_bucket
+    from miles_vl.train import OptimizerOptions, TorchTrainBackend, TrainOptions
     from tests.rollout.sglang.fake_server import sglang_parameter
 
     # 0.5.16's Qwen3-VL has no get_weights_by_name: the route answers 400 (weight_exporter.py:142, http_server.py:1403)
@@ -384,7 +385,7 @@ def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckp
 
     names = checkpoint_names(ckpt)
     model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
-    exported = dict(TorchTrainBackend(model, tokens, lr=0.0).export_weights())
+    exported = dict(TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=0.0))).export_weights())
     del model
     torch.cuda.empty_cache()
     assert set(exported) == names  # untied checkpoint, nothing frozen: every tensor, under the checkpoint's names

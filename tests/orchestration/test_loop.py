@@ -9,10 +9,9 @@ import pytest
 import ray
 
 from miles_vl.orchestration import run_job
-from miles_vl.orchestration.actors import FAULT_FILE_ENV
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.loop import Job
-from tests.orchestration.jobs import metrics
+from tests.orchestration.jobs import metrics, stand_ins
 from tests.orchestration.jobs import tiny_job as config
 
 
@@ -41,11 +40,10 @@ def test_resume_reproduces_the_straight_run(tmp_path):
     assert "eval/reward_mean" in a[1] and "eval/reward_mean" not in a[0]
 
 
-def test_killed_engine_is_replaced_and_no_sample_is_lost(tmp_path, monkeypatch):
+def test_killed_engine_is_replaced_and_no_sample_is_lost(tmp_path):
     fault = tmp_path / "kill-once"
     fault.touch()
-    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))  # Ray workers inherit the driver's environment at start
-    run = run_job(config(tmp_path, "fault", "num_steps=2"))
+    run = run_job(config(tmp_path, "fault", "num_steps=2"), hooks=stand_ins(kill_once=fault))
     rows = metrics(run)
     assert not fault.exists()  # the engine did die
     assert rows[-1]["rollout/engine_restarts"] == 1

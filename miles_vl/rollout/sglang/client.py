@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from miles_vl.rollout.types import EngineDiedError
+
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -61,7 +63,7 @@ class SGLangRequestError(SGLangError):
         self.path = path
 
 
-class SGLangServerDiedError(SGLangError):
+class SGLangServerDiedError(SGLangError, EngineDiedError):
     """The supervised server process is gone (exit code and the tail of its log are in the message)."""
 
 
@@ -299,7 +301,8 @@ class SGLangClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
     ) -> None:
-        """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see weights.py).
+        """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see
+        miles_vl/rollout/weight_sync.py).
 
         Safe to retry: loading the same tensors twice gives the same weights.
         """

@@ -18,16 +18,16 @@ samples would be the same: there each sample is its own request, with its own se
 `params.seed`, the prompt index and the sample index), reproducible per sample; the shared prompt prefix is still
 computed once per batch wave by SGLang's radix cache. Either way results come back in a fixed order.
 
-Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, weights.py); a caller that receives
-the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and `finish_weight_sync` (a
-server restart in between is detected and the sync must begin again); after an NCCL sync driven by the trainer
-(`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's `meta_info.weight_version` must
-equal the version last synced: a server that restarted (and reloaded `model_path`) cannot silently serve stale
-weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a server started with
-`--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU backup) and
-`generate` refuses to run until `load_weights` has been called. Every colocated sync is verified (verify.py): names
-the server's checkpoint does not have are refused before they are sent (SGLang would skip them silently), and a few
-small tensors sent with new values must have changed on the server.
+Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, miles_vl/rollout/weight_sync.py); a caller
+that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
+`finish_weight_sync` (a server restart in between is detected and the sync must begin again); after an NCCL sync driven
+by the trainer (`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's
+`meta_info.weight_version` must equal the version last synced: a server that restarted (and reloaded `model_path`)
+cannot silently serve stale weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a
+server started with `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU
+backup) and `generate` refuses to run until `load_weights` has been called. Every colocated sync is verified
+(verify.py): names the server's checkpoint does not have are refused before they are sent (SGLang would skip them
+silently), and a few small tensors sent with new values must have changed on the server.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
@@ -55,14 +56,14 @@ from miles_vl.rollout.sglang.generate import (
     sampling_seed,
 )
 from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
-from miles_vl.rollout.sglang.weights import (
+from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
+from miles_vl.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     SyncReport,
     finish_tensor_sync,
     iter_buckets,
     send_tensor_bucket,
 )
-from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +151,7 @@ class SGLangRolloutEngine:
         self.client = client
         self.tokens = tokens
         self.stop_token_ids = tuple(int(t) for t in tokens.eos_token_ids)
-        self.banned_token_ids = (
-            (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
-            if ban_vision_tokens
-            else ()
-        )
+        self.banned_token_ids = vision_token_ids(tokens) if ban_vision_tokens else ()
         self.tp_size = tp_size
         self.max_concurrency = max_concurrency
         self.weight_bucket_bytes = weight_bucket_bytes

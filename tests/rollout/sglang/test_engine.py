@@ -1,4 +1,4 @@
-"""Contract: `SGLangRolloutEngine` implements `RolloutEngine` over the SGLang 0.5.16 HTTP API: `n` generations per
+"""Contract: `SGLangRolloutEngine` generates and takes weights over the SGLang 0.5.16 HTTP API: `n` generations per
 prompt in order, one request per prompt with `sampling_params.n` (one per sample on a deterministic server) with the
 canonical ids and the prompt's images; a prompt-id mismatch, a
 prompt without its images, or a response from other weights than the last synced is a loud error; the colocated
@@ -22,7 +22,7 @@ from miles_vl.rollout.sglang import (
     SGLangRolloutEngine,
     WeightVersionError,
 )
-from miles_vl.rollout.types import RolloutEngine, SamplingParams
+from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
 from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
 
@@ -53,7 +53,7 @@ def deterministic_fake():
 
 def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(deterministic_fake):
     fake = deterministic_fake
-    eng: RolloutEngine = engine(fake, deterministic=True)
+    eng = engine(fake, deterministic=True)
     ps = prompts()
     params = SamplingParams(n=3, max_new_tokens=6, temperature=0.9, seed=11)
     groups = eng.generate(ps, params)

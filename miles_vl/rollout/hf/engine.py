@@ -1,5 +1,8 @@
 """The embedded rollout engine: transformers `generate` in-process (CPU or one GPU), batched, with images.
 
+    engine = HFRolloutEngine(model, tokens)                            # in this process (tests, benchmarks)
+    actor = ray.remote(HFRolloutEngine).remote(build_model, tokens)   # a Ray actor: the model is built where it runs
+
 Logprobs are those of the sampled tokens under the distribution the sampler drew from (temperature, top-k and
 top-p applied; with the defaults top_p=1, top_k=-1 this is softmax(logits / T), the same distribution the
 trainer scores, so `train_rollout_logprob_abs_diff` is ~0 in fp32). Vision special tokens are banned from
@@ -9,27 +12,41 @@ sampling by default: a generated `<|image_pad|>` has no image behind it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
-from miles_vl.model import SpecialTokens
-from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
+from miles_vl.packing import cat_present
+from miles_vl.rollout.types import Generation, PromptLike, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
+    """`RolloutEngine` over a transformers model in this process.
+
+    Args:
+        model: the policy, or a function that builds it, called here (how a Ray actor gets its model: built where it
+            runs, never shipped through the object store).
+        tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
+        max_batch_size: sequences per `generate` call.
+        ban_vision_tokens: forbid sampling vision special tokens.
+    """
+
     def __init__(
         self,
-        model: Qwen3VLForConditionalGeneration,
+        model: Qwen3VLForConditionalGeneration | Callable[[], Qwen3VLForConditionalGeneration],
         tokens: SpecialTokens,
         *,
         max_batch_size: int = 32,
         ban_vision_tokens: bool = True,
     ):
+        if not isinstance(model, torch.nn.Module):
+            model = model()
         self.model = model.eval()
         self.tokens = tokens
         self.max_batch_size = max_batch_size
@@ -61,8 +78,8 @@ class HFRolloutEngine:
         types = torch.zeros_like(ids)
         types[(ids == t.image_token_id) & (mask == 1)] = 1
         types[(ids == t.video_token_id) & (mask == 1)] = 2
-        pixel_values = _cat([p.pixel_values for p in prompts])
-        grids = _cat([p.image_grid_thw for p in prompts])
+        pixel_values = cat_present([p.pixel_values for p in prompts])
+        grids = cat_present([p.image_grid_thw for p in prompts])
         greedy = params.temperature == 0
         kwargs = dict(
             input_ids=ids.to(self.device),
@@ -115,6 +132,10 @@ class HFRolloutEngine:
         log.debug("rollout engine loaded %d tensors", len(state))
         self.model.model.rope_deltas = None
 
+    def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """`load_weights` of one bucket: buckets load as they come, and nothing here depends on the version label."""
+        self.load_weights(named_tensors)
+
     def release_memory(self) -> None:
         """Move the model to the CPU while the trainer uses the GPU (no-op on CPU)."""
         self._home = self.device
@@ -126,13 +147,3 @@ class HFRolloutEngine:
         home = getattr(self, "_home", None)
         if home is not None and home != self.device:
             self.model.to(home)
-
-
-def vision_token_ids(tokens: SpecialTokens) -> tuple[int, ...]:
-    """The tokens a policy must not generate: they only make sense with an image behind them."""
-    return (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
-
-
-def _cat(parts: list[Tensor | None]) -> Tensor | None:
-    present = [p for p in parts if p is not None and p.numel()]
-    return torch.cat(present) if present else None

@@ -7,9 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles_vl.model import SpecialTokens, build_model
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.forward import label_logprobs, packed_logits, segment_text_positions
+from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.packing import pack_thd
-from miles_vl.train.packed_forward import label_logprobs, packed_logits, segment_text_positions
 from tests.packing.samples import IMAGE, PAD, TOKENS, VEND, VIDEO, VSTART, Sample, samples
 
 SPECIAL = SpecialTokens(IMAGE, VIDEO, VSTART, VEND, PAD, (PAD,), vocab_size=151680)

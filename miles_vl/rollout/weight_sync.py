@@ -1,7 +1,24 @@
-"""Weight sync trainer -> SGLang: byte-bounded buckets and the exact call sequences of both paths.
+"""Weight sync trainer -> rollout engines: byte-bounded buckets, both paths, both ends, and what the driver calls.
 
-Colocated (trainer and engine share GPUs) — `sync_weights_from_tensors` (or, for buckets that arrive one at a time,
-`send_tensor_bucket` per bucket then `finish_tensor_sync`), per engine:
+The driver (`make_weight_sync`) picks one of two paths after every train step, and again for engines that lost
+their weights (a restarted server, a replaced actor):
+
+    tensors  (through the driver: hf engines, sglang colocated) — Ray's object store, one bucket at a time:
+        every engine  begin_weight_sync()
+        for bucket in trainer.weight_buckets(bucket_bytes, ahead=2)  # streamed from train rank 0 (`iter_buckets`)
+            every engine  load_weight_bucket(bucket)                 # sglang: `send_tensor_bucket` below
+        every engine  finish_weight_sync(version)                    # sglang: `finish_tensor_sync` below
+
+    nccl  (an engine kind with `nccl_when_disaggregated`, disaggregated: sglang) — train rank 0 broadcasts:
+        once:      trainer.open_weight_group(engine.endpoint() of all)   # `open_trainer_group` in the train actor
+        each sync: trainer.send_weights(version)                          # `DistributedWeightSender.send`
+                   every engine  expect_weight_version(version)           # responses must carry this label from now on
+        repair:    trainer.close_weight_group(); open again; send to all  # a restarted server left the group
+
+`push` and `repair` return the engines that failed ({index: error}) instead of raising, so that the caller
+(orchestration/engines.py) can replace the dead ones and re-sync the others; they raise what they cannot repair.
+
+SGLang's side of the tensor path (called by the sglang engine, per engine):
 
     for each bucket:  POST /update_weights_from_tensor  {serialized_named_tensors: [payload_rank0, ...],
                                                          load_format: null, flush_cache: false}
@@ -19,8 +36,7 @@ The sender must keep the tensors alive until the call returns (it does: the buck
 `load_format="flattened_bucket"` (one tensor per bucket, `python/sglang/srt/weight_sync/tensor_bucket.py`) is not
 used: its metadata class lives in sglang, which the trainer need not import.
 
-Disaggregated (engines on their own GPUs) — `DistributedWeightSender`, trainer rank 0 of a group of
-`1 + sum(tp_size)` ranks:
+The NCCL path, trainer rank 0 of a group of `1 + sum(tp_size)` ranks (`DistributedWeightSender`):
 
     init_group():  every engine  POST /init_weights_update_group {master_address, master_port,
                                      rank_offset, world_size, group_name, backend}     } concurrently: all
@@ -47,16 +63,19 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+if TYPE_CHECKING:
+    from miles_vl.rollout.sglang.client import SGLangClient
 
 log = logging.getLogger(__name__)
 
@@ -89,46 +108,36 @@ class SyncReport:
     verified: tuple[str, ...] = ()  # tensors whose landing the server confirmed (colocated syncs, see verify.py)
 
 
+@dataclass
+class ExportStats:
+    """What one export of the trainer's weights held: tensors, bytes and buckets."""
+
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+
+    def add(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
+        self.buckets += 1
+        self.tensors += len(bucket)
+        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# bucket planning
-
-
-def plan_buckets(metas: Sequence[TensorMeta], max_bucket_bytes: int) -> list[list[TensorMeta]]:
-    """Split tensors, in order, into buckets of at most `max_bucket_bytes` (a larger tensor goes alone).
-
-    Args:
-        metas: tensors in sync order.
-        max_bucket_bytes: bound of one bucket.
-
-    Returns:
-        Consecutive runs of `metas`; concatenated they are `metas`.
-    """
-    _check_bound(max_bucket_bytes)
-    buckets: list[list[TensorMeta]] = []
-    current: list[TensorMeta] = []
-    size = 0
-    for meta in metas:
-        if current and size + meta.nbytes > max_bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(meta)
-        size += meta.nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+# buckets
 
 
 def iter_buckets(
     named_tensors: Iterable[tuple[str, Tensor]], max_bucket_bytes: int
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """`plan_buckets` over a stream: holds one bucket at a time, so a lazy exporter never materializes the model.
+    """Split tensors, in order, into buckets of at most `max_bucket_bytes` (a larger tensor goes alone). Holds one
+    bucket at a time, so a lazy exporter never materializes the model.
 
     Yields:
-        Lists of (name, tensor), the same grouping `plan_buckets` gives for the same tensors.
+        Lists of (name, tensor): consecutive runs of `named_tensors`.
     """
     _check_bound(max_bucket_bytes)
     current: list[tuple[str, Tensor]] = []
@@ -150,7 +159,7 @@ def _check_bound(max_bucket_bytes: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# colocated: update_weights_from_tensor
+# the tensor path, SGLang's side: update_weights_from_tensor
 
 
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, Tensor]]) -> str:
@@ -185,53 +194,11 @@ def _reduce_tensor_with_uuid(tensor: Tensor):
         if not isinstance(device, int):
             raise TypeError(
                 f"torch {torch.__version__} changed rebuild_cuda_tensor's arguments (device slot holds "
-                f"{device!r}); update _CUDA_DEVICE_ARG in miles_vl/rollout/sglang/weights.py"
+                f"{device!r}); update _CUDA_DEVICE_ARG in miles_vl/rollout/weight_sync.py"
             )
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
     return rebuild, args
-
-
-def sync_weights_from_tensors(
-    client: SGLangClient,
-    named_tensors: Iterable[tuple[str, Tensor]],
-    *,
-    weight_version: str,
-    tp_size: int = 1,
-    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    device: torch.device | str | None = None,
-    flush_timeout_s: float = 60.0,
-) -> SyncReport:
-    """The colocated sync of one engine (sequence in the module docstring).
-
-    Args:
-        client: the engine's server.
-        named_tensors: HF-named tensors, possibly a lazy iterator.
-        weight_version: label set after the last bucket.
-        tp_size: the server's TP size (one payload per rank, each its own dump of the same tensors: every rank
-            loads the full tensors and keeps its shard).
-        max_bucket_bytes: bound of one bucket.
-        device: move tensors here before serializing (e.g. "cuda" in an engine actor); None keeps them.
-        flush_timeout_s: how long `/flush_cache` may wait for running requests.
-
-    Returns:
-        A `SyncReport`.
-
-    Raises:
-        ValueError: no tensors at all.
-        SGLangError: a call failed (the message says which and why).
-    """
-    start = time.monotonic()
-    buckets = tensors = nbytes = 0
-    for bucket in iter_buckets(named_tensors, max_bucket_bytes):
-        nbytes += send_tensor_bucket(client, bucket, tp_size=tp_size, device=device)
-        buckets += 1
-        tensors += len(bucket)
-        del bucket  # the server has copied the tensors; release our references (and IPC-shared blocks) early
-    if buckets == 0:
-        raise ValueError("no tensors to sync: named_tensors was empty")
-    finish_tensor_sync(client, weight_version=weight_version, flush_timeout_s=flush_timeout_s)
-    return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version)
 
 
 def send_tensor_bucket(
@@ -243,8 +210,7 @@ def send_tensor_bucket(
 ) -> int:
     """One `/update_weights_from_tensor` call of the colocated sync: the tensors of one bucket.
 
-    Callers that stream buckets (the driver hands them over one at a time) call this per bucket and
-    `finish_tensor_sync` after the last one; `sync_weights_from_tensors` does both.
+    The sglang engine calls this per bucket of a sync and `finish_tensor_sync` after the last one.
 
     Args:
         client: the engine's server.
@@ -275,7 +241,7 @@ def finish_tensor_sync(client: SGLangClient, *, weight_version: str, flush_timeo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# disaggregated: update_weights_from_distributed
+# the NCCL path, trainer rank 0's side: update_weights_from_distributed
 
 
 @dataclass(frozen=True)
@@ -403,7 +369,7 @@ class DistributedWeightSender:
         """Send all tensors bucket by bucket, then label the version and flush every engine's cache.
 
         Args:
-            named_tensors: HF-named tensors on the group's device (CUDA for nccl, CPU for gloo), possibly lazy.
+            named_tensors: HF-named tensors, possibly lazy (moved to this process's GPU for nccl; CPU for gloo).
             weight_version: label the engines report from now on.
 
         Returns:
@@ -415,6 +381,9 @@ class DistributedWeightSender:
         """
         if self.group is None:
             raise RuntimeError("call init_group() before send(): the engines have not joined the weight-update group")
+        if self.backend == "nccl":  # NCCL broadcasts from this process's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+            named_tensors = ((name, t.to(device)) for name, t in named_tensors)
         start = time.monotonic()
         buckets = tensors = nbytes = 0
         for bucket in iter_buckets(named_tensors, self.max_bucket_bytes):
@@ -448,6 +417,8 @@ class DistributedWeightSender:
         """Leave the group on every engine and here, concurrently: tearing down an NCCL communicator waits for its
         peers, so an engine's destroy returns only once the trainer destroys its side too. Engines that are gone
         are skipped with a warning."""
+        from miles_vl.rollout.sglang.client import SGLangError  # here: the sglang package imports this module
+
         if self.group is not None:
             futures = [self._pool.submit(e.client.destroy_weights_update_group, self.group_name) for e in self.engines]
             torch.distributed.destroy_process_group(self.group)
@@ -465,6 +436,8 @@ class DistributedWeightSender:
                 raise f.exception()
 
     def _wait(self, futures: list[Future], what: str) -> None:
+        from miles_vl.rollout.sglang.client import SGLangError
+
         errors = []
         for e, f in zip(self.engines, futures, strict=True):
             try:
@@ -473,3 +446,213 @@ class DistributedWeightSender:
                 errors.append(f"{e.client.base_url}: {err}")
         if errors:
             raise SGLangError(f"{what} failed on {len(errors)} engine(s):\n" + "\n".join(errors))
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """How trainer rank 0 reaches one engine's server for the NCCL sync (`RolloutEngine.endpoint`)."""
+
+    url: str
+    api_key: str | None
+    tp_size: int
+    node_ip: str
+    loopback: bool  # the server binds a loopback address: reachable from its own node only
+
+
+def open_trainer_group(
+    engines: Sequence[EngineAddress],
+    *,
+    backend: str,
+    max_bucket_bytes: int,
+    request_timeout_s: float,
+    timeout_s: float = 600.0,
+) -> DistributedWeightSender:
+    """Trainer rank 0's weight-update group with every engine, formed (runs inside the train actor).
+
+    Args:
+        engines: the engines' addresses, in engine order.
+        backend: "nccl" (tensors go to this process's GPU first) or "gloo" (CPU; tests).
+        max_bucket_bytes: bound of one bucket (one `/update_weights_from_distributed` call).
+        request_timeout_s: per-attempt timeout of the HTTP calls to the servers.
+        timeout_s: the group's timeout (rendezvous and every broadcast).
+
+    Raises:
+        ValueError: an engine bound to loopback on another node (the trainer could not reach it).
+    """
+    import ray
+
+    from miles_vl.rollout.sglang.client import SGLangClient
+
+    here = ray.util.get_node_ip_address()
+    far = [i for i, e in enumerate(engines) if e.loopback and e.node_ip != here]
+    if far:
+        raise ValueError(
+            f"engines {far} bind 127.0.0.1 on another node than the trainer ({here}), so the NCCL weight sync "
+            "cannot reach them; set rollout.sglang.host=0.0.0.0 and rollout.sglang.api_key"
+        )
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    sender = DistributedWeightSender(
+        [
+            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            for e in engines
+        ],
+        master_address="127.0.0.1" if all(e.node_ip == here for e in engines) else here,
+        master_port=port,
+        backend=backend,
+        max_bucket_bytes=max_bucket_bytes,
+        timeout_s=timeout_s,
+    )
+    try:
+        sender.init_group()
+    except BaseException:
+        sender.close()
+        raise
+    return sender
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the driver
+
+
+@dataclass(frozen=True)
+class WeightSyncOptions:
+    """How weights travel (production defaults; tests lower the bucket bound to see several buckets).
+
+    Args:
+        bucket_bytes: bound of one bucket (an object-store object, or one `/update_weights_from_distributed`).
+        buckets_ahead: buckets the trainer may export ahead of the engines (bounds the object store's share).
+        group_backend: backend of the NCCL path's group; None: nccl when the trainer has GPUs, else gloo.
+        timeout_s: the NCCL group's timeout (rendezvous and every broadcast).
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    buckets_ahead: int = 2
+    group_backend: str | None = None
+    timeout_s: float = 600.0
+
+
+Failed = dict[int, BaseException]
+
+
+def make_weight_sync(
+    trainer, *, nccl: bool, trainer_gpus: bool, request_timeout_s: float, options: WeightSyncOptions
+) -> WeightSync:
+    """The sync from `trainer` (orchestration/trainer.py: `weight_buckets`, `open_weight_group`, `send_weights`,
+    `close_weight_group`) to the engines: over NCCL when `nccl`, else through the driver."""
+    if nccl:
+        backend = options.group_backend or ("nccl" if trainer_gpus else "gloo")
+        return NcclWeightSync(trainer, backend=backend, request_timeout_s=request_timeout_s, options=options)
+    return TensorWeightSync(trainer, options)
+
+
+class TensorWeightSync:
+    """Through the driver: the trainer's buckets (object-store refs) go to every engine actor."""
+
+    def __init__(self, trainer, options: WeightSyncOptions):
+        self.trainer = trainer
+        self.options = options
+
+    def push(self, engines: Sequence, version: str, only: Sequence[int] | None = None) -> Failed:
+        """Sync `engines` (or only those at the indices `only`) to the trainer's weights, labelled `version`."""
+        targets = {i: engines[i] for i in (range(len(engines)) if only is None else only)}
+        failed: Failed = {}
+        _call_each(targets, failed, "begin_weight_sync")
+        n = 0
+        # an ObjectRef per bucket: each engine fetches it from the object store
+        for bucket in self.trainer.weight_buckets(self.options.bucket_bytes, ahead=self.options.buckets_ahead):
+            _call_each(targets, failed, "load_weight_bucket", bucket)
+            n += 1
+        _call_each(targets, failed, "finish_weight_sync", version)
+        log.info("weights %s: %d bucket(s) to %d engine(s), %d failed", version, n, len(targets), len(failed))
+        return failed
+
+    def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
+        """Engines `indices` lost their weights (restarted or replaced): sync those again."""
+        return self.push(engines, version, only=indices)
+
+    def close(self) -> None:
+        pass
+
+
+class NcclWeightSync:
+    """Trainer rank 0 broadcasts to every engine: one weight-update group, formed on the first push."""
+
+    def __init__(self, trainer, *, backend: str, request_timeout_s: float, options: WeightSyncOptions):
+        self.trainer = trainer
+        self.backend = backend
+        self.request_timeout_s = request_timeout_s
+        self.options = options
+        self.open = False
+
+    def push(self, engines: Sequence, version: str) -> Failed:
+        """Broadcast the trainer's weights to every engine, labelled `version`. A failure leaves every engine with
+        partly updated weights, so all of them are returned as failed (the caller re-syncs them)."""
+        import ray
+
+        failed: Failed = {}
+        _call_each(dict(enumerate(engines)), failed, "begin_weight_sync")  # generate refuses until the sync ends
+        if failed:
+            return failed
+        try:
+            if not self.open:
+                addresses = ray.get([e.endpoint.remote() for e in engines])
+                self.trainer.open_weight_group(
+                    addresses,
+                    backend=self.backend,
+                    max_bucket_bytes=self.options.bucket_bytes,
+                    timeout_s=self.options.timeout_s,
+                    request_timeout_s=self.request_timeout_s,
+                )
+                self.open = True
+            report = self.trainer.send_weights(version)
+        except ray.exceptions.RayTaskError as error:
+            log.warning("NCCL weight sync %s failed: %s", version, error)
+            self.close()
+            return _blame(engines, error)
+        _call_each(dict(enumerate(engines)), failed, "expect_weight_version", version)
+        log.info(
+            "weights %s: %d bucket(s) over %s to %d engine(s)", version, report.buckets, self.backend, len(engines)
+        )
+        return failed
+
+    def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
+        """A restarted or replaced engine is no longer in the group: form it again and send to every engine."""
+        self.close()
+        return self.push(engines, version)
+
+    def close(self) -> None:
+        """Leave the group on every engine and the trainer (engines that are gone are skipped with a warning)."""
+        if self.open:
+            self.open = False
+            self.trainer.close_weight_group()
+
+
+WeightSync = TensorWeightSync | NcclWeightSync
+
+
+def _call_each(targets: dict, failed: Failed, method: str, *args) -> None:
+    """`method(*args)` on every target engine not failed yet, concurrently; failures are recorded, not raised."""
+    import ray
+
+    refs = {i: getattr(e, method).remote(*args) for i, e in targets.items() if i not in failed}
+    for i, ref in refs.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as error:
+            failed[i] = error
+
+
+def _blame(engines: Sequence, error: BaseException) -> Failed:
+    """Every engine after a failed NCCL sync: those that died with their own error, the others with `error`."""
+    import ray
+
+    failed: Failed = {}
+    for i, e in enumerate(engines):
+        try:
+            ray.get(e.needs_weights.remote())
+            failed[i] = error
+        except ray.exceptions.RayError as probe_error:
+            failed[i] = probe_error
+    return failed

@@ -14,12 +14,14 @@ Vision embeddings are inserted here rather than by `Qwen3VLModel.forward`, becau
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
-from miles_vl.packing import PackedBatch
+if TYPE_CHECKING:  # models sit below packing (which imports this family's rope): the row is only read here
+    from miles_vl.packing import PackedBatch
 
 
 def segment_text_positions(cu_seqlens: Tensor) -> Tensor:

@@ -18,15 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_vl.rollout.sglang import (
+from miles_vl.rollout import weight_sync
+from miles_vl.rollout.weight_sync import (
     DistributedWeightSender,
     EngineEndpoint,
     TensorMeta,
+    group_layout,
     iter_buckets,
-    plan_buckets,
     serialize_named_tensors,
 )
-from miles_vl.rollout.sglang.weights import group_layout
 from tests.rollout.sglang.conftest import FAKE_SERVER, free_port, quick_client
 from tests.rollout.sglang.fake_server import ALLOWED_MODULE_PREFIXES, _unpickle_allowlisted
 
@@ -35,20 +35,25 @@ def metas(sizes: list[int]) -> list[TensorMeta]:
     return [TensorMeta(f"t{i}", "uint8", (n,), n) for i, n in enumerate(sizes)]
 
 
+def buckets_of(sizes: list[int], bound: int) -> list[list[TensorMeta]]:
+    """`iter_buckets` over uint8 tensors of these sizes (bytes), as the metas of each bucket."""
+    tensors = ((f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate(sizes))
+    return [[TensorMeta.of(n, t) for n, t in b] for b in iter_buckets(tensors, bound)]
+
+
 def test_buckets_by_example():
-    buckets = plan_buckets(metas([3, 3, 3, 10, 1, 1]), 6)
+    buckets = buckets_of([3, 3, 3, 10, 1, 1], 6)
     assert [[m.nbytes for m in b] for b in buckets] == [[3, 3], [3], [10], [1, 1]]
-    tensors = [(m.name, torch.zeros(m.nbytes, dtype=torch.uint8)) for m in metas([3, 3, 3, 10, 1, 1])]
-    assert [[n for n, _ in b] for b in iter_buckets(iter(tensors), 6)] == [[m.name for m in b] for b in buckets]
+    assert [[m.name for m in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert TensorMeta.of("w", torch.zeros(2, 3, dtype=torch.bfloat16)) == TensorMeta("w", "bfloat16", (2, 3), 12)
     with pytest.raises(ValueError, match="max_bucket_bytes must be > 0"):
-        plan_buckets(metas([1]), 0)
+        buckets_of([1], 0)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 100), max_size=30), st.integers(1, 150))
 def test_buckets_are_ordered_bounded_and_greedy(sizes, bound):
-    buckets = plan_buckets(metas(sizes), bound)
+    buckets = buckets_of(sizes, bound)
     assert [m for b in buckets for m in b] == metas(sizes)  # nothing lost, nothing reordered
     for k, b in enumerate(buckets):
         total = sum(m.nbytes for m in b)
@@ -162,17 +167,15 @@ def test_cuda_tensors_name_their_gpu_by_uuid_not_index(monkeypatch):
 
     from torch.multiprocessing import reductions
 
-    from miles_vl.rollout.sglang import weights
-
     # the slot we rewrite is torch's `storage_device` (an independent reading of torch's signature)
     params = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
-    assert params[weights._CUDA_DEVICE_ARG] == "storage_device"
+    assert params[weight_sync._CUDA_DEVICE_ARG] == "storage_device"
 
     def rebuild_cuda_tensor(*args):  # the name the reducer looks for
         raise AssertionError("never rebuilt here")
 
     args = tuple(f"arg{i}" for i in range(len(params)))
-    args = (*args[: weights._CUDA_DEVICE_ARG], 3, *args[weights._CUDA_DEVICE_ARG + 1 :])
+    args = (*args[: weight_sync._CUDA_DEVICE_ARG], 3, *args[weight_sync._CUDA_DEVICE_ARG + 1 :])
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (rebuild_cuda_tensor, args))
     seen = []
 
@@ -182,8 +185,8 @@ def test_cuda_tensors_name_their_gpu_by_uuid_not_index(monkeypatch):
             self.uuid = f"GPU-uuid-of-{index}"
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
-    rebuild, out = weights._reduce_tensor_with_uuid(torch.zeros(1))
+    rebuild, out = weight_sync._reduce_tensor_with_uuid(torch.zeros(1))
     assert rebuild is rebuild_cuda_tensor and seen == [3]
-    assert out[weights._CUDA_DEVICE_ARG] == "GPU-uuid-of-3"
-    assert out[: weights._CUDA_DEVICE_ARG] == args[: weights._CUDA_DEVICE_ARG]
-    assert out[weights._CUDA_DEVICE_ARG + 1 :] == args[weights._CUDA_DEVICE_ARG + 1 :]
+    assert out[weight_sync._CUDA_DEVICE_ARG] == "GPU-uuid-of-3"
+    assert out[: weight_sync._CUDA_DEVICE_ARG] == args[: weight_sync._CUDA_DEVICE_ARG]
+    assert out[weight_sync._CUDA_DEVICE_ARG + 1 :] == args[weight_sync._CUDA_DEVICE_ARG + 1 :]

@@ -1,11 +1,11 @@
-"""One rollout engine as a process host: launch its SGLang server, wait for health, restart it when it dies.
+"""One rollout engine with its own SGLang server process: launch, wait for health, restart when it dies.
 
-Ray runs one `SGLangRolloutHost` per engine (`sglang_actor_class(num_gpus=...)`); Ray's `CUDA_VISIBLE_DEVICES`
-for the actor is inherited by the server, which uses those GPUs from index 0 (`--tp-size` = GPUs of the engine).
-The host is a plain class so that it runs (and is tested) without Ray.
+The driver runs one `SGLangRolloutHost` per engine as a Ray actor (`ray.remote(SGLangRolloutHost)`); it implements
+`RolloutEngine`. Ray's `CUDA_VISIBLE_DEVICES` for the actor is inherited by the server, which uses those
+GPUs from index 0 (`--tp-size` = GPUs of the engine). The host is a plain class: it runs (and is tested) without Ray.
 
     host = SGLangRolloutHost(ServerSpec(model_path=..., port=30000, tp_size=1), tokens)
-    groups = host.generate(prompts, params)      # RolloutEngine methods are forwarded to SGLangRolloutEngine
+    groups = host.generate(prompts, params)      # forwarded to SGLangRolloutEngine (engine.py)
     host.shutdown()
 
 Restarts: before every call, and when a call finds the server gone, the host relaunches it (same argv, port and
@@ -24,12 +24,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from miles_vl.model import SpecialTokens
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError
+from miles_vl.models import SpecialTokens
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
 from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (
+    LOOPBACK_HOSTS,
     ServerProcess,
     ServerSpec,
     build_server_argv,
@@ -39,13 +41,15 @@ from miles_vl.rollout.sglang.server import (
     write_server_config,
 )
 from miles_vl.rollout.sglang.verify import checkpoint_names
-from miles_vl.rollout.sglang.weights import DEFAULT_BUCKET_BYTES, SyncReport
-from miles_vl.rollout.types import Generation, SamplingParams
+from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, EngineAddress, SyncReport
 
 log = logging.getLogger(__name__)
 
+DYING_GRACE_S = 5.0  # how long an unreachable server's process may take to exit and count as dead
 
-class SGLangRolloutHost:
+
+class SGLangRolloutHost(RolloutEngine):
     """Owns one SGLang server process and the engine that drives it.
 
     Args:
@@ -57,7 +61,7 @@ class SGLangRolloutHost:
         max_retries: retries of a failed call (rollout.sglang.max_retries).
         retry_backoff_s: first backoff between retries.
         max_restarts: relaunches of a dead server over the host's life before giving up.
-        log_path: the server's log file; None: a file in the host's private directory.
+        log_path: the server's log file (its directory is created); None: a file in the host's private directory.
         max_concurrency: requests in flight at once.
         weight_bucket_bytes: bound of one weight bucket.
         python: the interpreter that runs the server.
@@ -68,6 +72,8 @@ class SGLangRolloutHost:
             names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
         one_request_per_prompt: send a prompt's n samples as one request (`SGLangRolloutEngine`); None: unless the
             server's flags make it deterministic.
+        cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
+            (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
     """
 
     def __init__(
@@ -90,7 +96,12 @@ class SGLangRolloutHost:
         health_poll_s: float = 1.0,
         verify_weights: bool = True,
         one_request_per_prompt: bool | None = None,
+        cpu_tensors_by_name: bool = False,
     ):
+        if cpu_tensors_by_name and not torch.cuda.is_available():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        if log_path is not None:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.spec = spec
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = max_restarts
@@ -176,10 +187,17 @@ class SGLangRolloutHost:
         try:
             return getattr(self.engine, method)(*args, **kwargs)
         except SGLangServerDiedError as e:
-            self._restart(str(e))
-            return getattr(self.engine, method)(*args, **kwargs)
+            reason = str(e)
+        except SGLangUnavailableError as e:
+            # Refused connections from a server whose process has not exited yet (the client's liveness check ran
+            # too early): a death all the same, once the process is gone.
+            if not self.server.exits_within(DYING_GRACE_S):
+                raise
+            reason = f"{e}; then {self.server.death_reason()}"
+        self._restart(reason)
+        return getattr(self.engine, method)(*args, **kwargs)
 
-    # RolloutEngine ---------------------------------------------------------------------------------------------------
+    # RolloutEngine (the constructor waited for health: `ready` returns at once) -------------------------------------
 
     def generate(self, prompts: Sequence[SGLangPrompt], params: SamplingParams) -> list[list[Generation]]:
         """`SGLangRolloutEngine.generate` with the restart rule of this module."""
@@ -209,6 +227,24 @@ class SGLangRolloutHost:
     def weights_missing(self) -> str | None:
         """Why the server's weights cannot be used now (a restart or release lost them), or None when they can."""
         return self.engine.weights_missing
+
+    def needs_weights(self) -> bool:
+        """True when the server cannot generate until weights are synced again (it restarted, or it was released
+        without a CPU backup). A dead server is relaunched first (that counts as a restart)."""
+        self.ensure_running()
+        return self.weights_missing is not None
+
+    def server_restarts(self) -> int:
+        return self.restarts
+
+    def endpoint(self) -> EngineAddress:
+        """How trainer rank 0 reaches this server (its node's address unless the server binds loopback)."""
+        import ray
+
+        loopback = self.spec.host in LOOPBACK_HOSTS
+        node_ip = ray.util.get_node_ip_address()
+        url = self.spec.url if loopback else f"http://{node_ip}:{self.spec.port}"
+        return EngineAddress(url, self.spec.api_key, self.spec.tp_size, node_ip, loopback)
 
     def release_memory(self) -> None:
         """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""
@@ -245,13 +281,3 @@ def deterministic_inference(extra_args: Sequence[str]) -> bool:
     return any(
         a == "--enable-deterministic-inference" or a.split("=", 1)[0] == "--rl-on-policy-target" for a in extra_args
     )
-
-
-def sglang_actor_class(**ray_options: Any):
-    """`SGLangRolloutHost` as a Ray actor class, e.g. `sglang_actor_class(num_gpus=1).remote(spec, tokens)`.
-
-    Ray is imported here, not at module import, so that the host runs where Ray is not installed.
-    """
-    import ray
-
-    return ray.remote(**ray_options)(SGLangRolloutHost) if ray_options else ray.remote(SGLangRolloutHost)

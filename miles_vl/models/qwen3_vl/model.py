@@ -7,23 +7,10 @@ Nothing is downloaded: a pretrained path must be a local directory (or a hub id 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    """Token ids the packing and the engines need; read from the processor (see miles_vl.data)."""
-
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    pad_token_id: int
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
+from miles_vl.models import SpecialTokens
 
 
 def tiny_config(

@@ -5,11 +5,12 @@ reproducible by seed."""
 
 import torch
 
-from miles_vl.model import SpecialTokens, build_model
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.forward import label_logprobs
+from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.packing import pack_thd
-from miles_vl.rollout.hf_engine import HFRolloutEngine
+from miles_vl.rollout.hf import HFRolloutEngine
 from miles_vl.rollout.types import SamplingParams
-from miles_vl.train.packed_forward import label_logprobs
 from tests.packing.samples import IMAGE, PAD, TOKENS, VEND, VIDEO, VSTART
 
 EOS = 151645

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
-from miles_vl.rollout.sglang.actor import deterministic_inference
+from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import MAX_PIXELS, MIN_PIXELS, TOKENS, free_port, make_prompt
 
@@ -94,6 +94,42 @@ def test_a_dead_server_is_relaunched_transparently_before_any_sync(tmp_path):
         h.shutdown()
 
 
+def test_refused_connections_from_a_dying_server_count_as_its_death(tmp_path, monkeypatch):
+    """The client's liveness check can run between a dying server closing its socket and its process exiting: the
+    call then ends in SGLangUnavailableError (connections refused). The host waits a moment for the process; if it
+    exits, that is a death (relaunch, try once more); a live but unreachable server's error is raised as it was."""
+    from miles_vl.rollout.sglang import SGLangUnavailableError
+    from miles_vl.rollout.sglang import host as host_module
+
+    monkeypatch.setattr(host_module, "DYING_GRACE_S", 0.5)
+    h = host(tmp_path)
+    try:
+        before = responses(h.generate([make_prompt([4, 5], 1)], PARAMS))
+        real = h.engine.generate
+        calls = []
+
+        def dies_while_refusing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                os.kill(h.server.pid, signal.SIGKILL)  # exits, not yet reaped: liveness would still say alive
+                raise SGLangUnavailableError("POST /generate failed 2 time(s); last error: ConnectError")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(h.engine, "generate", dies_while_refusing)
+        assert responses(h.generate([make_prompt([4, 5], 1)], PARAMS)) == before
+        assert h.restarts == 1 and len(calls) == 2
+
+        def refuses(*args, **kwargs):
+            raise SGLangUnavailableError("POST /generate failed 2 time(s); last error: ReadTimeout")
+
+        monkeypatch.setattr(h.engine, "generate", refuses)
+        with pytest.raises(SGLangUnavailableError, match="ReadTimeout"):
+            h.generate([make_prompt([4, 5], 1)], PARAMS)
+        assert h.restarts == 1 and h.server.is_alive()
+    finally:
+        h.shutdown()
+
+
 def test_a_relaunch_after_a_sync_refuses_to_generate_until_the_next_sync(tmp_path):
     h = host(tmp_path)
     try:
@@ -123,13 +159,3 @@ def test_which_server_flags_make_the_seed_count():
         ("--rl-on-policy-target=fsdp",)
     )
     assert not deterministic_inference(("--log-level", "info")) and not deterministic_inference(())
-
-
-def test_the_ray_actor_class_wraps_the_host_without_starting_ray():
-    ray = pytest.importorskip("ray")  # a project dependency; only bare GPU images lack it
-
-    from miles_vl.rollout.sglang import sglang_actor_class
-
-    actor = sglang_actor_class(num_gpus=1, max_restarts=0)
-    assert callable(actor.remote) and callable(actor.options)
-    assert not ray.is_initialized()

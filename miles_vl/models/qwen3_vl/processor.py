@@ -7,16 +7,16 @@ It is what tests and the tiny CPU demo use in place of a checkpoint's processor 
   learned on `CORPUS` by `train_merges` (deterministic: ties go to the smallest pair), then Qwen3-VL's 26 added
   tokens with the same *strings*, order and special flags as Qwen3-VL (`<|endoftext|>` ... `</think>`).
   `eos_token` is `<|im_end|>` and `pad_token` is `<|endoftext|>`, as in Qwen3-VL-Instruct.
-- chat template: Qwen3-VL-Instruct's (`offline_qwen3_vl/chat_template.jinja`, from the Qwen/Qwen3-VL-*-Instruct
+- chat template: Qwen3-VL-Instruct's (`offline/chat_template.jinja`, from the Qwen/Qwen3-VL-*-Instruct
   checkpoints, Apache-2.0).
 - image processor: transformers' `Qwen2VLImageProcessor` with Qwen3-VL's settings (patch 16, merge 2, temporal
   patch 2, mean = std = 0.5); video processor: `Qwen3VLVideoProcessor` with the same patch settings.
 
-The files in `offline_qwen3_vl/` are this build, saved with `save_pretrained`, so that `load_processor("offline")`
+The files in `offline/` are this build, saved with `save_pretrained`, so that `load_processor("offline")`
 goes through `AutoProcessor.from_pretrained` exactly like a real checkpoint. Rebuild them (only when the
 vocabulary must change; every offline token id and every tiny checkpoint depends on it) with:
 
-    python -m miles_vl.data.offline_processor
+    python -m miles_vl.models.qwen3_vl.processor
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-OFFLINE_PROCESSOR_DIR = Path(__file__).with_name("offline_qwen3_vl")
+OFFLINE_PROCESSOR_DIR = Path(__file__).with_name("offline")
 
 # Qwen3-VL's added tokens in id order (151643 ...), with their `special` flag as in its tokenizer_config.json.
 QWEN3_VL_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
@@ -211,7 +211,7 @@ def _byte_of(char: str) -> int:
 
 
 def main() -> int:
-    """Rebuild the shipped files in `offline_qwen3_vl/` (the chat template there is the source, kept as is)."""
+    """Rebuild the shipped files in `offline/` (the chat template there is the source, kept as is)."""
     processor = build_offline_processor()
     processor.save_pretrained(str(OFFLINE_PROCESSOR_DIR))
     print(f"wrote {OFFLINE_PROCESSOR_DIR} ({len(processor.tokenizer)} tokens)")

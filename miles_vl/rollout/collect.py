@@ -1,0 +1,132 @@
+"""One step's rollouts, scored: generate, reward, keep the groups a filter accepts (DAPO-style dynamic sampling) and
+refill from the data until the batch is full or the rounds run out; then the step's rollout and reward metrics.
+
+    batch = collect(train_set.next_batch, generate, score, want=8, keep=has_reward_variance, max_rounds=3)
+    metrics = rollout_metrics(batch, media_token_ids=(image_id, video_id), dynamic_sampling=True)
+
+`generate(prompts, round)` and `score(prompts, groups)` are the caller's (the driver's engines and reward pool);
+`score_groups` is the usual `score`. A filter sees one prompt's rewards (`n_samples_per_prompt` of them) and says
+whether to train on the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from miles_vl.reward import RewardSample
+from miles_vl.rollout.types import Generation
+
+if TYPE_CHECKING:
+    from miles_vl.reward import RewardPool, RewardResult, RewardStats
+
+GroupFilter = Callable[[Sequence["RewardResult"]], bool]
+
+
+def has_reward_variance(rewards: Sequence[RewardResult]) -> bool:
+    """Dynamic sampling's filter: a group whose rewards are all equal has zero advantage, so nothing to learn."""
+    return len({r.overall for r in rewards}) > 1
+
+
+@dataclass
+class CollectedBatch:
+    """The prompts kept, their generations and rewards (one group per prompt), and what collecting them took."""
+
+    prompts: list
+    groups: list[list[Generation]]
+    rewards: list[list[RewardResult]]
+    reward_stats: list[RewardStats]  # one per scored round
+    dropped: int  # groups the filter refused
+    rounds: int
+
+
+def collect(
+    next_batch: Callable[[int], list],
+    generate: Callable[[list, int], list[list[Generation]]],
+    score: Callable[[list, list[list[Generation]]], tuple[list[list[RewardResult]], RewardStats]],
+    *,
+    want: int,
+    keep: GroupFilter | None = None,
+    max_rounds: int = 0,
+    timer: Callable[[str], contextlib.AbstractContextManager] | None = None,
+) -> CollectedBatch:
+    """Rounds of `next_batch` -> `generate` -> `score` until `want` prompts are kept: one round without a filter;
+    with `keep`, groups it refuses are dropped and refilled, at most `max_rounds` extra rounds. The seconds of every
+    round's generation and scoring go to `timer` as "rollout" and "reward".
+
+    Raises:
+        RuntimeError: the filter kept no group in any round.
+    """
+    timer = timer or (lambda name: contextlib.nullcontext())
+    out = CollectedBatch([], [], [], [], 0, 0)
+    while len(out.prompts) < want:
+        batch = next_batch(want - len(out.prompts))
+        with timer("rollout"):
+            groups = generate(batch, out.rounds)
+        with timer("reward"):
+            rewards, stats = score(batch, groups)
+        out.reward_stats.append(stats)
+        for p, g, r in zip(batch, groups, rewards, strict=True):
+            if keep is not None and not keep(r):
+                out.dropped += 1
+                continue
+            out.prompts.append(p)
+            out.groups.append(g)
+            out.rewards.append(r)
+        out.rounds += 1
+        if keep is None or out.rounds > max_rounds:
+            break
+    if not out.prompts:
+        raise RuntimeError(
+            f"dynamic sampling kept no group in {out.rounds} rounds (every group had equal rewards); raise "
+            "rollout.dynamic_sampling.max_rounds or check the reward function"
+        )
+    return out
+
+
+def score_groups(
+    pool: RewardPool, decode: Callable[..., str], prompts: Sequence, groups: list[list[Generation]]
+) -> tuple[list[list[RewardResult]], RewardStats]:
+    """Every response scored by the reward pool (`decode`: the tokenizer's), as one list of results per prompt."""
+    samples = [
+        RewardSample(decode(g.response_ids, skip_special_tokens=True), p.label, {"index": p.index, **p.metadata})
+        for p, gs in zip(prompts, groups, strict=True)
+        for g in gs
+    ]
+    results, stats = pool.score(samples)
+    n = len(groups[0]) if groups else 0
+    return [results[i * n : (i + 1) * n] for i in range(len(groups))], stats
+
+
+def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dynamic_sampling: bool) -> dict[str, Any]:
+    """`reward/*` and `rollout/*` metrics of a collected batch (`media_token_ids`: image and video pads)."""
+    flat = [r for rs in batch.rewards for r in rs]
+    gens = [g for gs in batch.groups for g in gs]
+    media = torch.tensor(list(media_token_ids))
+    stats = {
+        "reward/mean": mean([r.overall for r in flat]),
+        "reward/std": float(torch.tensor([r.overall for r in flat]).std()) if len(flat) > 1 else 0.0,
+        "reward/errors": float(sum(s.n_errors for s in batch.reward_stats)),
+        "reward/timeouts": float(sum(s.n_timeouts for s in batch.reward_stats)),
+        "rollout/prompts": float(len(batch.prompts)),
+        "rollout/response_len_mean": mean([g.response_ids.numel() for g in gens]),
+        "rollout/truncated_fraction": mean([g.finish_reason == "length" for g in gens]),
+        "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
+        "rollout/visual_tokens_per_sample": mean([int(torch.isin(p.prompt_ids, media).sum()) for p in batch.prompts]),
+    }
+    for part in ("accuracy", "format"):
+        values = [getattr(r, part) for r in flat if getattr(r, part) is not None]
+        if values:
+            stats[f"reward/{part}"] = mean(values)
+    if dynamic_sampling:
+        stats["rollout/dynamic_sampling_drop_rate"] = batch.dropped / max(batch.dropped + len(batch.prompts), 1)
+    return stats
+
+
+def mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else 0.0
