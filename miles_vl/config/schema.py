@@ -88,6 +88,11 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out fraction of train when no eval_path.")
     synthetic_n: int = Field(0, ge=0, description="generate this many geo3k-style rows instead of reading a file.")
+    in_memory: bool = Field(
+        False,
+        description="the training rows are given in Python, `run_job(cfg, dataset=[{...}, ...])` (the columns of "
+        "`format`); train_path must be null and synthetic_n 0.",
+    )
     format: Literal["auto", "geometry3k", "geo3k_imgurl", "generic"] = "auto"
     dataset_fn: str | None = Field(None, description="custom row mapper `module:function` (see examples/).")
     prompt_key: str = "problem"
@@ -110,8 +115,17 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
-        if self.train_path is None and self.synthetic_n == 0:
-            raise ValueError("no training data: set data.train_path or data.synthetic_n > 0")
+        if self.in_memory and (self.train_path is not None or self.synthetic_n > 0):
+            raise ValueError(
+                f"data.in_memory=true takes the rows from run_job(dataset=...), but "
+                f"data.train_path={self.train_path!r} "
+                f"and data.synthetic_n={self.synthetic_n}; set data.train_path=null and data.synthetic_n=0"
+            )
+        if self.train_path is None and self.synthetic_n == 0 and not self.in_memory:
+            raise ValueError(
+                "no training data: set data.train_path or data.synthetic_n > 0 (or data.in_memory=true with "
+                "run_job(cfg, dataset=...))"
+            )
         if self.train_path is not None and self.synthetic_n > 0:
             raise ValueError(
                 f"data.train_path={self.train_path!r} and data.synthetic_n={self.synthetic_n} are both set; set "
@@ -251,8 +265,26 @@ class AlgoConfig(_Section):
 # reward, ray, logging, checkpoint, eval
 
 
+class RewardFunctionConfig(_Section):
+    name: str = Field(description="registry name or `module:function`.")
+    weight: float = Field(1.0, description="its factor in the total: reward = sum of weight * the function's overall.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments bound to this function.")
+    label: str | None = Field(
+        None, description="its name in the metrics (`reward/<label>/mean`); null = the function's name."
+    )
+
+    @property
+    def metric_label(self) -> str:
+        """`label`, or the last part of `name` (`pkg.mod:Graders.strict` -> `strict`)."""
+        return self.label or self.name.rpartition(":")[2].rpartition(".")[2]
+
+
 class RewardConfig(_Section):
-    name: str = Field("geo3k", description="registry name or `module:function`.")
+    name: str | None = Field(
+        "geo3k",
+        description="registry name or `module:function`; the one-function form of `functions`. null with "
+        "`functions: []`: the reward is given in Python, `run_job(cfg, reward_fn=...)`.",
+    )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="keyword arguments bound to the reward function (any reward), e.g. `reward.kwargs.max_len=64`; "
@@ -260,11 +292,41 @@ class RewardConfig(_Section):
     )
     format_weight: float = Field(0.1, ge=0, le=1, description="geo3k: overall = (1-w)*acc + w*format; 0 = binary.")
     format_pattern: str | None = Field(None, description="geo3k: regex the whole response must match; null = default.")
-    timeout_s: float = Field(
-        10.0, gt=0, description="time limit per response; a reward past it is killed with its worker and scores 0."
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list,
+        description="several weighted rewards, `[{name, weight, kwargs, label}]`: reward = the weighted sum, each "
+        "function logged as `reward/<label>/mean`; replaces name/kwargs/format_* (set reward.name=null).",
     )
-    num_workers: int = Field(2, gt=0, description="processes that score responses (one sync call each at a time).")
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="time limit per response (per call for a batched reward); a reward past it is killed with its "
+        "worker and scores 0.",
+    )
+    num_workers: int = Field(
+        2, gt=0, description="processes that score responses (one sync call each at a time), per reward function."
+    )
     async_concurrency: int = Field(32, gt=0, description="calls of an `async def` reward at once per worker.")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> RewardConfig:
+        if not self.functions:
+            return self
+        defaults = {"name": None, "kwargs": {}, "format_weight": 0.1, "format_pattern": None}  # geo3k's own defaults
+        given = [k for k, v in defaults.items() if getattr(self, k) != v and k in self.model_fields_set]
+        if given:
+            raise ValueError(
+                f"reward.functions is set together with reward.{', reward.'.join(given)}; use one form: move the "
+                "function into reward.functions (options into its kwargs) and set reward.name=null, or drop "
+                "reward.functions"
+            )
+        labels = [f.metric_label for f in self.functions]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(
+                f"reward.functions has two functions labelled {twice}; give them distinct `label`s (the metric names)"
+            )
+        return self
 
 
 class RayConfig(_Section):

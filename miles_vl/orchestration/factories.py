@@ -23,11 +23,12 @@ from typing import Any
 import ray
 import torch
 
-from miles_vl.config import JobConfig
+from miles_vl.config import ConfigError, JobConfig
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
-from miles_vl.reward import REWARD_CONFIG_KEYS
+from miles_vl.reward import REWARD_CONFIG_KEYS, RewardResolutionError, WeightedReward, check_reward, resolve_reward
+from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.sglang.host import deterministic_inference
@@ -249,7 +250,46 @@ def reward_options(cfg: JobConfig) -> dict[str, Any]:
     """The keyword arguments bound to the reward function: the options a registered reward takes from keys of the
     `reward` section (`REWARD_CONFIG_KEYS`: geo3k's format_weight, format_pattern), then `reward.kwargs`, which win."""
     r = cfg.reward
-    return {**{k: getattr(r, k) for k in REWARD_CONFIG_KEYS.get(r.name, ())}, **r.kwargs}
+    return {**{k: getattr(r, k) for k in REWARD_CONFIG_KEYS.get(r.name or "", ())}, **r.kwargs}
+
+
+def build_rewards(cfg: JobConfig, reward_fn: Callable[..., Any] | None = None) -> list[WeightedReward]:
+    """The job's reward functions, resolved and checked (before Ray starts): `reward.functions`, or `reward.name` with
+    `reward_options`, or `reward_fn` given in Python (with `reward.kwargs` bound; `reward.name` must be null).
+
+    Raises:
+        ConfigError: no reward at all, or `reward_fn` together with `reward.name` / `reward.functions`.
+        RewardResolutionError: a function that does not resolve; the message names its key.
+    """
+    r = cfg.reward
+    if reward_fn is not None:
+        if r.name is not None or r.functions:
+            given = f"reward.name={r.name!r}" if r.name is not None else "reward.functions"
+            raise ConfigError(
+                [
+                    f"run_job got reward_fn= and the config sets {given}; use one: set reward.name=null (and no "
+                    "reward.functions) to score with reward_fn, or drop reward_fn"
+                ]
+            )
+        label = reward_name(reward_fn).rpartition(".")[2]
+        return [WeightedReward(label, 1.0, check_reward(reward_fn, label, **r.kwargs))]
+    if r.functions:
+        terms = []
+        for i, f in enumerate(r.functions):
+            try:
+                terms.append(WeightedReward(f.metric_label, f.weight, resolve_reward(f.name, **f.kwargs)))
+            except RewardResolutionError as err:
+                raise RewardResolutionError(f"reward.functions[{i}].name={f.name!r}: {err}") from err
+        return terms
+    if r.name is None:
+        raise ConfigError(
+            [
+                "reward.name is null and reward.functions is empty: name a reward (reward.name=geo3k), list "
+                "reward.functions, or pass run_job(cfg, reward_fn=...)"
+            ]
+        )
+    label = r.name.rpartition(":")[2].rpartition(".")[2]
+    return [WeightedReward(label, 1.0, resolve_reward(r.name, **reward_options(cfg)))]
 
 
 @dataclass(frozen=True)

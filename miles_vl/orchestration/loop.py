@@ -37,7 +37,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -59,11 +59,11 @@ from miles_vl.orchestration.checkpoint import (
     save_checkpoint,
 )
 from miles_vl.orchestration.engines import RolloutEngines
-from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, reward_options
+from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_rewards
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.trainer import Trainer
-from miles_vl.reward import RewardPool, resolve_reward
+from miles_vl.reward import WeightedRewards
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.rollout.collect import collect, has_reward_variance, mean, rollout_metrics, score_groups
 from miles_vl.rollout.weight_sync import make_weight_sync
@@ -75,9 +75,20 @@ log = logging.getLogger(__name__)
 # the job
 
 
-def run_job(cfg: JobConfig, config_path: str | None = None, hooks: Hooks | None = None) -> Path:
+def run_job(
+    cfg: JobConfig,
+    config_path: str | None = None,
+    hooks: Hooks | None = None,
+    *,
+    reward_fn: Callable[..., Any] | None = None,
+    dataset: Sequence[dict[str, Any]] | None = None,
+) -> Path:
     """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots). `hooks`:
     what the job builds its parts with (factories.py; tests pass stand-ins).
+
+    For use as a library (docs/library.md): `reward_fn`, a reward callable (`miles_vl.reward.types`; a lambda or a
+    closure too: it is sent to the reward workers by value), in place of `reward.name` (which must be null);
+    `dataset`, the training rows as dicts in the columns of `data.format`, with `data.in_memory=true`.
 
     Raises:
         ConfigError, DataError, CheckpointError, RewardResolutionError, RewardWorkerError: bad input, found before
@@ -93,17 +104,17 @@ def run_job(cfg: JobConfig, config_path: str | None = None, hooks: Hooks | None 
     if resume_state and resume_state["step"] == cfg.num_steps:
         log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
         return run_dir
-    reward_fn = resolve_reward(cfg.reward.name, **reward_options(cfg))
+    reward_terms = build_rewards(cfg, reward_fn)
     processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
     tokens = special_tokens(processor)
-    splits = build_datasets(cfg.data, processor, seed=cfg.seed)
+    splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
     if resume_state:  # a cursor saved for other data fails here, before Ray starts
         splits.train.load_state_dict(resume_state["data"])
     write_run_files(run_dir, cfg, processor_metadata(processor))
     r = cfg.reward
     with (
-        RewardPool(
-            reward_fn, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
+        WeightedRewards(
+            reward_terms, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
         ) as rewards,
         ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
         StopSignals() as signals,
@@ -322,7 +333,7 @@ class Job:
     tokens: SpecialTokens
     train_set: PromptDataset
     eval_set: PromptDataset | None
-    rewards: RewardPool
+    rewards: WeightedRewards
     signals: StopSignals = field(default_factory=StopSignals)
     hooks: Hooks = field(default_factory=Hooks)
     completed_steps: int = 0

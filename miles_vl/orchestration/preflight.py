@@ -6,7 +6,8 @@ What it checks, each problem one line with its fix:
 - the packages of the chosen backends import (`miles_vl.stack`: the core for every job, SGLang for
   `rollout.backend=sglang`, megatron-core/bridge and Transformer Engine for `train.backend=megatron`), and what the
   rollout engine itself cannot do with the config (`check_backends`);
-- `reward.name` resolves (a registry name, or `module:function` that imports, with its options);
+- `reward.name` or each of `reward.functions` resolves (a registry name, or `module:function` that imports, with
+  its options);
 - `data.dataset_fn` resolves; `data.train_path` / `data.eval_path` open as parquet or jsonl with the columns the
   layout reads (the rows themselves are validated when the job loads them);
 - `model.path` is a checkpoint directory (config.json and weights), or a hub id in the local Hugging Face cache,
@@ -28,9 +29,8 @@ from miles_vl.data import load_processor
 from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
 from miles_vl.data.processor import OFFLINE
 from miles_vl.orchestration.checkpoint import verify_checkpoint
-from miles_vl.orchestration.factories import reward_options
+from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
-from miles_vl.reward import resolve_reward
 from miles_vl.stack import backend_problems, captured_output
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -59,9 +59,12 @@ def preflight_problems(cfg: JobConfig) -> list[str]:
 
 def reward_problems(cfg: JobConfig) -> list[str]:
     try:
-        resolve_reward(cfg.reward.name, **reward_options(cfg))
+        build_rewards(cfg)
+    except ConfigError as err:
+        return err.problems
     except Exception as err:  # RewardResolutionError, or what a user's module raises while it imports
-        return [f"reward.name={cfg.reward.name!r}: {err}"]
+        where = "" if cfg.reward.functions else f"reward.name={cfg.reward.name!r}: "
+        return [f"{where}{err}"]
     return []
 
 

@@ -22,7 +22,7 @@ from miles_vl.reward import RewardSample
 from miles_vl.rollout.types import Generation
 
 if TYPE_CHECKING:
-    from miles_vl.reward import RewardPool, RewardResult, RewardStats
+    from miles_vl.reward import RewardPool, RewardResult, RewardStats, WeightedRewards
 
 GroupFilter = Callable[[Sequence["RewardResult"]], bool]
 
@@ -89,11 +89,18 @@ def collect(
 
 
 def score_groups(
-    pool: RewardPool, decode: Callable[..., str], prompts: Sequence, groups: list[list[Generation]]
+    pool: RewardPool | WeightedRewards, decode: Callable[..., str], prompts: Sequence, groups: list[list[Generation]]
 ) -> tuple[list[list[RewardResult]], RewardStats]:
-    """Every response scored by the reward pool (`decode`: the tokenizer's), as one list of results per prompt."""
+    """Every response scored by the reward pool (`decode`: the tokenizer's), as one list of results per prompt. The
+    samples carry the prompt text, and the prompt's images when a reward asked for them (`pool.images`)."""
     samples = [
-        RewardSample(decode(g.response_ids, skip_special_tokens=True), p.label, {"index": p.index, **p.metadata})
+        RewardSample(
+            decode(g.response_ids, skip_special_tokens=True),
+            p.label,
+            {"index": p.index, **p.metadata},
+            prompt=p.prompt_text,
+            images=tuple(p.images) if pool.images else (),
+        )
         for p, gs in zip(prompts, groups, strict=True)
         for g in gs
     ]
@@ -122,6 +129,9 @@ def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dy
         values = [getattr(r, part) for r in flat if getattr(r, part) is not None]
         if values:
             stats[f"reward/{part}"] = mean(values)
+    for key in dict.fromkeys(k for r in flat for k in r.by_function):  # each function of reward.functions
+        name = key if "/" in key else f"{key}/mean"  # `<label>` is its overall, `<label>/accuracy` a part
+        stats[f"reward/{name}"] = mean([r.by_function[key] for r in flat if key in r.by_function])
     if dynamic_sampling:
         stats["rollout/dynamic_sampling_drop_rate"] = batch.dropped / max(batch.dropped + len(batch.prompts), 1)
     return stats
