@@ -13,6 +13,7 @@ from miles_vl.algo.advantages import (
     compute_advantages,
     grpo_advantages,
     reinforce_pp_baseline_advantages,
+    rloo_advantages,
 )
 from miles_vl.algo.kl import KLEstimator, kl_penalty
 from miles_vl.algo.loss_weights import (
@@ -41,6 +42,7 @@ __all__ = [
     "loss_token_weights",
     "policy_loss",
     "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
     "sequence_loss_tokens",
     "tis_weights",
     "to_train_samples",

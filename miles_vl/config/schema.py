@@ -235,7 +235,11 @@ class TISConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    estimator: Literal["grpo", "reinforce_pp_baseline"] = "grpo"
+    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo: (r - group mean) / group std; rloo: r_i - mean of the other n-1 rewards of the group "
+        "(leave-one-out); reinforce_pp_baseline: r - group mean, whitened over the batch.",
+    )
     norm_adv_by_std: bool = Field(True, description="false = Dr.GRPO (no std normalisation).")
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
@@ -424,10 +428,10 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.batch_size * rollout.n_samples_per_prompt = {cfg.samples_per_step} samples per step is not "
             f"divisible by train.global_batch_size={t.global_batch_size}; pick a divisor"
         )
-    if a.estimator == "grpo" and r.n_samples_per_prompt < 2:
+    if a.estimator in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
         errors.append(
-            "algo.estimator=grpo compares responses within a group, but rollout.n_samples_per_prompt=1 makes every "
-            "advantage zero; set rollout.n_samples_per_prompt >= 2"
+            f"algo.estimator={a.estimator} compares responses within a group, but rollout.n_samples_per_prompt=1 makes "
+            "every advantage zero; set rollout.n_samples_per_prompt >= 2"
         )
     if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
         errors.append(
