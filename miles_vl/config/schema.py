@@ -240,11 +240,20 @@ class AlgoConfig(_Section):
         description="grpo: (r - group mean) / group std; rloo: r_i - mean of the other n-1 rewards of the group "
         "(leave-one-out); reinforce_pp_baseline: r - group mean, whitened over the batch.",
     )
-    norm_adv_by_std: bool = Field(True, description="false = Dr.GRPO (no std normalisation).")
+    norm_adv_by_std: bool = Field(
+        True,
+        description="grpo: divide by the group std. Dr.GRPO as published = false with "
+        "loss_reduction=seq_mean_token_sum_norm.",
+    )
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
     dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages, e.g. 3.0.")
-    loss_reduction: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    loss_reduction: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="token_mean: loss summed over tokens / loss tokens of the mini-batch; seq_mean_token_mean: mean "
+        "over each response's tokens, then over responses; seq_mean_token_sum_norm: summed over tokens / (samples of "
+        "the mini-batch * rollout.max_response_len), Dr.GRPO's constant normaliser.",
+    )
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)

@@ -211,6 +211,7 @@ def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
             tis_mode=a.tis.mode if a.tis.enabled else None,
             tis_cap=a.tis.cap,
             reduction=a.loss_reduction,
+            max_response_len=cfg.rollout.max_response_len,
             temperature=cfg.rollout.temperature,
             suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
         ),

@@ -149,7 +149,12 @@ class TorchTrainBackend:
             )
             at = (mb, sample, resp_idx)  # where each label position reads per-sample response arrays
             weights = loss_token_weights(
-                packed.label_mask[pos], sample, count, denominators, reduction=self.loss.reduction
+                packed.label_mask[pos],
+                sample,
+                count,
+                denominators,
+                reduction=self.loss.reduction,
+                max_response_len=self.loss.max_response_len,
             )
             advantages = torch.tensor([samples[i].advantage for i in mb], dtype=torch.float32)[sample]
             out = policy_loss(

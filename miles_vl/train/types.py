@@ -44,6 +44,7 @@ class LossOptions:
     tis_mode: TISMode | None = None
     tis_cap: float = 2.0
     reduction: LossReduction = "token_mean"
+    max_response_len: int | None = None  # the constant of reduction="seq_mean_token_sum_norm" (Dr.GRPO)
     temperature: float = 1.0  # the rollout's sampling temperature
     suppress_token_ids: tuple[int, ...] = ()  # tokens the engine bans: scored out of the same distribution
 
@@ -53,8 +54,8 @@ class LossOptions:
         return self.temperature if self.temperature > 0 else 1.0
 
     def policy_loss_kwargs(self) -> dict:
-        """The keyword arguments of `miles_vl.algo.policy_loss` (the fields but the scoring ones)."""
-        scoring = ("reduction", "temperature", "suppress_token_ids")
+        """The keyword arguments of `miles_vl.algo.policy_loss` (the fields but the token-weight and scoring ones)."""
+        scoring = ("reduction", "max_response_len", "temperature", "suppress_token_ids")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in scoring}
 
 
