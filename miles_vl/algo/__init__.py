@@ -23,7 +23,13 @@ from miles_vl.algo.loss_weights import (
     loss_token_weights,
     sequence_loss_tokens,
 )
-from miles_vl.algo.policy_loss import PolicyLossMetrics, combine_metrics, policy_loss
+from miles_vl.algo.policy_loss import (
+    PolicyLossMetrics,
+    PolicyLossType,
+    combine_metrics,
+    policy_loss,
+    sequence_mean_log_ratio,
+)
 from miles_vl.algo.samples import TrainSample, to_train_samples
 from miles_vl.algo.tis import TISMode, tis_weights
 
@@ -32,6 +38,7 @@ __all__ = [
     "LossDenominators",
     "LossReduction",
     "PolicyLossMetrics",
+    "PolicyLossType",
     "TISMode",
     "TrainSample",
     "combine_metrics",
@@ -44,6 +51,7 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "sequence_loss_tokens",
+    "sequence_mean_log_ratio",
     "tis_weights",
     "to_train_samples",
 ]

@@ -245,6 +245,11 @@ class AlgoConfig(_Section):
         description="grpo: divide by the group std. Dr.GRPO as published = false with "
         "loss_reduction=seq_mean_token_sum_norm.",
     )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level ratio and clip; gspo: the sequence-level ratio exp(mean over the response of "
+        "logprob - old_logprob) and its clip (GSPO; needs loss_reduction=seq_mean_token_mean).",
+    )
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
     dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages, e.g. 3.0.")
@@ -441,6 +446,11 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"algo.estimator={a.estimator} compares responses within a group, but rollout.n_samples_per_prompt=1 makes "
             "every advantage zero; set rollout.n_samples_per_prompt >= 2"
+        )
+    if a.policy_loss == "gspo" and a.loss_reduction != "seq_mean_token_mean":
+        errors.append(
+            f"algo.policy_loss=gspo averages each response's sequence-level loss over responses (the GSPO objective), "
+            f"but algo.loss_reduction={a.loss_reduction}; set algo.loss_reduction=seq_mean_token_mean"
         )
     if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
         errors.append(

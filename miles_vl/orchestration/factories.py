@@ -210,6 +210,7 @@ def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
             **a.model_dump(include=set(same)),
             tis_mode=a.tis.mode if a.tis.enabled else None,
             tis_cap=a.tis.cap,
+            policy_loss_type=a.policy_loss,
             reduction=a.loss_reduction,
             max_response_len=cfg.rollout.max_response_len,
             temperature=cfg.rollout.temperature,

@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import FloatTensor, Tensor
 
-from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, TISMode, TrainSample
+from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, PolicyLossType, TISMode, TrainSample
 
 # ---------------------------------------------------------------------------------------------------------------------
 # options
@@ -43,6 +43,7 @@ class LossOptions:
     entropy_coef: float = 0.0
     tis_mode: TISMode | None = None
     tis_cap: float = 2.0
+    policy_loss_type: PolicyLossType = "ppo"  # gspo: each token's response ratio (`seq_log_ratio`, from the backend)
     reduction: LossReduction = "token_mean"
     max_response_len: int | None = None  # the constant of reduction="seq_mean_token_sum_norm" (Dr.GRPO)
     temperature: float = 1.0  # the rollout's sampling temperature

@@ -106,6 +106,24 @@ def test_gradient_matches_transformers_reference(base_model):
             torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_gspo_packed_equals_unpacked_and_moves_along_the_advantage(base_model):
+    """GSPO through the torch backend: one packed row and one row per sample give the same loss and gradients (the
+    sequence ratio is per sample, never per row); a step raises the positive-advantage sample's logprobs."""
+    samples = make_samples()
+    loss = LossOptions(policy_loss_type="gspo", reduction="seq_mean_token_mean")
+    packed_b = backend(copy.deepcopy(base_model), loss=loss, micro_batch_max_tokens=4096)
+    alone_b = backend(copy.deepcopy(base_model), loss=loss)
+    alone_b._micro_batches = lambda batch: [[i] for i in range(len(batch))]
+    m1, g1 = grads(packed_b, samples)
+    m2, g2 = grads(alone_b, samples)
+    torch.testing.assert_close(m1.loss, m2.loss, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6, msg=name)
+    before = packed_b.compute_logprobs(samples)
+    train_step(packed_b, samples)
+    assert packed_b.compute_logprobs(samples)[0].sum() > before[0].sum()
+
+
 def test_dr_grpo_loss_is_the_token_sum_over_a_constant(base_model):
     """Dr.GRPO's reduction at the first micro-step (ratio 1): loss = -sum_i A_i * |y_i| / (N_samples * max_len),
     written out here from the samples, not from the weights helper."""

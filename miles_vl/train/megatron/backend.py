@@ -285,6 +285,7 @@ def _metrics_template(loss: LossOptions) -> PolicyLossMetrics:
         ref_logprobs=empty if loss.kl_coef > 0 else None,
         entropy=empty if loss.entropy_coef > 0 else None,
         rollout_logprobs=empty,
+        seq_log_ratio=empty if loss.policy_loss_type == "gspo" else None,
         **loss.policy_loss_kwargs(),
     ).metrics
 

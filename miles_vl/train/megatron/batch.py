@@ -42,6 +42,7 @@ class LossInputs:
     weights: Tensor  # mask and global denominator (`loss_token_weights`)
     rollout_logprobs: Tensor
     ref_logprobs: Tensor | None = None
+    seq_loss_tokens: Tensor | None = None  # [n_samples] loss tokens of each WHOLE sample of the row (GSPO's mean)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ def attach_loss_inputs(
         weights=weights.float(),
         rollout_logprobs=at_labels(rollout, ids, sample, resp_idx),
         ref_logprobs=at_labels(ref_logprobs, ids, sample, resp_idx) if ref_logprobs is not None else None,
+        seq_loss_tokens=counts,
     )
     return replace(mb, loss=loss)
 
