@@ -162,7 +162,19 @@ class DynamicSamplingConfig(_Section):
     """DAPO-style: drop groups whose rewards are all equal, over-sample prompts to refill the batch."""
 
     enabled: bool = False
-    max_rounds: int = Field(3, ge=1, description="extra rollout rounds at most before training on what we have.")
+    max_rounds: int = Field(
+        3,
+        ge=1,
+        description="extra rollout rounds at most before training on what we have: the kept groups in whole "
+        "mini-batches (the rest dropped, counted in rollout/short_batch_dropped_groups); fewer than one mini-batch "
+        "skips the train phase of the step (train/skipped_steps).",
+    )
+    over_sampling_factor: float = Field(
+        1.0,
+        ge=1.0,
+        description="each round rolls out ceil(factor * missing prompts) (miles' --over-sampling-batch-size); "
+        "groups kept beyond rollout.batch_size are not trained on (rollout/surplus_groups).",
+    )
 
 
 class RolloutConfig(_Section):
