@@ -13,6 +13,7 @@ from miles_vl.algo.advantages import (
     compute_advantages,
     grpo_advantages,
     reinforce_pp_baseline_advantages,
+    rloo_advantages,
 )
 from miles_vl.algo.kl import KLEstimator, kl_penalty
 from miles_vl.algo.loss_weights import (
@@ -22,7 +23,13 @@ from miles_vl.algo.loss_weights import (
     loss_token_weights,
     sequence_loss_tokens,
 )
-from miles_vl.algo.policy_loss import PolicyLossMetrics, combine_metrics, policy_loss
+from miles_vl.algo.policy_loss import (
+    PolicyLossMetrics,
+    PolicyLossType,
+    combine_metrics,
+    policy_loss,
+    sequence_mean_log_ratio,
+)
 from miles_vl.algo.samples import TrainSample, to_train_samples
 from miles_vl.algo.tis import TISMode, tis_weights
 
@@ -31,6 +38,7 @@ __all__ = [
     "LossDenominators",
     "LossReduction",
     "PolicyLossMetrics",
+    "PolicyLossType",
     "TISMode",
     "TrainSample",
     "combine_metrics",
@@ -41,7 +49,9 @@ __all__ = [
     "loss_token_weights",
     "policy_loss",
     "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
     "sequence_loss_tokens",
+    "sequence_mean_log_ratio",
     "tis_weights",
     "to_train_samples",
 ]

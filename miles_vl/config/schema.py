@@ -176,7 +176,19 @@ class DynamicSamplingConfig(_Section):
     """DAPO-style: drop groups whose rewards are all equal, over-sample prompts to refill the batch."""
 
     enabled: bool = False
-    max_rounds: int = Field(3, ge=1, description="extra rollout rounds at most before training on what we have.")
+    max_rounds: int = Field(
+        3,
+        ge=1,
+        description="extra rollout rounds at most before training on what we have: the kept groups in whole "
+        "mini-batches (the rest dropped, counted in rollout/short_batch_dropped_groups); fewer than one mini-batch "
+        "skips the train phase of the step (train/skipped_steps).",
+    )
+    over_sampling_factor: float = Field(
+        1.0,
+        ge=1.0,
+        description="each round rolls out ceil(factor * missing prompts) (miles' --over-sampling-batch-size); "
+        "groups kept beyond rollout.batch_size are not trained on (rollout/surplus_groups).",
+    )
 
 
 class RolloutConfig(_Section):
@@ -249,12 +261,30 @@ class TISConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    estimator: Literal["grpo", "reinforce_pp_baseline"] = "grpo"
-    norm_adv_by_std: bool = Field(True, description="false = Dr.GRPO (no std normalisation).")
+    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo: (r - group mean) / group std; rloo: r_i - mean of the other n-1 rewards of the group "
+        "(leave-one-out); reinforce_pp_baseline: r - group mean, whitened over the batch.",
+    )
+    norm_adv_by_std: bool = Field(
+        True,
+        description="grpo: divide by the group std. Dr.GRPO as published = false with "
+        "loss_reduction=seq_mean_token_sum_norm.",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level ratio and clip; gspo: the sequence-level ratio exp(mean over the response of "
+        "logprob - old_logprob) and its clip (GSPO; needs loss_reduction=seq_mean_token_mean).",
+    )
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
     dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages, e.g. 3.0.")
-    loss_reduction: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    loss_reduction: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="token_mean: loss summed over tokens / loss tokens of the mini-batch; seq_mean_token_mean: mean "
+        "over each response's tokens, then over responses; seq_mean_token_sum_norm: summed over tokens / (samples of "
+        "the mini-batch * rollout.max_response_len), Dr.GRPO's constant normaliser.",
+    )
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)
@@ -486,10 +516,15 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.batch_size * rollout.n_samples_per_prompt = {cfg.samples_per_step} samples per step is not "
             f"divisible by train.global_batch_size={t.global_batch_size}; pick a divisor"
         )
-    if a.estimator == "grpo" and r.n_samples_per_prompt < 2:
+    if a.estimator in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
         errors.append(
-            "algo.estimator=grpo compares responses within a group, but rollout.n_samples_per_prompt=1 makes every "
-            "advantage zero; set rollout.n_samples_per_prompt >= 2"
+            f"algo.estimator={a.estimator} compares responses within a group, but rollout.n_samples_per_prompt=1 makes "
+            "every advantage zero; set rollout.n_samples_per_prompt >= 2"
+        )
+    if a.policy_loss == "gspo" and a.loss_reduction != "seq_mean_token_mean":
+        errors.append(
+            f"algo.policy_loss=gspo averages each response's sequence-level loss over responses (the GSPO objective), "
+            f"but algo.loss_reduction={a.loss_reduction}; set algo.loss_reduction=seq_mean_token_mean"
         )
     if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
         errors.append(

@@ -65,7 +65,14 @@ from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.trainer import Trainer
 from miles_vl.reward import WeightedRewards
 from miles_vl.rollout import Generation, SamplingParams
-from miles_vl.rollout.collect import collect, has_reward_variance, mean, rollout_metrics, score_groups
+from miles_vl.rollout.collect import (
+    collect,
+    has_reward_variance,
+    mean,
+    rollout_metrics,
+    score_groups,
+    trim_to_whole_batches,
+)
 from miles_vl.rollout.weight_sync import make_weight_sync
 
 log = logging.getLogger(__name__)
@@ -378,24 +385,36 @@ class Job:
             want=self.cfg.rollout.batch_size,
             keep=has_reward_variance if ds.enabled else None,
             max_rounds=ds.max_rounds,
+            over_sampling_factor=ds.over_sampling_factor,
             timer=timer,
         )
         media = (self.tokens.image_token_id, self.tokens.video_token_id)
         stats = rollout_metrics(batch, media_token_ids=media, dynamic_sampling=ds.enabled)
+        n = self.cfg.rollout.n_samples_per_prompt
+        batch = trim_to_whole_batches(
+            batch, global_batch_size=self.cfg.effective_global_batch_size, n_samples_per_prompt=n
+        )
+        stats["rollout/short_batch_dropped_groups"] = float(batch.short_batch_dropped)
+        stats["rollout/short_batch_dropped_samples"] = float(batch.short_batch_dropped * n)
         stats["rollout/engine_restarts"] = float(self.rollout.restarts())
         stats["rollout/weight_resyncs"] = float(self.rollout.resyncs)
         stats["rollout/rounds"] = float(batch.rounds)
         memory = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
         with timer("advantages"):
             a = self.cfg.algo
-            samples, adv_stats = to_train_samples(
-                batch.prompts, batch.groups, batch.rewards, estimator=a.estimator, norm_adv_by_std=a.norm_adv_by_std
-            )
+            samples, adv_stats = [], {}
+            if batch.prompts:  # else fewer kept samples than one mini-batch: train_and_sync skips training
+                samples, adv_stats = to_train_samples(
+                    batch.prompts, batch.groups, batch.rewards, estimator=a.estimator, norm_adv_by_std=a.norm_adv_by_std
+                )
         return StepBatch(samples, {"step": step + 1, **stats, **adv_stats, **memory}, timer)
 
     def train_and_sync(self, step: int, batch: StepBatch) -> dict[str, float]:
         """Train on the batch and hand the new weights to the engines; returns the step's metrics."""
         timer = batch.timer
+        if not batch.samples:
+            log.warning("step %d: no whole mini-batch of samples was kept; the train phase is skipped", step + 1)
+            return {**batch.metrics, "train/skipped_steps": 1.0, **timer.metrics()}
         self.trainer_at_commit = False  # from the first optimizer step the trainer is past the committed step
         with timer("train"):
             self.rollout.release_memory()  # colocated: the trainer gets the devices
@@ -409,7 +428,8 @@ class Job:
             "perf/train_tokens_per_s": n_tokens / max(timer.seconds["train"], 1e-9),
             "perf/rollout_tokens_per_s": response_tokens / max(timer.seconds["rollout"], 1e-9),
         }
-        return {**batch.metrics, **train_metrics, **self.sync_sizes(), **perf, **timer.metrics()}
+        skipped = {"train/skipped_steps": 0.0}
+        return {**batch.metrics, **train_metrics, **skipped, **self.sync_sizes(), **perf, **timer.metrics()}
 
     def commit(self, step: int) -> None:
         """Step `step` is complete (trained, synced, evaluated, logged): it is now what a checkpoint holds."""

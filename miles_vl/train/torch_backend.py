@@ -23,7 +23,14 @@ from safetensors.torch import load_model, save_model
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
-from miles_vl.algo import combine_metrics, loss_denominators, loss_token_weights, policy_loss, sequence_loss_tokens
+from miles_vl.algo import (
+    combine_metrics,
+    loss_denominators,
+    loss_token_weights,
+    policy_loss,
+    sequence_loss_tokens,
+    sequence_mean_log_ratio,
+)
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.forward import label_logprobs
 from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batches
@@ -149,17 +156,27 @@ class TorchTrainBackend:
             )
             at = (mb, sample, resp_idx)  # where each label position reads per-sample response arrays
             weights = loss_token_weights(
-                packed.label_mask[pos], sample, count, denominators, reduction=self.loss.reduction
+                packed.label_mask[pos],
+                sample,
+                count,
+                denominators,
+                reduction=self.loss.reduction,
+                max_response_len=self.loss.max_response_len,
             )
             advantages = torch.tensor([samples[i].advantage for i in mb], dtype=torch.float32)[sample]
+            old_at = at_labels(old, *at).to(self.device)
+            seq_log_ratio = None
+            if self.loss.policy_loss_type == "gspo":  # a sample lies whole in one micro-batch row: no reduction
+                seq_log_ratio = sequence_mean_log_ratio(logp[pos], old_at, sample, count, weights.to(self.device))
             out = policy_loss(
                 logp[pos],
-                at_labels(old, *at).to(self.device),
+                old_at,
                 advantages.to(self.device),
                 weights.to(self.device),
                 ref_logprobs=at_labels(ref, *at).to(self.device) if ref is not None else None,
                 entropy=entropy[pos] if entropy is not None else None,
                 rollout_logprobs=at_labels(rollout, *at).to(self.device),
+                seq_log_ratio=seq_log_ratio,
                 **self.loss.policy_loss_kwargs(),
             )
             finite = finite and bool(torch.isfinite(out.loss))

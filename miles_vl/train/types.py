@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import FloatTensor, Tensor
 
-from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, TISMode, TrainSample
+from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, PolicyLossType, TISMode, TrainSample
 
 # ---------------------------------------------------------------------------------------------------------------------
 # options
@@ -43,7 +43,9 @@ class LossOptions:
     entropy_coef: float = 0.0
     tis_mode: TISMode | None = None
     tis_cap: float = 2.0
+    policy_loss_type: PolicyLossType = "ppo"  # gspo: each token's response ratio (`seq_log_ratio`, from the backend)
     reduction: LossReduction = "token_mean"
+    max_response_len: int | None = None  # the constant of reduction="seq_mean_token_sum_norm" (Dr.GRPO)
     temperature: float = 1.0  # the rollout's sampling temperature
     suppress_token_ids: tuple[int, ...] = ()  # tokens the engine bans: scored out of the same distribution
 
@@ -53,8 +55,8 @@ class LossOptions:
         return self.temperature if self.temperature > 0 else 1.0
 
     def policy_loss_kwargs(self) -> dict:
-        """The keyword arguments of `miles_vl.algo.policy_loss` (the fields but the scoring ones)."""
-        scoring = ("reduction", "temperature", "suppress_token_ids")
+        """The keyword arguments of `miles_vl.algo.policy_loss` (the fields but the token-weight and scoring ones)."""
+        scoring = ("reduction", "max_response_len", "temperature", "suppress_token_ids")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in scoring}
 
 

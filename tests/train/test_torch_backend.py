@@ -56,11 +56,12 @@ def grads(b, samples):
     return metrics, {n: p.grad.clone() for n, p in b.model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_packed_equals_unpacked(base_model, reduction):
     samples = make_samples()
-    packed_b = backend(copy.deepcopy(base_model), loss=LossOptions(reduction=reduction), micro_batch_max_tokens=4096)
-    alone_b = backend(copy.deepcopy(base_model), loss=LossOptions(reduction=reduction))
+    loss = LossOptions(reduction=reduction, max_response_len=8)
+    packed_b = backend(copy.deepcopy(base_model), loss=loss, micro_batch_max_tokens=4096)
+    alone_b = backend(copy.deepcopy(base_model), loss=loss)
     alone_b._micro_batches = lambda batch: [[i] for i in range(len(batch))]  # every sample in its own row
     assert len(packed_b._micro_batches(samples)) == 1
     m1, g1 = grads(packed_b, samples)
@@ -103,6 +104,34 @@ def test_gradient_matches_transformers_reference(base_model):
     for name, p in ref_model.named_parameters():
         if p.grad is not None and name in ours:
             torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gspo_packed_equals_unpacked_and_moves_along_the_advantage(base_model):
+    """GSPO through the torch backend: one packed row and one row per sample give the same loss and gradients (the
+    sequence ratio is per sample, never per row); a step raises the positive-advantage sample's logprobs."""
+    samples = make_samples()
+    loss = LossOptions(policy_loss_type="gspo", reduction="seq_mean_token_mean")
+    packed_b = backend(copy.deepcopy(base_model), loss=loss, micro_batch_max_tokens=4096)
+    alone_b = backend(copy.deepcopy(base_model), loss=loss)
+    alone_b._micro_batches = lambda batch: [[i] for i in range(len(batch))]
+    m1, g1 = grads(packed_b, samples)
+    m2, g2 = grads(alone_b, samples)
+    torch.testing.assert_close(m1.loss, m2.loss, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6, msg=name)
+    before = packed_b.compute_logprobs(samples)
+    train_step(packed_b, samples)
+    assert packed_b.compute_logprobs(samples)[0].sum() > before[0].sum()
+
+
+def test_dr_grpo_loss_is_the_token_sum_over_a_constant(base_model):
+    """Dr.GRPO's reduction at the first micro-step (ratio 1): loss = -sum_i A_i * |y_i| / (N_samples * max_len),
+    written out here from the samples, not from the weights helper."""
+    samples = make_samples()
+    b = backend(copy.deepcopy(base_model), loss=LossOptions(reduction="seq_mean_token_sum_norm", max_response_len=8))
+    metrics, _ = grads(b, samples)
+    expected = -sum(s.advantage * s.response_len for s in samples) / (len(samples) * 8)
+    assert float(metrics.loss) == pytest.approx(expected, abs=1e-6)
 
 
 def test_step_follows_the_advantage(base_model):

@@ -192,7 +192,11 @@ class MegatronTrainBackend:
         for spec in plans[g.dp_rank]:
             spec = type(spec)([idx[j] for j in spec.samples], spec.dummy)  # positions in idx -> sample indices
             mb = self._micro_batch(samples, spec)
-            micro.append(attach_loss_inputs(mb, samples, old, ref, denominators, reduction=self.loss.reduction))
+            loss = self.loss
+            mb = attach_loss_inputs(
+                mb, samples, old, ref, denominators, reduction=loss.reduction, max_response_len=loss.max_response_len
+            )
+            micro.append(mb)
         (token_norm,) = all_reduce_sum([sum(mb.packed.num_tokens for mb in micro)], g.dp, self.device)
         for chunk in self.model:
             chunk.train()
@@ -281,6 +285,7 @@ def _metrics_template(loss: LossOptions) -> PolicyLossMetrics:
         ref_logprobs=empty if loss.kl_coef > 0 else None,
         entropy=empty if loss.entropy_coef > 0 else None,
         rollout_logprobs=empty,
+        seq_log_ratio=empty if loss.policy_loss_type == "gspo" else None,
         **loss.policy_loss_kwargs(),
     ).metrics
 

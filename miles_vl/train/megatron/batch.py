@@ -42,6 +42,7 @@ class LossInputs:
     weights: Tensor  # mask and global denominator (`loss_token_weights`)
     rollout_logprobs: Tensor
     ref_logprobs: Tensor | None = None
+    seq_loss_tokens: Tensor | None = None  # [n_samples] loss tokens of each WHOLE sample of the row (GSPO's mean)
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,10 @@ def attach_loss_inputs(
     denominators: LossDenominators,
     *,
     reduction: LossReduction,
+    max_response_len: int | None = None,
 ) -> MicroBatch:
-    """`mb` with the loss inputs of its local label positions (per-sample arrays are `[response_len]` each)."""
+    """`mb` with the loss inputs of its local label positions (per-sample arrays are `[response_len]` each);
+    `reduction` and `max_response_len` as `miles_vl.algo.loss_token_weights` takes them."""
     shard, packed = mb.shard, mb.packed
     label_mask = shard.label_mask[0]
     pos = label_mask.nonzero().squeeze(1)  # [n] local positions
@@ -126,7 +129,9 @@ def attach_loss_inputs(
     full = shard.full_index[pos]  # [n] full-row positions
     resp_idx = full + 1 - packed.cu_seqlens[:-1].long()[sample] - packed.prompt_lens[sample]
     counts = sequence_loss_tokens(packed.label_mask, packed.sample_index, packed.num_samples)  # whole samples
-    weights = loss_token_weights(label_mask[pos], sample, counts, denominators, reduction=reduction)
+    weights = loss_token_weights(
+        label_mask[pos], sample, counts, denominators, reduction=reduction, max_response_len=max_response_len
+    )
     ids = mb.spec.samples
     advantages = torch.tensor([float(samples[i].advantage) for i in ids], dtype=torch.float32)[sample]
     rollout = [s.rollout_logprobs for s in samples]
@@ -138,6 +143,7 @@ def attach_loss_inputs(
         weights=weights.float(),
         rollout_logprobs=at_labels(rollout, ids, sample, resp_idx),
         ref_logprobs=at_labels(ref_logprobs, ids, sample, resp_idx) if ref_logprobs is not None else None,
+        seq_loss_tokens=counts,
     )
     return replace(mb, loss=loss)
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_vl.algo import policy_loss
+from miles_vl.algo import policy_loss, sequence_mean_log_ratio
 from miles_vl.packing.distributed import gather_full_row
 from miles_vl.train.megatron.batch import MicroBatch, model_inputs
 from miles_vl.train.megatron.parallel import ParallelGroups
@@ -121,18 +121,40 @@ def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Te
         vocab_size=options.vocab_size,
         with_entropy=options.loss.entropy_coef > 0,
     )
+    old = li.old_logprobs.to(device)
+    seq_log_ratio = None
+    if options.loss.policy_loss_type == "gspo":
+        seq_log_ratio = sequence_mean_log_ratio(
+            logp, old, li.sample.to(device), li.seq_loss_tokens, li.weights.to(device), all_reduce=_cp_sum(options)
+        )
     out = policy_loss(
         logp,
-        li.old_logprobs.to(device),
+        old,
         li.advantages.to(device),
         li.weights.to(device),
         ref_logprobs=li.ref_logprobs.to(device) if li.ref_logprobs is not None else None,
         entropy=entropy,
         rollout_logprobs=li.rollout_logprobs.to(device),
+        seq_log_ratio=seq_log_ratio,
         **options.loss.policy_loss_kwargs(),
     )
     report = {"metrics": out.metrics, "num_tokens": mb.num_local_tokens}
     return out.loss * options.token_norm, _num_tokens(mb, logits), report
+
+
+def _cp_sum(options: ForwardOptions):
+    """GSPO's per-sample sums over the CP ranks of a row (a sample's tokens are zigzagged over all of them; a sample
+    never spans micro-batches: the planners pack whole samples). Every CP rank of the group runs the loss function of
+    the same micro-batch (dummy ones included), so the collective matches; None without CP."""
+    if options.groups.cp_size == 1:
+        return None
+
+    def reduce(x: Tensor) -> Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=options.groups.cp)
+        return x
+
+    return reduce
 
 
 def sequential_forward_backward(
