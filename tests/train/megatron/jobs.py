@@ -541,9 +541,10 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
 
 
 def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str) -> dict:
-    """The backend at DP=2 (TP=1: the CPU harness cannot load HF weights into TP shards) as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py): one RL step
-    with a large learning rate (the weights move away from the checkpoint), its logprobs of `hf_samples`, then
-    `save_hf` in small shards (every rank exports, rank 0 writes)."""
+    """The backend at DP=2 as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py; TP=1: the
+    harness cannot load HF weights into TP shards): one RL step with a large learning rate (the weights move away from
+    the checkpoint), its logprobs of `hf_samples`, then `save_hf` in small shards (every rank exports, rank 0
+    writes)."""
     import dataclasses
     from pathlib import Path
 
