@@ -4,6 +4,7 @@
     miles-vl train configs/geo3k_tiny_cpu.yaml                                 # run the RL job
     miles-vl doctor                                                            # the installed stack; what can run
     miles-vl configs geo3k_tiny_cpu my_job.yaml                                # copy a shipped config to edit
+    miles-vl export outputs/geo3k_tiny_cpu hf_model [--step N]                 # a checkpoint as an HF model
 
 Every subcommand that takes a config accepts `key.sub=value` overrides after it, and `--log-level` before or after
 the subcommand (else the config's `logging.level`). Bad input exits with status 2 and one message listing every
@@ -49,6 +50,7 @@ examples:
   miles-vl configs                                      the configs that ship with miles-vl
   miles-vl configs geo3k_tiny_cpu my_job.yaml           copy one to edit (from a wheel install too)
   miles-vl doctor                                       what is installed, and which backends can run
+  miles-vl export outputs/geo3k_tiny_cpu hf_model       the newest checkpoint as a Hugging Face model directory
 
 Overrides are key.sub=value pairs with YAML values: train.optimizer.lr=1e-6, data.system_prompt=null.
 Every key, its default and its meaning: miles_vl/config/schema.py (docs/configs.md).
@@ -145,6 +147,33 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 1
     for path in paths:
         sys.stdout.write(f"{path}\n")
+    return 0
+
+
+def _configure_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.yaml, checkpoints/)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face model directory to write")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    p.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        help="shard the safetensors above this size (default: the run's checkpoint.save_hf.max_shard_bytes, 5 GB)",
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run's checkpoint as a Hugging Face model directory (orchestration/export.py)."""
+    from miles_vl.orchestration.checkpoint import CheckpointError
+    from miles_vl.orchestration.export import ExportError, export_run
+
+    try:
+        out = export_run(
+            args.run_dir, args.out_dir, step=args.step, force=args.force, max_shard_bytes=args.max_shard_bytes
+        )
+    except (ExportError, CheckpointError) as e:
+        return _bad_input(e)
+    sys.stdout.write(f"{out}\n")
     return 0
 
 
@@ -281,6 +310,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "list the shipped configs, print one (NAME), or copy one to a path (NAME DEST)",
         _configure_configs,
         cmd_configs,
+    ),
+    "export": (
+        "write a run's checkpoint (newest, or --step N) as a Hugging Face model directory: config.json, safetensors "
+        "(sharded above 5 GB), processor and chat template; transformers' from_pretrained and SGLang load it",
+        _configure_export,
+        cmd_export,
     ),
     "report": ("write PNG plots of a run's metrics (RUN_DIR/plots)", lambda p: p.add_argument("run_dir"), cmd_report),
 }

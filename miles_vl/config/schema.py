@@ -398,11 +398,32 @@ class LoggingConfig(_Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
+class SaveHFConfig(_Section):
+    """Hugging Face model directories written during training, <run dir>/hf/step_N (config.json, safetensors,
+    processor and chat template): what transformers' `from_pretrained` and SGLang load. `miles-vl export` writes one
+    from any checkpoint afterwards."""
+
+    steps: list[int] = Field(default_factory=list, description="write one after each of these steps.")
+    interval: int = Field(0, ge=0, description="write one every N steps; 0 = not by interval.")
+    final: bool = Field(False, description="write one after the last step.")
+    max_shard_bytes: int = Field(
+        5_000_000_000, gt=0, description="safetensors above this size are sharded with an index (5 GB)."
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _positive_steps(cls, steps: list[int]) -> list[int]:
+        if any(s < 1 for s in steps):
+            raise ValueError(f"steps are completed step numbers (>= 1), found {steps}")
+        return steps
+
+
 class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="null = <run dir>/checkpoints.")
     interval: int = Field(0, ge=0, description="save every N steps; 0 = only at the end.")
     keep_last: int = Field(2, gt=0)
     resume: str = Field("auto", description="auto (newest in dir), never, or a checkpoint path.")
+    save_hf: SaveHFConfig = Field(default_factory=SaveHFConfig)
 
 
 class EvalConfig(_Section):

@@ -8,7 +8,7 @@
         --- from here the trainer changes: the step runs to its end ---
         metrics  = train on the samples (packed THD micro-batches)
         sync     = trainer weights -> every engine (then each flushes its caches)
-        eval, log, commit the step; checkpoint when due
+        eval, log, commit the step; checkpoint (and checkpoint.save_hf's HF directory) when due
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
@@ -32,6 +32,7 @@ metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -59,6 +60,7 @@ from miles_vl.orchestration.checkpoint import (
     save_checkpoint,
 )
 from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.export import save_hf_due, save_hf_during_run
 from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_rewards
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
@@ -138,8 +140,10 @@ def run_job(
                     job.log(metrics)
                     job.commit(step + 1)
                     job.save_if_due()
+                    job.save_hf_if_due()
             with signals.deferred():
                 job.save()
+                job.save_hf_if_due()
         except BaseException as err:
             job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
             raise
@@ -516,6 +520,13 @@ class Job:
             self.ckpt_root, step, self.committed, self.trainer.save_checkpoint, self.cfg.checkpoint.keep_last
         )
         self.saved_step = step
+
+    def save_hf_if_due(self) -> None:
+        """<run dir>/hf/step_N of the last completed step when `checkpoint.save_hf` asks for it (export.py)."""
+        h, step = self.cfg.checkpoint.save_hf, self.completed_steps
+        if self.trainer_at_commit and save_hf_due(step, h.steps, h.interval, h.final, step == self.cfg.num_steps):
+            write = functools.partial(self.trainer.save_hf, max_shard_bytes=h.max_shard_bytes)
+            save_hf_during_run(self.run_dir, step, write, self.processor, self.cfg.model.path)
 
     def save_after(self, err: BaseException) -> None:
         """On the way out after `err`: the checkpoint of the last completed step, if it can be written (not after a

@@ -5,7 +5,7 @@
     for ref in trainer.weight_buckets(max_bytes):   # rank 0 streams HF-named buckets, the other ranks take part in
         ...                                         # the collective export and drop their copy
     trainer.open_weight_group(addresses); trainer.send_weights(version); trainer.close_weight_group()  # NCCL sync
-    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.close()
+    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.save_hf(dir, max_shard_bytes); trainer.close()
 
 Rank r sits in the trainer's GPU slot r (placement.py: node-major, so a TP group shares a node) and sees that GPU as
 device 0. The ranks form one `torch.distributed` group (NCCL; gloo without CUDA) at `tcp://<rank 0's node>:<free port>`
@@ -166,6 +166,9 @@ class TrainWorker:
     def load_checkpoint(self, directory: str) -> None:
         self.backend.load_checkpoint(Path(directory))
 
+    def save_hf(self, directory: str, max_shard_bytes: int) -> None:
+        self.backend.save_hf(Path(directory), max_shard_bytes)
+
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():
             with contextlib.suppress(Exception):
@@ -254,6 +257,10 @@ class Trainer:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.load_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def save_hf(self, directory: str | Path, max_shard_bytes: int) -> None:
+        """The policy as an HF model directory (config.json, safetensors): every rank exports, rank 0 writes."""
+        ray.get([w.save_hf.remote(str(directory), max_shard_bytes) for w in self.workers])
 
     def close(self) -> None:
         with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):

@@ -34,6 +34,7 @@ from miles_vl.algo import (
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.forward import label_logprobs
 from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batches
+from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.types import (
     Accumulated,
     TrainOptions,
@@ -207,6 +208,20 @@ class TorchTrainBackend:
         """Trainable tensors with their HF names (frozen ones are not sent: the engine already has them)."""
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return [(name, t.detach().cpu()) for name, t in self.model.state_dict().items() if name in trainable]
+
+    def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """The whole model (frozen parts too) as an HF model directory: config.json and safetensors (hf_files.py).
+        Tied tensors (one storage under two names) are written once, under the first name, as `save_pretrained`
+        does."""
+        config = copy.deepcopy(self.model.config)
+        config.architectures = [type(self.model).__name__]
+        seen: set[int] = set()
+        weights = []
+        for name, t in self.model.state_dict().items():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights.append((name, t))
+        write_hf_model(directory, config, weights, max_shard_bytes=max_shard_bytes)
 
     def save_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)

@@ -24,6 +24,7 @@ optimizer methods and `step.sequential_forward_backward`, and run this same code
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -32,11 +33,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import miles_vl.patches
 from miles_vl.algo import PolicyLossMetrics, combine_metrics, loss_denominators, policy_loss
 from miles_vl.models import SpecialTokens
+from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.megatron import checkpoint as ckpt
 from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
 from miles_vl.train.megatron.export import export_hf_weights
@@ -257,9 +260,27 @@ class MegatronTrainBackend:
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable weights as (HF name, full CPU tensor) pairs, vision tower included unless frozen. Collective:
         every rank of the model must consume the iterator."""
+        return self.hf_weights(self.frozen_prefixes)
+
+    def hf_weights(self, skip_prefixes: Sequence[str] = ()) -> Iterable[tuple[str, Tensor]]:
+        """Every weight but those under `skip_prefixes` (megatron names) as (HF name, full CPU tensor), through
+        megatron-bridge's HF export (export.py). Collective: every rank must consume the iterator."""
         if self.bridge is None:
-            raise ValueError("export_weights needs the AutoBridge the model was built from; pass bridge=...")
-        return export_hf_weights(self.bridge, self.model, skip_prefixes=self.frozen_prefixes, cpu=True)
+            raise ValueError("exporting HF weights needs the AutoBridge the model was built from; pass bridge=...")
+        return export_hf_weights(self.bridge, self.model, skip_prefixes=skip_prefixes, cpu=True)
+
+    def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """The whole model (frozen vision tower too) as an HF model directory with the config of the checkpoint the
+        bridge was built from; every rank takes part in the export, rank 0 writes (hf_files.py)."""
+        weights = self.hf_weights(())
+        if _rank() == 0:
+            config = copy.deepcopy(self.bridge.hf_pretrained.config)
+            write_hf_model(directory, config, weights, max_shard_bytes=max_shard_bytes)
+        else:
+            for _ in weights:
+                pass
+        if dist.is_initialized():
+            dist.barrier()  # the files exist when any rank returns
 
     def save_checkpoint(self, directory: Path) -> None:
         state = {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
@@ -268,6 +289,10 @@ class MegatronTrainBackend:
     def load_checkpoint(self, directory: Path) -> None:
         state = ckpt.load_checkpoint(Path(directory), self.model, self.optimizer, dp_cp_group=self.groups.dp_cp)
         self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _default_device() -> torch.device:

@@ -534,3 +534,27 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
             )
         }
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save_hf: the megatron backend's HF directory
+
+
+def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str) -> dict:
+    """The backend at DP=2 as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py; TP=1: the
+    harness cannot load HF weights into TP shards): one RL step with a large learning rate (the weights move away from
+    the checkpoint), its logprobs of `hf_samples`, then `save_hf` in small shards (every rank exports, rank 0
+    writes)."""
+    import dataclasses
+    from pathlib import Path
+
+    from miles_vl.train.megatron.parallel import ParallelOptions
+    from tests.orchestration import megatron_cpu
+
+    options = cross_backend_options()
+    options = dataclasses.replace(options, optimizer=dataclasses.replace(options.optimizer, lr=1e-2))
+    backend = megatron_cpu.build(hf_dir, tokens(), options, ParallelOptions(bf16=False))
+    train_step(backend, hf_samples)
+    logprobs = backend.compute_logprobs(hf_samples)
+    backend.save_hf(Path(out_dir), max_shard_bytes=200_000)
+    return {"logprobs": logprobs}
