@@ -457,3 +457,53 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
         assert len({tuple(g.response_ids.tolist()) for g in groups[0]}) == 3  # one request (one seed) per sample
     finally:
         det.shutdown()
+
+
+def test_sglang_serves_a_directory_written_by_export(ckpt, processor, tokens, prompts, tmp_path):
+    """`checkpoint.save_hf` / `miles-vl export` (orchestration/export.py `write_hf_dir` over the torch backend's
+    `save_hf`) write a directory a real SGLang server loads and serves: our prompt ids come back, and its logprobs are
+    those of the exported (perturbed) weights, not of the checkpoint the model started from."""
+    from miles_vl.models.qwen3_vl.model import build_model
+    from miles_vl.orchestration.export import write_hf_dir
+    from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
+
+    model = build_model(tokens, path=str(ckpt), dtype=torch.float32)
+    with torch.no_grad():  # other weights than the checkpoint's: the server must serve these
+        gen = torch.Generator().manual_seed(0)
+        model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=gen) * 0.2)
+    options = TrainOptions(OptimizerOptions(lr=0.0))
+    out = write_hf_dir(tmp_path / "exported", TorchTrainBackend(model, tokens, options).save_hf, processor,
+                       str(ckpt), force=False)  # fmt: skip
+    server = _start_host(out, tokens, mem_fraction=0.2, colocated=False, log_name="sglang_server_exported")
+    try:
+        params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=4)
+        groups = server.generate(prompts, params)  # the engine checks each answer's prompt ids against ours
+    finally:
+        server.shutdown()
+
+    def logprobs(weights_of) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = LossOptions(suppress_token_ids=tuple(server.engine.banned_token_ids))
+        backend = TorchTrainBackend(weights_of.to("cuda", torch.bfloat16), tokens,
+                                    TrainOptions(OptimizerOptions(lr=0.0), loss))  # fmt: skip
+        samples = [
+            TrainSample(
+                input_ids=torch.cat([p.prompt_ids, g.response_ids]),
+                prompt_len=p.prompt_ids.numel(),
+                advantage=0.0,
+                rollout_logprobs=g.logprobs,
+                image_grid_thw=p.image_grid_thw,
+                pixel_values=p.pixel_values.to("cuda", torch.bfloat16),
+            )
+            for p, group in zip(prompts, groups, strict=True)
+            for g in group
+        ]
+        return torch.cat(backend.compute_logprobs(samples)).cpu(), torch.cat([s.rollout_logprobs for s in samples])
+
+    train, rollout = logprobs(model)
+    original, _ = logprobs(build_model(tokens, path=str(ckpt), dtype=torch.float32))
+    exported_diff = float((train - rollout).abs().mean())
+    original_diff = float((original - rollout).abs().mean())
+    print(f"SGLANG-REAL exported dir: logprob diff {exported_diff:.5f} vs its weights, {original_diff:.5f} vs the "
+          "checkpoint it started from")  # fmt: skip
+    assert exported_diff < 0.1
+    assert original_diff > 5 * exported_diff
