@@ -267,30 +267,34 @@ def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     assert host.health()
 
 
+def _scored(model, tokens, prompts, groups, banned_token_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the torch train backend's logprobs of every generated response under `model` in bf16, the rollout's)."""
+    from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
+
+    loss = LossOptions(suppress_token_ids=tuple(banned_token_ids))
+    backend = TorchTrainBackend(model.to("cuda", torch.bfloat16), tokens, TrainOptions(OptimizerOptions(lr=0.0), loss))
+    samples = [
+        TrainSample(
+            input_ids=torch.cat([prompt.prompt_ids, gen.response_ids]),
+            prompt_len=prompt.prompt_ids.numel(),
+            advantage=0.0,
+            rollout_logprobs=gen.logprobs,
+            image_grid_thw=prompt.image_grid_thw,
+            pixel_values=prompt.pixel_values.to("cuda", torch.bfloat16),
+        )
+        for prompt, group in zip(prompts, groups, strict=True)
+        for gen in group
+    ]
+    return torch.cat(backend.compute_logprobs(samples)).cpu(), torch.cat([s.rollout_logprobs for s in samples])
+
+
 def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
     from miles_vl.models.qwen3_vl.model import build_model
-    from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
 
     params = SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=2)
     groups = host.generate(prompts, params)
-    samples = []
-    for prompt, group in zip(prompts, groups, strict=True):
-        for gen in group:
-            samples.append(
-                TrainSample(
-                    input_ids=torch.cat([prompt.prompt_ids, gen.response_ids]),
-                    prompt_len=prompt.prompt_ids.numel(),
-                    advantage=0.0,
-                    rollout_logprobs=gen.logprobs,
-                    image_grid_thw=prompt.image_grid_thw,
-                    pixel_values=prompt.pixel_values.to("cuda", torch.bfloat16),
-                )
-            )
     model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
-    loss = LossOptions(suppress_token_ids=tuple(host.engine.banned_token_ids))
-    backend = TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=0.0), loss))
-    train = torch.cat(backend.compute_logprobs(samples))
-    rollout = torch.cat([s.rollout_logprobs for s in samples])
+    train, rollout = _scored(model, tokens, prompts, groups, host.engine.banned_token_ids)
     diff = (train - rollout).abs()
     result = {
         "train_rollout_logprob_abs_diff": round(float(diff.mean()), 5),
@@ -301,7 +305,7 @@ def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
     }
     print("SGLANG-REAL " + json.dumps(result))
     record["consistency"] = result
-    del backend, model
+    del model
     torch.cuda.empty_cache()
     # The distribution is far from uniform (mean logprob above -log V), so agreement is informative.
     assert float(rollout.mean()) > -math.log(tokens.vocab_size) + 0.5
@@ -465,7 +469,7 @@ def test_sglang_serves_a_directory_written_by_export(ckpt, processor, tokens, pr
     those of the exported (perturbed) weights, not of the checkpoint the model started from."""
     from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.orchestration.export import write_hf_dir
-    from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
+    from miles_vl.train import OptimizerOptions, TorchTrainBackend, TrainOptions
 
     model = build_model(tokens, path=str(ckpt), dtype=torch.float32)
     with torch.no_grad():  # other weights than the checkpoint's: the server must serve these
@@ -481,26 +485,8 @@ def test_sglang_serves_a_directory_written_by_export(ckpt, processor, tokens, pr
     finally:
         server.shutdown()
 
-    def logprobs(weights_of) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = LossOptions(suppress_token_ids=tuple(server.engine.banned_token_ids))
-        backend = TorchTrainBackend(weights_of.to("cuda", torch.bfloat16), tokens,
-                                    TrainOptions(OptimizerOptions(lr=0.0), loss))  # fmt: skip
-        samples = [
-            TrainSample(
-                input_ids=torch.cat([p.prompt_ids, g.response_ids]),
-                prompt_len=p.prompt_ids.numel(),
-                advantage=0.0,
-                rollout_logprobs=g.logprobs,
-                image_grid_thw=p.image_grid_thw,
-                pixel_values=p.pixel_values.to("cuda", torch.bfloat16),
-            )
-            for p, group in zip(prompts, groups, strict=True)
-            for g in group
-        ]
-        return torch.cat(backend.compute_logprobs(samples)).cpu(), torch.cat([s.rollout_logprobs for s in samples])
-
-    train, rollout = logprobs(model)
-    original, _ = logprobs(build_model(tokens, path=str(ckpt), dtype=torch.float32))
+    train, rollout = _scored(model, tokens, prompts, groups, server.engine.banned_token_ids)
+    original, _ = _scored(build_model(tokens, path=str(ckpt)), tokens, prompts, groups, server.engine.banned_token_ids)
     exported_diff = float((train - rollout).abs().mean())
     original_diff = float((original - rollout).abs().mean())
     print(f"SGLANG-REAL exported dir: logprob diff {exported_diff:.5f} vs its weights, {original_diff:.5f} vs the "
