@@ -73,8 +73,8 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 # Server variants (`--variants`): (extra flags, extra environment, whether requests carry `mm_hashes`, launch module).
 # What each changes in 0.5.16's multimodal path (srt/multimodal/processors/base_processor.py, srt/managers/mm_utils.py,
 # srt/managers/schedule_batch.py):
-#   v0516       0.5.16 as shipped (miles_vl before 2026-11-25): pixel values sha256-hashed in the scheduler process,
-#               once for every request and, with `sampling_params.n`, once for every copy
+#   v0516       0.5.16 as shipped (what miles_vl ran before commit 437158a): pixel values sha256-hashed in the
+#               scheduler process, once for every request and, with `sampling_params.n`, once for every copy
 #   default     what the engine does: SGLANG_MM_PRECOMPUTE_HASH=1 (the tokenizer hashes once per request, before the
 #               `n` copies are made) and `mm_hashes` (our hash of the image bytes: no pixel hash at all for n = 1)
 #   nopix       default + sglang_copies_without_pixels.py (a prototype, not used by miles_vl): the `n` copies go to the
