@@ -88,6 +88,11 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out fraction of train when no eval_path.")
     synthetic_n: int = Field(0, ge=0, description="generate this many geo3k-style rows instead of reading a file.")
+    synthetic_task: Literal["geo3k", "motion"] = Field(
+        "geo3k",
+        description="what `synthetic_n` generates: geo3k-style diagrams (one image), or motion: a short video of a "
+        "shape moving left or right (`miles-vl data synth --task motion`).",
+    )
     in_memory: bool = Field(
         False,
         description="the training rows are given in Python, `run_job(cfg, dataset=[{...}, ...])` (the columns of "
@@ -98,6 +103,11 @@ class DataConfig(_Section):
     prompt_key: str = "problem"
     answer_key: str = "answer"
     image_key: str = "images"
+    video_key: str = Field(
+        "videos",
+        description="column of videos, in every format: one per `<video>` in the prompt, each a list of frames or a "
+        "video file path (docs/data.md, Video).",
+    )
     system_prompt: str | None = None
     instruction: str | None = Field(
         "Think step by step inside <think></think>, then put the final answer in \\boxed{}.",
@@ -110,6 +120,20 @@ class DataConfig(_Section):
         50_000_000,
         gt=0,
         description="source images with more pixels are dropped (counted as image_too_large) before decoding.",
+    )
+    video_fps: float = Field(
+        2.0,
+        gt=0,
+        description="video frames sampled per second of the source (Qwen3-VL's video processor `fps`); a frame list "
+        "without its own fps is taken as recorded at this rate.",
+    )
+    video_min_frames: int = Field(4, ge=1, description="fewest frames sampled from a video (fewer if it has fewer).")
+    video_max_frames: int = Field(768, ge=1, description="most frames sampled from a video.")
+    video_min_pixels: int = Field(
+        128 * 32 * 32, gt=0, description="smallest area of all sampled frames of a video together (t * h * w)."
+    )
+    video_max_pixels: int = Field(
+        768 * 32 * 32, gt=0, description="largest area of all sampled frames of a video together (t * h * w)."
     )
     shuffle: bool = True
 
@@ -133,6 +157,14 @@ class DataConfig(_Section):
             )
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels})")
+        if self.video_min_frames > self.video_max_frames:
+            raise ValueError(
+                f"data.video_min_frames ({self.video_min_frames}) > data.video_max_frames ({self.video_max_frames})"
+            )
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError(
+                f"data.video_min_pixels ({self.video_min_pixels}) > data.video_max_pixels ({self.video_max_pixels})"
+            )
         return self
 
 

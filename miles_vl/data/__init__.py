@@ -5,9 +5,10 @@
     batch = splits.train.next_batch(8)                                 # list[PromptSample]
 
 Modules: `records` (PromptRow, PromptSample, LoadReport, DropReason), `images` (bytes/paths/data URLs),
-`layouts` (files and column layouts), `prompt` (messages, chat template, encoding), `loading` (validation and
-drop counting), `dataset` (seeded order, resumable cursor, eval split), `processor` (loading it, its settings),
-`synth` (procedural geo3k-style problems), `builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
+`videos` (frame lists and files, frame sampling), `layouts` (files and column layouts), `prompt` (messages, chat
+template, encoding), `loading` (validation and drop counting), `dataset` (seeded order, resumable cursor, eval split),
+`processor` (loading it, its settings), `synth` (procedural geo3k-style problems and the motion video task),
+`builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
 The model family's special tokens and offline processor are in miles_vl/models/qwen3_vl/.
 
 Names are imported on first use (PEP 562), so `miles-vl --help` does not pay for torch and transformers.
@@ -39,6 +40,8 @@ _EXPORTS = {
     "read_records": "layouts",
     "split_train_eval": "dataset",
     "synth_records": "synth",
+    "VideoSettings": "videos",
+    "video_settings": "builder",
     "write_synth_parquet": "synth",
 }
 

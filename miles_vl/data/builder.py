@@ -3,9 +3,10 @@
     splits = build_datasets(cfg.data, processor, seed=cfg.seed)
     batch = splits.train.next_batch(cfg.rollout.batch_size)
 
-Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated geo3k-style problems (`synth`, seeded by the job
-seed). Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted
-and logged (`LoadReport`); a training set with no usable row is an error. Every problem with the files is a
+Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated problems (`synth`, seeded by the job seed):
+geo3k-style diagrams, or with `synthetic_task=motion` short videos of a moving shape. Eval: `eval_path`, else a
+seeded `eval_fraction` of the training rows, else none. Every load is counted and logged (`LoadReport`); a
+training set with no usable row is an error. Every problem with the files is a
 `DataError` naming the file (the CLI exits with status 2 on it, before Ray starts).
 """
 
@@ -22,6 +23,18 @@ from miles_vl.data.loading import load_prompt_file, load_prompt_records
 from miles_vl.data.prompt import PromptEncoder
 from miles_vl.data.records import LoadReport, PromptRow
 from miles_vl.data.synth import synth_records
+from miles_vl.data.videos import VideoSettings
+
+
+def video_settings(cfg: DataConfig) -> VideoSettings:
+    """The video sampling settings of the `data` section, for `load_processor(..., video=...)`."""
+    return VideoSettings(
+        fps=cfg.video_fps,
+        min_frames=cfg.video_min_frames,
+        max_frames=cfg.video_max_frames,
+        min_pixels=cfg.video_min_pixels,
+        max_pixels=cfg.video_max_pixels,
+    )
 
 
 @dataclass
@@ -38,7 +51,7 @@ def build_datasets(
 
     Args:
         cfg: the `data` section of the job config.
-        processor: from `load_processor(..., cfg.min_pixels, cfg.max_pixels)`.
+        processor: from `load_processor(..., cfg.min_pixels, cfg.max_pixels, video_settings(cfg))`.
         seed: the job seed: synthetic problems, the eval hold-out and the shuffling order derive from it.
         records: the training rows in memory (with `cfg.in_memory`), in the columns of `cfg.format` (or mapped by
             `cfg.dataset_fn`); relative image paths are looked up in the working directory.
@@ -67,6 +80,7 @@ def build_datasets(
         prompt_key=cfg.prompt_key,
         answer_key=cfg.answer_key,
         image_key=cfg.image_key,
+        video_key=cfg.video_key,
         dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
         max_image_pixels=cfg.max_image_pixels,
     )
@@ -75,11 +89,12 @@ def build_datasets(
     elif cfg.train_path:
         train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
     else:
+        task = "" if cfg.synthetic_task == "geo3k" else f", task={cfg.synthetic_task}"
         train_rows, report = load_prompt_records(
-            synth_records(cfg.synthetic_n, seed),
+            synth_records(cfg.synthetic_n, seed, task=cfg.synthetic_task),
             encoder,
             max_prompt_len=cfg.max_prompt_len,
-            source=f"synthetic(n={cfg.synthetic_n}, seed={seed})",
+            source=f"synthetic(n={cfg.synthetic_n}, seed={seed}{task})",
             layout="geometry3k",
             max_image_pixels=cfg.max_image_pixels,
         )

@@ -1,6 +1,7 @@
-"""`miles-vl data ...`: generate a synthetic geo3k-style file, or inspect a dataset the way training will load it.
+"""`miles-vl data ...`: generate a synthetic file, or inspect a dataset the way training will load it.
 
     miles-vl data synth data/synth.parquet --n 256 --seed 0
+    miles-vl data synth data/motion.parquet --n 256 --task motion             # the video task
     miles-vl data inspect data/synth.parquet                                  # offline processor, default settings
     miles-vl data inspect geo3k/train.parquet --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024
     miles-vl data inspect --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024 geo3k/train.parquet
@@ -24,10 +25,18 @@ def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.Argume
     """Add the `synth` and `inspect` subcommands to the `data` parser (`parents`: options every command takes)."""
     sub = parser.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
     synth = sub.add_parser(
-        "synth", help="write N generated geo3k-style problems to a parquet file", parents=list(parents)
+        "synth",
+        help="write N generated problems (geo3k-style, or the motion video task) to a parquet file",
+        parents=list(parents),
     )
     synth.add_argument("out", help="output .parquet path")
     synth.add_argument("--n", type=int, default=256, help="number of problems (default 256)")
+    synth.add_argument(
+        "--task",
+        choices=("geo3k", "motion"),
+        default="geo3k",
+        help="geo3k: diagrams, one image each (default); motion: 4-frame videos of a shape moving left or right",
+    )
     synth.add_argument("--seed", type=int, default=0, help="the same seed gives the same file (default 0)")
     synth.set_defaults(data_handler=cmd_synth)
 
@@ -53,20 +62,21 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    """Write `--n` problems to OUT (geometry3k layout plus `kind` and `params` columns)."""
+    """Write `--n` problems of `--task` to OUT (geometry3k layout plus `kind` and `params` columns, and `videos`)."""
     from miles_vl.data.synth import write_synth_parquet
 
     if args.n < 1:
         sys.stderr.write(f"error: --n must be >= 1, found {args.n}\n")
         return 2
-    path = write_synth_parquet(args.out, args.n, args.seed)
-    sys.stdout.write(f"wrote {args.n} problems (seed {args.seed}) to {path}\n")
+    path = write_synth_parquet(args.out, args.n, args.seed, args.task)
+    sys.stdout.write(f"wrote {args.n} problems ({args.task}, seed {args.seed}) to {path}\n")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Load PATH with the job's (or default) data settings and print rows, drops and the first prompt."""
     from miles_vl.config.schema import DataConfig
+    from miles_vl.data.builder import video_settings
     from miles_vl.data.layouts import load_dataset_fn
     from miles_vl.data.loading import load_prompt_file
     from miles_vl.data.processor import OFFLINE, load_processor, processor_metadata
@@ -87,7 +97,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         data, processor_spec = job.data, args.processor or job.model.processor or job.model.path or OFFLINE
     else:
         data, processor_spec = DataConfig(train_path=path), args.processor or OFFLINE
-    processor = load_processor(processor_spec, data.min_pixels, data.max_pixels)
+    processor = load_processor(processor_spec, data.min_pixels, data.max_pixels, video_settings(data))
     encoder = PromptEncoder(processor, system_prompt=data.system_prompt, instruction=data.instruction)
     rows, report = load_prompt_file(
         path,
@@ -97,6 +107,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         prompt_key=data.prompt_key,
         answer_key=data.answer_key,
         image_key=data.image_key,
+        video_key=data.video_key,
         dataset_fn=load_dataset_fn(data.dataset_fn) if data.dataset_fn else None,
         max_image_pixels=data.max_image_pixels,
     )
@@ -110,13 +121,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             out(f"    row {ex.index}: {ex.detail}\n")
     images_per_row = dict(sorted(Counter(len(r.images) for r in rows).items()))
     out(f"images per row (kept rows): {images_per_row}\n")
+    if any(r.videos for r in rows):
+        videos_per_row = dict(sorted(Counter(len(r.videos) for r in rows).items()))
+        out(
+            f"videos per row (kept rows): {videos_per_row}; sampled at {meta['video_fps']} fps, "
+            f"{meta['video_min_frames']}..{meta['video_max_frames']} frames, "
+            f"pixels {meta['video_min_pixels']}..{meta['video_max_pixels']}\n"
+        )
     out(
         f"processor: {processor_spec} ({meta['processor_class']}, patch {meta['patch_size']}, merge "
         f"{meta['merge_size']}, pixels {meta['min_pixels']}..{meta['max_pixels']}, {meta['tokenizer_size']} tokens); "
         f"max_prompt_len {data.max_prompt_len}\n"
     )
     for row in rows[: args.rows]:
-        out(f"row {row.index}: {len(row.images)} image(s), {row.prompt_len} tokens, answer {row.label!r}: ")
+        videos = f", {len(row.videos)} video(s) of {[len(v.indices) for v in row.videos]} frames" if row.videos else ""
+        out(f"row {row.index}: {len(row.images)} image(s){videos}, {row.prompt_len} tokens, answer {row.label!r}: ")
         out(f"{row.problem[:120]!r}\n")
     if not rows:
         out("no usable rows\n")
@@ -125,12 +144,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ids = sample.prompt_ids
     n_image_tokens = int((ids == processor.image_token_id).sum())
     grid = sample.image_grid_thw.tolist() if sample.image_grid_thw is not None else []
+    videos = ""
+    if sample.video_grid_thw is not None:
+        n_video_tokens = int((ids == processor.video_token_id).sum())
+        videos = f", {n_video_tokens} video tokens, video_grid_thw {sample.video_grid_thw.tolist()}"
     out(
         f"first prompt (row {sample.index}): {sample.prompt_len} tokens, {n_image_tokens} image tokens, "
-        f"image_grid_thw {grid}\n"
+        f"image_grid_thw {grid}{videos}\n"
     )
     text = processor.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-    out(collapse_image_tokens(text, processor.image_token) + "\n")
+    out(collapse_image_tokens(collapse_image_tokens(text, processor.image_token), processor.video_token) + "\n")
     return 0
 
 

@@ -9,8 +9,9 @@ Files: `.parquet` (pyarrow) or `.jsonl` (one JSON object per line). Layouts:
 
 `auto` picks geometry3k or geo3k_imgurl when the file has `problem`, `answer` and `images` and the keys are the
 defaults (by the type of the first image value), else generic. Any image value `images.image_ref` understands works
-in every layout; the layout fixes the columns. A custom `dataset_fn` (`module:function`, see `load_dataset_fn`)
-maps each raw record to the geometry3k shape instead.
+in every layout; the layout fixes the columns. Videos are read from the `video_key` column (default `videos`) in
+every layout: one entry per `<video>` placeholder, each a frame list or a file path (see `videos`). A custom
+`dataset_fn` (`module:function`, see `load_dataset_fn`) maps each raw record to the geometry3k shape instead.
 
 A file that cannot be read (missing, not parquet, truncated, a jsonl line that is not UTF-8 or not a JSON object,
 missing columns) is a `DataError` that names the file (and the line); the CLI prints it and exits with status 2
@@ -30,7 +31,8 @@ Layout = Literal["geometry3k", "geo3k_imgurl", "generic"]
 LAYOUT_CHOICES = ("auto", "geometry3k", "geo3k_imgurl", "generic")
 GEO3K_KEYS = ("problem", "answer", "images")  # prompt, answer, image columns of both geo3k layouts
 
-# A custom row mapper: one raw record -> {"problem": str, "answer": str, "images": list, "metadata": dict?} or None.
+# A custom row mapper: one raw record -> {"problem": str, "answer": str, "images": list?, "videos": list?,
+# "metadata": dict?} or None.
 DatasetFn = Callable[[dict[str, Any]], Mapping[str, Any] | None]
 
 
@@ -40,12 +42,13 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class RowFields:
-    """One record's prompt, images and answer as found (not yet validated)."""
+    """One record's prompt, images, videos and answer as found (not yet validated)."""
 
     problem: Any
     images: list[Any]
     answer: Any
     metadata: dict[str, Any] = field(default_factory=dict)
+    videos: list[Any] = field(default_factory=list)  # one value per `<video>`: a frame list or a file path
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class LayoutKeys:
     prompt_key: str
     answer_key: str
     image_key: str
+    video_key: str = "videos"
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -113,6 +117,7 @@ def resolve_layout(
     prompt_key: str = "problem",
     answer_key: str = "answer",
     image_key: str = "images",
+    video_key: str = "videos",
     source: str = "dataset",
 ) -> LayoutKeys:
     """Decide the layout and the columns to read, and check that the columns exist.
@@ -121,10 +126,11 @@ def resolve_layout(
         records: the raw records (only their keys and the first image value are looked at).
         layout: auto | geometry3k | geo3k_imgurl | generic.
         prompt_key, answer_key, image_key: the columns of the generic layout.
+        video_key: the video column, in every layout (it may be absent).
         source: the file name, for messages.
 
     Returns:
-        The layout and its three column names.
+        The layout and its column names.
 
     Raises:
         DataError: an unknown layout; a geo3k layout combined with non-default keys; a prompt or answer column that
@@ -153,19 +159,19 @@ def resolve_layout(
                 f"{source}: no {what} column {key!r} (layout {layout}); the columns are {columns}; "
                 f"set data.{what}_key (with data.format=generic) or data.dataset_fn"
             )
-    return LayoutKeys(layout, prompt_key, answer_key, image_key)
+    return LayoutKeys(layout, prompt_key, answer_key, image_key, video_key)
 
 
 def row_fields(record: Mapping[str, Any], keys: LayoutKeys) -> RowFields:
-    """The prompt, images and answer of one record; its other scalar columns become metadata."""
-    metadata = {
-        k: v for k, v in record.items() if k not in (keys.prompt_key, keys.answer_key, keys.image_key) and _is_scalar(v)
-    }
+    """The prompt, images, videos and answer of one record; its other scalar columns become metadata."""
+    taken = (keys.prompt_key, keys.answer_key, keys.image_key, keys.video_key)
+    metadata = {k: v for k, v in record.items() if k not in taken and _is_scalar(v)}
     return RowFields(
         problem=record.get(keys.prompt_key),
         images=as_image_list(record.get(keys.image_key)),
         answer=record.get(keys.answer_key),
         metadata=metadata,
+        videos=as_video_list(record.get(keys.video_key)),
     )
 
 
@@ -178,12 +184,22 @@ def as_image_list(value: Any) -> list[Any]:
     return [value]
 
 
+def as_video_list(value: Any) -> list[Any]:
+    """A video column value as a list of videos: None -> [], a string or dict (one video) -> [it], a list -> itself
+    (a list of videos: one video of frames is `[[frame, ...]]`)."""
+    if value is None:
+        return []
+    if isinstance(value, str | dict):
+        return [value]
+    return list(value)
+
+
 def load_dataset_fn(spec: str) -> DatasetFn:
     """Import a custom row mapper given as `package.module:function`.
 
     The function takes one raw record (dict) and returns `{"problem": str, "answer": str, "images": [...],
-    "metadata": {...}}` (images and metadata optional) in the geometry3k shape, or None to skip the record (counted
-    as `skipped_by_dataset_fn`).
+    "videos": [...], "metadata": {...}}` (images, videos and metadata optional) in the geometry3k shape, or None to
+    skip the record (counted as `skipped_by_dataset_fn`).
 
     Raises:
         DataError: malformed spec, module not importable, attribute missing or not callable (names the spec).
@@ -216,13 +232,14 @@ def apply_dataset_fn(fn: DatasetFn, record: dict[str, Any]) -> RowFields | None:
     if not isinstance(out, Mapping) or "problem" not in out or "answer" not in out:
         raise TypeError(
             f"dataset_fn {getattr(fn, '__name__', fn)!r} returned {type(out).__name__}; it must return None or a "
-            "mapping with 'problem' and 'answer' (and optionally 'images', 'metadata')"
+            "mapping with 'problem' and 'answer' (and optionally 'images', 'videos', 'metadata')"
         )
     return RowFields(
         problem=out["problem"],
         images=as_image_list(out.get("images")),
         answer=out["answer"],
         metadata=dict(out.get("metadata") or {}),
+        videos=as_video_list(out.get("videos")),
     )
 
 

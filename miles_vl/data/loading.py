@@ -4,10 +4,12 @@
     # report: kept 2099 of 2101 rows (layout geometry3k); dropped 2: corrupt_image=1, prompt_too_long=1
 
 Checks, in order, for every row (the first failure is its drop reason, see `records.DropReason`):
-prompt and answer present -> as many `<image>` placeholders as images -> every image resolves (no remote URLs,
-no missing files), is within `max_image_pixels` and decodes -> the canonical prompt (image tokens expanded) fits
-`max_prompt_len`. A custom `dataset_fn` that raises or returns junk is a `DataError` naming the file and row.
-The report is logged (`logging`, logger `miles_vl.data.loading`) when the load ends.
+prompt and answer present -> as many `<image>` placeholders as images and `<video>` as videos -> every image
+resolves (no remote URLs, no missing files), is within `max_image_pixels` and decodes -> every video resolves, its
+frames are sampled (the processor's fps and frame limits) and decode, all of one size -> the canonical prompt (image
+and video tokens expanded) fits `max_prompt_len`. A video file with no decoder installed is a `DataError` (it says
+what to install), not a dropped row. A custom `dataset_fn` that raises or returns junk is a `DataError` naming the
+file and row. The report is logged (`logging`, logger `miles_vl.data.loading`) when the load ends.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from miles_vl.data.layouts import (
     resolve_layout,
     row_fields,
 )
-from miles_vl.data.prompt import IMAGE_PLACEHOLDER, PromptEncoder
+from miles_vl.data.prompt import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, PromptEncoder
 from miles_vl.data.records import DropReason, LoadReport, PromptRow
+from miles_vl.data.videos import VideoError, probe_video, video_source
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ def load_prompt_file(
     prompt_key: str = "problem",
     answer_key: str = "answer",
     image_key: str = "images",
+    video_key: str = "videos",
     dataset_fn: DatasetFn | None = None,
     max_image_pixels: int | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
@@ -63,6 +67,7 @@ def load_prompt_file(
         prompt_key=prompt_key,
         answer_key=answer_key,
         image_key=image_key,
+        video_key=video_key,
         dataset_fn=dataset_fn,
         base_dir=path.parent,
         max_image_pixels=max_image_pixels,
@@ -79,6 +84,7 @@ def load_prompt_records(
     prompt_key: str = "problem",
     answer_key: str = "answer",
     image_key: str = "images",
+    video_key: str = "videos",
     dataset_fn: DatasetFn | None = None,
     base_dir: Path | None = None,
     max_image_pixels: int | None = None,
@@ -92,8 +98,9 @@ def load_prompt_records(
         source: name of the data for the report and the log.
         layout: auto | geometry3k | geo3k_imgurl | generic (ignored with `dataset_fn`).
         prompt_key, answer_key, image_key: columns of the generic layout.
+        video_key: the video column (every layout; it may be absent).
         dataset_fn: custom mapper from a raw record to the geometry3k shape (or None to skip it).
-        base_dir: folder relative image paths are looked up in first.
+        base_dir: folder relative image and video paths are looked up in first.
         max_image_pixels: rows with a larger image are dropped (`image_too_large`) before it is decoded; None: no
             bound but PIL's.
 
@@ -103,14 +110,21 @@ def load_prompt_records(
     Raises:
         ValueError: a bad `max_prompt_len`.
         DataError: a bad layout or missing column (see `resolve_layout`); a `dataset_fn` that raises or returns
-            something other than None or a mapping with problem and answer (names the source and the row).
+            something other than None or a mapping with problem and answer (names the source and the row); a video
+            file with no video decoder installed (names the source, the row and what to install).
     """
     if max_prompt_len <= 0:
         raise ValueError(f"max_prompt_len must be positive, found {max_prompt_len}; fix data.max_prompt_len")
     keys: LayoutKeys | None = None
     if dataset_fn is None:
         keys = resolve_layout(
-            records, layout, prompt_key=prompt_key, answer_key=answer_key, image_key=image_key, source=source
+            records,
+            layout,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            image_key=image_key,
+            video_key=video_key,
+            source=source,
         )
     report = LoadReport(source=source, layout=keys.layout if keys else "custom", n_rows=len(records))
     rows: list[PromptRow] = []
@@ -122,7 +136,10 @@ def load_prompt_records(
         if fields is None:
             report.drop(index, DropReason.SKIPPED_BY_DATASET_FN, "dataset_fn returned None")
             continue
-        row = _validate(index, fields, encoder, max_prompt_len, base_dir, report, max_image_pixels)
+        try:
+            row = _validate(index, fields, encoder, max_prompt_len, base_dir, report, max_image_pixels)
+        except DataError as err:
+            raise DataError(f"{source}: row {index}: {err}") from err
         if row is not None:
             rows.append(row)
     report.n_kept = len(rows)
@@ -146,14 +163,18 @@ def _validate(
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         report.drop(index, DropReason.MISSING_FIELD, f"answer is {_describe(answer)}")
         return None
-    n_placeholders = problem.count(IMAGE_PLACEHOLDER)
-    if n_placeholders != len(fields.images):
-        report.drop(
-            index,
-            DropReason.PLACEHOLDER_MISMATCH,
-            f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(fields.images)} images",
-        )
-        return None
+    for placeholder, media, what in (
+        (IMAGE_PLACEHOLDER, fields.images, "images"),
+        (VIDEO_PLACEHOLDER, fields.videos, "videos"),
+    ):
+        if (n_placeholders := problem.count(placeholder)) != len(media):
+            report.drop(
+                index,
+                DropReason.PLACEHOLDER_MISMATCH,
+                f"{n_placeholders} {placeholder} placeholders but {len(media)} {what}; put one {placeholder} in the "
+                f"prompt per entry of the {what} column",
+            )
+            return None
     try:
         refs = tuple(image_ref(value, base_dir) for value in fields.images)
         # (width, height); decoding all of it catches truncation
@@ -167,12 +188,20 @@ def _validate(
         except ValueError as err:  # e.g. an aspect ratio above 200, which Qwen's smart_resize refuses
             report.drop(index, DropReason.CORRUPT_IMAGE, f"the processor cannot take a {width}x{height} image: {err}")
             return None
-    prompt_len = encoder.count_tokens(problem, sizes)
+    try:
+        videos = tuple(
+            probe_video(video_source(value, base_dir), encoder.processor, max_image_pixels) for value in fields.videos
+        )
+    except VideoError as err:
+        report.drop(index, err.reason, str(err))
+        return None
+    prompt_len = encoder.count_tokens(problem, sizes, videos)
     if prompt_len > max_prompt_len:
+        frames = f", video frames {[len(v.indices) for v in videos]}" if videos else ""
         report.drop(
             index,
             DropReason.PROMPT_TOO_LONG,
-            f"{prompt_len} tokens > max_prompt_len {max_prompt_len} (images {sizes})",
+            f"{prompt_len} tokens > max_prompt_len {max_prompt_len} (images {sizes}{frames})",
         )
         return None
     return PromptRow(
@@ -182,6 +211,7 @@ def _validate(
         label=str(answer).strip(),
         prompt_len=prompt_len,
         metadata=fields.metadata,
+        videos=videos,
     )
 
 

@@ -3,8 +3,10 @@
     processor = load_processor("offline", min_pixels=3136, max_pixels=12544)           # built-in, no download
     processor = load_processor("/ckpt/Qwen3-VL-2B-Instruct", 256 * 32 * 32, 1024 * 32 * 32)  # local files only
 
-`min_pixels`/`max_pixels` are fixed on the processor's image processor here, once, so that every consumer (the
-data loader, the engines) sees the same image token counts; `processor_metadata` returns them for the run record.
+`min_pixels`/`max_pixels` are fixed on the processor's image processor here, once, and the video settings
+(`VideoSettings`: fps, frame limits, the video pixel range) on its video processor, so that every consumer (the data
+loader, the engines) sees the same image and video token counts; `processor_metadata` returns them for the run
+record.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles_vl.data.layouts import DataError
+from miles_vl.data.videos import VideoSettings
 from miles_vl.models.qwen3_vl.processor import OFFLINE_PROCESSOR_DIR
 
 if TYPE_CHECKING:
@@ -20,7 +23,9 @@ if TYPE_CHECKING:
 OFFLINE = "offline"
 
 
-def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> ProcessorMixin:
+def load_processor(
+    path_or_offline: str, min_pixels: int, max_pixels: int, video: VideoSettings | None = None
+) -> ProcessorMixin:
     """The Qwen3-VL processor of a local checkpoint, or the built-in offline one, with a fixed pixel range.
 
     Args:
@@ -29,13 +34,15 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
             holding a checkpoint's processor files.
         min_pixels: smallest image area (pixels) after resizing; smaller images are upscaled.
         max_pixels: largest image area (pixels) after resizing; larger images are downscaled.
+        video: fps, frame limits and pixel range of the video processor (None: `VideoSettings()`, the data.video_*
+            defaults); the checkpoint's own video settings are replaced, as its image pixel range is.
 
     Returns:
         A transformers processor (a `Qwen3VLProcessor` for Qwen3-VL and offline) whose image processor resizes
-        into [min_pixels, max_pixels].
+        into [min_pixels, max_pixels] and whose video processor samples and sizes videos per `video`.
 
     Raises:
-        ValueError: a pixel range that is empty or not positive.
+        ValueError: a pixel range that is empty or not positive; video settings out of range.
         DataError: `path_or_offline` is neither "offline" nor loadable from local files, or it loads a processor
             without an image processor.
         ImportError: torchvision is missing (transformers' Qwen3-VL video processor needs it).
@@ -44,6 +51,13 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
         raise ValueError(
             f"need 0 < min_pixels <= max_pixels, found min_pixels={min_pixels}, max_pixels={max_pixels}; "
             "fix data.min_pixels / data.max_pixels"
+        )
+    video = video or VideoSettings()
+    if not (video.fps > 0 and 1 <= video.min_frames <= video.max_frames and 0 < video.min_pixels <= video.max_pixels):
+        raise ValueError(
+            f"need video fps > 0, 1 <= min_frames <= max_frames and 0 < min_pixels <= max_pixels, found {video}; fix "
+            "data.video_fps / data.video_min_frames / data.video_max_frames / data.video_min_pixels / "
+            "data.video_max_pixels"
         )
     from transformers import AutoProcessor
 
@@ -71,16 +85,34 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
     size = image_processor.size
     if (size.shortest_edge, size.longest_edge) != (min_pixels, max_pixels):  # kwargs were not routed: set them
         image_processor.size = type(size)(shortest_edge=min_pixels, longest_edge=max_pixels)
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is not None:
+        video_processor.fps = video.fps
+        video_processor.min_frames = video.min_frames
+        video_processor.max_frames = video.max_frames
+        video_processor.size = type(video_processor.size)(shortest_edge=video.min_pixels, longest_edge=video.max_pixels)
     return processor
 
 
-def processor_metadata(processor: Any) -> dict[str, int | str]:
-    """The processor settings a run must record (they decide every image's token count).
+def processor_metadata(processor: Any) -> dict[str, int | float | str]:
+    """The processor settings a run must record (they decide every image's and video's token count).
 
     Returns:
-        patch_size, temporal_patch_size, merge_size, min_pixels, max_pixels, tokenizer size and processor class.
+        patch_size, temporal_patch_size, merge_size, min_pixels, max_pixels, tokenizer size and processor class;
+        with a video processor also video_fps, video_min_frames, video_max_frames, video_min_pixels and
+        video_max_pixels.
     """
     ip = processor.image_processor
+    vp = getattr(processor, "video_processor", None)
+    video = {}
+    if vp is not None:
+        video = {
+            "video_fps": float(vp.fps),
+            "video_min_frames": int(vp.min_frames),
+            "video_max_frames": int(vp.max_frames),
+            "video_min_pixels": int(vp.size.shortest_edge),
+            "video_max_pixels": int(vp.size.longest_edge),
+        }
     return {
         "processor_class": type(processor).__name__,
         "patch_size": int(ip.patch_size),
@@ -89,4 +121,5 @@ def processor_metadata(processor: Any) -> dict[str, int | str]:
         "min_pixels": int(ip.size.shortest_edge),
         "max_pixels": int(ip.size.longest_edge),
         "tokenizer_size": len(processor.tokenizer),
+        **video,
     }

@@ -1,9 +1,10 @@
 """The typed records of the data stage: a validated row, an encoded prompt, and the load report.
 
-PromptRow     one dataset row that passed every load-time check (images readable, placeholders match, prompt
-              fits); light: images are kept as encoded bytes or file paths, not pixels.
-PromptSample  a row run through the processor: canonical `prompt_ids` (image tokens expanded), `pixel_values`,
-              `image_grid_thw`. What rollout engines and the trainer consume (`rollout.types.PromptLike`).
+PromptRow     one dataset row that passed every load-time check (images and videos readable, placeholders match,
+              prompt fits); light: images and video frames are kept as encoded bytes or file paths, not pixels.
+PromptSample  a row run through the processor: canonical `prompt_ids` (image and video tokens expanded),
+              `pixel_values`, `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`. What rollout engines and the
+              trainer consume (`rollout.types.PromptLike`).
 LoadReport    how many rows were read, kept, and dropped per `DropReason`, with a few examples each. Every
               dropped row is counted here and logged at load time; none disappears silently.
 """
@@ -14,10 +15,13 @@ import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 from torch import LongTensor, Tensor
+
+if TYPE_CHECKING:
+    from miles_vl.data.videos import VideoRef
 
 # An image as kept between load and encode: its encoded bytes (PNG, JPEG, ...) or a local file path.
 ImageRef = bytes | Path
@@ -31,7 +35,9 @@ class DropReason(StrEnum):
     IMAGE_TOO_LARGE = "image_too_large"  # more pixels than data.max_image_pixels (found from the header, not decoded)
     MISSING_IMAGE = "missing_image"  # a path that does not exist
     REMOTE_IMAGE = "remote_image"  # an http(s)/ftp URL: miles_vl never downloads at training time
-    PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # number of `<image>` in the prompt != number of images
+    PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # number of `<image>` (`<video>`) != number of images (videos)
+    MISSING_VIDEO = "missing_video"  # a video file or frame path that does not exist
+    CORRUPT_VIDEO = "corrupt_video"  # no frames, frames that do not decode or differ in size, a file that won't decode
     MISSING_FIELD = "missing_field"  # the prompt or the answer is null/empty in this row
     SKIPPED_BY_DATASET_FN = "skipped_by_dataset_fn"  # the custom `dataset_fn` returned None
 
@@ -41,11 +47,12 @@ class PromptRow:
     """A dataset row that passed the load-time checks, not yet run through the processor."""
 
     index: int  # row id: position in the source file (0-based, before any drop), or the synthetic problem id
-    problem: str  # prompt text with one `<image>` placeholder per image
+    problem: str  # prompt text with one `<image>` placeholder per image and one `<video>` per video
     images: tuple[ImageRef, ...]  # in placeholder order
     label: str  # the reference answer
     prompt_len: int  # exact length of the canonical prompt ids (checked again when encoded)
     metadata: dict[str, Any] = field(default_factory=dict)  # the row's other scalar columns
+    videos: tuple[VideoRef, ...] = ()  # sampled at load time, in placeholder order
 
 
 @dataclass
@@ -60,6 +67,11 @@ class PromptSample:
     images: list[Image.Image]  # the decoded RGB images, in prompt order (engines that take images, e.g. SGLang)
     prompt_text: str  # the chat-templated text before image-token expansion
     metadata: dict[str, Any] = field(default_factory=dict)
+    # [n_video_patches, C*T*P*P] and [n_videos, 3] (t = frame groups of temporal_patch_size); None without videos.
+    # Each video's block in prompt_ids is t groups of `<t seconds><|vision_start|>` h*w/merge^2 `<|video_pad|>`
+    # `<|vision_end|>`, inside the template's own `<|vision_start|>` ... `<|vision_end|>`.
+    pixel_values_videos: Tensor | None = None
+    video_grid_thw: LongTensor | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -68,6 +80,10 @@ class PromptSample:
     @property
     def n_images(self) -> int:
         return len(self.images)
+
+    @property
+    def n_videos(self) -> int:
+        return 0 if self.video_grid_thw is None else int(self.video_grid_thw.shape[0])
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""Procedural geo3k-style problems: real diagrams drawn with PIL, exact answers, deterministic given a seed.
+"""Procedural problems drawn with PIL, exact answers, deterministic given a seed: geo3k-style diagrams (one image
+each) and a video task (a short clip of a moving shape).
 
-    miles-vl data synth data/synth.parquet --n 256 --seed 0      # a geometry3k-layout parquet file
+    miles-vl data synth data/synth.parquet --n 256 --seed 0                  # a geometry3k-layout parquet file
+    miles-vl data synth data/motion.parquet --n 256 --task motion            # the video task (a `videos` column)
     problems = generate_problems(8, seed=0)                      # SynthProblem: problem, answer, params, image
+    clip = generate_motion_problem(0, seed=0)                    # SynthVideoProblem: problem, answer, params, frames
 
 Four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to scale:
 
@@ -13,6 +16,12 @@ Four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to scal
 `params` holds the geometry as drawn, in image pixels (y down): vertex coordinates, segment end points, the scale
 (pixels per unit), so that the answer can be recomputed from the picture's geometry alone. Problem i draws from
 its own `random.Random` seeded by (seed, i): the first n problems are the same for every larger n.
+
+The video task (`task="motion"`): MOTION_FRAMES frames of MOTION_SIZE pixels, a filled polygon (3 to 6 sides, a
+random colour and rotation) that moves a fixed number of pixels per frame to the left or to the right; "Which way
+does the shape move? Choices: A. left, B. right", answer A or B. Every frame looks alike, so the answer needs two
+frames; the path's centre is drawn from one range for both directions. The row's video is its frame list (PNG
+bytes), recorded at one frame per `MOTION_FPS`-th of a second.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 KINDS = ("triangle_angle", "right_triangle", "parallel_lines", "circle")
+TASKS = ("geo3k", "motion")
+MOTION_FRAMES = 4
+MOTION_SIZE = 64  # pixels, square frames (Qwen3-VL takes frames of at least 32 x 32)
+MOTION_FPS = 2.0  # the clip's frame rate: data.video_fps's default, so every frame is sampled
+MOTION_PROBLEM = "<video>Which way does the shape move? Choices: A. left, B. right"
+MOTION_ANSWERS = {"left": "A", "right": "B"}
 IMAGE_SIZE = 256  # pixels, square
 _MARGIN = 36
 _LINE = 2
@@ -44,6 +59,15 @@ class SynthProblem:
     answer: str  # exact: an integer, or rounded to the tenth when the problem says so
     params: dict[str, Any]  # the drawn geometry (pixels, y down) and the labelled values
     image: Image.Image = field(repr=False)  # RGB, IMAGE_SIZE x IMAGE_SIZE
+
+
+@dataclass(frozen=True)
+class SynthVideoProblem:
+    kind: str  # "motion"
+    problem: str  # MOTION_PROBLEM, one <video>
+    answer: str  # "A" (left) or "B" (right)
+    params: dict[str, Any]  # direction, step (pixels per frame, signed), the shape and its centre in every frame
+    frames: list[Image.Image] = field(repr=False)  # RGB, MOTION_SIZE x MOTION_SIZE each
 
 
 def generate_problems(n: int, seed: int = 0) -> list[SynthProblem]:
@@ -64,12 +88,55 @@ def generate_problem(i: int, seed: int = 0) -> SynthProblem:
     return _BUILDERS[kind](rng)
 
 
-def synth_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`n` problems as geometry3k-layout records: images [{bytes, path}], problem, answer, plus kind and params (JSON).
+def generate_motion_problem(i: int, seed: int = 0) -> SynthVideoProblem:
+    """Clip number `i` of the stream `seed`: a polygon moving left or right over MOTION_FRAMES frames."""
+    rng = random.Random(f"miles-vl-synth-motion:{seed}:{i}")
+    direction = rng.choice(("left", "right"))
+    sides, radius, step = rng.randint(3, 6), rng.randint(7, 10), rng.randint(5, 7)
+    rotation = rng.uniform(0, 2 * math.pi)
+    colour = tuple(rng.randint(0, 160) for _ in range(3))  # dark enough to stand out from the white background
+    travel = step * (MOTION_FRAMES - 1)
+    # The path's centre: the same range for both directions, and every frame keeps the whole shape inside.
+    cx = rng.uniform(radius + 2 + travel / 2, MOTION_SIZE - radius - 2 - travel / 2)
+    cy = rng.uniform(radius + 2, MOTION_SIZE - radius - 2)
+    signed = step if direction == "right" else -step
+    xs = [cx + signed * (f - (MOTION_FRAMES - 1) / 2) for f in range(MOTION_FRAMES)]
+    frames = []
+    for x in xs:
+        img = Image.new("RGB", (MOTION_SIZE, MOTION_SIZE), "white")
+        corners = [
+            (
+                x + radius * math.cos(rotation + 2 * math.pi * k / sides),
+                cy + radius * math.sin(rotation + 2 * math.pi * k / sides),
+            )
+            for k in range(sides)
+        ]
+        ImageDraw.Draw(img).polygon(corners, fill=colour)
+        frames.append(img)
+    params = {
+        "direction": direction,
+        "step": signed,
+        "sides": sides,
+        "radius": radius,
+        "centres": [[x, cy] for x in xs],
+    }
+    return SynthVideoProblem("motion", MOTION_PROBLEM, MOTION_ANSWERS[direction], params, frames)
+
+
+def synth_records(n: int, seed: int = 0, task: str = "geo3k") -> list[dict[str, Any]]:
+    """`n` problems as geometry3k-layout records: images [{bytes, path}], problem, answer, plus kind and params (JSON);
+    with `task="motion"` the images are empty and `videos` holds one video, `{"frames": [{bytes, path}, ...], "fps":
+    MOTION_FPS}`.
 
     Raises:
-        ValueError: n < 0.
+        ValueError: n < 0, or an unknown task.
     """
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "motion":
+        if n < 0:
+            raise ValueError(f"n must be >= 0, found {n}")
+        return [_motion_record(generate_motion_problem(i, seed), seed, i) for i in range(n)]
     records = []
     for i, p in enumerate(generate_problems(n, seed)):
         buf = io.BytesIO()
@@ -86,8 +153,9 @@ def synth_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return records
 
 
-def write_synth_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
-    """Write `synth_records(n, seed)` to a parquet file (the hiyouga/geometry3k schema plus kind and params).
+def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geo3k") -> Path:
+    """Write `synth_records(n, seed, task)` to a parquet file (the hiyouga/geometry3k schema plus kind and params,
+    and for `task="motion"` a `videos` column: list<struct<frames: list<struct<bytes, path>>, fps>>).
 
     Returns:
         The path written (parent folders are created).
@@ -95,19 +163,36 @@ def write_synth_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema(
-        [
-            ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-            ("problem", pa.string()),
-            ("answer", pa.string()),
-            ("kind", pa.string()),
-            ("params", pa.string()),
-        ]
-    )
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    fields = [
+        ("images", pa.list_(image)),
+        ("problem", pa.string()),
+        ("answer", pa.string()),
+        ("kind", pa.string()),
+        ("params", pa.string()),
+    ]
+    if task == "motion":
+        fields.append(("videos", pa.list_(pa.struct([("frames", pa.list_(image)), ("fps", pa.float64())]))))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(synth_records(n, seed), schema=schema), path)
+    pq.write_table(pa.Table.from_pylist(synth_records(n, seed, task), schema=pa.schema(fields)), path)
     return path
+
+
+def _motion_record(p: SynthVideoProblem, seed: int, i: int) -> dict[str, Any]:
+    frames = []
+    for f, frame in enumerate(p.frames):
+        buf = io.BytesIO()
+        frame.save(buf, format="PNG")
+        frames.append({"bytes": buf.getvalue(), "path": f"synth_motion_{seed}_{i:06d}_{f}.png"})
+    return {
+        "images": [],
+        "problem": p.problem,
+        "answer": p.answer,
+        "kind": p.kind,
+        "params": json.dumps(p.params, sort_keys=True),
+        "videos": [{"frames": frames, "fps": MOTION_FPS}],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------

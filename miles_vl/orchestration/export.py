@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from miles_vl.config import JobConfig, load_config
-from miles_vl.data import load_processor, processor_metadata
+from miles_vl.data import load_processor, processor_metadata, video_settings
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import list_checkpoints, step_dir_name, verify_checkpoint
 from miles_vl.orchestration.factories import Hooks
@@ -178,9 +178,13 @@ def export_run(
     cfg, checkpoint = find_checkpoint(run_dir, step)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not force:
         raise ExportError(f"{out_dir} exists and is not empty; choose another directory, or --force to replace it")
-    processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
+    processor = load_processor(
+        cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
+    )
     recorded = run_dir / "processor.yaml"
-    if recorded.is_file() and (want := yaml.safe_load(recorded.read_text())) != (got := processor_metadata(processor)):
+    got = processor_metadata(processor)
+    # Compared on the keys the run recorded: runs from before the video settings were recorded lack them.
+    if recorded.is_file() and (want := yaml.safe_load(recorded.read_text())) != {k: got.get(k) for k in want}:
         raise ExportError(
             f"the processor at {cfg.model.processor or cfg.model.path} is not the one the run recorded in {recorded} "
             f"(recorded {want}, found {got}); restore the run's processor files"

@@ -48,7 +48,7 @@ import yaml
 
 from miles_vl.algo import TrainSample, to_train_samples
 from miles_vl.config import ConfigError, JobConfig, redacted
-from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata
+from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, video_settings
 from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import special_tokens
@@ -114,7 +114,9 @@ def run_job(
         log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
         return run_dir
     reward_terms = build_rewards(cfg, reward_fn)
-    processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
+    processor = load_processor(
+        cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
+    )
     tokens = special_tokens(processor)
     splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
     if resume_state:  # a cursor saved for other data fails here, before Ray starts

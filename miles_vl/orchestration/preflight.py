@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles_vl.config import ConfigError, JobConfig
-from miles_vl.data import load_processor
+from miles_vl.data import load_processor, video_settings
 from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
 from miles_vl.data.processor import OFFLINE
 from miles_vl.orchestration.checkpoint import verify_checkpoint
@@ -106,7 +106,7 @@ def model_problems(cfg: JobConfig) -> list[str]:
     if processor and processor != OFFLINE and not (path_problem and processor == m.path):
         with captured_output():
             try:
-                load_processor(processor, cfg.data.min_pixels, cfg.data.max_pixels)
+                load_processor(processor, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data))
             except (DataError, ImportError) as err:
                 problems.append(f"model.processor={processor!r}: {err}")
     return problems

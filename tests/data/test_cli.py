@@ -37,6 +37,18 @@ def test_synth_then_inspect(tmp_path, capsys):
     assert "<|im_start|>assistant" in text
 
 
+def test_synth_motion_then_inspect(tmp_path, capsys):
+    out = tmp_path / "motion.parquet"
+    assert main(["data", "synth", str(out), "--n", "2", "--task", "motion"]) == 0
+    assert "wrote 2 problems (motion, seed 0)" in capsys.readouterr().out
+    small = ["data.video_min_pixels=1024", "data.video_max_pixels=16384", "data.video_min_frames=2"]
+    assert main(["data", "inspect", str(out), "--rows", "1", "--config", TINY, *small]) == 0
+    text = capsys.readouterr().out
+    assert "kept: 2  dropped: 0" in text and "videos per row (kept rows): {1: 2}; sampled at 2.0 fps" in text
+    assert "row 0: 0 image(s), 1 video(s) of [4] frames" in text
+    assert "video_grid_thw [[2, 4, 4]]" in text and "<|vision_start|><|video_pad|>×4<|vision_end|>" in text
+
+
 def test_inspect_reports_drops_with_the_config(tmp_path, capsys):
     good = png_bytes(seed=1)
     records = [

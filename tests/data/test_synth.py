@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from miles_vl.data import KINDS, generate_problems, load_prompt_records, synth_records, write_synth_parquet
+from miles_vl.data.synth import generate_motion_problem
 
 N = 40  # 10 of each kind
 
@@ -150,3 +151,56 @@ def test_records_and_parquet_load_as_geometry3k(tmp_path, encoder):
     rows, report = load_prompt_records(table.to_pylist(), encoder, max_prompt_len=512, source=str(path))
     assert report.layout == "geometry3k" and report.n_kept == 8
     assert rows[0].metadata["kind"] == "triangle_angle" and rows[0].label == records[0]["answer"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the motion video task
+
+
+def shape_x(frame):
+    """Column centroid of the non-white pixels: where the shape is, found from the pixels alone."""
+    arr = np.asarray(frame.convert("L"))
+    cols = np.nonzero(arr < 250)[1]
+    assert cols.size > 20, "the frame holds no shape"
+    return float(cols.mean())
+
+
+def test_motion_clips_are_deterministic_and_answerable_from_the_frames():
+    """The independent rule: the shape's centroid moves right across the frames -> B, left -> A. One frame alone
+    does not tell: the centroids of single frames span the same range for both answers."""
+    clips = [generate_motion_problem(i, seed=4) for i in range(24)]
+    again = generate_motion_problem(5, seed=4)
+    assert [np.asarray(f).tobytes() for f in again.frames] == [np.asarray(f).tobytes() for f in clips[5].frames]
+    assert [np.asarray(f).tobytes() for f in generate_motion_problem(5, seed=5).frames] != [
+        np.asarray(f).tobytes() for f in again.frames
+    ]
+    firsts = {"A": [], "B": []}
+    for clip in clips:
+        assert clip.problem == "<video>Which way does the shape move? Choices: A. left, B. right"
+        assert len(clip.frames) == 4 and {f.size for f in clip.frames} == {(64, 64)}
+        xs = [shape_x(f) for f in clip.frames]
+        steps = np.diff(xs)
+        assert np.all(np.abs(steps) > 3) and (np.all(steps > 0) or np.all(steps < 0))  # steady, one way
+        assert clip.answer == ("B" if xs[-1] > xs[0] else "A")
+        firsts[clip.answer].append(xs[0])
+    assert len(firsts["A"]) >= 6 and len(firsts["B"]) >= 6  # both answers occur
+    # single frames overlap: some left-moving clip starts left of some right-moving clip's start, and vice versa
+    assert min(firsts["A"]) < max(firsts["B"]) and min(firsts["B"]) < max(firsts["A"])
+
+
+def test_motion_records_and_parquet_load_as_videos(tmp_path):
+    from miles_vl.data import PromptEncoder, VideoSettings, load_processor
+
+    processor = load_processor("offline", 32 * 32, 64 * 64, VideoSettings(min_pixels=32 * 32, max_pixels=4 * 64 * 64))
+    encoder = PromptEncoder(processor)
+    records = synth_records(3, seed=1, task="motion")
+    assert records[0]["images"] == [] and len(records[0]["videos"][0]["frames"]) == 4
+    path = write_synth_parquet(tmp_path / "m.parquet", 3, seed=1, task="motion")
+    table = pq.read_table(path)
+    assert table.column_names == ["images", "problem", "answer", "kind", "params", "videos"]
+    rows, report = load_prompt_records(table.to_pylist(), encoder, max_prompt_len=512, source=str(path))
+    assert report.n_kept == 3 and [r.label for r in rows] == [r["answer"] for r in records]
+    sample = encoder.encode(rows[0])
+    assert sample.video_grid_thw.tolist() == [[2, 4, 4]] and sample.image_grid_thw is None
+    with pytest.raises(ValueError, match="unknown synthetic task 'nope'"):
+        synth_records(1, task="nope")

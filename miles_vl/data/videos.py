@@ -1,0 +1,292 @@
+"""Videos from the values datasets hold: a list of frames (any image value), or a local video file.
+
+    source = video_source([png0, png1, png2, png3], base_dir)          # 4 frames, recorded at data.video_fps
+    source = video_source({"frames": [...], "fps": 8}, base_dir)       # frames recorded at 8 frames per second
+    source = video_source("clips/a.mp4", base_dir)                     # a file: needs a decoder (PyAV, ...)
+    video = probe_video(source, processor)      # load time: frames sampled, decoded once, counted -> VideoRef
+    frames = load_frames(video)                 # encode time: the sampled frames again, RGB
+
+A dataset row's video column holds one entry per `<video>` placeholder; each entry is a frame list, a
+`{"frames": [...], "fps": x}` or `{"path": ...}` struct, or a path string (so a single video of frames is written
+`[[frame, frame, ...]]`). Frames are sampled the way Qwen3-VL's video processor samples them
+(`Qwen3VLVideoProcessor.sample_frames`: `fps` frames per second of the source, clamped to [min_frames, max_frames]
+and to the frames there are), with the settings `load_processor` fixed on the processor (data.video_*), so that
+the load-time token count, the encoded prompt and the run's recorded settings all come from one place. A frame
+list without its own `fps` is taken as recorded at the sampling rate: every frame is kept (up to max_frames).
+
+Frame lists need nothing beyond PIL. Video files are decoded by transformers' `load_video` with the first decoder
+installed of `VIDEO_BACKENDS`; with none, loading a row with a file is a `DataError` that says what to install.
+Every per-row failure is a `VideoError` carrying the `DropReason` the loader counts the row under.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from miles_vl.data.images import ImageError, image_ref, open_image
+from miles_vl.data.layouts import DataError
+from miles_vl.data.records import DropReason, ImageRef
+
+# transformers' `load_video` backends, in the order tried, with the module each needs and its pip name.
+VIDEO_BACKENDS = (("torchcodec", "torchcodec", "torchcodec"), ("pyav", "av", "av"), ("decord", "decord", "decord"))
+REMOTE_PREFIXES = ("http://", "https://", "ftp://", "s3://", "gs://")
+
+
+class VideoError(ValueError):
+    """A video value that cannot be used; `reason` is the drop reason its row is counted under."""
+
+    def __init__(self, reason: DropReason, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """How videos are sampled and sized: the Qwen3-VL video processor's `fps`, `min_frames`, `max_frames` and
+    `size` (shortest_edge / longest_edge: the pixel range of all sampled frames together, t * h * w)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+
+
+@dataclass(frozen=True)
+class VideoSource:
+    """One video value as found in a row: frame refs, or a local file (not yet decoded)."""
+
+    frames: tuple[ImageRef, ...] = ()
+    path: Path | None = None
+    fps: float | None = None  # frames per second of the frame list; None: the sampling rate (files: their own)
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A video that passed the load-time checks: what to decode again at encode time, and how it was sampled."""
+
+    frames: tuple[ImageRef, ...]  # the sampled frames of a frame list, in order; () for a file
+    path: Path | None  # the video file, or None for a frame list
+    fps: float  # frames per second of the source (decides the timestamps in the prompt text)
+    total_frames: int  # frames in the source
+    indices: tuple[int, ...]  # the sampled frames' indices into the source
+    size: tuple[int, int]  # (width, height) of every frame
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The `video_metadata` entry the Qwen3-VL processor takes with pre-sampled frames."""
+        return {"fps": self.fps, "total_num_frames": self.total_frames, "frames_indices": list(self.indices)}
+
+
+def video_source(value: Any, base_dir: Path | None = None) -> VideoSource:
+    """One video value of a row -> its frame refs or file path (frames are resolved, nothing is decoded).
+
+    Args:
+        value: a list/tuple of frames (each any value `images.image_ref` takes); `{"frames": [...], "fps": x}`;
+            `{"path" | "video" | "url": str}`; a string: a local video file path or `file://` URL.
+        base_dir: folder relative paths are looked up in first (the dataset file's folder); then the working dir.
+
+    Raises:
+        VideoError: MISSING_VIDEO for a file or frame that does not exist, REMOTE_IMAGE for a remote URL, CORRUPT_VIDEO
+            for no frames, a bad fps, or a value of another type.
+    """
+    if isinstance(value, dict):
+        if "frames" in value:
+            fps = value.get("fps")
+            if fps is not None and not (isinstance(fps, int | float) and fps > 0):
+                raise VideoError(DropReason.CORRUPT_VIDEO, f"video fps must be a positive number, found {fps!r}")
+            source = video_source(list(value["frames"] or []), base_dir)
+            return VideoSource(frames=source.frames, fps=None if fps is None else float(fps))
+        for key in ("path", "video", "url"):
+            if value.get(key):
+                return video_source(str(value[key]), base_dir)
+        raise VideoError(DropReason.CORRUPT_VIDEO, f"video struct with no frames and no path: keys {sorted(value)}")
+    if isinstance(value, list | tuple):
+        if not value:
+            raise VideoError(
+                DropReason.CORRUPT_VIDEO, "a video with zero frames; give at least one frame, or drop the <video>"
+            )
+        try:
+            return VideoSource(frames=tuple(image_ref(frame, base_dir) for frame in value))
+        except ImageError as err:
+            raise VideoError(_frame_reason(err.reason), f"video frame: {err}") from err
+    if isinstance(value, str):
+        return VideoSource(path=_video_path(value, base_dir))
+    raise VideoError(
+        DropReason.CORRUPT_VIDEO,
+        f"unsupported video value of type {type(value).__name__}; give a list of frames or a video file path",
+    )
+
+
+def probe_video(source: VideoSource, processor: Any, max_image_pixels: int | None = None) -> VideoRef:
+    """Sample the video's frames with the processor's settings and decode them once (load time).
+
+    Args:
+        source: from `video_source`.
+        processor: a Qwen3-VL processor whose video processor holds the sampling settings (`load_processor`).
+        max_image_pixels: frames of a frame list with more pixels are refused before decoding.
+
+    Returns:
+        The `VideoRef`: the sampled frames (or the file), the source fps and frame count, the sampled indices, the size.
+
+    Raises:
+        VideoError: CORRUPT_VIDEO for frames that do not decode, differ in size, or are smaller than the processor
+            takes; MISSING_VIDEO, IMAGE_TOO_LARGE from a frame.
+        DataError: a video file and no decoder installed (names what to install).
+    """
+    vp = processor.video_processor
+    if source.path is not None:
+        frames, fps, total, indices = decode_video_file(source.path, vp)
+    else:
+        fps = source.fps or float(vp.fps)
+        total = len(source.frames)
+        indices = sample_indices(vp, total, fps)
+        try:
+            frames = [open_image(source.frames[i], max_image_pixels) for i in indices]
+        except ImageError as err:
+            raise VideoError(_frame_reason(err.reason), f"video frame: {err}") from err
+    if not frames:
+        raise VideoError(DropReason.CORRUPT_VIDEO, "the video decoded to zero frames")
+    sizes = sorted({f.size for f in frames})
+    if len(sizes) > 1:
+        raise VideoError(
+            DropReason.CORRUPT_VIDEO, f"the frames of one video differ in size {sizes[:3]}; resize them to one size"
+        )
+    width, height = sizes[0]
+    try:
+        video_grid(vp, len(indices), width, height)
+    except ValueError as err:  # smaller than patch * merge, or an aspect ratio above 200
+        raise VideoError(
+            DropReason.CORRUPT_VIDEO, f"the processor cannot take {width}x{height} video frames: {err}"
+        ) from err
+    return VideoRef(
+        frames=tuple(source.frames[i] for i in indices) if source.path is None else (),
+        path=source.path,
+        fps=float(fps),
+        total_frames=int(total),
+        indices=tuple(int(i) for i in indices),
+        size=(width, height),
+    )
+
+
+def load_frames(video: VideoRef) -> list[Image.Image]:
+    """The sampled frames of a probed video, decoded again (encode time), RGB."""
+    if video.path is not None:
+        return decode_video_file(video.path, None, list(video.indices))[0]
+    return [open_image(ref) for ref in video.frames]
+
+
+def sample_indices(video_processor: Any, total_frames: int, fps: float) -> list[int]:
+    """Indices of the frames Qwen3-VL's video processor samples from `total_frames` frames recorded at `fps`."""
+    from transformers.video_utils import VideoMetadata
+
+    meta = VideoMetadata(total_num_frames=total_frames, fps=fps)
+    return [int(i) for i in video_processor.sample_frames(meta, fps=float(video_processor.fps))]
+
+
+def video_grid(video_processor: Any, n_frames: int, width: int, height: int) -> tuple[int, int, int]:
+    """(t, h, w) in patches of `n_frames` frames of this size, as the processor resizes them (its `smart_resize`).
+
+    Raises:
+        ValueError: frames smaller than patch * merge, or an aspect ratio above 200.
+    """
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    vp = video_processor
+    h, w = smart_resize(
+        num_frames=n_frames,
+        height=height,
+        width=width,
+        temporal_factor=vp.temporal_patch_size,
+        factor=vp.patch_size * vp.merge_size,
+        min_pixels=vp.size.shortest_edge,
+        max_pixels=vp.size.longest_edge,
+    )
+    return math.ceil(n_frames / vp.temporal_patch_size), h // vp.patch_size, w // vp.patch_size
+
+
+def video_backend() -> str | None:
+    """The first of `VIDEO_BACKENDS` whose module is installed, or None."""
+    return next((name for name, module, _ in VIDEO_BACKENDS if importlib.util.find_spec(module)), None)
+
+
+def decode_video_file(
+    path: Path, video_processor: Any, indices: Sequence[int] | None = None
+) -> tuple[list[Image.Image], float, int, list[int]]:
+    """Decode the sampled frames of a video file with transformers' `load_video`.
+
+    Args:
+        path: an existing local file.
+        video_processor: samples the frames (`sample_indices`) when `indices` is None.
+        indices: the frames to decode (encode time: those chosen at load time).
+
+    Returns:
+        (RGB frames, source fps, source frame count, the indices decoded).
+
+    Raises:
+        DataError: no decoder installed (names what to install).
+        VideoError: CORRUPT_VIDEO when the file does not decode or has no frames.
+    """
+    backend = video_backend()
+    if backend is None:
+        names = " or ".join(pip for _, _, pip in VIDEO_BACKENDS)
+        raise DataError(
+            f"the video {path} is a file, and reading video files needs a decoder, none of which is installed: "
+            f"pip install {names} (PyAV: `pip install av`); videos given as lists of frames need none"
+        )
+    from transformers.video_utils import load_video
+
+    found: dict[str, Any] = {}
+
+    def pick(metadata: Any, **_: Any) -> list[int]:
+        found["fps"], found["total"] = float(metadata.fps or 0.0), int(metadata.total_num_frames)
+        if found["total"] < 1 or found["fps"] <= 0:
+            raise VideoError(DropReason.CORRUPT_VIDEO, f"video {path}: {found['total']} frames at {found['fps']} fps")
+        chosen = list(indices) if indices is not None else sample_indices(video_processor, found["total"], found["fps"])
+        found["indices"] = chosen
+        return chosen
+
+    try:
+        array, _ = load_video(str(path), backend=backend, sample_indices_fn=pick)
+    except VideoError:
+        raise
+    except Exception as err:  # decoders raise their own types for broken files
+        raise VideoError(DropReason.CORRUPT_VIDEO, f"cannot decode video {path} ({backend}): {err}") from err
+    frames = torch.as_tensor(array)
+    if frames.shape[-1] != 3:  # [T, C, H, W] (torchcodec) -> [T, H, W, C]
+        frames = frames.permute(0, 2, 3, 1)
+    images = [Image.fromarray(f.to(torch.uint8).numpy()).convert("RGB") for f in frames]
+    return images, found["fps"], found["total"], found["indices"]
+
+
+def _video_path(text: str, base_dir: Path | None) -> Path:
+    text = text.strip()
+    if text.lower().startswith(REMOTE_PREFIXES):
+        raise VideoError(
+            DropReason.REMOTE_IMAGE,
+            f"remote video URL {text[:120]!r}: miles_vl does not download; point the dataset at local files or frames",
+        )
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    path = Path(text).expanduser()
+    candidates = [path] if path.is_absolute() or base_dir is None else [base_dir / path, path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = ", ".join(str(c) for c in candidates)
+    raise VideoError(DropReason.MISSING_VIDEO, f"video file not found: {text!r} (looked at {tried})")
+
+
+def _frame_reason(reason: DropReason) -> DropReason:
+    """A frame's image drop reason as the video's: missing and corrupt frames make a missing or corrupt video."""
+    return {DropReason.MISSING_IMAGE: DropReason.MISSING_VIDEO, DropReason.CORRUPT_IMAGE: DropReason.CORRUPT_VIDEO}.get(
+        reason, reason
+    )

@@ -1,0 +1,179 @@
+"""Contract: a row's video (a frame list, a `{frames, fps}` struct, or a video file) goes through the loader and the
+encoder into a `PromptSample` with `pixel_values_videos` and `video_grid_thw`, sampled by Qwen3-VL's own rule with
+the settings fixed on the processor (and recorded by `processor_metadata`), and the load-time token count equals the
+processor's; a bad video drops its row under a named reason; a video file without a decoder is an error that says
+what to install."""
+
+import numpy as np
+import pytest
+
+from miles_vl.config.schema import DataConfig
+from miles_vl.data import (
+    DataError,
+    DropReason,
+    PromptEncoder,
+    VideoSettings,
+    load_processor,
+    load_prompt_file,
+    load_prompt_records,
+    processor_metadata,
+    video_settings,
+)
+from miles_vl.data import videos as videos_module
+from tests.data.helpers import png_bytes, write_jsonl, write_png
+
+SMALL = VideoSettings(fps=2.0, min_frames=2, max_frames=8, min_pixels=32 * 32, max_pixels=4 * 64 * 64)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return load_processor("offline", 32 * 32, 64 * 64, SMALL)
+
+
+@pytest.fixture(scope="module")
+def encoder(processor):
+    return PromptEncoder(processor, instruction="Answer.")
+
+
+def frames(n, size=(64, 64)):
+    return [png_bytes(*size, seed=k) for k in range(n)]
+
+
+def load(records, encoder, **kw):
+    return load_prompt_records(records, encoder, max_prompt_len=kw.pop("max_prompt_len", 512), source="t", **kw)
+
+
+def test_rows_become_prompt_samples_with_video_grids(encoder, processor):
+    records = [
+        {"problem": "<video>Which way?", "answer": "A", "videos": [frames(4)]},
+        {"problem": "Look: <image> then <video>.", "answer": "B", "images": [png_bytes(64, 64)], "videos": [frames(3)]},
+        {"problem": "<video>", "answer": "C", "videos": [{"frames": frames(8), "fps": 8}]},  # 1 s at 8 fps -> 2 frames
+    ]
+    rows, report = load(records, encoder)
+    assert report.n_kept == 3 and not report.dropped
+    assert [v.indices for r in rows for v in r.videos] == [(0, 1, 2, 3), (0, 1, 2), (0, 7)]
+    for row in rows:
+        sample = encoder.encode(row)  # raises if the load-time count differs from the processor's output
+        assert sample.prompt_len == row.prompt_len
+        grid = sample.video_grid_thw
+        # 64x64 frames at this pixel range: 4x4 patches; t = ceil(frames / temporal_patch_size)
+        assert grid.tolist() == [[-(-len(row.videos[0].indices) // 2), 4, 4]]
+        assert sample.pixel_values_videos.shape == (int(grid.prod()), 3 * 2 * 16 * 16)
+        n_video_tokens = int((sample.prompt_ids == processor.video_token_id).sum())
+        assert n_video_tokens == int(grid.prod()) // 4  # merge 2 x 2
+    mixed = encoder.encode(rows[1])
+    assert mixed.image_grid_thw.tolist() == [[1, 4, 4]]
+    text = processor.tokenizer.decode(mixed.prompt_ids)
+    assert text.index("<|image_pad|>") < text.index("<|video_pad|>")  # placeholder order kept
+    # Qwen3-VL's timestamps: frames 0..2 at 2 fps, padded to 4 -> groups at (0 + 0.5) / 2 and (1 + 1) / 2 seconds
+    assert "<0.2 seconds>" in text and "<1.0 seconds>" in text
+    assert "<0.4 seconds>" in processor.tokenizer.decode(encoder.encode(rows[2]).prompt_ids)  # (0 + 7/8) / 2 = .44
+
+
+def test_frame_paths_in_a_file_are_relative_to_it(tmp_path, encoder):
+    for k in range(2):
+        write_png(tmp_path / "clip" / f"{k}.png", width=64, height=64, seed=k)
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"problem": "<video>x", "answer": "1", "videos": [["clip/0.png", "clip/1.png"]]}]
+    )
+    rows, report = load_prompt_file(path, encoder, max_prompt_len=512)
+    assert report.n_kept == 1 and rows[0].videos[0].frames == (tmp_path / "clip/0.png", tmp_path / "clip/1.png")
+    assert encoder.encode(rows[0]).video_grid_thw.tolist() == [[1, 4, 4]]
+
+
+def test_bad_videos_drop_their_rows_with_a_reason(tmp_path, encoder):
+    records = [
+        {"problem": "<video>", "answer": "1", "videos": [[]]},
+        {"problem": "<video>", "answer": "1", "videos": [["missing/0.png"]]},
+        {"problem": "<video><video>", "answer": "1", "videos": [frames(2)]},
+        {"problem": "no placeholder", "answer": "1", "videos": [frames(2)]},
+        {"problem": "<video>", "answer": "1", "videos": [[png_bytes(64, 64), png_bytes(64, 48)]]},
+        {"problem": "<video>", "answer": "1", "videos": [frames(2, size=(20, 20))]},
+        {"problem": "<video>", "answer": "1", "videos": ["https://example.com/a.mp4"]},
+        {"problem": "<video>", "answer": "1", "videos": [str(tmp_path / "gone.mp4")]},
+        {"problem": "<video>", "answer": "1", "videos": [frames(8)]},  # fits only a longer max_prompt_len
+    ]
+    rows, report = load(records, encoder, base_dir=tmp_path, max_prompt_len=60)
+    assert rows == []
+    reasons = {ex.index: (ex.reason, ex.detail) for ex in report.examples}
+    assert reasons[0] == (
+        DropReason.CORRUPT_VIDEO,
+        "a video with zero frames; give at least one frame, or drop the <video>",
+    )
+    assert reasons[1][0] == DropReason.MISSING_VIDEO and "missing/0.png" in reasons[1][1]
+    assert reasons[2] == (
+        DropReason.PLACEHOLDER_MISMATCH,
+        "2 <video> placeholders but 1 videos; put one <video> in the prompt per entry of the videos column",
+    )
+    assert reasons[3][0] == DropReason.PLACEHOLDER_MISMATCH
+    assert reasons[4][0] == DropReason.CORRUPT_VIDEO and "differ in size" in reasons[4][1]
+    assert reasons[5][0] == DropReason.CORRUPT_VIDEO and "20x20" in reasons[5][1]
+    assert reasons[6][0] == DropReason.REMOTE_IMAGE and "does not download" in reasons[6][1]
+    assert reasons[7][0] == DropReason.MISSING_VIDEO and "gone.mp4" in reasons[7][1]
+    assert reasons[8][0] == DropReason.PROMPT_TOO_LONG and "video frames [8]" in reasons[8][1]
+    assert report.n_dropped == len(records)
+    assert "corrupt_video=3" in report.summary() and "missing_video=2" in report.summary()
+    _, report = load([{"problem": "<video>", "answer": "1", "videos": [[b"not a png", b"nor this"]]}], encoder)
+    assert report.dropped == {DropReason.CORRUPT_VIDEO: 1} and "cannot decode" in report.examples[0].detail
+
+
+def test_a_video_file_without_a_decoder_says_what_to_install(tmp_path, encoder, monkeypatch):
+    monkeypatch.setattr(videos_module, "video_backend", lambda: None)
+    (tmp_path / "a.mp4").write_bytes(b"\x00" * 16)
+    records = [{"problem": "ok", "answer": "1"}, {"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}]
+    with pytest.raises(DataError, match=r"^t: row 1: the video .*a\.mp4 is a file.*pip install .*av.*lists of frames"):
+        load(records, encoder, base_dir=tmp_path)
+
+
+def test_a_video_file_is_sampled_by_the_processors_rule(tmp_path, encoder, processor, monkeypatch):
+    """A stand-in decoder (none is installed here) in transformers' `load_video` seam: 10 frames at 5 fps, frame k
+    filled with grey level 20 * k, so the decoded frames show which indices were taken."""
+    from transformers import video_utils
+
+    calls = []
+
+    def fake_load_video(path, backend, sample_indices_fn):
+        meta = video_utils.VideoMetadata(total_num_frames=10, fps=5.0)
+        idx = sample_indices_fn(metadata=meta)
+        calls.append(list(idx))
+        return np.stack([np.full((64, 64, 3), 20 * k, dtype=np.uint8) for k in idx]), meta
+
+    monkeypatch.setattr(videos_module, "video_backend", lambda: "pyav")
+    monkeypatch.setattr(video_utils, "load_video", fake_load_video)
+    (tmp_path / "a.mp4").write_bytes(b"\x00")
+    rows, report = load([{"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}], encoder, base_dir=tmp_path)
+    assert report.n_kept == 1
+    video = rows[0].videos[0]
+    # Qwen3-VL: int(10 frames / 5 fps * 2 fps) = 4 frames, linspace(0, 9, 4) rounded
+    assert video.indices == (0, 3, 6, 9) and video.fps == 5.0 and video.total_frames == 10
+    sample = encoder.encode(rows[0])
+    assert calls == [[0, 3, 6, 9], [0, 3, 6, 9]]  # load time, then encode time with the same indices
+    assert sample.video_grid_thw.tolist() == [[2, 4, 4]] and sample.prompt_len == rows[0].prompt_len
+    frames_back = videos_module.load_frames(video)
+    assert [f.getpixel((0, 0))[0] for f in frames_back] == [0, 60, 120, 180]
+
+
+def test_video_settings_reach_the_processor_and_the_run_metadata():
+    cfg = DataConfig(
+        synthetic_n=1,
+        video_fps=1.5,
+        video_min_frames=3,
+        video_max_frames=16,
+        video_min_pixels=2048,
+        video_max_pixels=65536,
+    )
+    processor = load_processor("offline", 32 * 32, 64 * 64, video_settings(cfg))
+    meta = processor_metadata(processor)
+    assert {k: v for k, v in meta.items() if k.startswith("video_")} == {
+        "video_fps": 1.5,
+        "video_min_frames": 3,
+        "video_max_frames": 16,
+        "video_min_pixels": 2048,
+        "video_max_pixels": 65536,
+    }
+    vp = processor.video_processor
+    assert (vp.fps, vp.min_frames, vp.max_frames, vp.size.shortest_edge) == (1.5, 3, 16, 2048)
+    with pytest.raises(ValueError, match="video_min_frames"):
+        DataConfig(synthetic_n=1, video_min_frames=9, video_max_frames=8)
+    with pytest.raises(ValueError, match="data.video_fps"):
+        load_processor("offline", 32 * 32, 64 * 64, VideoSettings(fps=0))
