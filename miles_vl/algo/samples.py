@@ -3,8 +3,9 @@
     samples, metrics = to_train_samples(prompts, groups, rewards, estimator="grpo", norm_adv_by_std=True)
 
 Duck-typed inputs (so that algo imports neither data nor rollout): a prompt has `prompt_ids` [P], `image_grid_thw`
-and `pixel_values`; a generation has `response_ids` [R] and `logprobs` [R]; a reward has `overall`. Groups are one
-list per prompt, `n_samples_per_prompt` long.
+and `pixel_values` (and, when it holds videos, `video_grid_thw` and `pixel_values_videos`); a generation has
+`response_ids` [R] and `logprobs` [R]; a reward has `overall`. Groups are one list per prompt,
+`n_samples_per_prompt` long.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def to_train_samples(
                     rollout_logprobs=g.logprobs,
                     image_grid_thw=p.image_grid_thw,
                     pixel_values=p.pixel_values,
+                    video_grid_thw=getattr(p, "video_grid_thw", None),
+                    pixel_values_videos=getattr(p, "pixel_values_videos", None),
                 )
             )
             k += 1

@@ -12,9 +12,11 @@ from torch import FloatTensor, LongTensor, Tensor
 class PromptLike(Protocol):
     """A canonical prompt (miles_vl.data's records satisfy this): the engine must see exactly these ids."""
 
-    prompt_ids: LongTensor  # [L], image tokens already expanded
+    prompt_ids: LongTensor  # [L], image and video tokens already expanded
     pixel_values: Tensor | None  # [n_patches, C*T*P*P]
     image_grid_thw: LongTensor | None  # [n_images, 3]
+    # Videos (miles_vl.data's PromptSample has them; engines read them with getattr, None when absent):
+    # pixel_values_videos [n_video_patches, C*T*P*P], video_grid_thw [n_videos, 3]
 
 
 @dataclass(frozen=True)

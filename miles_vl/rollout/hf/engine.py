@@ -1,4 +1,4 @@
-"""The embedded rollout engine: transformers `generate` in-process (CPU or one GPU), batched, with images.
+"""The embedded rollout engine: transformers `generate` in-process (CPU or one GPU), batched, with images and videos.
 
     engine = HFRolloutEngine(model, tokens)                            # in this process (tests, benchmarks)
     actor = ray.remote(HFRolloutEngine).remote(build_model, tokens)   # a Ray actor: the model is built where it runs
@@ -80,6 +80,8 @@ class HFRolloutEngine(RolloutEngine):
         types[(ids == t.video_token_id) & (mask == 1)] = 2
         pixel_values = cat_present([p.pixel_values for p in prompts])
         grids = cat_present([p.image_grid_thw for p in prompts])
+        video_values = cat_present([getattr(p, "pixel_values_videos", None) for p in prompts])
+        video_grids = cat_present([getattr(p, "video_grid_thw", None) for p in prompts])
         greedy = params.temperature == 0
         kwargs = dict(
             input_ids=ids.to(self.device),
@@ -99,6 +101,8 @@ class HFRolloutEngine(RolloutEngine):
             )
         if pixel_values is not None:
             kwargs.update(pixel_values=pixel_values.to(self.device), image_grid_thw=grids.to(self.device))
+        if video_values is not None:
+            kwargs.update(pixel_values_videos=video_values.to(self.device), video_grid_thw=video_grids.to(self.device))
         result = self.model.generate(**kwargs)
         self.model.model.rope_deltas = None  # transformers caches per-batch deltas on the module
         new_dev = result.sequences[:, width:]  # [B, R]
