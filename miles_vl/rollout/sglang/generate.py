@@ -131,9 +131,9 @@ def prompt_images(prompt: Any, index: int, video_token_id: int | None = None) ->
     has_video_tokens = video_token_id is not None and bool((torch.as_tensor(prompt.prompt_ids) == video_token_id).any())
     if (grid_v is not None and int(grid_v.shape[0])) or has_video_tokens:
         raise ValueError(
-            f"prompt {index} holds a video; the sglang engine sends images only (SGLang 0.5.16 takes videos as "
-            "`video_data` with its own frame sampling, which miles_vl does not drive yet). Use rollout.backend=hf for "
-            "video prompts"
+            f"prompt {index} holds a video; the sglang engine sends images only (SGLang 0.5.16 re-samples and re-sizes "
+            "`video_data` its own way and writes other frame timestamps, so its prompt ids would not be ours: "
+            "docs/sglang.md, section 4, Videos). Use rollout.backend=hf for video prompts"
         )
     grid = getattr(prompt, "image_grid_thw", None)
     n_grid = 0 if grid is None else int(grid.shape[0])

@@ -26,7 +26,7 @@ from miles_vl.rollout.sglang.generate import (
     sampling_seed,
 )
 from miles_vl.rollout.types import SamplingParams
-from tests.rollout.sglang.conftest import EOS, make_prompt
+from tests.rollout.sglang.conftest import EOS, VIDEO, make_prompt
 
 
 def decode_url(url: str) -> Image.Image:
@@ -126,6 +126,18 @@ def test_prompt_images_are_required_and_counted():
     short.images = short.images[:1]
     with pytest.raises(ValueError, match=r"1 image\(s\) in `images` but 2 image_grid_thw row\(s\)"):
         prompt_images(short, 0)
+
+
+def test_video_prompts_are_refused_before_any_request():
+    """SGLang 0.5.16 would re-sample and re-time the frames (docs/sglang.md, Videos): a prompt with a video grid or
+    with video tokens never reaches it, and the message names the backend that takes videos."""
+    video = make_prompt([1, 2])
+    video.video_grid_thw = torch.tensor([[2, 4, 4]])
+    with pytest.raises(ValueError, match=r"prompt 4 holds a video.*docs/sglang.md.*rollout.backend=hf"):
+        prompt_images(video, 4, VIDEO)
+    pads_only = make_prompt([1, VIDEO, 2])  # video tokens without a grid: still a video prompt
+    with pytest.raises(ValueError, match="holds a video"):
+        prompt_images(pads_only, 0, VIDEO)
 
 
 def response(output_ids, logprobs, finish, *, prompt_ids=None, prompt_tokens=None, version="v1"):
