@@ -12,7 +12,8 @@ A dataset row's video column holds one entry per `<video>` placeholder; each ent
 (`Qwen3VLVideoProcessor.sample_frames`: `fps` frames per second of the source, clamped to [min_frames, max_frames]
 and to the frames there are), with the settings `load_processor` fixed on the processor (data.video_*), so that
 the load-time token count, the encoded prompt and the run's recorded settings all come from one place. A frame
-list without its own `fps` is taken as recorded at the sampling rate: every frame is kept (up to max_frames).
+list without its own `fps` keeps every frame (evenly thinned to max_frames when longer: `every_frame_indices`), its
+timestamps as if recorded at the sampling rate.
 
 Frame lists need nothing beyond PIL. Video files are decoded by transformers' `load_video` with the first decoder
 installed of `VIDEO_BACKENDS`; with none, loading a row with a file is a `DataError` that says what to install.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -146,9 +148,11 @@ def probe_video(source: VideoSource, processor: Any, max_image_pixels: int | Non
     if source.path is not None:
         frames, fps, total, indices = decode_video_file(source.path, vp)
     else:
-        fps = source.fps or float(vp.fps)
         total = len(source.frames)
-        indices = sample_indices(vp, total, fps)
+        if source.fps is None:  # recorded at the sampling rate: every frame, up to max_frames
+            fps, indices = float(vp.fps), every_frame_indices(total, int(vp.max_frames))
+        else:
+            fps, indices = source.fps, sample_indices(vp, total, source.fps)
         try:
             frames = [open_image(source.frames[i], max_image_pixels) for i in indices]
         except ImageError as err:
@@ -190,6 +194,13 @@ def sample_indices(video_processor: Any, total_frames: int, fps: float) -> list[
 
     meta = VideoMetadata(total_num_frames=total_frames, fps=fps)
     return [int(i) for i in video_processor.sample_frames(meta, fps=float(video_processor.fps))]
+
+
+def every_frame_indices(total_frames: int, max_frames: int) -> list[int]:
+    """Every frame of a frame list given without its fps, evenly thinned to `max_frames` when longer: the
+    processor's `linspace(0, total - 1, n).round()`. Not `sample_indices` at the sampling rate, whose
+    `int(total / fps * fps)` loses a frame to float rounding for some fps (3 frames at 0.7 fps give 2)."""
+    return [int(i) for i in np.linspace(0, total_frames - 1, min(total_frames, max_frames)).round()]
 
 
 def video_grid(video_processor: Any, n_frames: int, width: int, height: int) -> tuple[int, int, int]:

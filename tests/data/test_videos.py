@@ -177,3 +177,27 @@ def test_video_settings_reach_the_processor_and_the_run_metadata():
         DataConfig(synthetic_n=1, video_min_frames=9, video_max_frames=8)
     with pytest.raises(ValueError, match="data.video_fps"):
         load_processor("offline", 32 * 32, 64 * 64, VideoSettings(fps=0))
+
+
+@pytest.mark.parametrize("fps", [0.7, 1.1])
+def test_a_frame_list_without_fps_keeps_every_frame_at_any_sampling_rate(fps):
+    """Pins a bug: frame lists without their own fps went through the processor's fps rule at the sampling rate,
+    `int(total / fps * fps)` frames, which float rounding makes one short (3 frames at 0.7 fps gave 2; 29 at 1.1
+    gave 28). Every frame is kept (up to max_frames), and load-time counts still equal the processor's."""
+    settings = VideoSettings(fps=fps, min_frames=2, max_frames=64, min_pixels=32 * 32, max_pixels=64 * 32 * 32)
+    processor = load_processor("offline", 32 * 32, 64 * 64, settings)
+    encoder = PromptEncoder(processor, instruction="Answer.")
+    counts = (3, 6, 12, 24, 29, 41, 48)
+    records = [{"problem": "<video>x", "answer": "1", "videos": [frames(n, size=(32, 32))]} for n in counts]
+    rows, report = load(records, encoder, max_prompt_len=4096)
+    assert report.n_kept == len(counts), report.summary()
+    assert [r.videos[0].indices for r in rows] == [tuple(range(n)) for n in counts]
+    for row in rows:
+        sample = encoder.encode(row)
+        assert sample.prompt_len == row.prompt_len and sample.video_grid_thw[0, 0] == -(
+            -len(row.videos[0].indices) // 2
+        )
+    # Longer than max_frames: thinned evenly, as the processor's linspace does.
+    thin = VideoSettings(fps=fps, min_frames=2, max_frames=4, min_pixels=32 * 32, max_pixels=64 * 32 * 32)
+    rows, _ = load(records[:2], PromptEncoder(load_processor("offline", 32 * 32, 64 * 64, thin)))
+    assert [r.videos[0].indices for r in rows] == [(0, 1, 2), (0, 2, 3, 5)]  # linspace(0, 5, 4) = 0, 1.67, 3.33, 5
