@@ -16,7 +16,8 @@ list without its own `fps` keeps every frame (evenly thinned to max_frames when 
 timestamps as if recorded at the sampling rate.
 
 Frame lists need nothing beyond PIL. Video files are decoded by transformers' `load_video` with the first decoder
-installed of `VIDEO_BACKENDS`; with none, loading a row with a file is a `DataError` that says what to install.
+installed of `VIDEO_BACKENDS`; with none, or one that does not load, loading a row with a file is a `DataError` that
+says what to install (only a file that fails to decode drops its row, as corrupt_video).
 Every per-row failure is a `VideoError` carrying the `DropReason` the loader counts the row under.
 """
 
@@ -101,7 +102,9 @@ def video_source(value: Any, base_dir: Path | None = None) -> VideoSource:
             for no frames, a bad fps, or a value of another type.
     """
     if isinstance(value, dict):
-        if "frames" in value:
+        # `is not None`: pyarrow fills every struct field, so a file video from a parquet column that also holds frame
+        # videos reads {"frames": None, "fps": None, "path": "a.mp4"}.
+        if value.get("frames") is not None:
             fps = value.get("fps")
             if fps is not None and not (isinstance(fps, int | float) and fps > 0):
                 raise VideoError(DropReason.CORRUPT_VIDEO, f"video fps must be a positive number, found {fps!r}")
@@ -142,7 +145,7 @@ def probe_video(source: VideoSource, processor: Any, max_image_pixels: int | Non
     Raises:
         VideoError: CORRUPT_VIDEO for frames that do not decode, differ in size, or are smaller than the processor
             takes; MISSING_VIDEO, IMAGE_TOO_LARGE from a frame.
-        DataError: a video file and no decoder installed (names what to install).
+        DataError: a video file and no decoder installed, or one that does not load (names what to install).
     """
     vp = processor.video_processor
     if source.path is not None:
@@ -225,8 +228,22 @@ def video_grid(video_processor: Any, n_frames: int, width: int, height: int) -> 
 
 
 def video_backend() -> str | None:
-    """The first of `VIDEO_BACKENDS` whose module is installed, or None."""
+    """The first of `VIDEO_BACKENDS` whose module is installed (found, not yet imported), or None."""
     return next((name for name, module, _ in VIDEO_BACKENDS if importlib.util.find_spec(module)), None)
+
+
+def import_backend(backend: str) -> None:
+    """Import a video decoder's module, so that a broken install (an ImportError, a shared library that does not
+    load) is an error about the install, not a corrupt_video drop of every file row.
+
+    Raises:
+        DataError: the module does not import (names the backend, the error and what to reinstall).
+    """
+    module, pip = next((m, p) for name, m, p in VIDEO_BACKENDS if name == backend)
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, OSError (a missing libav*.so), RuntimeError (torchcodec's FFmpeg check)
+        raise DataError(_broken_backend(backend, pip, err)) from err
 
 
 def decode_video_file(
@@ -243,7 +260,7 @@ def decode_video_file(
         (RGB frames, source fps, source frame count, the indices decoded).
 
     Raises:
-        DataError: no decoder installed (names what to install).
+        DataError: no decoder installed, or the installed one does not load (names what to install).
         VideoError: CORRUPT_VIDEO when the file does not decode or has no frames.
     """
     backend = video_backend()
@@ -253,6 +270,7 @@ def decode_video_file(
             f"the video {path} is a file, and reading video files needs a decoder, none of which is installed: "
             f"pip install {names} (PyAV: `pip install av`); videos given as lists of frames need none"
         )
+    import_backend(backend)
     from transformers.video_utils import load_video
 
     found: dict[str, Any] = {}
@@ -269,6 +287,9 @@ def decode_video_file(
         array, _ = load_video(str(path), backend=backend, sample_indices_fn=pick)
     except VideoError:
         raise
+    except ImportError as err:  # a part of the decoder that loads on first use: the install, not this file
+        pip = next(p for name, _, p in VIDEO_BACKENDS if name == backend)
+        raise DataError(_broken_backend(backend, pip, err)) from err
     except Exception as err:  # decoders raise their own types for broken files
         raise VideoError(DropReason.CORRUPT_VIDEO, f"cannot decode video {path} ({backend}): {err}") from err
     frames = torch.as_tensor(array)
@@ -276,6 +297,15 @@ def decode_video_file(
         frames = frames.permute(0, 2, 3, 1)
     images = [Image.fromarray(f.to(torch.uint8).numpy()).convert("RGB") for f in frames]
     return images, found["fps"], found["total"], found["indices"]
+
+
+def _broken_backend(backend: str, pip: str, err: BaseException) -> str:
+    others = ", ".join(name for name, _, _ in VIDEO_BACKENDS if name != backend)
+    return (
+        f"the video decoder {backend} is installed but does not load ({type(err).__name__}: {err}); reinstall it "
+        f"(pip install --force-reinstall {pip}, with the system libraries it needs, e.g. FFmpeg), or uninstall it to "
+        f"use another of {others}; videos given as lists of frames need none"
+    )
 
 
 def _video_path(text: str, base_dir: Path | None) -> Path:

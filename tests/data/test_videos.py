@@ -4,7 +4,12 @@ the settings fixed on the processor (and recorded by `processor_metadata`), and 
 processor's; a bad video drops its row under a named reason; a video file without a decoder is an error that says
 what to install."""
 
+import sys
+import types
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from miles_vl.config.schema import DataConfig
@@ -125,21 +130,35 @@ def test_a_video_file_without_a_decoder_says_what_to_install(tmp_path, encoder, 
         load(records, encoder, base_dir=tmp_path)
 
 
-def test_a_video_file_is_sampled_by_the_processors_rule(tmp_path, encoder, processor, monkeypatch):
-    """A stand-in decoder (none is installed here) in transformers' `load_video` seam: 10 frames at 5 fps, frame k
-    filled with grey level 20 * k, so the decoded frames show which indices were taken."""
+def fake_decoder(monkeypatch, load_video, broken=False):
+    """Stand in for PyAV (none is installed here): `av` imports as an empty module (`broken`: `import av` raises
+    ModuleNotFoundError), and transformers' `load_video` seam is `load_video`."""
     from transformers import video_utils
 
-    calls = []
+    monkeypatch.setattr(videos_module, "video_backend", lambda: "pyav")
+    monkeypatch.setitem(sys.modules, "av", None if broken else types.ModuleType("av"))
+    monkeypatch.setattr(video_utils, "load_video", load_video)
 
-    def fake_load_video(path, backend, sample_indices_fn):
+
+def ten_frames_at_5_fps(calls=None):
+    """A `load_video` of 10 frames at 5 fps, frame k filled with grey level 20 * k (so the decoded frames show which
+    indices were taken); each call's indices are appended to `calls`."""
+    from transformers import video_utils
+
+    def load_video(path, backend, sample_indices_fn):
         meta = video_utils.VideoMetadata(total_num_frames=10, fps=5.0)
         idx = sample_indices_fn(metadata=meta)
-        calls.append(list(idx))
+        if calls is not None:
+            calls.append(list(idx))
         return np.stack([np.full((64, 64, 3), 20 * k, dtype=np.uint8) for k in idx]), meta
 
-    monkeypatch.setattr(videos_module, "video_backend", lambda: "pyav")
-    monkeypatch.setattr(video_utils, "load_video", fake_load_video)
+    return load_video
+
+
+def test_a_video_file_is_sampled_by_the_processors_rule(tmp_path, encoder, processor, monkeypatch):
+    """A stand-in decoder in transformers' `load_video` seam: 10 frames at 5 fps."""
+    calls = []
+    fake_decoder(monkeypatch, ten_frames_at_5_fps(calls))
     (tmp_path / "a.mp4").write_bytes(b"\x00")
     rows, report = load([{"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}], encoder, base_dir=tmp_path)
     assert report.n_kept == 1
@@ -201,3 +220,65 @@ def test_a_frame_list_without_fps_keeps_every_frame_at_any_sampling_rate(fps):
     thin = VideoSettings(fps=fps, min_frames=2, max_frames=4, min_pixels=32 * 32, max_pixels=64 * 32 * 32)
     rows, _ = load(records[:2], PromptEncoder(load_processor("offline", 32 * 32, 64 * 64, thin)))
     assert [r.videos[0].indices for r in rows] == [(0, 1, 2), (0, 2, 3, 5)]  # linspace(0, 5, 4) = 0, 1.67, 3.33, 5
+
+
+def test_a_broken_decoder_install_is_an_error_that_names_it(tmp_path, encoder, monkeypatch):
+    """Pins a bug: a decoder that is found but does not load (an ImportError, a shared library missing) was counted
+    as corrupt_video for every file row, and the load went on without saying what to install."""
+    (tmp_path / "a.mp4").write_bytes(b"\x00")
+    records = [{"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}]
+    fake_decoder(monkeypatch, ten_frames_at_5_fps(), broken=True)
+    with pytest.raises(
+        DataError, match=r"decoder pyav is installed but does not load \(ModuleNotFoundError: .*av.*pip install"
+    ):
+        load(records, encoder, base_dir=tmp_path)
+
+    def missing_library(path, backend, sample_indices_fn):  # a part that loads on first use
+        raise ImportError("libavformat.so.61: cannot open shared object file")
+
+    fake_decoder(monkeypatch, missing_library)
+    with pytest.raises(DataError, match=r"pyav .*ImportError: libavformat\.so\.61.*--force-reinstall av"):
+        load(records, encoder, base_dir=tmp_path)
+
+
+def test_a_file_that_does_not_decode_drops_only_its_row(tmp_path, encoder, monkeypatch):
+    """A decoder that raises on one file (its own error type) drops that row as corrupt_video; the others load."""
+    good = ten_frames_at_5_fps()
+
+    def load_video(path, backend, sample_indices_fn):
+        if path.endswith("bad.mp4"):
+            raise OSError("[Errno 1094995529] Invalid data found when processing input")
+        return good(path, backend, sample_indices_fn)
+
+    fake_decoder(monkeypatch, load_video)
+    for name in ("good.mp4", "bad.mp4"):
+        (tmp_path / name).write_bytes(b"\x00")
+    records = [{"problem": "<video>", "answer": "1", "videos": [name]} for name in ("good.mp4", "bad.mp4")]
+    rows, report = load(records, encoder, base_dir=tmp_path)
+    assert [r.index for r in rows] == [0] and report.dropped == {DropReason.CORRUPT_VIDEO: 1}
+    assert "bad.mp4 (pyav): [Errno 1094995529] Invalid data" in report.examples[0].detail
+
+
+def test_a_parquet_column_mixing_frame_and_file_videos(tmp_path, encoder, monkeypatch):
+    """Pins a bug: pyarrow fills every struct field, so in a file whose videos are both `{frames, fps}` and
+    `{path}` structs a file video reads {"frames": None, "fps": None, "path": ...}; it was taken as a frame video with
+    no frames and dropped as corrupt_video."""
+    fake_decoder(monkeypatch, ten_frames_at_5_fps())
+    (tmp_path / "a.mp4").write_bytes(b"\x00")
+    video = pa.struct([("frames", pa.list_(pa.binary())), ("fps", pa.float64()), ("path", pa.string())])
+    schema = pa.schema([("problem", pa.string()), ("answer", pa.string()), ("videos", pa.list_(video))])
+    records = [
+        {"problem": "<video>x", "answer": "1", "videos": [{"frames": frames(4), "fps": 2.0}]},
+        {"problem": "<video>y", "answer": "2", "videos": [{"path": "a.mp4"}]},
+    ]
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    assert pq.read_table(path).to_pylist()[1]["videos"] == [{"frames": None, "fps": None, "path": "a.mp4"}]
+    rows, report = load_prompt_file(path, encoder, max_prompt_len=512)
+    assert report.n_kept == 2, report.summary()
+    assert [(v.path, v.indices) for r in rows for v in r.videos] == [
+        (None, (0, 1, 2, 3)),
+        (tmp_path / "a.mp4", (0, 3, 6, 9)),
+    ]
+    for row in rows:
+        assert encoder.encode(row).prompt_len == row.prompt_len
