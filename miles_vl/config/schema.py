@@ -121,19 +121,27 @@ class DataConfig(_Section):
         gt=0,
         description="source images with more pixels are dropped (counted as image_too_large) before decoding.",
     )
-    video_fps: float = Field(
-        2.0,
+    video_fps: float | None = Field(
+        None,
         gt=0,
-        description="video frames sampled per second of the source (Qwen3-VL's video processor `fps`); a frame list "
-        "without its own fps is taken as recorded at this rate.",
+        description="video frames sampled per second of the source (Qwen3-VL's video processor `fps`); null keeps "
+        "the checkpoint's (the offline processor's: 2). processor.yaml records the value used.",
     )
-    video_min_frames: int = Field(4, ge=1, description="fewest frames sampled from a video (fewer if it has fewer).")
-    video_max_frames: int = Field(768, ge=1, description="most frames sampled from a video.")
-    video_min_pixels: int = Field(
-        128 * 32 * 32, gt=0, description="smallest area of all sampled frames of a video together (t * h * w)."
+    video_min_frames: int | None = Field(
+        None, ge=1, description="fewest frames sampled from a video (fewer if it has fewer); null: the checkpoint's."
     )
-    video_max_pixels: int = Field(
-        768 * 32 * 32, gt=0, description="largest area of all sampled frames of a video together (t * h * w)."
+    video_max_frames: int | None = Field(
+        None, ge=1, description="most frames sampled from a video; null: the checkpoint's."
+    )
+    video_min_pixels: int | None = Field(
+        None,
+        gt=0,
+        description="smallest area of all sampled frames of a video together (t * h * w); null: the checkpoint's.",
+    )
+    video_max_pixels: int | None = Field(
+        None,
+        gt=0,
+        description="largest area of all sampled frames of a video together (t * h * w); null: the checkpoint's.",
     )
     shuffle: bool = True
 
@@ -157,11 +165,11 @@ class DataConfig(_Section):
             )
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels})")
-        if self.video_min_frames > self.video_max_frames:
+        if None not in (self.video_min_frames, self.video_max_frames) and self.video_min_frames > self.video_max_frames:
             raise ValueError(
                 f"data.video_min_frames ({self.video_min_frames}) > data.video_max_frames ({self.video_max_frames})"
             )
-        if self.video_min_pixels > self.video_max_pixels:
+        if None not in (self.video_min_pixels, self.video_max_pixels) and self.video_min_pixels > self.video_max_pixels:
             raise ValueError(
                 f"data.video_min_pixels ({self.video_min_pixels}) > data.video_max_pixels ({self.video_max_pixels})"
             )

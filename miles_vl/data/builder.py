@@ -27,7 +27,8 @@ from miles_vl.data.videos import VideoSettings
 
 
 def video_settings(cfg: DataConfig) -> VideoSettings:
-    """The video sampling settings of the `data` section, for `load_processor(..., video=...)`."""
+    """The video sampling settings of the `data` section, for `load_processor(..., video=...)` (None: keep the
+    checkpoint's)."""
     return VideoSettings(
         fps=cfg.video_fps,
         min_frames=cfg.video_min_frames,

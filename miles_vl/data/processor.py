@@ -3,14 +3,15 @@
     processor = load_processor("offline", min_pixels=3136, max_pixels=12544)           # built-in, no download
     processor = load_processor("/ckpt/Qwen3-VL-2B-Instruct", 256 * 32 * 32, 1024 * 32 * 32)  # local files only
 
-`min_pixels`/`max_pixels` are fixed on the processor's image processor here, once, and the video settings
-(`VideoSettings`: fps, frame limits, the video pixel range) on its video processor, so that every consumer (the data
-loader, the engines) sees the same image and video token counts; `processor_metadata` returns them for the run
-record.
+`min_pixels`/`max_pixels` are fixed on the processor's image processor here, once, and the video settings the user
+gave (`VideoSettings`: fps, frame limits, the video pixel range; each None keeps the checkpoint's own value) on its
+video processor, so that every consumer (the data loader, the engines) sees the same image and video token counts;
+`processor_metadata` returns the resolved values for the run record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from miles_vl.data.layouts import DataError
@@ -34,15 +35,16 @@ def load_processor(
             holding a checkpoint's processor files.
         min_pixels: smallest image area (pixels) after resizing; smaller images are upscaled.
         max_pixels: largest image area (pixels) after resizing; larger images are downscaled.
-        video: fps, frame limits and pixel range of the video processor (None: `VideoSettings()`, the data.video_*
-            defaults); the checkpoint's own video settings are replaced, as its image pixel range is.
+        video: fps, frame limits and pixel range of the video processor; only the fields that are set replace the
+            checkpoint's own (None, or a None field: keep the checkpoint's or the offline processor's value).
 
     Returns:
         A transformers processor (a `Qwen3VLProcessor` for Qwen3-VL and offline) whose image processor resizes
         into [min_pixels, max_pixels] and whose video processor samples and sizes videos per `video`.
 
     Raises:
-        ValueError: a pixel range that is empty or not positive; video settings out of range.
+        ValueError: a pixel range that is empty or not positive; video settings out of range (checked on the resolved
+            values: a given min_frames above the checkpoint's max_frames is refused too).
         DataError: `path_or_offline` is neither "offline" nor loadable from local files, or it loads a processor
             without an image processor.
         ImportError: torchvision is missing (transformers' Qwen3-VL video processor needs it).
@@ -53,12 +55,6 @@ def load_processor(
             "fix data.min_pixels / data.max_pixels"
         )
     video = video or VideoSettings()
-    if not (video.fps > 0 and 1 <= video.min_frames <= video.max_frames and 0 < video.min_pixels <= video.max_pixels):
-        raise ValueError(
-            f"need video fps > 0, 1 <= min_frames <= max_frames and 0 < min_pixels <= max_pixels, found {video}; fix "
-            "data.video_fps / data.video_min_frames / data.video_max_frames / data.video_min_pixels / "
-            "data.video_max_pixels"
-        )
     from transformers import AutoProcessor
 
     path = str(OFFLINE_PROCESSOR_DIR) if path_or_offline == OFFLINE else path_or_offline
@@ -87,11 +83,33 @@ def load_processor(
         image_processor.size = type(size)(shortest_edge=min_pixels, longest_edge=max_pixels)
     video_processor = getattr(processor, "video_processor", None)
     if video_processor is not None:
-        video_processor.fps = video.fps
-        video_processor.min_frames = video.min_frames
-        video_processor.max_frames = video.max_frames
-        video_processor.size = type(video_processor.size)(shortest_edge=video.min_pixels, longest_edge=video.max_pixels)
+        set_video_settings(video_processor, video, path_or_offline)
     return processor
+
+
+def set_video_settings(video_processor: Any, video: VideoSettings, source: str = "the processor") -> None:
+    """Set the fields of `video` that are not None on a Qwen3-VL video processor; keep its other values.
+
+    Raises:
+        ValueError: the resolved settings are out of range (names the data.video_* keys and the values found).
+    """
+    vp, size = video_processor, video_processor.size
+    fps = vp.fps if video.fps is None else video.fps
+    min_frames = vp.min_frames if video.min_frames is None else video.min_frames
+    max_frames = vp.max_frames if video.max_frames is None else video.max_frames
+    min_pixels = size.shortest_edge if video.min_pixels is None else video.min_pixels
+    max_pixels = size.longest_edge if video.max_pixels is None else video.max_pixels
+    if not (fps > 0 and 1 <= min_frames <= max_frames and 0 < min_pixels <= max_pixels):
+        given = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(video).items() if v is not None)
+        raise ValueError(
+            f"need video fps > 0, 1 <= min_frames <= max_frames and 0 < min_pixels <= max_pixels; with {source}'s own "
+            f"values for those not given, found fps={fps}, min_frames={min_frames}, max_frames={max_frames}, "
+            f"min_pixels={min_pixels}, max_pixels={max_pixels} (given: {given or 'none'}); fix data.video_fps / "
+            "data.video_min_frames / data.video_max_frames / data.video_min_pixels / data.video_max_pixels"
+        )
+    vp.fps, vp.min_frames, vp.max_frames = fps, min_frames, max_frames
+    if (size.shortest_edge, size.longest_edge) != (min_pixels, max_pixels):
+        vp.size = type(size)(shortest_edge=min_pixels, longest_edge=max_pixels)
 
 
 def processor_metadata(processor: Any) -> dict[str, int | float | str]:

@@ -1,6 +1,6 @@
 """Videos from the values datasets hold: a list of frames (any image value), or a local video file.
 
-    source = video_source([png0, png1, png2, png3], base_dir)          # 4 frames, recorded at data.video_fps
+    source = video_source([png0, png1, png2, png3], base_dir)          # 4 frames: all are kept
     source = video_source({"frames": [...], "fps": 8}, base_dir)       # frames recorded at 8 frames per second
     source = video_source("clips/a.mp4", base_dir)                     # a file: needs a decoder (PyAV, ...)
     video = probe_video(source, processor)      # load time: frames sampled, decoded once, counted -> VideoRef
@@ -54,13 +54,14 @@ class VideoError(ValueError):
 @dataclass(frozen=True)
 class VideoSettings:
     """How videos are sampled and sized: the Qwen3-VL video processor's `fps`, `min_frames`, `max_frames` and
-    `size` (shortest_edge / longest_edge: the pixel range of all sampled frames together, t * h * w)."""
+    `size` (shortest_edge / longest_edge: the pixel range of all sampled frames together, t * h * w). None keeps the
+    processor's own value (the checkpoint's, or the offline processor's); the defaults live there, not here."""
 
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
-    min_pixels: int = 128 * 32 * 32
-    max_pixels: int = 768 * 32 * 32
+    fps: float | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass(frozen=True)

@@ -242,16 +242,46 @@ def _metric_records(run_dir: Path) -> int:
 
 
 def write_run_files(run_dir: Path, cfg: JobConfig, processor_meta: dict) -> None:
-    """config.yaml (secrets redacted) and processor.yaml; an earlier file that differs is kept as `<name>.<time>`."""
+    """config.yaml (secrets redacted) and processor.yaml; an earlier file that differs is kept as `<name>.<time>`.
+
+    Differs: on a key both files hold. A file written by an older miles_vl lacks the keys added since (the video
+    settings of processor.yaml, new config fields); gaining them is no change and is logged at info level.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, data in (("config.yaml", redacted(cfg)), ("processor.yaml", processor_meta)):
         text = yaml.safe_dump(data, sort_keys=False)
         path = run_dir / name
-        if path.is_file() and path.read_text() != text:
-            kept = path.with_name(f"{path.stem}.{datetime.now():%Y%m%d-%H%M%S}{path.suffix}")
-            os.replace(path, kept)
-            log.warning("%s differs from the one this run started with, which is kept as %s", path, kept)
+        if path.is_file() and (old_text := path.read_text()) != text:
+            try:
+                earlier = yaml.safe_load(old_text)
+            except yaml.YAMLError:
+                earlier = None
+            if _same_on_recorded_keys(earlier, data):
+                if added := _added_keys(earlier, data):
+                    log.info("%s: recorded the keys added since this run started: %s", path, ", ".join(added))
+            else:
+                kept = path.with_name(f"{path.stem}.{datetime.now():%Y%m%d-%H%M%S}{path.suffix}")
+                os.replace(path, kept)
+                log.warning("%s differs from the one this run started with, which is kept as %s", path, kept)
         path.write_text(text)
+
+
+def _same_on_recorded_keys(earlier: Any, now: Any) -> bool:
+    """`now` equals `earlier` on every key `earlier` holds (dicts compared key by key, at any depth)."""
+    if isinstance(earlier, dict) and isinstance(now, dict):
+        return all(k in now and _same_on_recorded_keys(v, now[k]) for k, v in earlier.items())
+    return earlier == now
+
+
+def _added_keys(earlier: dict, now: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of `now` that `earlier` lacks."""
+    added = []
+    for k, v in now.items():
+        if k not in earlier:
+            added.append(f"{prefix}{k}")
+        elif isinstance(v, dict) and isinstance(earlier[k], dict):
+            added += _added_keys(earlier[k], v, f"{prefix}{k}.")
+    return added
 
 
 # ---------------------------------------------------------------------------------------------------------------------

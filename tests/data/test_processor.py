@@ -118,3 +118,43 @@ def test_load_processor_errors(tmp_path):
         load_processor(str(tmp_path / "nope"), 1024, 4096)
     with pytest.raises(ValueError, match="min_pixels <= max_pixels"):
         load_processor("offline", 4096, 1024)
+
+
+def test_a_checkpoints_video_settings_are_kept_unless_given(tmp_path):
+    """Pins a bug: the data.video_* defaults (transformers' class defaults) replaced a checkpoint's own video
+    processor settings in every run, video or not, and export wrote them out. Unset (None) keeps the checkpoint's
+    value; a given one replaces only itself; processor.yaml records what is used; the resolved settings are checked."""
+    from miles_vl.data import VideoSettings
+
+    load_processor("offline", 32 * 32, 64 * 64).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "processor_config.json").read_text())
+    vp = config["video_processor"]
+    vp.update(fps=1, min_frames=2, max_frames=32, size={"shortest_edge": 2048, "longest_edge": 65536})
+    (tmp_path / "processor_config.json").write_text(json.dumps(config))
+    video_keys = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
+
+    def recorded(processor):
+        return tuple(processor_metadata(processor)[k] for k in video_keys)
+
+    assert recorded(load_processor(str(tmp_path), 32 * 32, 64 * 64)) == (1.0, 2, 32, 2048, 65536)
+    assert recorded(load_processor(str(tmp_path), 32 * 32, 64 * 64, VideoSettings())) == (1.0, 2, 32, 2048, 65536)
+    given = load_processor(str(tmp_path), 32 * 32, 64 * 64, VideoSettings(fps=4.0, max_pixels=32768))
+    assert recorded(given) == (4.0, 2, 32, 2048, 32768)
+    assert recorded(load_processor("offline", 32 * 32, 64 * 64)) == (2.0, 4, 768, 131072, 786432)  # Qwen3-VL's
+    with pytest.raises(
+        ValueError, match=r"min_frames=64, max_frames=32, .*given: min_frames=64\); fix .*data.video_min_frames"
+    ):
+        load_processor(str(tmp_path), 32 * 32, 64 * 64, VideoSettings(min_frames=64))  # above the checkpoint's max
+
+
+def test_image_keys_of_processor_yaml_are_as_before_videos():
+    """processor.yaml of an image-only run starts with the keys and values main wrote before videos (the text of
+    `yaml.safe_dump(processor_metadata(...), sort_keys=False)` from main at 5ab13b4); the video keys follow."""
+    import yaml
+
+    text = yaml.safe_dump(processor_metadata(load_processor("offline", 32 * 32, 64 * 64)), sort_keys=False)
+    before = (
+        "processor_class: Qwen3VLProcessor\npatch_size: 16\ntemporal_patch_size: 2\nmerge_size: 2\nmin_pixels: 1024\n"
+        "max_pixels: 4096\ntokenizer_size: 590\n"
+    )
+    assert text.startswith(before) and text[len(before) :].startswith("video_fps: 2.0\n")
