@@ -10,7 +10,8 @@ Files: `.parquet` (pyarrow) or `.jsonl` (one JSON object per line). Layouts:
 `auto` picks geometry3k or geo3k_imgurl when the file has `problem`, `answer` and `images` and the keys are the
 defaults (by the type of the first image value), else generic. Any image value `images.image_ref` understands works
 in every layout; the layout fixes the columns. Videos are read from the `video_key` column (default `videos`) in
-every layout: one entry per `<video>` placeholder, each a frame list or a file path (see `videos`). A custom
+every layout when it holds a list: one entry per `<video>` placeholder, each a frame list or a file path (see
+`videos`); a scalar in that column is metadata. A custom
 `dataset_fn` (`module:function`, see `load_dataset_fn`) maps each raw record to the geometry3k shape instead.
 
 A file that cannot be read (missing, not parquet, truncated, a jsonl line that is not UTF-8 or not a JSON object,
@@ -163,15 +164,21 @@ def resolve_layout(
 
 
 def row_fields(record: Mapping[str, Any], keys: LayoutKeys) -> RowFields:
-    """The prompt, images, videos and answer of one record; its other scalar columns become metadata."""
-    taken = (keys.prompt_key, keys.answer_key, keys.image_key, keys.video_key)
+    """The prompt, images, videos and answer of one record; its other scalar columns become metadata.
+
+    The video column counts only when it holds a list (of video entries): a column of that name with a scalar (a
+    count, a tag, written by someone who never meant videos) is metadata like any other.
+    """
+    videos = record.get(keys.video_key)
+    has_videos = isinstance(videos, list | tuple)
+    taken = (keys.prompt_key, keys.answer_key, keys.image_key) + ((keys.video_key,) if has_videos else ())
     metadata = {k: v for k, v in record.items() if k not in taken and _is_scalar(v)}
     return RowFields(
         problem=record.get(keys.prompt_key),
         images=as_image_list(record.get(keys.image_key)),
         answer=record.get(keys.answer_key),
         metadata=metadata,
-        videos=as_video_list(record.get(keys.video_key)),
+        videos=list(videos) if has_videos else [],
     )
 
 
@@ -185,8 +192,8 @@ def as_image_list(value: Any) -> list[Any]:
 
 
 def as_video_list(value: Any) -> list[Any]:
-    """A video column value as a list of videos: None -> [], a string or dict (one video) -> [it], a list -> itself
-    (a list of videos: one video of frames is `[[frame, ...]]`)."""
+    """A `dataset_fn`'s `videos` as a list of videos: None -> [], a string or dict (one video) -> [it], a list ->
+    itself (a list of videos: one video of frames is `[[frame, ...]]`)."""
     if value is None:
         return []
     if isinstance(value, str | dict):

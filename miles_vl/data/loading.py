@@ -168,11 +168,17 @@ def _validate(
         (VIDEO_PLACEHOLDER, fields.videos, "videos"),
     ):
         if (n_placeholders := problem.count(placeholder)) != len(media):
+            fix = f"put one {placeholder} in the prompt per entry of the {what} column"
+            if not media:  # perhaps the text means it literally: it cannot be kept as text
+                fix = (
+                    f"the row has no {what}, and {placeholder} always marks where one goes (it is never kept as text): "
+                    f"give the {what} as a list in the {what} column (data.{what[:-1]}_key), or reword the prompt "
+                    f"(in the file, or with a data.dataset_fn) if {placeholder} is meant literally"
+                )
             report.drop(
                 index,
                 DropReason.PLACEHOLDER_MISMATCH,
-                f"{n_placeholders} {placeholder} placeholders but {len(media)} {what}; put one {placeholder} in the "
-                f"prompt per entry of the {what} column",
+                f"{n_placeholders} {placeholder} placeholders but {len(media)} {what}; {fix}",
             )
             return None
     try:

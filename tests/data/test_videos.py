@@ -282,3 +282,20 @@ def test_a_parquet_column_mixing_frame_and_file_videos(tmp_path, encoder, monkey
     ]
     for row in rows:
         assert encoder.encode(row).prompt_len == row.prompt_len
+
+
+def test_a_scalar_videos_column_is_metadata_and_a_literal_video_says_how_to_fix_it(encoder):
+    """Pins a bug: an unrelated scalar column named `videos` was read as one video file, dropping image-only rows as
+    placeholder_mismatch. Only a list is video entries; a scalar is metadata. A literal `<video>` in a row without
+    videos still drops (it always marks a video), with a message that says how to fix it."""
+    records = [
+        {"problem": "<image>Count.", "answer": "1", "images": [png_bytes(64, 64)], "videos": 3},
+        {"problem": "Say hi.", "answer": "hi", "videos": "none"},
+        {"problem": "Is <video> an HTML tag?", "answer": "yes"},
+    ]
+    rows, report = load(records, encoder)
+    assert [(r.index, r.videos, r.metadata) for r in rows] == [(0, (), {"videos": 3}), (1, (), {"videos": "none"})]
+    assert report.dropped == {DropReason.PLACEHOLDER_MISMATCH: 1}
+    detail = report.examples[0].detail
+    assert detail.startswith("1 <video> placeholders but 0 videos; the row has no videos, and <video> always marks")
+    assert "list in the videos column (data.video_key)" in detail and "reword the prompt" in detail
