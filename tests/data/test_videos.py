@@ -299,3 +299,35 @@ def test_a_scalar_videos_column_is_metadata_and_a_literal_video_says_how_to_fix_
     detail = report.examples[0].detail
     assert detail.startswith("1 <video> placeholders but 0 videos; the row has no videos, and <video> always marks")
     assert "list in the videos column (data.video_key)" in detail and "reword the prompt" in detail
+
+
+def test_two_videos_and_an_image_with_a_video_keep_placeholder_order(encoder, processor):
+    """Two videos in one prompt, and a video before an image: `pixel_values_videos` / `video_grid_thw` hold the videos
+    in placeholder order (each block equals that video encoded alone), `pixel_values` the image, the id blocks sit in
+    placeholder order, and the load-time counts equal the processor's."""
+    import torch
+
+    first, second = frames(4), {"frames": frames(6, size=(64, 32)), "fps": 4.0}  # grids (2, 4, 4) and (2, 2, 4)
+    image = png_bytes(64, 64)
+    records = [
+        {"problem": "<video>then<video>", "answer": "1", "videos": [first, second]},
+        {"problem": "<video> and <image>", "answer": "1", "videos": [second], "images": [image]},
+        {"problem": "<video>", "answer": "1", "videos": [first]},
+        {"problem": "<video>", "answer": "1", "videos": [second]},
+        {"problem": "<image>", "answer": "1", "images": [image]},
+    ]
+    rows, report = load(records, encoder)
+    assert report.n_kept == 5, report.summary()
+    two, mixed, alone_1, alone_2, image_alone = (encoder.encode(r) for r in rows)  # raises if a count differs
+    assert [s.prompt_len for s in (two, mixed)] == [rows[0].prompt_len, rows[1].prompt_len]
+    assert two.video_grid_thw.tolist() == [[2, 4, 4], [2, 2, 4]] and two.image_grid_thw is None
+    assert torch.equal(two.pixel_values_videos, torch.cat([alone_1.pixel_values_videos, alone_2.pixel_values_videos]))
+    assert mixed.video_grid_thw.tolist() == [[2, 2, 4]] and mixed.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert torch.equal(mixed.pixel_values_videos, alone_2.pixel_values_videos)
+    assert torch.equal(mixed.pixel_values, image_alone.pixel_values)
+    ids = mixed.prompt_ids.tolist()
+    assert ids.index(processor.video_token_id) < ids.index(processor.image_token_id)
+    # Two videos: 2 groups of 4 pads, then (6 frames at 4 fps -> 3 sampled, padded to 4) 2 groups of 2 pads, each
+    # group after its own timestamp.
+    text = processor.tokenizer.decode(two.prompt_ids)
+    assert text.count("<|video_pad|>") == 2 * 4 + 2 * 2 and text.count("seconds>") == 4

@@ -1,9 +1,10 @@
 """Contract (issue 18, video end to end): prompts built by the data path (a synthetic motion video, a synthetic
-geo3k image, a text-only prompt), sampled by the hf rollout engine and packed into one THD row by the torch train
-backend, get the same response logprobs from the trainer as from the engine (same weights, fp32; the tolerance of
-tests/rollout/hf/test_engine.py: every token within 1e-6 + 1e-6 relative, mean below 3e-6). A wrong video position
-(MRoPE), a video embedding in the wrong place or a missing `pixel_values_videos` moves them by far more (the
-check at the end drops the video pixels and sees the logprobs of the video sample move)."""
+geo3k image, a text-only prompt, and the image and the video in one prompt), sampled by the hf rollout engine and
+packed into one THD row by the torch train backend, get the same response logprobs from the trainer as from the
+engine (same weights, fp32; the tolerance of tests/rollout/hf/test_engine.py: every token within 1e-6 + 1e-6
+relative, mean below 3e-6). A wrong video position (MRoPE), a video embedding in the wrong place or a missing
+`pixel_values_videos` moves them by far more (the check at the end drops the video pixels and sees the logprobs of
+the video samples move)."""
 
 import torch
 
@@ -28,22 +29,21 @@ class Reward:
 def mixed_prompts():
     processor = load_processor("offline", 32 * 32, 64 * 64, VIDEO)
     encoder = PromptEncoder(processor, instruction="Answer.")
-    records = [
-        synth_records(1, seed=0, task="motion")[0],
-        synth_records(1, seed=0)[0],
-        {"problem": "Say a word.", "answer": "word", "images": []},
-    ]
+    motion, geo3k = synth_records(1, seed=0, task="motion")[0], synth_records(1, seed=0)[0]
+    both = dict(motion, problem="<image>" + motion["problem"], images=geo3k["images"])  # an image, then a video
+    records = [motion, geo3k, {"problem": "Say a word.", "answer": "word", "images": []}, both]
     rows, report = load_prompt_records(records, encoder, max_prompt_len=512, source="mixed", layout="generic")
-    assert report.n_kept == 3, report.summary()
+    assert report.n_kept == 4, report.summary()
     return processor, [encoder.encode(r) for r in rows]
 
 
 def test_packed_video_image_text_logprobs_equal_the_hf_engines():
     processor, prompts = mixed_prompts()
-    video, image, text = prompts
+    video, image, text, both = prompts
     assert video.video_grid_thw.tolist() == [[2, 4, 4]] and video.image_grid_thw is None
     assert image.image_grid_thw is not None and image.video_grid_thw is None
     assert text.image_grid_thw is None and text.video_grid_thw is None
+    assert both.video_grid_thw.tolist() == [[2, 4, 4]] and both.image_grid_thw.tolist() == image.image_grid_thw.tolist()
     tokens = special_tokens(processor)
     model = build_model(tokens, tiny=dict(initializer_range=0.2), seed=0)
     engine = HFRolloutEngine(model, tokens, max_batch_size=8)
@@ -54,7 +54,7 @@ def test_packed_video_image_text_logprobs_equal_the_hf_engines():
 
     loss = LossOptions(temperature=TEMPERATURE, suppress_token_ids=vision_token_ids(tokens))
     backend = TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=0.0), loss))
-    assert len(backend._micro_batches(samples)) == 1  # all six samples in one packed row
+    assert len(backend._micro_batches(samples)) == 1  # all eight samples in one packed row
     trainer = backend.compute_logprobs(samples)
     flat = [g for gs in groups for g in gs]
     diffs = []
@@ -65,9 +65,11 @@ def test_packed_video_image_text_logprobs_equal_the_hf_engines():
     print(f"train_rollout_logprob_abs_diff {float(diffs.mean()):.2e} (max {float(diffs.max()):.2e})")
     assert float(diffs.mean()) < 3e-6
 
-    # The video matters: scoring the video sample with zeroed frames moves its logprobs far beyond the tolerance.
-    blind = samples[:2]
-    for s in blind:
-        s.pixel_values_videos = torch.zeros_like(s.pixel_values_videos)
-    moved = backend.compute_logprobs(blind)
-    assert max(float((m - t).abs().max()) for m, t in zip(moved, trainer[:2], strict=True)) > 1e-3
+    # The video matters: scoring the video samples (alone, and beside an image) with zeroed frames moves their
+    # logprobs far beyond the tolerance.
+    for k in (0, 6):
+        blind = samples[k : k + 2]
+        for s in blind:
+            s.pixel_values_videos = torch.zeros_like(s.pixel_values_videos)
+        moved = backend.compute_logprobs(blind)
+        assert max(float((m - t).abs().max()) for m, t in zip(moved, trainer[k : k + 2], strict=True)) > 1e-3
