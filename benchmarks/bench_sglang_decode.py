@@ -118,6 +118,8 @@ class Prompt:
     pixel_values: torch.Tensor  # [n_patches, 1536]
     image_grid_thw: torch.Tensor  # [1, 3]
     images: list
+    pixel_values_videos: torch.Tensor | None = None  # no videos
+    video_grid_thw: torch.Tensor | None = None
 
 
 def free_port() -> int:

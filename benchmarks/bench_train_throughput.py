@@ -136,6 +136,8 @@ class Prompt:
     prompt_ids: Tensor  # [L] long
     pixel_values: Tensor  # [4 * n_vision, 1536]
     image_grid_thw: Tensor  # [1, 3]
+    pixel_values_videos: Tensor | None = None  # no videos
+    video_grid_thw: Tensor | None = None
 
 
 def geo3k_prompts(

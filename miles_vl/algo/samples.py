@@ -2,9 +2,9 @@
 
     samples, metrics = to_train_samples(prompts, groups, rewards, estimator="grpo", norm_adv_by_std=True)
 
-Duck-typed inputs (so that algo imports neither data nor rollout): a prompt has `prompt_ids` [P], `image_grid_thw`
-and `pixel_values` (and, when it holds videos, `video_grid_thw` and `pixel_values_videos`); a generation has
-`response_ids` [R] and `logprobs` [R]; a reward has `overall`. Groups are one list per prompt,
+Duck-typed inputs (so that algo imports neither data nor rollout): a prompt has `prompt_ids` [P], `image_grid_thw`,
+`pixel_values`, `video_grid_thw` and `pixel_values_videos` (`rollout.types.PromptLike`; None without images / videos);
+a generation has `response_ids` [R] and `logprobs` [R]; a reward has `overall`. Groups are one list per prompt,
 `n_samples_per_prompt` long.
 """
 
@@ -67,8 +67,8 @@ def to_train_samples(
                     rollout_logprobs=g.logprobs,
                     image_grid_thw=p.image_grid_thw,
                     pixel_values=p.pixel_values,
-                    video_grid_thw=getattr(p, "video_grid_thw", None),
-                    pixel_values_videos=getattr(p, "pixel_values_videos", None),
+                    video_grid_thw=p.video_grid_thw,
+                    pixel_values_videos=p.pixel_values_videos,
                 )
             )
             k += 1

@@ -63,6 +63,9 @@ class SynthProblem:
 
 @dataclass(frozen=True)
 class SynthVideoProblem:
+    """One generated motion problem: a short clip of a polygon moving left or right (`generate_motion_problem`),
+    the question, and its answer letter; `synth_records` turns it into a row with one video."""
+
     kind: str  # "motion"
     problem: str  # MOTION_PROBLEM, one <video>
     answer: str  # "A" (left) or "B" (right)

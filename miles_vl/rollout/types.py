@@ -15,8 +15,8 @@ class PromptLike(Protocol):
     prompt_ids: LongTensor  # [L], image and video tokens already expanded
     pixel_values: Tensor | None  # [n_patches, C*T*P*P]
     image_grid_thw: LongTensor | None  # [n_images, 3]
-    # Videos (miles_vl.data's PromptSample has them; engines read them with getattr, None when absent):
-    # pixel_values_videos [n_video_patches, C*T*P*P], video_grid_thw [n_videos, 3]
+    pixel_values_videos: Tensor | None  # [n_video_patches, C*T*P*P]; None without videos
+    video_grid_thw: LongTensor | None  # [n_videos, 3] (t in frame groups of temporal_patch_size); None without videos
 
 
 @dataclass(frozen=True)

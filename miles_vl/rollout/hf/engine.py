@@ -80,8 +80,8 @@ class HFRolloutEngine(RolloutEngine):
         types[(ids == t.video_token_id) & (mask == 1)] = 2
         pixel_values = cat_present([p.pixel_values for p in prompts])
         grids = cat_present([p.image_grid_thw for p in prompts])
-        video_values = cat_present([getattr(p, "pixel_values_videos", None) for p in prompts])
-        video_grids = cat_present([getattr(p, "video_grid_thw", None) for p in prompts])
+        video_values = cat_present([p.pixel_values_videos for p in prompts])
+        video_grids = cat_present([p.video_grid_thw for p in prompts])
         greedy = params.temperature == 0
         kwargs = dict(
             input_ids=ids.to(self.device),

@@ -24,6 +24,7 @@ class Prompt:
         self.image_grid_thw = grid
         g = torch.Generator().manual_seed(seed)
         self.pixel_values = None if grid is None else torch.randn(int(grid.prod(-1).sum()), PATCH, generator=g)
+        self.pixel_values_videos = self.video_grid_thw = None
 
 
 class Sample:

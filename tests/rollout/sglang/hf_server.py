@@ -48,6 +48,8 @@ class _Prompt:
     prompt_ids: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
 
 class HFServerModel:
