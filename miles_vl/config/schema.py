@@ -88,6 +88,17 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out fraction of train when no eval_path.")
     synthetic_n: int = Field(0, ge=0, description="generate this many geo3k-style rows instead of reading a file.")
+    synthetic_task: Literal["geometry", "polygon_sides"] = Field(
+        "geometry",
+        description="what `synthetic_n` generates (data/synth.py): `geometry` = find-x diagrams (angles, sides, "
+        "circles); `polygon_sides` = 'how many sides does the polygon have? Choices: 3, 4, 5, 6', answered by the "
+        "pixels only (what the tiny CPU job learns).",
+    )
+    blank_images: bool = Field(
+        False,
+        description="replace every image by a white one of the same size before it is encoded (rollout and "
+        "trainer both see the blank): the control run, whose accuracy must stay at chance on an image-only task.",
+    )
     format: Literal["auto", "geometry3k", "geo3k_imgurl", "generic"] = "auto"
     dataset_fn: str | None = Field(None, description="custom row mapper `module:function` (see examples/).")
     prompt_key: str = "problem"

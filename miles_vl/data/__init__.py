@@ -49,6 +49,8 @@ _EXPORTS = {
     "PromptRow": "records",
     "PromptSample": "records",
     "KINDS": "synth",
+    "SIDES": "synth",
+    "TASKS": "synth",
     "SynthProblem": "synth",
     "generate_problem": "synth",
     "generate_problems": "synth",
@@ -73,6 +75,8 @@ __all__ = [
     "PromptEncoder",
     "PromptRow",
     "PromptSample",
+    "SIDES",
+    "TASKS",
     "SynthProblem",
     "build_datasets",
     "build_messages",
@@ -119,6 +123,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from miles_vl.data.records import DroppedRow, DropReason, ImageRef, LoadReport, PromptRow, PromptSample
     from miles_vl.data.synth import (
         KINDS,
+        SIDES,
+        TASKS,
         SynthProblem,
         generate_problem,
         generate_problems,

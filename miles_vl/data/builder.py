@@ -3,10 +3,11 @@
     splits = build_datasets(cfg.data, processor, seed=cfg.seed)
     batch = splits.train.next_batch(cfg.rollout.batch_size)
 
-Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated geo3k-style problems (`synth`, seeded by the job
-seed). Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted
-and logged (`LoadReport`); a training set with no usable row is an error. Every problem with the files is a
-`DataError` naming the file (the CLI exits with status 2 on it, before Ray starts).
+Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated geo3k-style problems of `synthetic_task` (`synth`,
+seeded by the job seed). `blank_images` makes the encoder replace every image by a white one (the control run).
+Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted and logged
+(`LoadReport`); a training set with no usable row is an error. Every problem with the files is a `DataError`
+naming the file (the CLI exits with status 2 on it, before Ray starts).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
             f"data.train_path={cfg.train_path!r} and data.synthetic_n={cfg.synthetic_n} are both set; "
             "set data.synthetic_n=0 to train on the file, or data.train_path=null for generated problems"
         )
-    encoder = PromptEncoder(processor, system_prompt=cfg.system_prompt, instruction=cfg.instruction)
+    encoder = PromptEncoder(
+        processor, system_prompt=cfg.system_prompt, instruction=cfg.instruction, blank_images=cfg.blank_images
+    )
     file_kwargs: dict[str, Any] = dict(
         max_prompt_len=cfg.max_prompt_len,
         layout=cfg.format,
@@ -63,10 +66,10 @@ def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
         train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
     else:
         train_rows, report = load_prompt_records(
-            synth_records(cfg.synthetic_n, seed),
+            synth_records(cfg.synthetic_n, seed, cfg.synthetic_task),
             encoder,
             max_prompt_len=cfg.max_prompt_len,
-            source=f"synthetic(n={cfg.synthetic_n}, seed={seed})",
+            source=f"synthetic(n={cfg.synthetic_n}, seed={seed}, task={cfg.synthetic_task})",
             layout="geometry3k",
             max_image_pixels=cfg.max_image_pixels,
         )

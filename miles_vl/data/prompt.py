@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from PIL import Image
 
 from miles_vl.data.images import open_image
 from miles_vl.data.records import PromptRow, PromptSample
@@ -64,16 +65,26 @@ def build_messages(
 class PromptEncoder:
     """Renders and encodes prompts with one processor and one set of prompt settings."""
 
-    def __init__(self, processor: Any, *, system_prompt: str | None = None, instruction: str | None = None):
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        system_prompt: str | None = None,
+        instruction: str | None = None,
+        blank_images: bool = False,
+    ):
         """
         Args:
             processor: a Qwen-VL processor (e.g. from `load_processor`), with its pixel range already fixed.
             system_prompt: system message for every prompt, or None.
             instruction: text appended to every problem, or None.
+            blank_images: replace each image by a white RGB image of the same size (same grid and token count, no
+                content): the control that shows whether a model uses the pixels.
         """
         self.processor = processor
         self.system_prompt = system_prompt
         self.instruction = instruction
+        self.blank_images = blank_images
         self.image_token_id = int(processor.image_token_id)
         self.merge_size = int(processor.image_processor.merge_size)
 
@@ -129,6 +140,8 @@ class PromptEncoder:
                 template changed after loading: build the dataset with the processor you encode with).
         """
         images = [open_image(ref) for ref in row.images]
+        if self.blank_images:
+            images = [Image.new("RGB", im.size, "white") for im in images]
         text = self.render(row.problem)
         # mm_token_type_ids are dropped anyway (engines derive them from the ids): do not compute them.
         out = self.processor(text=[text], images=images or None, return_tensors="pt", return_mm_token_type_ids=False)

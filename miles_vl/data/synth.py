@@ -2,13 +2,22 @@
 
     miles-vl data synth data/synth.parquet --n 256 --seed 0      # a geometry3k-layout parquet file
     problems = generate_problems(8, seed=0)                      # SynthProblem: problem, answer, params, image
+    problems = generate_problems(8, seed=0, task="polygon_sides")
 
-Four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to scale:
+Two tasks (`TASKS`). `geometry` (the default): four kinds, cycled (problem i has kind KINDS[i % 4]), every number
+drawn to scale:
 
     triangle_angle   a triangle with two interior angles labelled, the third is x°        answer: 180 - a - b
     right_triangle   a right triangle with two sides labelled, the third is x              answer: Pythagoras
     parallel_lines   two parallel lines m, n and a transversal; one angle given, one is x° answer: x or 180 - x
     circle           a circle with its radius or diameter labelled; circumference or area answer: to the tenth
+
+`polygon_sides`: one filled regular polygon with 3, 4, 5 or 6 sides (problem i has SIDES[i % 4], so the classes are
+balanced), a random fill colour, size, position and a small tilt; the question is multiple choice with the same
+text for every problem ("How many sides does the polygon have? Choices: 3, 4, 5, 6."), so the answer is in the
+pixels only. A tiny model trained from scratch learns it in minutes on a CPU (configs/geo3k_tiny_cpu.yaml), and
+a model that is shown blank images cannot beat chance (1/4): the embedded job's proof that pixels reach both the
+rollout and the trainer.
 
 `params` holds the geometry as drawn, in image pixels (y down): vertex coordinates, segment end points, the scale
 (pixels per unit), so that the answer can be recomputed from the picture's geometry alone. Problem i draws from
@@ -28,6 +37,9 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 KINDS = ("triangle_angle", "right_triangle", "parallel_lines", "circle")
+SIDES = (3, 4, 5, 6)  # the choices of the polygon_sides task
+TASKS = {"geometry": KINDS, "polygon_sides": ("polygon_sides",)}  # task -> the kinds it cycles through
+POLYGON_SIDES_PROBLEM = "<image>How many sides does the polygon have? Choices: " + ", ".join(map(str, SIDES)) + "."
 IMAGE_SIZE = 256  # pixels, square
 _MARGIN = 36
 _LINE = 2
@@ -46,32 +58,42 @@ class SynthProblem:
     image: Image.Image = field(repr=False)  # RGB, IMAGE_SIZE x IMAGE_SIZE
 
 
-def generate_problems(n: int, seed: int = 0) -> list[SynthProblem]:
-    """`n` problems; the same (n, seed) always gives the same problems and pixels.
+def generate_problems(n: int, seed: int = 0, task: str = "geometry") -> list[SynthProblem]:
+    """`n` problems of `task`; the same (n, seed, task) always gives the same problems and pixels.
 
     Raises:
-        ValueError: n < 0.
+        ValueError: n < 0, or a task not in TASKS.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, found {n}")
-    return [generate_problem(i, seed) for i in range(n)]
+    return [generate_problem(i, seed, task) for i in range(n)]
 
 
-def generate_problem(i: int, seed: int = 0) -> SynthProblem:
-    """Problem number `i` of the stream `seed` (kind KINDS[i % 4])."""
-    rng = random.Random(f"miles-vl-synth:{seed}:{i}")  # str seeds hash with sha512: stable across Python versions
-    kind = KINDS[i % len(KINDS)]
+def generate_problem(i: int, seed: int = 0, task: str = "geometry") -> SynthProblem:
+    """Problem number `i` of the stream (`seed`, `task`): kind TASKS[task][i % len(TASKS[task])].
+
+    Raises:
+        ValueError: a task not in TASKS.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose one of {sorted(TASKS)}")
+    # str seeds hash with sha512: stable across Python versions; the geometry stream keeps its original seeds
+    rng = random.Random(f"miles-vl-synth:{seed}:{i}" if task == "geometry" else f"miles-vl-synth:{task}:{seed}:{i}")
+    kinds = TASKS[task]
+    kind = kinds[i % len(kinds)]
+    if kind == "polygon_sides":
+        return _polygon_sides(rng, SIDES[i % len(SIDES)])
     return _BUILDERS[kind](rng)
 
 
-def synth_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
+def synth_records(n: int, seed: int = 0, task: str = "geometry") -> list[dict[str, Any]]:
     """`n` problems as geometry3k-layout records: images [{bytes, path}], problem, answer, plus kind and params (JSON).
 
     Raises:
-        ValueError: n < 0.
+        ValueError: n < 0, or a task not in TASKS.
     """
     records = []
-    for i, p in enumerate(generate_problems(n, seed)):
+    for i, p in enumerate(generate_problems(n, seed, task)):
         buf = io.BytesIO()
         p.image.save(buf, format="PNG")
         records.append(
@@ -86,7 +108,7 @@ def synth_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return records
 
 
-def write_synth_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
+def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geometry") -> Path:
     """Write `synth_records(n, seed)` to a parquet file (the hiyouga/geometry3k schema plus kind and params).
 
     Returns:
@@ -106,7 +128,7 @@ def write_synth_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(synth_records(n, seed), schema=schema), path)
+    pq.write_table(pa.Table.from_pylist(synth_records(n, seed, task), schema=schema), path)
     return path
 
 
@@ -264,6 +286,34 @@ def _circle(rng: random.Random) -> SynthProblem:
     }
     problem = f"<image>Find the {ask} of \\odot O. Round to the nearest tenth."
     return SynthProblem("circle", problem, f"{value:.1f}", params, img)
+
+
+# Fill colours of polygon_sides: any of them on white, so that colour says nothing about the answer.
+_FILLS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (140, 86, 75), (0, 0, 0))
+
+
+def _polygon_sides(rng: random.Random, sides: int) -> SynthProblem:
+    radius = rng.uniform(72.0, 100.0)  # circumradius, pixels
+    center = (IMAGE_SIZE / 2 + rng.uniform(-14.0, 14.0), IMAGE_SIZE / 2 + rng.uniform(-14.0, 14.0))
+    tilt = rng.uniform(-12.0, 12.0)  # degrees; 0 puts one side flat at the bottom
+    # Vertex k at angle -90° + 180°/n + k·360°/n (math convention, y up): the bottom side is horizontal at tilt 0.
+    vertices = []
+    for k in range(sides):
+        a = math.radians(-90.0 + 180.0 / sides + 360.0 * k / sides + tilt)
+        vertices.append((center[0] + radius * math.cos(a), center[1] - radius * math.sin(a)))  # y down
+    fill = rng.choice(_FILLS)
+    img, draw, _ = _canvas()
+    draw.polygon(vertices, fill=fill)
+    params = {
+        "sides": sides,
+        "vertices": [[x, y] for x, y in vertices],
+        "center": list(center),
+        "radius_px": radius,
+        "tilt_deg": tilt,
+        "fill": list(fill),
+        "choices": list(SIDES),
+    }
+    return SynthProblem("polygon_sides", POLYGON_SIDES_PROBLEM, str(sides), params, img)
 
 
 _BUILDERS = {

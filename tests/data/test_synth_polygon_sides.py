@@ -1,0 +1,82 @@
+"""Contract of the `polygon_sides` task (what the tiny CPU job learns): the answer is in the pixels and only there.
+
+- Every problem has the same text, so nothing but the image can tell the answers apart; the four answers are
+  balanced (chance is 1/4).
+- The answer equals the number of sides recovered here from the drawn pixels alone, by an independent rule: a
+  regular n-gon with circumradius R covers n/2 * sin(2*pi/n) * R^2 of area, so (filled pixels) / (pi * R^2), with R
+  the farthest filled pixel from the filled centroid, is 0.41, 0.64, 0.76 or 0.83 for n = 3, 4, 5, 6.
+- `data.blank_images` really blanks: every pixel value the processor produces is the one of white, with the same
+  prompt ids (same grid, same token count), while the real images vary.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from miles_vl.config.schema import DataConfig
+from miles_vl.data import SIDES, build_datasets, generate_problems
+from tests.data.helpers import MAX_PIXELS, MIN_PIXELS
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return generate_problems(N, seed=5, task="polygon_sides")
+
+
+def sides_from_pixels(image) -> int:
+    """The n whose regular n-gon fill ratio is nearest to the drawn one (module docstring)."""
+    filled = np.asarray(image.convert("L")) < 250  # anything not white
+    ys, xs = np.nonzero(filled)
+    cy, cx = ys.mean(), xs.mean()
+    radius = np.sqrt((ys - cy) ** 2 + (xs - cx) ** 2).max() + 0.5  # to the pixel's far edge
+    ratio = filled.sum() / (math.pi * radius**2)
+    expected = {n: n / (2 * math.pi) * math.sin(2 * math.pi / n) for n in (3, 4, 5, 6, 7, 8)}
+    return min(expected, key=lambda n: abs(expected[n] - ratio))
+
+
+def test_answer_is_the_number_of_sides_drawn(problems):
+    for p in problems:
+        assert p.kind == "polygon_sides"
+        assert sides_from_pixels(p.image) == int(p.answer), p.params
+
+
+def test_text_is_the_same_for_every_problem_and_answers_are_balanced(problems):
+    assert {p.problem for p in problems} == {"<image>How many sides does the polygon have? Choices: 3, 4, 5, 6."}
+    counts = {n: sum(p.answer == str(n) for p in problems) for n in SIDES}
+    assert counts == {3: N // 4, 4: N // 4, 5: N // 4, 6: N // 4}
+
+
+def test_deterministic_by_seed_and_task(problems):
+    again = generate_problems(N, seed=5, task="polygon_sides")
+    assert all(np.array_equal(np.asarray(a.image), np.asarray(b.image)) for a, b in zip(again, problems, strict=True))
+    other = generate_problems(N, seed=6, task="polygon_sides")
+    assert [p.params for p in other] != [p.params for p in problems]
+    assert generate_problems(4, seed=5)[0].kind == "triangle_angle"  # the default task is unchanged
+    with pytest.raises(ValueError, match="unknown synthetic task 'hexagons'"):
+        generate_problems(1, task="hexagons")
+
+
+def test_blank_images_really_blank(processor):
+    def first_samples(blank: bool):
+        cfg = DataConfig(
+            synthetic_n=8,
+            synthetic_task="polygon_sides",
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            blank_images=blank,
+        )
+        ds = build_datasets(cfg, processor, seed=0).train
+        return [ds[i] for i in range(4)]
+
+    real, blank = first_samples(False), first_samples(True)
+    for r, b in zip(real, blank, strict=True):
+        assert torch.equal(r.prompt_ids, b.prompt_ids) and torch.equal(r.image_grid_thw, b.image_grid_thw)
+        # Qwen3-VL normalises with mean = std = 0.5: white (1.0) becomes 1.0 in every channel of every patch
+        assert torch.all(b.pixel_values == 1.0)
+        assert b.pixel_values.shape == r.pixel_values.shape
+        assert r.pixel_values.std() > 0.1  # the real image has content
+        assert all(np.asarray(im).min() == 255 for im in b.images)  # the image the engines get is white too
