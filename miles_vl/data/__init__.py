@@ -48,6 +48,7 @@ _EXPORTS = {
     "LoadReport": "records",
     "PromptRow": "records",
     "PromptSample": "records",
+    "COLOURS": "synth",
     "KINDS": "synth",
     "SIDES": "synth",
     "TASKS": "synth",
@@ -59,6 +60,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "COLOURS",
     "IMAGE_PLACEHOLDER",
     "KINDS",
     "LAYOUT_CHOICES",
@@ -122,6 +124,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from miles_vl.data.prompt import IMAGE_PLACEHOLDER, PromptEncoder, build_messages
     from miles_vl.data.records import DroppedRow, DropReason, ImageRef, LoadReport, PromptRow, PromptSample
     from miles_vl.data.synth import (
+        COLOURS,
         KINDS,
         SIDES,
         TASKS,

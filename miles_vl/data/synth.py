@@ -12,12 +12,18 @@ drawn to scale:
     parallel_lines   two parallel lines m, n and a transversal; one angle given, one is x° answer: x or 180 - x
     circle           a circle with its radius or diameter labelled; circumference or area answer: to the tenth
 
-`polygon_sides`: one filled regular polygon with 3, 4, 5 or 6 sides (problem i has SIDES[i % 4], so the classes are
-balanced), a random fill colour, size, position and a small tilt; the question is multiple choice with the same
-text for every problem ("How many sides does the polygon have? Choices: 3, 4, 5, 6."), so the answer is in the
-pixels only. A tiny model trained from scratch learns it in minutes on a CPU (configs/geo3k_tiny_cpu.yaml), and
-a model that is shown blank images cannot beat chance (1/4): the embedded job's proof that pixels reach both the
-rollout and the trainer.
+`polygon_colour` and `polygon_sides`: one filled regular polygon (3 to 6 sides) of random size, position and small
+tilt on white, and a multiple-choice question with the same text for every problem, so that the answer is in the
+pixels only and a model shown blank images cannot beat chance (1/4):
+
+    polygon_colour   "What colour is the polygon? Choices: A. red, B. green, C. blue, D. black."   answer: the letter
+                     (problem i has colour i % 4; the side count is random)
+    polygon_sides    "How many sides does the polygon have? Choices: 3, 4, 5, 6."                  answer: 3 to 6
+                     (problem i has SIDES[i % 4]; the fill colour is random)
+
+Trained supervised (cross-entropy on the answer token, 60 steps of 16 images, 2 CPU cores), the tiny random-init
+Qwen3-VL tells the fill colour of these polygons apart (~0.8 held-out accuracy) but not their side count (near
+chance): colour is the task for a quick learning check (benchmarks/vision_learning.py).
 
 `params` holds the geometry as drawn, in image pixels (y down): vertex coordinates, segment end points, the scale
 (pixels per unit), so that the answer can be recomputed from the picture's geometry alone. Problem i draws from
@@ -38,8 +44,21 @@ from PIL import Image, ImageDraw, ImageFont
 
 KINDS = ("triangle_angle", "right_triangle", "parallel_lines", "circle")
 SIDES = (3, 4, 5, 6)  # the choices of the polygon_sides task
-TASKS = {"geometry": KINDS, "polygon_sides": ("polygon_sides",)}  # task -> the kinds it cycles through
+COLOURS = {
+    "A": ("red", (214, 39, 40)),
+    "B": ("green", (44, 160, 44)),
+    "C": ("blue", (31, 119, 180)),
+    "D": ("black", (0, 0, 0)),
+}
+TASKS = {  # task -> the kinds it cycles through
+    "geometry": KINDS,
+    "polygon_colour": ("polygon_colour",),
+    "polygon_sides": ("polygon_sides",),
+}
 POLYGON_SIDES_PROBLEM = "<image>How many sides does the polygon have? Choices: " + ", ".join(map(str, SIDES)) + "."
+POLYGON_COLOUR_PROBLEM = (
+    "<image>What colour is the polygon? Choices: " + ", ".join(f"{k}. {name}" for k, (name, _) in COLOURS.items()) + "."
+)
 IMAGE_SIZE = 256  # pixels, square
 _MARGIN = 36
 _LINE = 2
@@ -83,6 +102,8 @@ def generate_problem(i: int, seed: int = 0, task: str = "geometry") -> SynthProb
     kind = kinds[i % len(kinds)]
     if kind == "polygon_sides":
         return _polygon_sides(rng, SIDES[i % len(SIDES)])
+    if kind == "polygon_colour":
+        return _polygon_colour(rng, tuple(COLOURS)[i % len(COLOURS)])
     return _BUILDERS[kind](rng)
 
 
@@ -293,6 +314,19 @@ _FILLS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (140, 8
 
 
 def _polygon_sides(rng: random.Random, sides: int) -> SynthProblem:
+    img, params = _polygon(rng, sides, rng.choice(_FILLS))
+    params["choices"] = list(SIDES)
+    return SynthProblem("polygon_sides", POLYGON_SIDES_PROBLEM, str(sides), params, img)
+
+
+def _polygon_colour(rng: random.Random, letter: str) -> SynthProblem:
+    img, params = _polygon(rng, rng.choice(SIDES), COLOURS[letter][1])
+    params["choices"] = {k: name for k, (name, _) in COLOURS.items()}
+    return SynthProblem("polygon_colour", POLYGON_COLOUR_PROBLEM, letter, params, img)
+
+
+def _polygon(rng: random.Random, sides: int, fill: tuple[int, int, int]) -> tuple[Image.Image, dict[str, Any]]:
+    """A filled regular polygon on white: random circumradius, centre and a small tilt; its image and geometry."""
     radius = rng.uniform(72.0, 100.0)  # circumradius, pixels
     center = (IMAGE_SIZE / 2 + rng.uniform(-14.0, 14.0), IMAGE_SIZE / 2 + rng.uniform(-14.0, 14.0))
     tilt = rng.uniform(-12.0, 12.0)  # degrees; 0 puts one side flat at the bottom
@@ -301,7 +335,6 @@ def _polygon_sides(rng: random.Random, sides: int) -> SynthProblem:
     for k in range(sides):
         a = math.radians(-90.0 + 180.0 / sides + 360.0 * k / sides + tilt)
         vertices.append((center[0] + radius * math.cos(a), center[1] - radius * math.sin(a)))  # y down
-    fill = rng.choice(_FILLS)
     img, draw, _ = _canvas()
     draw.polygon(vertices, fill=fill)
     params = {
@@ -311,9 +344,8 @@ def _polygon_sides(rng: random.Random, sides: int) -> SynthProblem:
         "radius_px": radius,
         "tilt_deg": tilt,
         "fill": list(fill),
-        "choices": list(SIDES),
     }
-    return SynthProblem("polygon_sides", POLYGON_SIDES_PROBLEM, str(sides), params, img)
+    return img, params
 
 
 _BUILDERS = {

@@ -1,10 +1,13 @@
-"""Contract of the `polygon_sides` task (what the tiny CPU job learns): the answer is in the pixels and only there.
+"""Contract of the polygon tasks (`polygon_colour` is what the tiny CPU job learns): the answer is in the pixels and
+only there.
 
-- Every problem has the same text, so nothing but the image can tell the answers apart; the four answers are
-  balanced (chance is 1/4).
-- The answer equals the number of sides recovered here from the drawn pixels alone, by an independent rule: a
-  regular n-gon with circumradius R covers n/2 * sin(2*pi/n) * R^2 of area, so (filled pixels) / (pi * R^2), with R
-  the farthest filled pixel from the filled centroid, is 0.41, 0.64, 0.76 or 0.83 for n = 3, 4, 5, 6.
+- Every problem of a task has the same text, so nothing but the image can tell the answers apart; the four answers
+  are balanced (chance is 1/4).
+- polygon_colour: the answer is the letter of the colour read here from the pixels (the median of the non-white
+  pixels, matched to the colour names of the question text: red, green, blue, black).
+- polygon_sides: the answer equals the number of sides recovered here from the drawn pixels alone, by an independent
+  rule: a regular n-gon with circumradius R covers n/2 * sin(2*pi/n) * R^2 of area, so (filled pixels) / (pi * R^2),
+  with R the farthest filled pixel from the filled centroid, is 0.41, 0.64, 0.76 or 0.83 for n = 3, 4, 5, 6.
 - `data.blank_images` really blanks: every pixel value the processor produces is the one of white, with the same
   prompt ids (same grid, same token count), while the real images vary.
 """
@@ -44,6 +47,25 @@ def test_answer_is_the_number_of_sides_drawn(problems):
         assert sides_from_pixels(p.image) == int(p.answer), p.params
 
 
+def colour_from_pixels(image) -> str:
+    """The colour name of the drawn polygon: which channel dominates its pixels, or none (black)."""
+    arr = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(int)
+    r, g, b = np.median(arr[arr.min(axis=1) < 250], axis=0)  # the non-white pixels
+    if max(r, g, b) < 40:
+        return "black"
+    return {0: "red", 1: "green", 2: "blue"}[int(np.argmax([r, g, b]))]
+
+
+def test_colour_answer_is_the_letter_of_the_colour_drawn():
+    problems = generate_problems(N, seed=5, task="polygon_colour")
+    text = "<image>What colour is the polygon? Choices: A. red, B. green, C. blue, D. black."
+    assert {p.problem for p in problems} == {text}
+    for p in problems:
+        assert f"{p.answer}. {colour_from_pixels(p.image)}" in text, p.params
+    assert {a: sum(p.answer == a for p in problems) for a in "ABCD"} == dict.fromkeys("ABCD", N // 4)
+    assert {p.params["sides"] for p in problems} == set(SIDES)  # the side count varies and says nothing
+
+
 def test_text_is_the_same_for_every_problem_and_answers_are_balanced(problems):
     assert {p.problem for p in problems} == {"<image>How many sides does the polygon have? Choices: 3, 4, 5, 6."}
     counts = {n: sum(p.answer == str(n) for p in problems) for n in SIDES}
@@ -64,7 +86,7 @@ def test_blank_images_really_blank(processor):
     def first_samples(blank: bool):
         cfg = DataConfig(
             synthetic_n=8,
-            synthetic_task="polygon_sides",
+            synthetic_task="polygon_colour",
             min_pixels=MIN_PIXELS,
             max_pixels=MAX_PIXELS,
             blank_images=blank,
