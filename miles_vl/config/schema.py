@@ -218,6 +218,14 @@ class TrainConfig(_Section):
     ppo_epochs: int = Field(1, gt=0)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     freeze_vision: bool = False
+    format_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="supervised steps before the first RL step that teach the answer format only: each target is "
+        "`<think></think>\\boxed{a}` with `a` the answer of a random other training row (no information about "
+        "the prompt's image), trained by the RL step itself with advantage 1 (plain SFT); then one eval, logged as "
+        "step 0. Not repeated on resume.",
+    )
     recompute: Literal["none", "selective", "full"] = "none"
     vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
     seed: int = 1234
