@@ -226,6 +226,12 @@ class TrainConfig(_Section):
         "the prompt's image), trained by the RL step itself with advantage 1 (plain SFT); then one eval, logged as "
         "step 0. Not repeated on resume.",
     )
+    format_warmup_lr: float | None = Field(
+        None,
+        gt=0,
+        description="peak learning rate of the format warm-up steps; null = train.optimizer.lr. RL runs at "
+        "train.optimizer.lr after it (same AdamW state).",
+    )
     recompute: Literal["none", "selective", "full"] = "none"
     vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
     seed: int = 1234

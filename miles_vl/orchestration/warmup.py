@@ -1,6 +1,7 @@
 """Format warm-up: a few supervised steps before RL that teach the answer format and nothing about the images.
 
     train.format_warmup_steps: 20        # in a job config; 0 (the default) skips it
+    train.format_warmup_lr: 3.0e-3       # its own peak lr (null: train.optimizer.lr); RL gets optimizer.lr back
 
 A model trained from scratch never samples `<think></think>\\boxed{...}`, so every reward is 0, every GRPO group has
 equal rewards and RL has no gradient. The warm-up fixes that without giving away the task: each target is
@@ -96,11 +97,16 @@ def format_warmup(job: Job) -> dict[str, float]:
     answer_pool = sorted(r.label for r in rows)  # the multiset of answers, in no row's order
     n_prompts, n = min(cfg.rollout.batch_size, len(rows)), cfg.rollout.n_samples_per_prompt
     eos = job.tokens.eos_token_ids[0]
+    warmup_lr = cfg.train.format_warmup_lr
+    if warmup_lr is not None:
+        job.trainer.set_lr(warmup_lr)
     for _ in range(cfg.train.format_warmup_steps):
         encoded = [job.train_set[i] for i in rng.sample(range(len(rows)), n_prompts)]
         prompts = [p for p in encoded for _ in range(n)]  # n targets per prompt, like an RL batch
         targets = warmup_targets(len(prompts), answer_pool, rng)
         job.trainer.train(warmup_samples(prompts, targets, job.processor.tokenizer, eos))
+    if warmup_lr is not None:
+        job.trainer.set_lr(cfg.train.optimizer.lr)  # RL from here on
     job.rollout.sync_weights("step-0")  # loop.weight_version(0): the weights RL step 1 starts from
     record = {
         "step": 0,

@@ -188,6 +188,13 @@ class TorchTrainBackend:
         out["train/tokens"] = float(n_tokens)
         return out
 
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate (the LR warm-up factor still applies); the optimizer state is kept."""
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+
     def _optimizer_step(self, samples, idx, old, ref):
         """Accumulate the loss of the mini-batch `idx` over its micro-batches, then clip and step."""
         self.optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,8 @@ format and nothing about the images.
   true answer at chance rate (1/4 on polygon_colour).
 - The data cursor does not move (RL sees the same data order with or without a warm-up), and the weights are synced
   once, labelled step-0, before the eval that is logged as step 0.
+- `train.format_warmup_lr` is the lr of the warm-up steps only: RL gets `train.optimizer.lr` back; unset, the lr
+  is never touched.
 - A warm-up step is the RL train step with advantage 1: it raises the targets' logprobs (plain SFT).
 - Through the real driver loop, the step-0 record holds the warm-up and the eval, and RL step 1 follows.
 """
@@ -54,13 +56,16 @@ class ServedLog:
 
 
 def fake_job(cfg, processor, dataset):
-    calls = SimpleNamespace(train=[], sync=[])
+    calls = SimpleNamespace(train=[], sync=[], events=[])
     job = SimpleNamespace(
         cfg=cfg,
         train_set=ServedLog(dataset),
         processor=processor,
         tokens=special_tokens(processor),
-        trainer=SimpleNamespace(train=lambda samples: calls.train.append(samples) or {}),
+        trainer=SimpleNamespace(
+            train=lambda samples: calls.train.append(samples) or calls.events.append("train") or {},
+            set_lr=lambda lr: calls.events.append(lr),
+        ),
         rollout=SimpleNamespace(sync_weights=calls.sync.append),
         evaluate=lambda step: {"eval/accuracy": 0.25},
     )
@@ -126,6 +131,31 @@ def test_warmup_answers_agree_with_the_prompt_at_chance(processor):
     ]
     assert len(said) == 2000 and set(said) == set("ABCD")
     assert abs(sum(a == b for a, b in zip(true, said, strict=True)) / len(said) - 0.25) < 0.035
+
+
+def test_the_warmup_lr_holds_for_the_warmup_steps_only(processor):
+    overrides = ("train.format_warmup_steps=2", "train.optimizer.lr=1e-4")
+    cfg = job_config(*overrides, "train.format_warmup_lr=3e-3")
+    job, calls = fake_job(cfg, processor, build_datasets(cfg.data, processor, seed=cfg.seed).train)
+    format_warmup(job)
+    assert calls.events == [3e-3, "train", "train", 1e-4]
+    cfg = job_config(*overrides)
+    job, calls = fake_job(cfg, processor, build_datasets(cfg.data, processor, seed=cfg.seed).train)
+    format_warmup(job)
+    assert calls.events == ["train", "train"]
+
+
+def test_torch_backend_set_lr_sets_the_peak_lr_under_the_lr_warmup(processor):
+    """optimizer.warmup_steps=4: step k (0-based) runs at lr * (k+1)/4; set_lr changes lr and keeps the factor."""
+    tokens = special_tokens(processor)
+    backend = build_train_backend(job_config("train.optimizer.lr=1e-3", "train.optimizer.warmup_steps=4"), tokens)
+    dataset = build_datasets(job_config().data, processor, seed=0).train
+    samples = warmup_samples([dataset[0]], ["<think></think>\\boxed{A}"], processor.tokenizer, tokens.eos_token_ids[0])
+    backend.set_lr(1e-2)
+    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 4)
+    assert backend.train(samples)["train/lr"] == pytest.approx(1e-2 * 2 / 4)  # after the step: the next step's lr
+    backend.set_lr(1e-4)
+    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 2 / 4)
 
 
 def test_a_warmup_step_is_sft(processor):

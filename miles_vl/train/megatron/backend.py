@@ -296,6 +296,11 @@ class MegatronTrainBackend:
         self.optimizer.zero_grad()
         return metrics, grad_norm, tokens
 
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate (the LR warm-up factor still applies); the optimizer state is kept."""
+        self.lr = lr
+        self._set_lr()
+
     def _lr(self) -> float:
         """Linear warmup over `warmup_steps` optimizer steps, then constant (as the torch backend)."""
         if not self.warmup_steps:
