@@ -1,6 +1,7 @@
 """Megatron (megatron-bridge Qwen3VLModel, Transformer Engine) training throughput and memory: CP=1 vs CP=2.
 
     python benchmarks/bench_megatron_cp.py [--lengths 8192,16384,32768] [--images 4] [--steps 4] [--gpus 2]
+                                           [--layouts cp1,cp2,cp2_vdp]
 
 Needs CUDA, Transformer Engine and megatron-bridge (scripts/gpu_check.sh --bench installs the bundle and runs it).
 Model: random-init Qwen3-VL-2B shapes (`bench_train_throughput.qwen3_vl_2b_config`) through the production path
@@ -11,7 +12,9 @@ Samples: one long multimodal sample per packed row: `--images` images of 1024x10
 each) at the start, the rest text; total length L from `--lengths`. On `--gpus` GPUs (2):
 
 - CP=1: data parallel, every GPU runs its own sample of length L (the whole sample's activations on one GPU);
-- CP=2: one sample split over 2 GPUs (zigzag THD shards from `miles_vl.packing.pack_thd`, rank-local positions).
+- CP=2: one sample split over 2 GPUs (zigzag THD shards from `miles_vl.packing.pack_thd`, rank-local positions);
+- CP=2 with `vision_dp_when_cp` (`cp2_vdp`, `train.vision_dp_when_cp`): the same, the vision tower's images split
+  across the CP ranks instead of every rank encoding all of them.
 
 One step = forward with next-token labels (megatron's vocab-parallel cross entropy), backward, DDP grad sync; timed
 over `--steps` steps after one warm-up. Throughput counts real tokens processed by all GPUs per second; peak memory
@@ -63,7 +66,10 @@ def long_sample(length: int, images: int, seed: int):
     return Sample(torch.tensor(ids), grid, None, length - 1024), pixels
 
 
-def build(cp: int):
+LAYOUTS = {"cp1": (1, False), "cp2": (2, False), "cp2_vdp": (2, True)}  # name -> (cp size, vision_dp_when_cp)
+
+
+def build(cp: int, vision_dp: bool = False):
     from megatron.bridge import AutoBridge
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -78,7 +84,7 @@ def build(cp: int):
     provider.pipeline_model_parallel_size = 1
     provider.bf16, provider.params_dtype = True, torch.bfloat16
     provider.gradient_accumulation_fusion = False  # needs APEX's fused_weight_gradient_mlp_cuda for the lm head
-    configure_provider(provider, cp_size=cp)
+    configure_provider(provider, cp_size=cp, vision_dp_when_cp=vision_dp)
     provider.finalize()
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
@@ -86,16 +92,17 @@ def build(cp: int):
     return provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True, bf16=True)[0]
 
 
-def job(ctx, lengths: list[int], images: int, steps: int) -> dict:
+def job(ctx, lengths: list[int], images: int, steps: int, layouts: list[str]) -> dict:
     from megatron.core import parallel_state as ps
 
     from miles_vl.packing import pack_thd
     from tests.patches.harness.runner import thd_params
 
     out: dict = {}
-    for cp in (1, 2):
+    for layout in layouts:
+        cp, vision_dp = LAYOUTS[layout]
         ctx.init_parallel(tp=1, cp=cp)
-        model = build(cp)
+        model = build(cp, vision_dp)
         cp_rank = ps.get_context_parallel_rank()
         for length in lengths:
             # CP=1: each GPU its own sample (seed by DP rank); CP=2: one sample shared by the CP group.
@@ -113,7 +120,7 @@ def job(ctx, lengths: list[int], images: int, steps: int) -> dict:
                 pixel_values=pixels.cuda().to(torch.bfloat16),
                 image_grid_thw=batch.image_grid_thw.cuda(),
             )
-            key = f"cp{cp}_L{length}"
+            key = f"{layout}_L{length}"
             try:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -149,9 +156,13 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--layouts", default="cp1,cp2", help=f"which of {', '.join(LAYOUTS)} to run, in order")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    per_rank = run_ranks(job, args.gpus, args=(lengths, args.images, args.steps), timeout_s=560)
+    layouts = args.layouts.split(",")
+    if unknown := set(layouts) - set(LAYOUTS):
+        raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
+    per_rank = run_ranks(job, args.gpus, args=(lengths, args.images, args.steps, layouts), timeout_s=560)
     results = {}
     for key in per_rank[0]:
         runs = [r[key] for r in per_rank]
@@ -165,12 +176,13 @@ def main() -> None:
             "peak_gib_per_gpu": round(max(r["peak_gib"] for r in runs), 2),
         }
     for length in lengths:
-        a, b = results.get(f"cp1_L{length}"), results.get(f"cp2_L{length}")
-        if isinstance(a, dict) and isinstance(b, dict):
-            results[f"L{length}_cp2_over_cp1"] = {
-                "throughput": round(b["tokens_per_s"] / a["tokens_per_s"], 3),
-                "peak_memory": round(b["peak_gib_per_gpu"] / a["peak_gib_per_gpu"], 3),
-            }
+        for new, base in (("cp2", "cp1"), ("cp2_vdp", "cp2")):
+            a, b = results.get(f"{base}_L{length}"), results.get(f"{new}_L{length}")
+            if isinstance(a, dict) and isinstance(b, dict):
+                results[f"L{length}_{new}_over_{base}"] = {
+                    "throughput": round(b["tokens_per_s"] / a["tokens_per_s"], 3),
+                    "peak_memory": round(b["peak_gib_per_gpu"] / a["peak_gib_per_gpu"], 3),
+                }
     print(
         json.dumps(
             {

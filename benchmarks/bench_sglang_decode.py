@@ -14,6 +14,11 @@ One response per prompt, `--max-new-tokens` tokens each, EOS ignored: SGLang req
 engine gets a banned vision token as its only EOS id (as in bench_decode.py). Every response is checked to have
 exactly `--max-new-tokens` tokens and, for SGLang, to have used our prompt ids.
 
+`--shapes GROUP:MODE,...` asks for the batch as the RL loop does: batch / GROUP prompts with GROUP samples each
+(rollout.batch_size x n_samples_per_prompt), sent as one request per sample (`single`) or one request per prompt
+with `sampling_params.n = GROUP` (`n`, the engine's default): SGLang then processes each prompt's image once. One
+server per variant measures every shape (a row each).
+
 Measured per engine (medians of `--repeats`, the SGLang radix cache flushed before every timed call so that each
 call prefills in full):
 - engine tokens/s = batch * N / wall time of one call for N new tokens (prefill, image processing, decode);
@@ -38,6 +43,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,8 +54,10 @@ sys.path[:0] = [p for p in (str(REPO), str(REPO / "benchmarks")) if p not in sys
 from bench_decode import copy_bandwidth, decode_rates, timed_generate  # noqa: E402
 from bench_train_throughput import sync  # noqa: E402
 
-from miles_vl.data import PromptEncoder, generate_problems, load_processor, special_tokens  # noqa: E402
-from miles_vl.model import SpecialTokens, build_model  # noqa: E402
+from miles_vl.data import PromptEncoder, generate_problems, load_processor  # noqa: E402
+from miles_vl.models import SpecialTokens  # noqa: E402
+from miles_vl.models.qwen3_vl.model import build_model  # noqa: E402
+from miles_vl.models.qwen3_vl.tokens import special_tokens  # noqa: E402
 from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost  # noqa: E402
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
@@ -73,6 +81,23 @@ VARIANTS = {
     "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}),
     "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}),
 }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a batch of sequences is asked for: `group` samples of each of batch / group prompts (GRPO's shape:
+    rollout.batch_size x n_samples_per_prompt), sent as one request per sample ("single") or one request per
+    prompt with sampling_params.n = group ("n", what the engine sends by default)."""
+
+    group: int
+    mode: str
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        group, _, mode = text.partition(":")
+        if not group.isdigit() or int(group) < 1 or mode not in ("single", "n"):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected GROUP:single or GROUP:n, e.g. 8:n")
+        return cls(int(group), mode)
 
 
 @dataclass
@@ -104,40 +129,57 @@ def build_prompts(processor, n: int, seed: int) -> list[Prompt]:
 # SGLang
 
 
-def sglang_call(host: SGLangRolloutHost, prompts, urls, tokens: SpecialTokens, n: int, temperature: float, seed: int):
-    """(wall seconds, output lengths) of one batch of concurrent `/generate` requests, after a cache flush."""
+def sglang_call(
+    host: SGLangRolloutHost, prompts, urls, tokens: SpecialTokens, n: int, temperature: float, seed: int, shape: Shape
+):
+    """(wall seconds, output lengths) of one batch of concurrent `/generate` requests, after a cache flush: the first
+    `len(prompts) // shape.group` prompts, `shape.group` samples each, as one request per sample or one per prompt."""
+    k = len(prompts) // shape.group
+    per_request = shape.group if shape.mode == "n" else 1
     payloads = []
-    for i, p in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=n, temperature=temperature)
+    for i in range(k):
+        p = prompts[i]
         body = build_generate_payload(
             request_input_ids(p.prompt_ids.tolist(), tokens.image_token_id, len(urls[i])),
             urls[i],
-            params,
+            SamplingParams(max_new_tokens=n, temperature=temperature),
             seed=seed + i,
             stop_token_ids=tokens.eos_token_ids,
             banned_token_ids=host.engine.banned_token_ids,
+            n=per_request,
         )
         body["sampling_params"]["ignore_eos"] = True  # 0.5.16: no token-based stop at all (EOS nor stop_token_ids)
-        payloads.append(body)
+        payloads += [(i, body)] * (shape.group // per_request)
+
+    def post(item):
+        i, body = item
+        return [
+            (i, b)
+            for b in (host.client.generate_n(body, per_request) if per_request > 1 else [host.client.generate(body)])
+        ]
+
     host.client.flush_cache(timeout_s=60)
     with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
         t0 = time.perf_counter()
-        bodies = list(pool.map(host.client.generate, payloads))
+        answers = [a for group in pool.map(post, payloads) for a in group]
         wall = time.perf_counter() - t0
     lengths = []
-    for i, (p, body) in enumerate(zip(prompts, bodies, strict=True)):
+    for i, body in answers:
         gen, _ = parse_generate_response(  # also checks that SGLang used our prompt ids
             body,
-            prompt_ids=p.prompt_ids.tolist(),
+            prompt_ids=prompts[i].prompt_ids.tolist(),
             stop_token_ids=tokens.eos_token_ids,
             max_new_tokens=n,
             prompt_index=i,
         )
         lengths.append(gen.response_ids.numel())
+    if len(lengths) != len(prompts):
+        raise RuntimeError(f"SGLang: {len(lengths)} responses for {len(prompts)} sequences")
     return wall, lengths
 
 
-def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default") -> dict:
+def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default") -> list[dict]:
+    """One server of this variant; a row per `--shapes` entry."""
     b, n = len(prompts), args.max_new_tokens
     flags, env = VARIANTS[variant]
     spec = ServerSpec(
@@ -176,29 +218,35 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
     if pidfile := os.environ.get("MILES_VL_SGLANG_PIDFILE"):  # lets scripts/gpu/run_sglang_checks.sh stop a leftover
         with open(pidfile, "a") as f:
             f.write(f"{host.server.pid}\n")
+    rows = []
     try:
         urls = [[image_data_url(im) for im in p.images] for p in prompts]
-        sglang_call(host, prompts, urls, tokens, 4, args.temperature, args.seed)  # warm-up
-        short = [
-            sglang_call(host, prompts, urls, tokens, 1, args.temperature, args.seed)[0] for _ in range(args.repeats)
-        ]
-        runs = [
-            sglang_call(host, prompts, urls, tokens, n, args.temperature, args.seed + k) for k in range(args.repeats)
-        ]
+        for shape in args.shapes:
+            call = partial(sglang_call, host, prompts, urls, tokens, temperature=args.temperature, shape=shape)
+            call(4, seed=args.seed)  # warm-up
+            short = [call(1, seed=args.seed)[0] for _ in range(args.repeats)]
+            runs = [call(n, seed=args.seed + k) for k in range(args.repeats)]
+            lengths = {length for _, ls in runs for length in ls}
+            if lengths != {n}:
+                raise RuntimeError(f"SGLang: not every request decoded {n} tokens: {sorted(lengths)}")
+            wall = statistics.median(w for w, _ in runs)
+            t1 = statistics.median(short)
+            rows.append(
+                dict(
+                    variant=variant,
+                    prompts=b // shape.group,
+                    group=shape.group,
+                    requests="one per prompt (sampling_params.n)" if shape.mode == "n" else "one per sample",
+                    startup_s=round(startup_s, 1),
+                    wall_s=round(wall, 3),
+                    prefill_s=round(t1, 3),
+                    **decode_rates(b, n, wall_s=wall, generate_s=wall, prefill_s=t1),
+                )
+            )
+            print(f"[sglang {variant}] {json.dumps(rows[-1])}", flush=True)
     finally:
         host.shutdown()
-    lengths = {length for _, ls in runs for length in ls}
-    if lengths != {n}:
-        raise RuntimeError(f"SGLang: not every request decoded {n} tokens: {sorted(lengths)}")
-    wall = statistics.median(w for w, _ in runs)
-    t1 = statistics.median(short)
-    return dict(
-        variant=variant,
-        startup_s=round(startup_s, 1),
-        wall_s=round(wall, 3),
-        prefill_s=round(t1, 3),
-        **decode_rates(b, n, wall_s=wall, generate_s=wall, prefill_s=t1),
-    )
+    return rows
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -256,6 +304,13 @@ def main() -> None:
     ap.add_argument(
         "--variants", default="default", help=f"SGLang server variants to measure, in order: {', '.join(VARIANTS)}"
     )
+    ap.add_argument(
+        "--shapes",
+        type=lambda text: [Shape.parse(t) for t in text.split(",")],
+        default=[Shape(1, "single")],
+        help="GROUP:MODE,... : batch / GROUP prompts with GROUP samples each, one request per sample (single) or per "
+        "prompt (n); default 1:single (every sequence its own prompt)",
+    )
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-measuring copy")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -265,6 +320,8 @@ def main() -> None:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}; use sglang and/or hf")
     if args.tiny:
         args.batch, args.max_new_tokens, args.repeats = 4, 16, 1
+    if bad := [sh.group for sh in args.shapes if args.batch % sh.group]:
+        raise SystemExit(f"--shapes: group sizes {bad} do not divide --batch {args.batch}")
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {sorted(VARIANTS)}")
@@ -290,21 +347,21 @@ def main() -> None:
     prompt_len = sum(p.prompt_ids.numel() for p in prompts) / len(prompts)
 
     results: dict[str, dict] = {}
+    sglang_rows: list[dict] = []
     model = None
     for name in engines:
         t0 = time.perf_counter()
         if name == "sglang":
-            by_variant = []
-            for v in variants:  # each printed as it finishes; a variant that fails is recorded, the rest still run
+            for v in variants:  # each row printed as it finishes; a variant that fails is recorded, the rest run
                 try:
-                    by_variant.append(bench_sglang(args, ckpt, prompts, tokens, v))
+                    sglang_rows += bench_sglang(args, ckpt, prompts, tokens, v)
                 except Exception as e:  # noqa: BLE001 (the server's log says why; the JSON line says which)
-                    by_variant.append(dict(variant=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                print(f"[sglang {v}] {json.dumps(by_variant[-1])}", flush=True)
-            ok = [r for r in by_variant if "error" not in r]
+                    sglang_rows.append(dict(variant=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    print(f"[sglang {v}] {json.dumps(sglang_rows[-1])}", flush=True)
+            ok = [r for r in sglang_rows if "error" not in r]
             if not ok:
-                raise SystemExit(f"bench_sglang_decode: every SGLang variant failed: {by_variant}")
-            results[name] = dict(ok[0], variants=by_variant) if len(by_variant) > 1 else ok[0]
+                raise SystemExit(f"bench_sglang_decode: every SGLang variant failed: {sglang_rows}")
+            results[name] = ok[0]
         else:
             results[name], model = bench_hf(args, ckpt, prompts, tokens)
         print(f"[{name}] {json.dumps(results[name])} ({time.perf_counter() - t0:.1f}s)", flush=True)
@@ -318,7 +375,7 @@ def main() -> None:
     sync(torch.device("cuda"))
     bandwidth = copy_bandwidth(torch.device("cuda"), int(args.copy_gib * 2**30))
     bound = args.batch * bandwidth / weight_bytes
-    for r in [*results.values(), *[v for v in results.get("sglang", {}).get("variants", []) if "error" not in v]]:
+    for r in [*results.values(), *[r for r in sglang_rows if "error" not in r and r is not results.get("sglang")]]:
         r["fraction_of_bound"] = round(r["decode_tokens_per_s"] / bound, 4)
         r["engine_over_decode"] = round(r["engine_tokens_per_s"] / r["decode_tokens_per_s"], 3)
 
@@ -337,6 +394,7 @@ def main() -> None:
         weight_bytes=weight_bytes,
         bound_tokens_per_s=round(bound, 1),
         sglang=results.get("sglang"),
+        sglang_rows=sglang_rows,
         hf=results.get("hf"),
         sglang_over_hf_decode=(
             round(results["sglang"]["decode_tokens_per_s"] / results["hf"]["decode_tokens_per_s"], 2)

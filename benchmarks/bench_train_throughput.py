@@ -12,8 +12,8 @@ in 50..650. Every variant trains on the same mini-batches with the same model an
 mini-batch of `--prompts * --n-per-prompt` samples:
 
 - `packed`: `TorchTrainBackend.accumulate_gradients` (FFD micro-batches under `--max-tokens`, `pack_thd`, the packed
-  forward of `miles_vl.train.packed_forward`, the policy loss, backward), then gradient clipping and AdamW, as
-  `TorchTrainBackend.train` steps. The text attention runs `flex_attention`: transformers turns the restarting
+  forward of `miles_vl.models.qwen3_vl.forward`, the policy loss, backward), then gradient clipping and AdamW, as
+  `miles_vl.train.train_step` steps. The text attention runs `flex_attention`: transformers turns the restarting
   segment-local text positions into a BlockMask, so blocks across segments are skipped. If flex fails, sdpa.
 - `padded`: the same samples in arrival order, grouped greedily so that B * Lmax <= `--max-tokens`, right-padded,
   through the standard `Qwen3VLModel` forward with an attention_mask (sdpa), then the same chunked logprobs, loss,
@@ -55,11 +55,12 @@ from torch import Tensor
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from miles_vl.algo import policy_loss
-from miles_vl.model import SpecialTokens, tiny_config
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.forward import packed_hidden_states
+from miles_vl.models.qwen3_vl.model import tiny_config
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.packing import pack_thd, plan_micro_batches
-from miles_vl.rollout.hf_engine import vision_token_ids
-from miles_vl.train import TorchTrainBackend, TrainSample
-from miles_vl.train.packed_forward import packed_hidden_states
+from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
 
 # Qwen3-VL processor ids (vocabulary 151936).
 IMAGE, VIDEO, VSTART, VEND, PAD, EOS = 151655, 151656, 151652, 151653, 151643, 151645
@@ -257,7 +258,7 @@ class StepStats:
 
 
 def finish_step(backend: TorchTrainBackend) -> None:
-    norm = torch.nn.utils.clip_grad_norm_(backend.trainable, backend.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(backend.trainable, backend.options.optimizer.grad_clip)
     if not torch.isfinite(norm):
         raise RuntimeError(f"non-finite gradient norm {float(norm)}: the benchmark would time a skipped step")
     backend.optimizer.step()
@@ -265,14 +266,15 @@ def finish_step(backend: TorchTrainBackend) -> None:
 
 
 def packed_step(backend: TorchTrainBackend, samples: list[TrainSample]) -> StepStats:
-    """One optimizer step through the backend's own packed path (as `TorchTrainBackend._optimizer_step`)."""
-    backend.optimizer.zero_grad(set_to_none=True)
+    """One optimizer step through the backend's own packed path (as `miles_vl.train.train_step`)."""
     old = [s.rollout_logprobs for s in samples]
-    _, finite, row_tokens = backend.accumulate_gradients(samples, list(range(len(samples))), old)
+    _, row_tokens, finite = backend.accumulate_gradients(samples, list(range(len(samples))), old)
     if not finite:
         raise RuntimeError("non-finite loss in the packed path")
     finish_step(backend)
-    n_micro = plan_micro_batches([s.input_ids.numel() for s in samples], backend.max_tokens).num_micro_batches
+    n_micro = plan_micro_batches(
+        [s.input_ids.numel() for s in samples], backend.options.micro_batch_max_tokens
+    ).num_micro_batches
     return StepStats(sum(s.input_ids.numel() for s in samples), row_tokens, n_micro)
 
 
@@ -308,7 +310,7 @@ def padded_step(backend: TorchTrainBackend, samples: list[TrainSample], max_toke
     """One optimizer step on right-padded batches through the standard transformers forward (attention_mask)."""
     model, device = backend.model, backend.device
     backend.optimizer.zero_grad(set_to_none=True)
-    banned = torch.tensor(backend.suppress, dtype=torch.long, device=device)
+    banned = torch.tensor(backend.loss.suppress_token_ids, dtype=torch.long, device=device)
     n_loss = sum(s.response_len for s in samples)  # token_mean over the mini-batch
     groups = padded_groups([s.input_ids.numel() for s in samples], max_tokens)
     row_tokens = 0
@@ -345,7 +347,8 @@ def padded_step(backend: TorchTrainBackend, samples: list[TrainSample], max_toke
             adv,
             torch.full_like(old, 1.0 / n_loss),
             rollout_logprobs=old,
-            **{k: backend.loss_kwargs[k] for k in ("clip_low", "clip_high")},
+            clip_low=backend.loss.clip_low,
+            clip_high=backend.loss.clip_high,
         ).loss
         if not torch.isfinite(loss):
             raise RuntimeError("non-finite loss in the padded path")
@@ -449,9 +452,9 @@ def main() -> None:
         vision, tail = (150, 250), (80, 180)
 
     model = build(args.tiny, device, dtype, args.seed)
-    backend = TorchTrainBackend(
-        model, TOKENS, lr=1e-6, micro_batch_max_tokens=args.max_tokens, suppress_token_ids=vision_token_ids(TOKENS)
-    )
+    loss = LossOptions(suppress_token_ids=vision_token_ids(TOKENS))
+    options = TrainOptions(OptimizerOptions(lr=1e-6), loss, micro_batch_max_tokens=args.max_tokens)
+    backend = TorchTrainBackend(model, TOKENS, options)
     model.train()
     n_steps = args.warmup + args.steps
     batches = []

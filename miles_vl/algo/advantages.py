@@ -1,4 +1,4 @@
-"""Group advantages from per-sample rewards: GRPO (with or without std normalisation) and REINFORCE++-baseline.
+"""Group advantages from per-sample rewards: GRPO (with or without std normalisation), RLOO and REINFORCE++-baseline.
 
 Input is one reward per response, group-contiguous: responses `g*n .. g*n+n-1` answer prompt `g`
 (n = n_samples_per_prompt). Output is one scalar advantage per response, fp32, which the caller broadcasts over
@@ -6,6 +6,8 @@ that response's tokens.
 
 - `grpo`: A = r - mean_group(r), divided by (std_group(r) + eps) when `norm_adv_by_std` (GRPO); without it this is
   Dr.GRPO. std is the unbiased (n-1) one, as in verl.
+- `rloo`: A_i = r_i - mean_{j != i} r_j, the leave-one-out baseline (RLOO, Ahmadian et al. 2024), which equals
+  n / (n - 1) * (r_i - mean_group(r)); it needs n >= 2.
 - `reinforce_pp_baseline`: A = r - mean_group(r), then whitened over the whole batch (subtract the batch mean,
   divide by the unbiased batch std), as verl's `reinforce_plus_plus_baseline`. With `token_counts` the batch
   statistics weight each response by its token count, exactly like verl's token-level `masked_whiten`; without,
@@ -25,7 +27,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-Estimator = Literal["grpo", "reinforce_pp_baseline"]
+Estimator = Literal["grpo", "rloo", "reinforce_pp_baseline"]
 
 
 class Advantages(NamedTuple):
@@ -82,6 +84,31 @@ def grpo_advantages(
     return Advantages(adv.reshape(-1), identical.float().mean().item())
 
 
+def rloo_advantages(rewards: Tensor, n_samples_per_prompt: int) -> Advantages:
+    """RLOO advantages: each reward minus the mean of the other n - 1 rewards of its group.
+
+    Args:
+        rewards: [n_groups * n_samples_per_prompt], group-contiguous.
+        n_samples_per_prompt: responses per prompt; must be >= 2 (one response has no others to compare with).
+
+    Returns:
+        Advantages([N] fp32, zero-advantage group fraction).
+
+    Raises:
+        ValueError: n_samples_per_prompt < 2, or bad rewards (as `grpo_advantages`).
+    """
+    if n_samples_per_prompt < 2:
+        raise ValueError(
+            "rloo needs n_samples_per_prompt >= 2 (a leave-one-out baseline of the others), found "
+            f"{n_samples_per_prompt}"
+        )
+    grouped = _grouped(rewards, n_samples_per_prompt)  # [G, n]
+    identical = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # [G, 1]
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (n_samples_per_prompt - 1)  # [G, n]
+    adv = torch.where(identical, torch.zeros_like(grouped), grouped - others_mean)
+    return Advantages(adv.reshape(-1), identical.float().mean().item())
+
+
 def reinforce_pp_baseline_advantages(
     rewards: Tensor, n_samples_per_prompt: int, *, token_counts: Tensor | None = None, eps: float = 1e-8
 ) -> Advantages:
@@ -129,7 +156,7 @@ def reinforce_pp_baseline_advantages(
     return Advantages(adv, identical.float().mean().item())
 
 
-ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 
 
 def compute_advantages(
@@ -145,7 +172,7 @@ def compute_advantages(
     Args:
         rewards: [n_groups * n_samples_per_prompt], group-contiguous.
         n_samples_per_prompt: group size.
-        estimator: "grpo" or "reinforce_pp_baseline".
+        estimator: "grpo", "rloo" or "reinforce_pp_baseline".
         norm_adv_by_std: grpo only: divide by the group std (False = Dr.GRPO).
         token_counts: reinforce_pp_baseline only: [N] response lengths for token-weighted whitening.
 
@@ -157,6 +184,8 @@ def compute_advantages(
     """
     if estimator == "grpo":
         return grpo_advantages(rewards, n_samples_per_prompt, norm_adv_by_std=norm_adv_by_std)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, n_samples_per_prompt)
     if estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards, n_samples_per_prompt, token_counts=token_counts)
     raise ValueError(f"unknown advantage estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")

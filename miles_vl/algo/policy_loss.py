@@ -8,6 +8,19 @@ Per response token t (ratio r = exp(logprob - old_logprob), advantage A broadcas
     l_t       = pg_t + kl_coef * KL_t(policy || ref) - entropy_coef * entropy_t
     loss      = sum_t w_t * l_t
 
+GSPO (`policy_loss_type="gspo"`, Zheng et al. 2025, "Group Sequence Policy Optimization") replaces the token
+ratio by the response's sequence-level ratio, the geometric mean of its token ratios, and clips that:
+
+    s_i       = exp(mean_{t in i} (logprob_t - old_logprob_t))             over the response's loss tokens
+    r_t       = exp(logprob_t - sg(logprob_t) + sg(log s_i))   value s_i at every token of response i
+
+The value of r_t is s_i, so the clip decides per response; its gradient is s_i * grad(logprob_t), so with
+`seq_mean_token_mean` weights (1 / (|y_i| * N_seqs)) the gradient is GSPO's, (1/N_seqs) sum_i -A_i s_i mean_t grad
+logprob_t (verl's `compute_policy_loss_gspo` does the same). `log s_i` comes in as `seq_log_ratio`, per token: a
+response may be split over CP ranks, so the caller sums its log ratios over the whole response first
+(`sequence_mean_log_ratio`, with an all-reduce over the CP group). Token metrics (clip fractions, ratio mean) then
+count each response's ratio once per token.
+
 The weight `w_t` holds the loss mask and the global denominator of the chosen reduction (`loss_weights`), so the
 loss of a CP shard or a micro-batch is its exact share of the full-batch loss: summing the local losses over CP
 ranks and micro-batches gives the full-batch loss and gradient, with no local mean anywhere. The caller computes
@@ -22,9 +35,9 @@ means over response tokens (the tokens with w_t > 0), whatever the loss reductio
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -92,6 +105,44 @@ class PolicyLossMetrics:
         return out
 
 
+PolicyLossType = Literal["ppo", "gspo"]
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+
+
+def sequence_mean_log_ratio(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    token_seq: Tensor,
+    seq_loss_tokens: Tensor,
+    token_weights: Tensor | None = None,
+    *,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """GSPO's `log s_i` = mean of (logprob - old_logprob) over the loss tokens of each WHOLE response, per token.
+
+    Args:
+        logprobs: [T] this shard's label logprobs (read detached).
+        old_logprobs: [T] the same under the old policy.
+        token_seq: [T] each token's sequence, indexing `seq_loss_tokens`.
+        seq_loss_tokens: [n_seqs] loss tokens of each whole sequence (`sequence_loss_tokens` on the full row).
+        token_weights: [T] only tokens with weight > 0 count; None: every token given.
+        all_reduce: sums the [n_seqs] fp32 partial sums over the shards of the row (the CP group); None: the shard
+            is the whole row.
+
+    Returns:
+        [T] fp32, detached: each token's response mean log ratio.
+    """
+    diff = (logprobs.detach().float() - old_logprobs.detach().float()).clamp(-20.0, 20.0)
+    if token_weights is not None:
+        diff = torch.where(token_weights > 0, diff, torch.zeros_like(diff))
+    ids = token_seq.long().to(diff.device)
+    counts = torch.as_tensor(seq_loss_tokens).to(diff.device).float()
+    sums = torch.zeros(counts.numel(), dtype=torch.float32, device=diff.device).index_add_(0, ids, diff)
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    return (sums / counts.clamp(min=1.0))[ids]
+
+
 class PolicyLossOutput(NamedTuple):
     loss: Tensor  # 0-dim, differentiable: this shard's share of the full-batch loss
     metrics: PolicyLossMetrics
@@ -114,6 +165,8 @@ def policy_loss(
     rollout_logprobs: Tensor | None = None,
     tis_mode: TISMode | None = None,
     tis_cap: float = 2.0,
+    policy_loss_type: PolicyLossType = "ppo",
+    seq_log_ratio: Tensor | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of one shard of packed tokens (module docstring for the formula).
 
@@ -134,6 +187,8 @@ def policy_loss(
             `train_rollout_logprob_abs_diff` when given.
         tis_mode: "clip", "mask" or None (off) (`miles_vl.algo.tis`).
         tis_cap: TIS upper bound on the importance ratio.
+        policy_loss_type: "ppo" (token ratio) or "gspo" (sequence ratio; module docstring).
+        seq_log_ratio: [T] gspo: each token's response mean log ratio (`sequence_mean_log_ratio`).
 
     Returns:
         PolicyLossOutput(loss 0-dim fp32 with gradient, metrics PolicyLossMetrics).
@@ -145,6 +200,7 @@ def policy_loss(
     _check_args(clip_low, clip_high, dual_clip_c, kl_coef, entropy_coef)
     inputs = {"old_logprobs": old_logprobs, "advantages": advantages, "token_weights": token_weights}
     inputs |= {"ref_logprobs": ref_logprobs, "entropy": entropy, "rollout_logprobs": rollout_logprobs}
+    inputs |= {"seq_log_ratio": seq_log_ratio}
     for key, value in inputs.items():
         if value is not None and value.shape != logprobs.shape:
             raise ValueError(
@@ -155,6 +211,12 @@ def policy_loss(
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; compute them or set algo.kl_coef=0")
     if entropy_coef > 0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy; pass it or set entropy_coef=0")
+    if policy_loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(f"unknown policy_loss_type {policy_loss_type!r}; known: {list(POLICY_LOSS_TYPES)}")
+    if policy_loss_type == "gspo" and seq_log_ratio is None:
+        raise ValueError(
+            "policy_loss_type='gspo' needs seq_log_ratio (sequence_mean_log_ratio of each token's response)"
+        )
     if tis_mode is not None and rollout_logprobs is None:
         raise ValueError(f"tis_mode={tis_mode!r} needs rollout_logprobs; pass them or disable algo.tis")
 
@@ -165,7 +227,10 @@ def policy_loss(
     on = w > 0  # response tokens
     on_f = on.float()
 
-    log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # as verl: keeps exp finite for wild early updates
+    if policy_loss_type == "gspo":  # value log s_i, gradient that of logprob_t
+        log_ratio = (logprobs - logprobs.detach() + seq_log_ratio.detach().float()).clamp(-20.0, 20.0)
+    else:
+        log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # as verl: keeps exp finite for wild early updates
     ratio = torch.exp(log_ratio)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     dual = None

@@ -26,6 +26,13 @@ from pydantic import BaseModel, ValidationError
 
 from miles_vl.config.schema import REDACTED, JobConfig, cross_field_errors, secret_keys
 
+# Keys that configs of earlier releases may still set: what became of each and the fix. An unknown key that is here
+# gets this message instead of a did-you-mean.
+REMOVED_KEYS = {
+    "train.packing": "train.packing was removed: training always packs samples into THD rows (the only layout; "
+    "nothing read the key); delete it from the config",
+}
+
 
 class ConfigError(ValueError):
     """All problems of one config, collected. `problems` holds one line each."""
@@ -75,7 +82,7 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([f"the top level must be a mapping of sections, found {type(data).__name__}"], str(path))
-    problems = [f"malformed override {o!r}: expected key.sub=value" for o in overrides if not _is_override(o)]
+    problems = [f"malformed override {o!r}: expected key.sub=value" for o in overrides if not is_override(o)]
     if problems:
         raise ConfigError(problems, str(path))
     try:
@@ -166,7 +173,8 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
-def _is_override(text: str) -> bool:
+def is_override(text: str) -> bool:
+    """Whether `text` has the form of an override, `key.sub=value`."""
     key, sep, _ = text.partition("=")
     return bool(sep) and bool(key) and all(part.isidentifier() for part in key.split("."))
 
@@ -180,6 +188,8 @@ def _describe(err: dict[str, Any], source: str | None, override_keys: set[str]) 
     key = ".".join(loc)
     origin = _origin(key, source, override_keys)
     kind = err["type"]
+    if kind == "extra_forbidden" and key in REMOVED_KEYS:
+        return f"{REMOVED_KEYS[key]}{origin}"
     if kind == "extra_forbidden":
         known = _known_fields(loc[:-1])
         near = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)

@@ -20,20 +20,34 @@ A job is one YAML file plus `key.sub=value` overrides on the command line:
     miles-vl check configs/geo3k_tiny_cpu.yaml rollout.n_samples_per_prompt=8 train.optimizer.lr=1e-6
 
 Unknown keys, wrong types and inconsistent settings are reported together, each naming the key, the file (or the
-override) and a fix; `miles-vl check` prints the resolved config with the derived values (data-parallel size,
-samples per step). This page is generated from `miles_vl/config/schema.py` by
+override) and a fix. `miles-vl check` then checks this machine for the job (the backends' packages import, the data
+files open, the reward and `data.dataset_fn` resolve, the model and processor are there, a checkpoint to resume is
+whole), reports every problem at once and creates nothing; it prints the resolved config with the derived values
+(data-parallel size, samples per step). `miles-vl check --config-only` stops after the config. `miles-vl train` runs
+the same checks first. This page is generated from `miles_vl/config/schema.py` by
 `python -m miles_vl.config.reference`; a test keeps it in sync.
 
-Cross-field rules (checked together with the field types):
-- `train.tp/pp/cp/ep > 1` need `train.backend: megatron`; the torch backend trains on one device.
+Cross-field rules (`JobConfig` and its sections; checked together with the field types):
+- `model.init: pretrained` needs `model.path`; `model.init: random` needs `model.processor` (e.g. `offline`) or
+  `model.path`.
+- `data.train_path` or `data.synthetic_n > 0`, not both; `data.min_pixels <= data.max_pixels`.
+- `train.backend: torch` trains on one device: `train.tp/pp/cp/ep` must be 1 and `train.num_gpus` 0 or 1.
 - `train.backend: megatron` needs `train.num_gpus > 0` and `model.init: pretrained` (AutoBridge loads `model.path`).
 - `ray.placement: colocate` with GPUs: `rollout.num_engines * rollout.gpus_per_engine <= train.num_gpus`.
-- `train.cp > 1` needs `train.packing: thd`; `train.sp` needs `train.tp > 1`.
+- `train.sp` needs `train.tp > 1`.
 - `train.num_gpus` must be divisible by `tp * pp * cp`; `train.global_batch_size` by the data-parallel size,
   and the samples of one step (`rollout.batch_size * rollout.n_samples_per_prompt`) by `train.global_batch_size`.
-- GRPO needs `rollout.n_samples_per_prompt >= 2`.
+- `algo.estimator: grpo` needs `rollout.n_samples_per_prompt >= 2`.
 - `train.micro_batch_max_tokens` must hold one sample of `data.max_prompt_len + rollout.max_response_len`.
+- `rollout.sglang.vision_cache_mb > 0` needs `train.freeze_vision: true` (the cache outlives weight syncs).
+- `rollout.backend: sglang` needs `rollout.gpus_per_engine >= 1`.
+- `algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`): TIS reweights by a sampling distribution.
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
+
+Checked by `miles-vl check` and `train` (not by `--config-only`): `rollout.backend: sglang` needs
+`model.init: pretrained` (the server loads `model.path`), and `rollout.sglang.one_request_per_prompt: true` refuses a
+deterministic server (`--enable-deterministic-inference` in `extra_args`). A config key that was removed
+(`train.packing`: training always packs THD rows) is named with the fix.
 
 Every float must be finite (`inf` and `nan` are refused), Adam's betas lie in [0, 1), a key given twice in one
 mapping of the YAML file is an error, and the file must be UTF-8. Secret fields (marked "Secret" below) are written

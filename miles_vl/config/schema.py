@@ -100,6 +100,11 @@ class DataConfig(_Section):
         description="replace every image by a white one of the same size before it is encoded (rollout and "
         "trainer both see the blank): the control run, whose accuracy must stay at chance on an image-only task.",
     )
+    in_memory: bool = Field(
+        False,
+        description="the training rows are given in Python, `run_job(cfg, dataset=[{...}, ...])` (the columns of "
+        "`format`); train_path must be null and synthetic_n 0.",
+    )
     format: Literal["auto", "geometry3k", "geo3k_imgurl", "generic"] = "auto"
     dataset_fn: str | None = Field(None, description="custom row mapper `module:function` (see examples/).")
     prompt_key: str = "problem"
@@ -122,8 +127,22 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
-        if self.train_path is None and self.synthetic_n == 0:
-            raise ValueError("no training data: set data.train_path or data.synthetic_n > 0")
+        if self.in_memory and (self.train_path is not None or self.synthetic_n > 0):
+            raise ValueError(
+                f"data.in_memory=true takes the rows from run_job(dataset=...), but "
+                f"data.train_path={self.train_path!r} "
+                f"and data.synthetic_n={self.synthetic_n}; set data.train_path=null and data.synthetic_n=0"
+            )
+        if self.train_path is None and self.synthetic_n == 0 and not self.in_memory:
+            raise ValueError(
+                "no training data: set data.train_path or data.synthetic_n > 0 (or data.in_memory=true with "
+                "run_job(cfg, dataset=...))"
+            )
+        if self.train_path is not None and self.synthetic_n > 0:
+            raise ValueError(
+                f"data.train_path={self.train_path!r} and data.synthetic_n={self.synthetic_n} are both set; set "
+                "data.synthetic_n=0 to train on the file, or data.train_path=null for generated problems"
+            )
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels})")
         return self
@@ -144,6 +163,13 @@ class SGLangConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to the SGLang server.")
+    one_request_per_prompt: bool | None = Field(
+        None,
+        description="send the n samples of a prompt as one request (sampling_params.n): SGLang decodes, processes "
+        "and hashes the prompt's images and prefills it once instead of n times. null = on, unless extra_args make "
+        "the server deterministic (--enable-deterministic-inference): SGLang gives every sample of a request one "
+        "sampling_seed, so the n samples would be identical, and true is refused there.",
+    )
     vision_cache_mb: int = Field(
         0,
         ge=0,
@@ -162,7 +188,19 @@ class DynamicSamplingConfig(_Section):
     """DAPO-style: drop groups whose rewards are all equal, over-sample prompts to refill the batch."""
 
     enabled: bool = False
-    max_rounds: int = Field(3, ge=1, description="extra rollout rounds at most before training on what we have.")
+    max_rounds: int = Field(
+        3,
+        ge=1,
+        description="extra rollout rounds at most before training on what we have: the kept groups in whole "
+        "mini-batches (the rest dropped, counted in rollout/short_batch_dropped_groups); fewer than one mini-batch "
+        "skips the train phase of the step (train/skipped_steps).",
+    )
+    over_sampling_factor: float = Field(
+        1.0,
+        ge=1.0,
+        description="each round rolls out ceil(factor * missing prompts) (miles' --over-sampling-batch-size); "
+        "groups kept beyond rollout.batch_size are not trained on (rollout/surplus_groups).",
+    )
 
 
 class RolloutConfig(_Section):
@@ -210,7 +248,6 @@ class TrainConfig(_Section):
     cp: int = Field(1, gt=0, description="context parallel size.")
     ep: int = Field(1, gt=0, description="expert parallel size (MoE).")
     sp: bool = Field(False, description="sequence parallel (needs tp > 1).")
-    packing: Literal["thd", "padded"] = "thd"
     micro_batch_max_tokens: int = Field(8192, gt=0, description="token budget of one packed micro-batch per CP group.")
     global_batch_size: int | None = Field(
         None, gt=0, description="samples per optimizer step; null = all samples of the RL step (one update)."
@@ -250,41 +287,117 @@ class TISConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    estimator: Literal["grpo", "reinforce_pp_baseline"] = "grpo"
-    norm_adv_by_std: bool = Field(True, description="false = Dr.GRPO (no std normalisation).")
+    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo: (r - group mean) / group std; rloo: r_i - mean of the other n-1 rewards of the group "
+        "(leave-one-out); reinforce_pp_baseline: r - group mean, whitened over the batch.",
+    )
+    norm_adv_by_std: bool = Field(
+        True,
+        description="grpo: divide by the group std. Dr.GRPO as published = false with "
+        "loss_reduction=seq_mean_token_sum_norm.",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level ratio and clip; gspo: the sequence-level ratio exp(mean over the response of "
+        "logprob - old_logprob) and its clip (GSPO; needs loss_reduction=seq_mean_token_mean).",
+    )
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
     dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages, e.g. 3.0.")
-    loss_reduction: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    loss_reduction: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="token_mean: loss summed over tokens / loss tokens of the mini-batch; seq_mean_token_mean: mean "
+        "over each response's tokens, then over responses; seq_mean_token_sum_norm: summed over tokens / (samples of "
+        "the mini-batch * rollout.max_response_len), Dr.GRPO's constant normaliser.",
+    )
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)
     tis: TISConfig = Field(default_factory=TISConfig)
-
-    @property
-    def needs_ref(self) -> bool:
-        return self.kl_coef > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # reward, ray, logging, checkpoint, eval
 
 
-class RewardConfig(_Section):
-    name: str = Field("geo3k", description="registry name or `module:function`.")
-    format_weight: float = Field(0.1, ge=0, le=1, description="overall = (1-w)*acc + w*format; 0 = binary.")
-    format_pattern: str | None = Field(None, description="regex the whole response must match; null = default.")
-    timeout_s: float = Field(
-        10.0, gt=0, description="time limit per response; a reward past it is killed with its worker and scores 0."
+class RewardFunctionConfig(_Section):
+    name: str = Field(description="registry name or `module:function`.")
+    weight: float = Field(1.0, description="its factor in the total: reward = sum of weight * the function's overall.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments bound to this function.")
+    label: str | None = Field(
+        None, description="its name in the metrics (`reward/<label>/mean`); null = the function's name."
     )
-    num_workers: int = Field(2, gt=0, description="processes that score responses (one sync call each at a time).")
+
+    @property
+    def metric_label(self) -> str:
+        """`label`, or the last part of `name` (`pkg.mod:Graders.strict` -> `strict`)."""
+        return self.label or self.name.rpartition(":")[2].rpartition(".")[2]
+
+
+class RewardConfig(_Section):
+    name: str | None = Field(
+        "geo3k",
+        description="registry name or `module:function`; the one-function form of `functions`. null with "
+        "`functions: []`: the reward is given in Python, `run_job(cfg, reward_fn=...)`.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments bound to the reward function (any reward), e.g. `reward.kwargs.max_len=64`; "
+        "for geo3k they win over format_weight/format_pattern.",
+    )
+    format_weight: float = Field(0.1, ge=0, le=1, description="geo3k: overall = (1-w)*acc + w*format; 0 = binary.")
+    format_pattern: str | None = Field(None, description="geo3k: regex the whole response must match; null = default.")
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list,
+        description="several weighted rewards, `[{name, weight, kwargs, label}]`: reward = the weighted sum, each "
+        "function logged as `reward/<label>/mean`; replaces name/kwargs/format_* (set reward.name=null).",
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="time limit per response (per call for a batched reward); a reward past it is killed with its "
+        "worker and scores 0.",
+    )
+    num_workers: int = Field(
+        2, gt=0, description="processes that score responses (one sync call each at a time), per reward function."
+    )
     async_concurrency: int = Field(32, gt=0, description="calls of an `async def` reward at once per worker.")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> RewardConfig:
+        if not self.functions:
+            return self
+        defaults = {"name": None, "kwargs": {}, "format_weight": 0.1, "format_pattern": None}  # geo3k's own defaults
+        given = [k for k, v in defaults.items() if getattr(self, k) != v and k in self.model_fields_set]
+        if given:
+            raise ValueError(
+                f"reward.functions is set together with reward.{', reward.'.join(given)}; use one form: move the "
+                "function into reward.functions (options into its kwargs) and set reward.name=null, or drop "
+                "reward.functions"
+            )
+        labels = [f.metric_label for f in self.functions]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(
+                f"reward.functions has two functions labelled {twice}; give them distinct `label`s (the metric names)"
+            )
+        return self
 
 
 class RayConfig(_Section):
-    address: str | None = Field(None, description="null = start Ray locally; else `ray.init(address=...)`.")
+    address: str | None = Field(
+        None,
+        description="null = `ray.init()` with no address, which (Ray 2.x) joins the cluster that RAY_ADDRESS names "
+        "(`ray job submit` sets it) or that `ray start` started on this machine, and else starts a local Ray for the "
+        "job; `auto` joins a running cluster and fails if there is none; else `ray.init(address=...)`.",
+    )
     placement: Literal["colocate", "disaggregate"] = "colocate"
-    num_cpus: int | None = Field(None, gt=0, description="CPUs for a local Ray; null = all.")
+    num_cpus: int | None = Field(
+        None,
+        gt=0,
+        description="CPUs for a local Ray; null = all. Must be null when joining a cluster (Ray refuses it).",
+    )
     dashboard: bool = Field(False, description="start the dashboard (bound to 127.0.0.1) on a local Ray.")
 
 
@@ -298,10 +411,37 @@ class WandbConfig(_Section):
 
 class LoggingConfig(_Section):
     output_dir: str = "runs"
-    run_name: str | None = Field(None, description="null = config file stem + timestamp.")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    run_name: str | None = Field(
+        None,
+        description="the run directory is output_dir/run_name. null = the config file's stem (`runs/geo3k_tiny_cpu`), "
+        "so that the same command resumes it (checkpoint.resume=auto); with checkpoint.resume=never, the stem + "
+        "`-<YYYYmmdd-HHMMSS>`, a new directory each start.",
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level of the `miles-vl` process (the driver); `--log-level` on the command line wins."
+    )
     progress: bool = True
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class SaveHFConfig(_Section):
+    """Hugging Face model directories written during training, <run dir>/hf/step_N (config.json, safetensors,
+    processor and chat template): what transformers' `from_pretrained` and SGLang load. `miles-vl export` writes one
+    from any checkpoint afterwards."""
+
+    steps: list[int] = Field(default_factory=list, description="write one after each of these steps.")
+    interval: int = Field(0, ge=0, description="write one every N steps; 0 = not by interval.")
+    final: bool = Field(False, description="write one after the last step.")
+    max_shard_bytes: int = Field(
+        5_000_000_000, gt=0, description="safetensors above this size are sharded with an index (5 GB)."
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _positive_steps(cls, steps: list[int]) -> list[int]:
+        if any(s < 1 for s in steps):
+            raise ValueError(f"steps are completed step numbers (>= 1), found {steps}")
+        return steps
 
 
 class CheckpointConfig(_Section):
@@ -309,6 +449,7 @@ class CheckpointConfig(_Section):
     interval: int = Field(0, ge=0, description="save every N steps; 0 = only at the end.")
     keep_last: int = Field(2, gt=0)
     resume: str = Field("auto", description="auto (newest in dir), never, or a checkpoint path.")
+    save_hf: SaveHFConfig = Field(default_factory=SaveHFConfig)
 
 
 class EvalConfig(_Section):
@@ -405,8 +546,6 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.gpus_per_engine = {engine_gpus} > train.num_gpus={t.num_gpus}; lower the engine count or set "
             "ray.placement=disaggregate"
         )
-    if t.cp > 1 and t.packing != "thd":
-        errors.append(f"train.cp={t.cp} needs THD packing, found train.packing={t.packing}; set train.packing=thd")
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:
@@ -424,10 +563,15 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.batch_size * rollout.n_samples_per_prompt = {cfg.samples_per_step} samples per step is not "
             f"divisible by train.global_batch_size={t.global_batch_size}; pick a divisor"
         )
-    if a.estimator == "grpo" and r.n_samples_per_prompt < 2:
+    if a.estimator in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
         errors.append(
-            "algo.estimator=grpo compares responses within a group, but rollout.n_samples_per_prompt=1 makes every "
-            "advantage zero; set rollout.n_samples_per_prompt >= 2"
+            f"algo.estimator={a.estimator} compares responses within a group, but rollout.n_samples_per_prompt=1 makes "
+            "every advantage zero; set rollout.n_samples_per_prompt >= 2"
+        )
+    if a.policy_loss == "gspo" and a.loss_reduction != "seq_mean_token_mean":
+        errors.append(
+            f"algo.policy_loss=gspo averages each response's sequence-level loss over responses (the GSPO objective), "
+            f"but algo.loss_reduction={a.loss_reduction}; set algo.loss_reduction=seq_mean_token_mean"
         )
     if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
         errors.append(
@@ -441,9 +585,15 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             "rollout.sglang.vision_cache_mb=0"
         )
     if r.backend == "sglang" and r.gpus_per_engine == 0:
-        errors.append("rollout.backend=sglang needs rollout.gpus_per_engine >= 1")
-    if a.tis.enabled and r.backend == "hf" and r.temperature == 0:
-        errors.append("algo.tis.enabled with greedy rollouts (rollout.temperature=0) has no sampling distribution")
+        errors.append(
+            "rollout.backend=sglang needs rollout.gpus_per_engine >= 1 (an SGLang server runs on GPUs); set it, or "
+            "rollout.backend=hf"
+        )
+    if a.tis.enabled and r.temperature == 0:
+        errors.append(
+            "algo.tis.enabled reweights tokens by the rollout's sampling distribution, but rollout.temperature=0 "
+            "(greedy) samples from none; set rollout.temperature > 0 or algo.tis.enabled=false"
+        )
     return errors
 
 

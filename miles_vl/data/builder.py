@@ -12,6 +12,7 @@ naming the file (the CLI exits with status 2 on it, before Ray starts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,20 +32,30 @@ class DataSplits:
     reports: list[LoadReport] = field(default_factory=list)  # one per load (train, then eval_path if any)
 
 
-def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
+def build_datasets(
+    cfg: DataConfig, processor: Any, *, seed: int, records: Sequence[dict[str, Any]] | None = None
+) -> DataSplits:
     """Load, validate and split the data of one job.
 
     Args:
         cfg: the `data` section of the job config.
         processor: from `load_processor(..., cfg.min_pixels, cfg.max_pixels)`.
         seed: the job seed: synthetic problems, the eval hold-out and the shuffling order derive from it.
+        records: the training rows in memory (with `cfg.in_memory`), in the columns of `cfg.format` (or mapped by
+            `cfg.dataset_fn`); relative image paths are looked up in the working directory.
 
     Returns:
         The train dataset (shuffled per `cfg.shuffle`), the eval dataset (load order) or None, and the load reports.
 
     Raises:
-        DataError: both train_path and synthetic_n set; no usable training row; errors of the loaders.
+        DataError: both train_path and synthetic_n set; `records` given without `cfg.in_memory` or the reverse; no
+            usable training row; errors of the loaders.
     """
+    if (records is not None) != cfg.in_memory:
+        raise DataError(
+            f"data.in_memory={cfg.in_memory} but rows were{'' if records is not None else ' not'} given in memory; "
+            "pass dataset= to run_job together with data.in_memory=true (and neither for data from the config)"
+        )
     if cfg.train_path and cfg.synthetic_n:
         raise DataError(
             f"data.train_path={cfg.train_path!r} and data.synthetic_n={cfg.synthetic_n} are both set; "
@@ -62,7 +73,9 @@ def build_datasets(cfg: DataConfig, processor: Any, *, seed: int) -> DataSplits:
         dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
         max_image_pixels=cfg.max_image_pixels,
     )
-    if cfg.train_path:
+    if records is not None:
+        train_rows, report = load_prompt_records(records, encoder, source="run_job(dataset=...)", **file_kwargs)
+    elif cfg.train_path:
         train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
     else:
         train_rows, report = load_prompt_records(

@@ -3,6 +3,7 @@
     miles-vl data synth data/synth.parquet --n 256 --seed 0
     miles-vl data inspect data/synth.parquet                                  # offline processor, default settings
     miles-vl data inspect geo3k/train.parquet --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024
+    miles-vl data inspect --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024 geo3k/train.parquet
 
 `inspect` prints (stdout) the layout, row counts, images per row, every drop reason with examples, the first rows,
 and the first rendered prompt with its token count (runs of `<|image_pad|>` shown as `<|image_pad|>×N`). With
@@ -16,24 +17,30 @@ import argparse
 import re
 import sys
 from collections import Counter
+from collections.abc import Sequence
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the `synth` and `inspect` subcommands to the `data` parser."""
+def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
+    """Add the `synth` and `inspect` subcommands to the `data` parser (`parents`: options every command takes)."""
     sub = parser.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
-    synth = sub.add_parser("synth", help="write N generated geo3k-style problems to a parquet file")
+    synth = sub.add_parser(
+        "synth", help="write N generated geo3k-style problems to a parquet file", parents=list(parents)
+    )
     synth.add_argument("out", help="output .parquet path")
     synth.add_argument("--n", type=int, default=256, help="number of problems (default 256)")
     synth.add_argument("--seed", type=int, default=0, help="the same seed gives the same file (default 0)")
     synth.set_defaults(data_handler=cmd_synth)
 
-    inspect = sub.add_parser("inspect", help="load a dataset as training would and print what it holds")
-    inspect.add_argument("path", help=".parquet or .jsonl dataset file")
+    inspect = sub.add_parser(
+        "inspect", help="load a dataset as training would and print what it holds", parents=list(parents)
+    )
+    # The file may come before or after `--config CONFIG key=value ...` (which takes every word after it).
+    inspect.add_argument("path", nargs="?", help=".parquet or .jsonl dataset file")
     inspect.add_argument(
         "--config",
         nargs="+",
         metavar=("CONFIG", "key.sub=value"),
-        help="job config whose data settings and processor to use, then its overrides",
+        help="job config whose data settings and processor to use, then its overrides (before or after the file)",
     )
     inspect.add_argument("--processor", help="processor dir or 'offline' (default: the config's, else offline)")
     inspect.add_argument("--rows", type=int, default=3, help="rows to print (default 3)")
@@ -65,17 +72,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from miles_vl.data.processor import OFFLINE, load_processor, processor_metadata
     from miles_vl.data.prompt import PromptEncoder
 
-    if args.config:
+    try:
+        path, config, overrides = inspect_operands(args.path, args.config)
+    except ValueError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    if config:
         from miles_vl.config import load_config
+        from miles_vl.logs import setup_logging
 
-        job = load_config(args.config[0], args.config[1:])
+        job = load_config(config, overrides)
+        if args.log_level is None:
+            setup_logging(job.logging.level)
         data, processor_spec = job.data, args.processor or job.model.processor or job.model.path or OFFLINE
     else:
-        data, processor_spec = DataConfig(train_path=args.path), args.processor or OFFLINE
+        data, processor_spec = DataConfig(train_path=path), args.processor or OFFLINE
     processor = load_processor(processor_spec, data.min_pixels, data.max_pixels)
     encoder = PromptEncoder(processor, system_prompt=data.system_prompt, instruction=data.instruction)
     rows, report = load_prompt_file(
-        args.path,
+        path,
         encoder,
         max_prompt_len=data.max_prompt_len,
         layout=data.format,
@@ -87,7 +102,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     out = sys.stdout.write
     meta = processor_metadata(processor)
-    out(f"file: {args.path}\n")
+    out(f"file: {path}\n")
     out(f"layout: {report.layout}  rows: {report.n_rows}  kept: {report.n_kept}  dropped: {report.n_dropped}\n")
     for reason, count in sorted(report.dropped.items()):
         out(f"  {reason.value}: {count}\n")
@@ -117,6 +132,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     text = processor.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
     out(collapse_image_tokens(text, processor.image_token) + "\n")
     return 0
+
+
+def inspect_operands(path: str | None, config: Sequence[str] | None) -> tuple[str, str | None, list[str]]:
+    """(dataset file, config, overrides) from the positional file and the words after `--config`, in either order:
+    `--config CFG FILE k=v` leaves FILE among the config's words, where it is the one that is not `key=value`.
+
+    Raises:
+        ValueError: no dataset file, or more than one.
+    """
+    from miles_vl.config.loader import is_override
+
+    config_path, words = (config[0], list(config[1:])) if config else (None, [])
+    files = ([path] if path else []) + [w for w in words if not is_override(w)]
+    if len(files) != 1:
+        found = f"found {len(files)}: {' '.join(files)}" if files else "found none"
+        raise ValueError(
+            f"data inspect takes one dataset file ({found}); e.g. miles-vl data inspect FILE --config CONFIG key=value"
+        )
+    return files[0], config_path, [w for w in words if is_override(w)]
 
 
 def collapse_image_tokens(text: str, image_token: str = "<|image_pad|>") -> str:

@@ -2,7 +2,6 @@
 
     processor = load_processor("offline", min_pixels=3136, max_pixels=12544)           # built-in, no download
     processor = load_processor("/ckpt/Qwen3-VL-2B-Instruct", 256 * 32 * 32, 1024 * 32 * 32)  # local files only
-    tokens = special_tokens(processor)      # image/video/vision_start/vision_end/pad/eos ids, vocab size
 
 `min_pixels`/`max_pixels` are fixed on the processor's image processor here, once, so that every consumer (the
 data loader, the engines) sees the same image token counts; `processor_metadata` returns them for the run record.
@@ -13,12 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles_vl.data.layouts import DataError
-from miles_vl.data.offline_processor import OFFLINE_PROCESSOR_DIR
+from miles_vl.models.qwen3_vl.processor import OFFLINE_PROCESSOR_DIR
 
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
-
-    from miles_vl.model import SpecialTokens
 
 OFFLINE = "offline"
 
@@ -27,8 +24,9 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
     """The Qwen3-VL processor of a local checkpoint, or the built-in offline one, with a fixed pixel range.
 
     Args:
-        path_or_offline: "offline" for the built-in small-vocabulary Qwen3-VL processor (see `offline_processor`),
-            or a local directory (or a hub id already in the local cache) holding a checkpoint's processor files.
+        path_or_offline: "offline" for the built-in small-vocabulary Qwen3-VL processor (see
+            `miles_vl.models.qwen3_vl.processor`), or a local directory (or a hub id already in the local cache)
+            holding a checkpoint's processor files.
         min_pixels: smallest image area (pixels) after resizing; smaller images are upscaled.
         max_pixels: largest image area (pixels) after resizing; larger images are downscaled.
 
@@ -74,48 +72,6 @@ def load_processor(path_or_offline: str, min_pixels: int, max_pixels: int) -> Pr
     if (size.shortest_edge, size.longest_edge) != (min_pixels, max_pixels):  # kwargs were not routed: set them
         image_processor.size = type(size)(shortest_edge=min_pixels, longest_edge=max_pixels)
     return processor
-
-
-def special_tokens(processor: Any) -> SpecialTokens:
-    """The token ids that packing, the engines and the tiny model config need, read from the processor.
-
-    Args:
-        processor: a Qwen-VL-style processor (`image_token`, `video_token`, a tokenizer with
-            `<|vision_start|>`/`<|vision_end|>`), e.g. from `load_processor`.
-
-    Returns:
-        `miles_vl.model.SpecialTokens`: image/video/vision_start/vision_end ids, the pad id, the EOS ids (the
-        tokenizer's EOS first, then `<|im_end|>` and `<|endoftext|>` where present, as in Qwen3-VL's generation
-        config) and the tokenizer's size (a checkpoint's embedding may be larger).
-
-    Raises:
-        ValueError: a required token is not in the vocabulary, or the tokenizer has no pad token.
-    """
-    from miles_vl.model import SpecialTokens
-
-    tok = processor.tokenizer
-    vocab = tok.get_vocab()
-
-    def token_id(token: str) -> int:
-        if token not in vocab:
-            raise ValueError(
-                f"the tokenizer of {type(processor).__name__} has no {token!r}; a Qwen3-VL processor is needed"
-            )
-        return vocab[token]
-
-    if tok.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token; Qwen3-VL's is <|endoftext|>: set it in tokenizer_config.json")
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    eos += [vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab and vocab[t] not in eos]
-    return SpecialTokens(
-        image_token_id=token_id(getattr(processor, "image_token", "<|image_pad|>")),
-        video_token_id=token_id(getattr(processor, "video_token", "<|video_pad|>")),
-        vision_start_token_id=token_id("<|vision_start|>"),
-        vision_end_token_id=token_id("<|vision_end|>"),
-        pad_token_id=int(tok.pad_token_id),
-        eos_token_ids=tuple(int(i) for i in eos),
-        vocab_size=len(tok),
-    )
 
 
 def processor_metadata(processor: Any) -> dict[str, int | str]:

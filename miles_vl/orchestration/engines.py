@@ -1,12 +1,15 @@
 """The rollout engines as one group: launch, generate with recovery, memory release around training, weight sync.
 
-    rollout = RolloutEngines(cfg, tokens, trainer, log_dir, gpus)   # rollout.num_engines actors (hf or sglang)
+    rollout = RolloutEngines(cfg, tokens, kind, weights, log_dir, gpus)   # rollout.num_engines actors of `kind`
     groups = rollout.generate(prompts, params)                   # prompts split over the engines, prompt order kept
     rollout.release_memory(); <train>; rollout.resume_memory()   # colocated placement only
-    rollout.sync_weights("step-3")                               # trainer -> every engine (weight_sync.py)
+    rollout.sync_weights("step-3")                         # trainer -> every engine (miles_vl/rollout/weight_sync.py)
+
+Every engine is a Ray actor that implements `miles_vl.rollout.RolloutEngine`; `kind` (factories.py) launches it.
 
 Recovery. When a call fails on engine i, the group looks at why:
-- the engine is dead (its actor died, or its sglang host gave up relaunching the server): a new actor replaces it;
+- the engine is dead (its actor died, or it raised `EngineDiedError`: e.g. its sglang host gave up relaunching the
+  server): a new actor replaces it;
 - the engine lives but has lost the current weights (its SGLang server restarted and reloaded model.path, or a sync
   to it broke off; the engine refuses to generate in that state);
 then syncs the current weights to it again (`repair`) and retries the call, at most `rollout.max_restarts` times per
@@ -20,34 +23,32 @@ servers relaunched) and `rollout/weight_resyncs`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import ray
 
 from miles_vl.config import JobConfig
-from miles_vl.model import SpecialTokens
-from miles_vl.orchestration.actors import FAULT_FILE_ENV, RolloutWorker
+from miles_vl.models import SpecialTokens
+from miles_vl.orchestration.factories import EngineKind, EngineSlot
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options, engine_slots
-from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV, SGLANG_LAUNCH_MODULE, SGLangWorker, strip_pixels
-from miles_vl.orchestration.trainer import Trainer
-from miles_vl.orchestration.weight_sync import Failed, make_weight_sync
-from miles_vl.rollout import Generation, SamplingParams
-from miles_vl.rollout.sglang import SGLangServerDiedError
+from miles_vl.rollout import EngineDiedError, Generation, RolloutEngine, SamplingParams
+from miles_vl.rollout.weight_sync import Failed, WeightSync
 
 log = logging.getLogger(__name__)
 
 
 class RolloutEngines:
-    """`rollout.num_engines` rollout actors of `rollout.backend` and the way weights reach them.
+    """`rollout.num_engines` rollout actors of one kind and the way weights reach them.
 
     Args:
         cfg: the job config.
         tokens: special token ids.
-        trainer: the trainer (source of the weights).
-        log_dir: where sglang servers write their logs (`sglang_<i>.log`).
+        kind: the engine (`factories.ENGINES[rollout.backend]`).
+        weights: the weight sync from the trainer (`miles_vl.rollout.weight_sync.make_weight_sync`).
+        log_dir: where engines write their logs (an sglang server's `sglang_<i>.log`).
         gpus: the trainer's GPU slots; colocated engines take theirs (`placement.engine_slots`). None: no GPUs.
 
     Raises:
@@ -55,25 +56,29 @@ class RolloutEngines:
     """
 
     def __init__(
-        self, cfg: JobConfig, tokens: SpecialTokens, trainer: Trainer, log_dir: Path, gpus: GpuPlacement | None = None
+        self,
+        cfg: JobConfig,
+        tokens: SpecialTokens,
+        kind: EngineKind,
+        weights: WeightSync,
+        log_dir: Path,
+        gpus: GpuPlacement | None = None,
     ):
         self.cfg = cfg
         r = cfg.rollout
         self.gpus = gpus if cfg.ray.placement == "colocate" else None
         self.slots = engine_slots(gpus.slots, r.num_engines, r.gpus_per_engine) if self.gpus else None
         self.tokens = tokens
+        self.kind = kind
         self.log_dir = log_dir
-        # Test hooks, read here and handed to the actors explicitly (actors.py, sglang_engines.py).
-        self.fault_file = os.environ.get(FAULT_FILE_ENV)
-        self.launch_module = os.environ.get(LAUNCH_MODULE_ENV, SGLANG_LAUNCH_MODULE)
-        self.weight_sync = make_weight_sync(cfg, trainer)
+        self.weight_sync = weights
         self.weight_version: str | None = None  # None: the engines still hold the initial weights
         self.replaced = 0
         self.resyncs = 0
         self.restarts_before = 0  # engine restarts of the run before a resume
         self._server_restarts = [0] * cfg.rollout.num_engines  # last seen per engine
         self._server_restarts_of_replaced = 0
-        self.engines = [self._launch(i) for i in range(cfg.rollout.num_engines)]
+        self.engines: list[RolloutEngine] = [self._launch(i) for i in range(cfg.rollout.num_engines)]  # actor handles
         try:
             ray.get([e.ready.remote() for e in self.engines])  # a server that cannot start fails here, with its log
         except BaseException:
@@ -88,7 +93,7 @@ class RolloutEngines:
         Raises:
             RuntimeError: one engine failed more than `rollout.max_restarts` times in this call.
         """
-        if self.cfg.rollout.backend == "sglang":
+        if not self.kind.sends_pixels:
             prompts = strip_pixels(prompts)
         chunks = _split(list(prompts), len(self.engines))
         results: dict[int, list[list[Generation]]] = {}
@@ -197,7 +202,7 @@ class RolloutEngines:
         """Replace engine i if it is dead; return if it lives but lost its weights (the repair syncs it); raise
         `error` otherwise (e.g. a prompt-id mismatch: retrying would not help)."""
         dead = isinstance(error, ray.exceptions.RayActorError) or isinstance(
-            getattr(error, "cause", None), SGLangServerDiedError
+            getattr(error, "cause", None), EngineDiedError
         )
         if not dead:
             try:
@@ -229,11 +234,13 @@ class RolloutEngines:
         else:
             options = cpu_only_options()
         options["max_restarts"] = 0
-        if r.backend == "sglang":
-            return SGLangWorker.options(**options).remote(
-                self.cfg, self.tokens, i, self.launch_module, str(self.log_dir), gpu_ids
-            )
-        return RolloutWorker.options(**options).remote(self.cfg, self.tokens, self.fault_file)
+        return self.kind.launch(self.cfg, self.tokens, EngineSlot(i, options, gpu_ids, self.log_dir))
+
+
+def strip_pixels(prompts: Sequence) -> list:
+    """The prompts without `pixel_values`, for an engine that processes the `images` itself (sglang): the pixels would
+    only cost object-store traffic (tens of MB per prompt at geo3k resolutions)."""
+    return [dataclasses.replace(p, pixel_values=None) for p in prompts]
 
 
 def _end(engine) -> None:

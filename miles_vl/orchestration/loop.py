@@ -9,12 +9,12 @@
         --- from here the trainer changes: the step runs to its end ---
         metrics  = train on the samples (packed THD micro-batches)
         sync     = trainer weights -> every engine (then each flushes its caches)
-        eval, log, commit the step; checkpoint when due
+        eval, log, commit the step; checkpoint (and checkpoint.save_hf's HF directory) when due
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
-`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang), their recovery and the weight sync live
-in engines.py and weight_sync.py; checkpoint files in checkpoint.py.
+`CheckpointError`: the CLI exits with status 2). The engines (hf or sglang) and their recovery live in engines.py, the
+weight sync in miles_vl/rollout/weight_sync.py; checkpoint files in checkpoint.py.
 
 Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the step at once (nothing has changed
 but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
@@ -25,33 +25,34 @@ half-advanced (a cursor past its weights, or weights past its cursor), and a res
 
 Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
 (`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
-checkpoints; without a run_name each start gets a new timestamped directory. A resume continues its own directory:
+checkpoints. Without a run_name the directory is named after the config file, so that the same command resumes it;
+only `checkpoint.resume=never` adds a timestamp (a new directory each start). A resume continues its own directory:
 metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs is kept beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import functools
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from miles_vl.algo import compute_advantages
+from miles_vl.algo import TrainSample, to_train_samples
 from miles_vl.config import ConfigError, JobConfig, redacted
-from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, special_tokens
+from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata
 from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -60,14 +61,23 @@ from miles_vl.orchestration.checkpoint import (
     save_checkpoint,
 )
 from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.export import save_hf_due, save_hf_during_run
+from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_rewards
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
-from miles_vl.orchestration.sglang_engines import config_problems as sglang_config_problems
 from miles_vl.orchestration.trainer import Trainer
 from miles_vl.orchestration.warmup import format_warmup
-from miles_vl.reward import RewardPool, RewardSample, resolve_reward
+from miles_vl.reward import WeightedRewards
 from miles_vl.rollout import Generation, SamplingParams
-from miles_vl.train import TrainSample
+from miles_vl.rollout.collect import (
+    collect,
+    has_reward_variance,
+    mean,
+    rollout_metrics,
+    score_groups,
+    trim_to_whole_batches,
+)
+from miles_vl.rollout.weight_sync import make_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +86,28 @@ log = logging.getLogger(__name__)
 # the job
 
 
-def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
-    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots).
+def run_job(
+    cfg: JobConfig,
+    config_path: str | None = None,
+    hooks: Hooks | None = None,
+    *,
+    reward_fn: Callable[..., Any] | None = None,
+    dataset: Sequence[dict[str, Any]] | None = None,
+) -> Path:
+    """Run the RL job described by `cfg`; returns the run directory (metrics.jsonl, checkpoints, plots). `hooks`:
+    what the job builds its parts with (factories.py; tests pass stand-ins).
+
+    For use as a library (docs/library.md): `reward_fn`, a reward callable (`miles_vl.reward.types`; a lambda or a
+    closure too: it is sent to the reward workers by value), in place of `reward.name` (which must be null);
+    `dataset`, the training rows as dicts in the columns of `data.format`, with `data.in_memory=true`.
 
     Raises:
         ConfigError, DataError, CheckpointError, RewardResolutionError, RewardWorkerError: bad input, found before
             Ray starts (module docstring).
         JobInterrupted: SIGINT or SIGTERM; the checkpoint of the last completed step was written first.
     """
-    check_backends(cfg, config_path)
+    hooks = hooks or Hooks()
+    check_backends(cfg, config_path, hooks.engines)
     run_dir = choose_run_dir(cfg, config_path)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
@@ -92,22 +115,22 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     if resume_state and resume_state["step"] == cfg.num_steps:
         log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
         return run_dir
-    reward_fn = resolve_reward(cfg.reward.name, **reward_options(cfg))
+    reward_terms = build_rewards(cfg, reward_fn)
     processor = load_processor(cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
     tokens = special_tokens(processor)
-    splits = build_datasets(cfg.data, processor, seed=cfg.seed)
+    splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
     if resume_state:  # a cursor saved for other data fails here, before Ray starts
         splits.train.load_state_dict(resume_state["data"])
     write_run_files(run_dir, cfg, processor_metadata(processor))
     r = cfg.reward
     with (
-        RewardPool(
-            reward_fn, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
+        WeightedRewards(
+            reward_terms, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
         ) as rewards,
         ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
         StopSignals() as signals,
     ):
-        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals)
+        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
         try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
             start = job.restore(resume, resume_state) if resume else 0
             job.open_sinks(start)
@@ -121,8 +144,10 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
                     job.log(metrics)
                     job.commit(step + 1)
                     job.save_if_due()
+                    job.save_hf_if_due()
             with signals.deferred():
                 job.save()
+                job.save_hf_if_due()
         except BaseException as err:
             job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
             raise
@@ -133,22 +158,12 @@ def run_job(cfg: JobConfig, config_path: str | None = None) -> Path:
     return run_dir
 
 
-# Packages a backend needs beyond the core install (checked before Ray starts), and the backend to use instead.
-BACKEND_PACKAGES = {("train", "megatron"): (("megatron.bridge", "megatron.core"), "torch")}
-
-
-def check_backends(cfg: JobConfig, config_path: str | None = None) -> None:
-    """What the config asks of this environment that it cannot do, as one ConfigError (before Ray starts)."""
-    problems = []
-    for (role, name), (packages, fallback) in BACKEND_PACKAGES.items():
-        missing = [p for p in packages if getattr(cfg, role).backend == name and not _importable(p)]
-        if missing:
-            problems.append(
-                f"{role}.backend={name} needs {', '.join(missing)}, which this environment does not have; install "
-                f"miles-vl[{name}] (docs/cluster.md lists the versions) or set {role}.backend={fallback}"
-            )
-    if cfg.rollout.backend == "sglang":
-        problems += sglang_config_problems(cfg)
+def check_backends(
+    cfg: JobConfig, config_path: str | None = None, engines: dict[str, EngineKind] | None = None
+) -> None:
+    """What the chosen rollout engine cannot do with the config, as one ConfigError (before Ray starts). Whether the
+    backends' packages import is for `preflight` (the CLI runs it before `run_job`)."""
+    problems = (engines or ENGINES)[cfg.rollout.backend].config_problems(cfg)
     if problems:
         raise ConfigError(problems, config_path)
 
@@ -239,12 +254,6 @@ def write_run_files(run_dir: Path, cfg: JobConfig, processor_meta: dict) -> None
             os.replace(path, kept)
             log.warning("%s differs from the one this run started with, which is kept as %s", path, kept)
         path.write_text(text)
-
-
-def reward_options(cfg: JobConfig) -> dict:
-    if cfg.reward.name == "geo3k":
-        return {"format_weight": cfg.reward.format_weight, "format_pattern": cfg.reward.format_pattern}
-    return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -339,8 +348,9 @@ class Job:
     tokens: SpecialTokens
     train_set: PromptDataset
     eval_set: PromptDataset | None
-    rewards: RewardPool
+    rewards: WeightedRewards
     signals: StopSignals = field(default_factory=StopSignals)
+    hooks: Hooks = field(default_factory=Hooks)
     completed_steps: int = 0
     committed: dict[str, Any] = field(default_factory=dict)  # driver state of `completed_steps` (checkpoint.py)
     trainer_at_commit: bool = True
@@ -354,8 +364,17 @@ class Job:
     def __post_init__(self):
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
             self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
-            self.trainer = Trainer(self.cfg, self.tokens, self.gpus)
-            self.rollout = RolloutEngines(self.cfg, self.tokens, self.trainer, self.run_dir / "logs", self.gpus)
+            build = self.hooks.train_backends[self.cfg.train.backend]
+            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build)
+            kind = self.hooks.engines[self.cfg.rollout.backend]
+            weights = make_weight_sync(
+                self.trainer,
+                nccl=kind.nccl_when_disaggregated and self.cfg.ray.placement == "disaggregate",
+                trainer_gpus=self.cfg.train.num_gpus > 0,
+                request_timeout_s=self.cfg.rollout.sglang.request_timeout_s,
+                options=self.hooks.weight_sync,
+            )
+            self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
         except BaseException:
             self.close()
             raise
@@ -366,15 +385,44 @@ class Job:
     def collect_batch(self, step: int) -> StepBatch:
         """Rollout, reward and advantages of `step`: the part of a step that changes nothing but the data cursor."""
         timer = Timer()
-        prompts, groups, rewards, stats = self.collect(step, timer)  # times "rollout" and "reward"
+        ds = self.cfg.rollout.dynamic_sampling
+        batch = collect(
+            self.train_set.next_batch,
+            lambda prompts, round_: self.rollout.generate(prompts, self.sampling(step, round_=round_)),
+            self.score,
+            want=self.cfg.rollout.batch_size,
+            keep=has_reward_variance if ds.enabled else None,
+            max_rounds=ds.max_rounds,
+            over_sampling_factor=ds.over_sampling_factor,
+            timer=timer,
+        )
+        media = (self.tokens.image_token_id, self.tokens.video_token_id)
+        stats = rollout_metrics(batch, media_token_ids=media, dynamic_sampling=ds.enabled)
+        n = self.cfg.rollout.n_samples_per_prompt
+        batch = trim_to_whole_batches(
+            batch, global_batch_size=self.cfg.effective_global_batch_size, n_samples_per_prompt=n
+        )
+        stats["rollout/short_batch_dropped_groups"] = float(batch.short_batch_dropped)
+        stats["rollout/short_batch_dropped_samples"] = float(batch.short_batch_dropped * n)
+        stats["rollout/engine_restarts"] = float(self.rollout.restarts())
+        stats["rollout/weight_resyncs"] = float(self.rollout.resyncs)
+        stats["rollout/rounds"] = float(batch.rounds)
         memory = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
         with timer("advantages"):
-            samples, adv_stats = self.to_train_samples(prompts, groups, rewards)
+            a = self.cfg.algo
+            samples, adv_stats = [], {}
+            if batch.prompts:  # else fewer kept samples than one mini-batch: train_and_sync skips training
+                samples, adv_stats = to_train_samples(
+                    batch.prompts, batch.groups, batch.rewards, estimator=a.estimator, norm_adv_by_std=a.norm_adv_by_std
+                )
         return StepBatch(samples, {"step": step + 1, **stats, **adv_stats, **memory}, timer)
 
     def train_and_sync(self, step: int, batch: StepBatch) -> dict[str, float]:
         """Train on the batch and hand the new weights to the engines; returns the step's metrics."""
         timer = batch.timer
+        if not batch.samples:
+            log.warning("step %d: no whole mini-batch of samples was kept; the train phase is skipped", step + 1)
+            return {**batch.metrics, "train/skipped_steps": 1.0, **timer.metrics()}
         self.trainer_at_commit = False  # from the first optimizer step the trainer is past the committed step
         with timer("train"):
             self.rollout.release_memory()  # colocated: the trainer gets the devices
@@ -388,7 +436,8 @@ class Job:
             "perf/train_tokens_per_s": n_tokens / max(timer.seconds["train"], 1e-9),
             "perf/rollout_tokens_per_s": response_tokens / max(timer.seconds["rollout"], 1e-9),
         }
-        return {**batch.metrics, **train_metrics, **self.sync_sizes(), **perf, **timer.metrics()}
+        skipped = {"train/skipped_steps": 0.0}
+        return {**batch.metrics, **train_metrics, **skipped, **self.sync_sizes(), **perf, **timer.metrics()}
 
     def commit(self, step: int) -> None:
         """Step `step` is complete (trained, synced, evaluated, logged): it is now what a checkpoint holds."""
@@ -409,60 +458,6 @@ class Job:
         return {"sync/tensors": float(exported.tensors), "sync/bytes": float(exported.bytes),
                 "sync/buckets": float(exported.buckets)}  # fmt: skip
 
-    def collect(self, step: int, timer: Timer | None = None):
-        """Rollout + reward, with DAPO-style dynamic sampling when enabled (bounded extra rounds); the generation and
-        scoring seconds of all rounds go to `timer` as "rollout" and "reward"."""
-        timer = timer or Timer()
-        ds = self.cfg.rollout.dynamic_sampling
-        want = self.cfg.rollout.batch_size
-        prompts, groups, rewards, dropped, rounds = [], [], [], 0, 0
-        reward_stats = []
-        while len(prompts) < want:
-            batch = self.train_set.next_batch(want - len(prompts))
-            with timer("rollout"):
-                gens = self.rollout.generate(batch, self.sampling(step, round_=rounds))
-            with timer("reward"):
-                scored = self.score(batch, gens)
-            reward_stats.append(scored[1])
-            for p, g, r in zip(batch, gens, scored[0], strict=True):
-                if ds.enabled and len({x.overall for x in r}) == 1:
-                    dropped += 1
-                    continue
-                prompts.append(p)
-                groups.append(g)
-                rewards.append(r)
-            rounds += 1
-            if not ds.enabled or rounds > ds.max_rounds:
-                break
-        if not prompts:
-            raise RuntimeError(
-                f"dynamic sampling kept no group in {rounds} rounds (every group had equal rewards); raise "
-                "rollout.dynamic_sampling.max_rounds or check the reward function"
-            )
-        flat = [r for rs in rewards for r in rs]
-        gens = [g for gs in groups for g in gs]
-        stats = {
-            "reward/mean": _mean([r.overall for r in flat]),
-            "reward/std": float(torch.tensor([r.overall for r in flat]).std()) if len(flat) > 1 else 0.0,
-            "reward/errors": float(sum(s.n_errors for s in reward_stats)),
-            "reward/timeouts": float(sum(s.n_timeouts for s in reward_stats)),
-            "rollout/prompts": float(len(prompts)),
-            "rollout/response_len_mean": _mean([g.response_ids.numel() for g in gens]),
-            "rollout/truncated_fraction": _mean([g.finish_reason == "length" for g in gens]),
-            "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
-            "rollout/visual_tokens_per_sample": _mean([_visual_tokens(p, self.tokens) for p in prompts]),
-            "rollout/engine_restarts": float(self.rollout.restarts()),
-            "rollout/weight_resyncs": float(self.rollout.resyncs),
-            "rollout/rounds": float(rounds),
-        }
-        for part in ("accuracy", "format"):
-            values = [getattr(r, part) for r in flat if getattr(r, part) is not None]
-            if values:
-                stats[f"reward/{part}"] = _mean(values)
-        if ds.enabled:
-            stats["rollout/dynamic_sampling_drop_rate"] = dropped / max(dropped + len(prompts), 1)
-        return prompts, groups, rewards, stats
-
     def sampling(self, step: int, round_: int = 0, eval_: bool = False) -> SamplingParams:
         r = self.cfg.rollout
         e = self.cfg.eval
@@ -478,41 +473,7 @@ class Job:
         )
 
     def score(self, prompts: Sequence, groups: list[list[Generation]]):
-        decode = self.processor.tokenizer.decode
-        samples = [
-            RewardSample(decode(g.response_ids, skip_special_tokens=True), p.label, {"index": p.index, **p.metadata})
-            for p, gs in zip(prompts, groups, strict=True)
-            for g in gs
-        ]
-        results, stats = self.rewards.score(samples)
-        n = len(groups[0]) if groups else 0
-        return [results[i * n : (i + 1) * n] for i in range(len(groups))], stats
-
-    def to_train_samples(self, prompts, groups, rewards) -> tuple[list[TrainSample], dict[str, float]]:
-        a = self.cfg.algo
-        flat_rewards = torch.tensor([r.overall for rs in rewards for r in rs], dtype=torch.float32)
-        adv = compute_advantages(
-            flat_rewards,
-            len(groups[0]),
-            estimator=a.estimator,
-            norm_adv_by_std=a.norm_adv_by_std,
-            token_counts=torch.tensor([g.response_ids.numel() for gs in groups for g in gs]),
-        )
-        samples, k = [], 0
-        for p, gs in zip(prompts, groups, strict=True):
-            for g in gs:
-                samples.append(
-                    TrainSample(
-                        input_ids=torch.cat([p.prompt_ids, g.response_ids]),
-                        prompt_len=p.prompt_ids.numel(),
-                        advantage=float(adv.advantages[k]),
-                        rollout_logprobs=g.logprobs,
-                        image_grid_thw=p.image_grid_thw,
-                        pixel_values=p.pixel_values,
-                    )
-                )
-                k += 1
-        return samples, {"rollout/zero_adv_group_fraction": adv.zero_adv_group_fraction}
+        return score_groups(self.rewards, self.processor.tokenizer.decode, prompts, groups)
 
     # -- eval, checkpoints, logging -------------------------------------------------------------------------------
 
@@ -528,10 +489,10 @@ class Job:
         groups = self.rollout.generate(prompts, self.sampling(step, eval_=True))
         rewards, _ = self.score(prompts, groups)
         flat = [r for rs in rewards for r in rs]
-        out = {"eval/reward_mean": _mean([r.overall for r in flat]), "eval/prompts": float(len(prompts))}
+        out = {"eval/reward_mean": mean([r.overall for r in flat]), "eval/prompts": float(len(prompts))}
         acc = [r.accuracy for r in flat if r.accuracy is not None]
         if acc:
-            out["eval/accuracy"] = _mean(acc)
+            out["eval/accuracy"] = mean(acc)
         return out
 
     def driver_state(self) -> dict[str, Any]:
@@ -563,6 +524,13 @@ class Job:
             self.ckpt_root, step, self.committed, self.trainer.save_checkpoint, self.cfg.checkpoint.keep_last
         )
         self.saved_step = step
+
+    def save_hf_if_due(self) -> None:
+        """<run dir>/hf/step_N of the last completed step when `checkpoint.save_hf` asks for it (export.py)."""
+        h, step = self.cfg.checkpoint.save_hf, self.completed_steps
+        if self.trainer_at_commit and save_hf_due(step, h.steps, h.interval, h.final, step == self.cfg.num_steps):
+            write = functools.partial(self.trainer.save_hf, max_shard_bytes=h.max_shard_bytes)
+            save_hf_during_run(self.run_dir, step, write, self.processor, self.cfg.model.path)
 
     def save_after(self, err: BaseException) -> None:
         """On the way out after `err`: the checkpoint of the last completed step, if it can be written (not after a
@@ -650,19 +618,3 @@ class Timer:
 def weight_version(step: int) -> str:
     """The label of the weights after `step` completed RL steps (what sglang responses must carry)."""
     return f"step-{step}"
-
-
-def _mean(values) -> float:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else 0.0
-
-
-def _visual_tokens(prompt, tokens: SpecialTokens) -> int:
-    return int((prompt.prompt_ids == tokens.image_token_id).sum() + (prompt.prompt_ids == tokens.video_token_id).sum())
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a missing parent package
-        return False

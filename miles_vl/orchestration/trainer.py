@@ -5,45 +5,45 @@
     for ref in trainer.weight_buckets(max_bytes):   # rank 0 streams HF-named buckets, the other ranks take part in
         ...                                         # the collective export and drop their copy
     trainer.open_weight_group(addresses); trainer.send_weights(version); trainer.close_weight_group()  # NCCL sync
-    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.close()
+    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.save_hf(dir, max_shard_bytes); trainer.close()
 
 Rank r sits in the trainer's GPU slot r (placement.py: node-major, so a TP group shares a node) and sees that GPU as
-device 0. The ranks form one `torch.distributed` group (NCCL; gloo without CUDA) at `tcp://<rank 0's node>:<free
-port>` before the backend is built: megatron's `build_megatron_backend` (train/megatron/build.py) with the job's
-parallel sizes, or the embedded `TorchTrainBackend` on one rank. Exports are collective on every rank of the model,
-so every call that exports (buckets, NCCL send) runs on all ranks at once, and rank 0 always drains its export to
-the end, even when sending fails, so that no rank is left waiting in a gather.
+device 0. The ranks form one `torch.distributed` group (NCCL; gloo without CUDA) at `tcp://<rank 0's node>:<free port>`
+before the backend is built (factories.py: megatron's `build_megatron_backend` with the job's parallel sizes, or the
+embedded `TorchTrainBackend` on one rank); `train` runs `miles_vl.train.train_step` on every rank. Exports are
+collective on every rank of the model, so every call that exports (buckets, NCCL send) runs on all ranks at once, and
+rank 0 always drains its export to the end, even when sending fails, so that no rank is left waiting in a gather.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import logging
 import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
 
 from miles_vl.config import JobConfig
-from miles_vl.model import SpecialTokens
-from miles_vl.orchestration.actors import build_policy, set_threads
+from miles_vl.models import SpecialTokens
+from miles_vl.orchestration.factories import TrainBackendBuilder, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
-from miles_vl.orchestration.sglang_engines import EngineAddress, TrainerWeightGroup
-from miles_vl.rollout.hf_engine import vision_token_ids
-from miles_vl.rollout.sglang import SyncReport, iter_buckets
+from miles_vl.rollout.weight_sync import (
+    DistributedWeightSender,
+    EngineAddress,
+    ExportStats,
+    SyncReport,
+    iter_buckets,
+    open_trainer_group,
+)
+from miles_vl.train import train_step
 
 log = logging.getLogger(__name__)
 
-# Test-only: `module:function` built in place of `build_megatron_backend` (same signature), e.g. the CPU stand-in of
-# tests/orchestration/megatron_cpu.py. The driver reads it and passes it to the actors explicitly.
-MEGATRON_BUILDER_ENV = "MILES_VL_MEGATRON_BUILDER"
-MEGATRON_BUILDER = "miles_vl.train.megatron.build:build_megatron_backend"
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # first NCCL collectives include model loading on every rank
 
 
@@ -52,98 +52,23 @@ def train_world_size(cfg: JobConfig) -> int:
     return cfg.train.num_gpus if cfg.train.backend == "megatron" else 1
 
 
-def algo_options(cfg: JobConfig, tokens: SpecialTokens) -> dict:
-    """The arguments both backends take with the same meaning (optimizer, batching, the policy loss)."""
-    t, a, o = cfg.train, cfg.algo, cfg.train.optimizer
-    return dict(
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=o.betas,
-        eps=o.eps,
-        grad_clip=o.grad_clip,
-        warmup_steps=o.warmup_steps,
-        micro_batch_max_tokens=t.micro_batch_max_tokens,
-        global_batch_size=t.global_batch_size,
-        ppo_epochs=t.ppo_epochs,
-        freeze_vision=t.freeze_vision,
-        temperature=cfg.rollout.temperature,
-        suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        dual_clip_c=a.dual_clip_c,
-        loss_reduction=a.loss_reduction,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        entropy_coef=a.entropy_coef,
-        tis_mode=a.tis.mode if a.tis.enabled else None,
-        tis_cap=a.tis.cap,
-    )
-
-
-def megatron_options(cfg: JobConfig) -> dict:
-    """`build_megatron_backend`'s model and parallelism arguments from the job config."""
-    t = cfg.train
-    return dict(
-        tp=t.tp,
-        pp=t.pp,
-        cp=t.cp,
-        ep=t.ep,
-        sp=t.sp,
-        recompute=t.recompute,
-        vision_dp_when_cp=t.vision_dp_when_cp,
-        bf16=cfg.model.dtype != "fp32",
-        seed=t.seed,
-    )
-
-
-def build_train_backend(cfg: JobConfig, tokens: SpecialTokens, megatron_builder: str = MEGATRON_BUILDER):
-    """This rank's train backend (for megatron: collective, after the process group is formed)."""
-    if cfg.train.backend == "megatron":
-        module, _, name = megatron_builder.partition(":")
-        build = getattr(importlib.import_module(module), name)
-        return build(cfg.model.path, tokens, **megatron_options(cfg), **algo_options(cfg, tokens))
-    from miles_vl.train import TorchTrainBackend
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return TorchTrainBackend(build_policy(cfg, tokens, device), tokens, **algo_options(cfg, tokens))
-
-
-@dataclass
-class ExportStats:
-    """What one export of the trainer's weights held: tensors, bytes and buckets."""
-
-    tensors: int = 0
-    bytes: int = 0
-    buckets: int = 0
-
-    def add(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.buckets += 1
-        self.tensors += len(bucket)
-        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the actor of one rank
 
 
 @ray.remote
 class TrainWorker:
-    """Train rank `rank` of `world_size`: `setup` forms the process group and builds the backend."""
+    """Train rank `rank` of `world_size`: `setup` forms the process group and builds the backend with `build`."""
 
     def __init__(
-        self,
-        cfg: JobConfig,
-        tokens: SpecialTokens,
-        rank: int = 0,
-        world_size: int = 1,
-        megatron_builder: str = MEGATRON_BUILDER,
+        self, cfg: JobConfig, tokens: SpecialTokens, build: TrainBackendBuilder, rank: int = 0, world_size: int = 1
     ):
         set_threads(cfg)
         self.cfg, self.tokens = cfg, tokens
         self.rank, self.world_size = rank, world_size
-        self.megatron_builder = megatron_builder
+        self.build = build
         self.backend = None
-        self.weight_group: TrainerWeightGroup | None = None
+        self.weight_group: DistributedWeightSender | None = None
         self.exported: ExportStats | None = None
 
     def rendezvous(self) -> str:
@@ -168,7 +93,7 @@ class TrainWorker:
                 world_size=self.world_size,
                 timeout=PROCESS_GROUP_TIMEOUT,
             )
-        self.backend = build_train_backend(self.cfg, self.tokens, self.megatron_builder)
+        self.backend = self.build(self.cfg, self.tokens)
 
     def train(self, samples: Sequence) -> dict[str, float]:
         """One RL step; with CUDA also the rank's peak allocated memory during it (`perf/train_peak_mem_gib`), and
@@ -176,7 +101,7 @@ class TrainWorker:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        metrics = self.backend.train(samples)
+        metrics = train_step(self.backend, samples)
         if cuda:
             metrics["perf/train_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
@@ -194,8 +119,8 @@ class TrainWorker:
 
     def export_weight_buckets(self, max_bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The trainable weights in byte-bounded buckets, one at a time: call with
-        `.options(num_returns="streaming")` so that each bucket is its own object (weight_sync.py). The sizes of the
-        last export are kept for `last_export`."""
+        `.options(num_returns="streaming")` so that each bucket is its own object (miles_vl/rollout/weight_sync.py).
+        The sizes of the last export are kept for `last_export`."""
         self.exported = ExportStats()
         for bucket in iter_buckets(self.backend.export_weights(), max_bucket_bytes):
             self.exported.add(bucket)
@@ -216,10 +141,10 @@ class TrainWorker:
 
     def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
         """Form the weight-update group with these engines (they join concurrently; returns once formed).
-        `options`: those of `TrainerWeightGroup` (backend, max_bucket_bytes, timeouts)."""
+        `options`: those of `weight_sync.open_trainer_group` (backend, max_bucket_bytes, timeouts)."""
         if self.weight_group is not None:
             raise RuntimeError("a weight-update group is already open: close_weight_group() first")
-        self.weight_group = TrainerWeightGroup(engines, **options)
+        self.weight_group = open_trainer_group(engines, **options)
 
     def send_weights(self, weight_version: str) -> SyncReport:
         """Broadcast the trainable weights to every engine of the group, labelled `weight_version`."""
@@ -227,7 +152,7 @@ class TrainWorker:
             raise RuntimeError("send_weights() before open_weight_group()")
         weights = iter(self.backend.export_weights())
         try:
-            report = self.weight_group.send(weights, weight_version)
+            report = self.weight_group.send(weights, weight_version=weight_version)
         finally:
             _drain(weights)  # the other ranks are still in the collective export
         self.exported = ExportStats(tensors=report.tensors, bytes=report.bytes, buckets=report.buckets)
@@ -243,6 +168,9 @@ class TrainWorker:
 
     def load_checkpoint(self, directory: str) -> None:
         self.backend.load_checkpoint(Path(directory))
+
+    def save_hf(self, directory: str, max_shard_bytes: int) -> None:
+        self.backend.save_hf(Path(directory), max_shard_bytes)
 
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():
@@ -266,17 +194,17 @@ class Trainer:
         cfg: the job config.
         tokens: special token ids.
         gpus: the trainer's GPU slots (`placement.reserve_gpus`); None on a CPU-only run.
+        build: builds each rank's backend (`factories.TRAIN_BACKENDS[train.backend]`).
 
     Raises:
         ray.exceptions.RayActorError / RayTaskError: a rank failed to start or to build its backend.
     """
 
-    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, gpus: GpuPlacement | None):
+    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, gpus: GpuPlacement | None, build: TrainBackendBuilder):
         self.cfg = cfg
         world = train_world_size(cfg)
-        builder = os.environ.get(MEGATRON_BUILDER_ENV, MEGATRON_BUILDER)
         self.workers = [
-            TrainWorker.options(**_rank_options(cfg, gpus, r)).remote(cfg, tokens, r, world, builder)
+            TrainWorker.options(**_rank_options(cfg, gpus, r)).remote(cfg, tokens, build, r, world)
             for r in range(world)
         ]
         try:
@@ -336,6 +264,10 @@ class Trainer:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.load_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def save_hf(self, directory: str | Path, max_shard_bytes: int) -> None:
+        """The policy as an HF model directory (config.json, safetensors): every rank exports, rank 0 writes."""
+        ray.get([w.save_hf.remote(str(directory), max_shard_bytes) for w in self.workers])
 
     def close(self) -> None:
         with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles_vl.train import TrainSample
+from miles_vl.algo import TrainSample
 
 if TYPE_CHECKING:
     from miles_vl.orchestration.loop import Job

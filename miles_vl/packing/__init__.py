@@ -8,23 +8,21 @@ Public API (DESIGN §4; outside checks call these names):
     pack_thd(samples, *, cp_size, tp_size, pad_token_id, ...) -> PackedBatch;  PackedBatch.shard(r) -> LocalShard
 """
 
-from miles_vl.packing.plan import MicroBatchPlan, plan_micro_batches
-from miles_vl.packing.rope import get_rope_index, packed_position_ids
-from miles_vl.packing.thd import LocalShard, PackableSample, PackedBatch, pack_thd, padded_length
-from miles_vl.packing.zigzag import detect_layout, segment_lengths, unzigzag, zigzag_index
+from miles_vl.models.qwen3_vl.rope import get_rope_index, packed_position_ids
+from miles_vl.packing.plan import plan_micro_batches
+from miles_vl.packing.thd import LocalShard, PackedBatch, cat_present, pack_thd, padded_length
+from miles_vl.packing.zigzag import detect_layout, unzigzag, zigzag_index
 
 __all__ = [
     "LocalShard",
-    "MicroBatchPlan",
-    "PackableSample",
     "PackedBatch",
+    "cat_present",
     "detect_layout",
     "get_rope_index",
     "pack_thd",
     "packed_position_ids",
     "padded_length",
     "plan_micro_batches",
-    "segment_lengths",
     "unzigzag",
     "zigzag_index",
 ]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import LongTensor, Tensor
 
-from miles_vl.packing.rope import packed_position_ids
+from miles_vl.models.qwen3_vl.rope import packed_position_ids
 from miles_vl.packing.zigzag import segment_lengths, unzigzag, zigzag_index
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import BoolTensor, LongTensor, Tensor
 
-from miles_vl.packing.rope import packed_position_ids
+from miles_vl.models.qwen3_vl.rope import packed_position_ids
 from miles_vl.packing.zigzag import zigzag_index
 
 
@@ -109,6 +109,13 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens,
             full_index=idx,
         )
+
+
+def cat_present(parts: Sequence[Tensor | None]) -> Tensor | None:
+    """The tensors that are present and not empty, concatenated along dim 0 (e.g. the pixel values of a micro-batch's
+    samples, in row order as their grids); None when there are none."""
+    present = [p for p in parts if p is not None and p.numel()]
+    return torch.cat(present) if present else None
 
 
 def padded_length(length: int, cp_size: int) -> int:

@@ -19,7 +19,6 @@ from typing import Any
 
 from miles_vl.patches import bridge_v05, bridge_v06
 from miles_vl.patches.core import (
-    TARGET_MODULE,
     Patch,
     PatchStatus,
     PatchTargetMissing,
@@ -48,13 +47,4 @@ def status(module: ModuleType | None = None) -> dict[str, Any]:
     return {"versions": versions, "patches": patch_status(PATCHES, module)}
 
 
-__all__ = [
-    "PATCHES",
-    "configure_provider",
-    "TARGET_MODULE",
-    "Patch",
-    "PatchStatus",
-    "PatchTargetMissing",
-    "install",
-    "status",
-]
+__all__ = ["PATCHES", "PatchTargetMissing", "configure_provider", "install", "status"]

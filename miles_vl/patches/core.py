@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
+from miles_vl.models.qwen3_vl import BRIDGE_MODULE
+
 log = logging.getLogger(__name__)
 
-TARGET_MODULE = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
+TARGET_MODULE = BRIDGE_MODULE  # the model family's (miles_vl/models/qwen3_vl)
 _APPLIED = "_miles_vl_patches"  # set of patch names applied to a module object
 
 

@@ -9,11 +9,14 @@ message that names the path and what went wrong: module not found, import failed
 or a signature that cannot take one sample. The contract every reward function follows is in
 `miles_vl.reward.types`: one positional argument (a `RewardSample`), sync or `async def`.
 
-Options (e.g. geo3k's `format_weight`, `format_pattern`) are bound as keyword arguments; an option the function
-does not take is an error, never silently dropped. For registered rewards with an option check (geo3k) the option
+Options (`reward.kwargs` in the config, for any reward; geo3k also takes `reward.format_weight` and
+`reward.format_pattern`) are bound as keyword arguments; an option the function does not take is an error, never
+silently dropped. For registered rewards with an option check (geo3k) the option
 values are validated here too. Rewards run in worker processes (`scoring.RewardPool`), so the resolved function
-must pickle (by reference: a module-level function); one that does not (a lambda assigned in a module) is refused
-here.
+must pickle (by reference, or by value with cloudpickle: `scoring.to_payload`); one that cannot is refused here.
+A callable given in memory (`run_job(cfg, reward_fn=...)`) goes through the same checks: `check_reward`.
+A batched reward (`types.reward_function(batched=True)`) is checked against its keywords (`prompts`,
+`completions`, `label`, `metadata`, and `images` if it asked for them) instead of one sample.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 from miles_vl.reward.geo3k import check_geo3k_options, geo3k_reward
 from miles_vl.reward.math_answer import math_reward
-from miles_vl.reward.types import RewardFn
+from miles_vl.reward.scoring import to_payload
+from miles_vl.reward.types import RewardFn, batch_arguments, reward_traits
 
 REWARD_REGISTRY: dict[str, RewardFn] = {
     "geo3k": geo3k_reward,
@@ -37,6 +40,12 @@ REWARD_REGISTRY: dict[str, RewardFn] = {
 # Validators of registered rewards' option values, run at resolution time so bad values fail early.
 REWARD_OPTION_CHECKS: dict[str, Callable[..., None]] = {
     "geo3k": check_geo3k_options,
+}
+
+# Options a registered reward takes from keys of its own in the config's `reward` section (every reward takes
+# `reward.kwargs`): the driver binds them only for that reward.
+REWARD_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "geo3k": ("format_weight", "format_pattern"),
 }
 
 
@@ -74,20 +83,32 @@ def resolve_reward(name: str, **options: Any) -> RewardFn:
         raise RewardResolutionError(
             f"reward {name!r} resolves to {type(fn).__name__} {fn!r:.80}, which is not callable; point it at a function"
         )
-    _check_signature(name, fn, options)
     if options and name in REWARD_OPTION_CHECKS:
+        _check_signature(name, fn, options)
         try:
             REWARD_OPTION_CHECKS[name](**options)
         except (TypeError, ValueError) as err:
             raise RewardResolutionError(f"reward {name!r}: bad option: {err}") from err
+    return check_reward(fn, name, **options)
+
+
+def check_reward(fn: Callable[..., Any], name: str, **options: Any) -> RewardFn:
+    """`fn` with `options` bound, checked as `resolve_reward` checks a resolved function (signature, pickling).
+
+    Raises:
+        RewardResolutionError: not callable, an option it does not take, a signature that cannot take one sample (or
+            the batch keywords, for a batched reward), or it cannot be sent to a worker process.
+    """
+    if not callable(fn):
+        raise RewardResolutionError(
+            f"reward {name!r} is {type(fn).__name__} {fn!r:.80}, which is not callable; give a function"
+        )
+    _check_signature(name, fn, options)
     resolved = functools.partial(fn, **options) if options else fn
     try:
-        pickle.dumps(resolved)
-    except Exception as err:
-        raise RewardResolutionError(
-            f"reward {name!r} cannot be sent to the reward worker processes ({type(err).__name__}: {err}); make it a "
-            "function defined with `def` at module level"
-        ) from err
+        to_payload(resolved)
+    except TypeError as err:
+        raise RewardResolutionError(f"reward {name!r}: {err}") from err
     return resolved
 
 
@@ -142,10 +163,22 @@ def _check_signature(name: str, fn: Callable[..., Any], options: dict[str, Any])
                 f"reward {name!r} does not take the option {key!r} (its keyword parameters: {accepted}); "
                 "remove the option or add the parameter to the function"
             )
+    traits = reward_traits(fn)
+    if traits.batched:
+        keywords = dict.fromkeys(batch_arguments([], images=traits.images), [])
+        try:
+            sig.bind(**keywords, **options)
+        except TypeError as err:
+            raise RewardResolutionError(
+                f"batched reward {name!r} has the signature {sig}, which cannot take the keywords {sorted(keywords)} "
+                f"({err}); take them by name or add **kwargs, e.g. `def score(prompts, completions, **kwargs): ...`"
+            ) from err
+        return
     try:
         sig.bind(object(), **options)
     except TypeError as err:
         raise RewardResolutionError(
             f"reward {name!r} has the signature {sig}, which cannot be called with one sample ({err}); a reward "
-            "function takes exactly one positional argument, the RewardSample, e.g. `def score(sample): ...`"
+            "function takes exactly one positional argument, the RewardSample, e.g. `def score(sample): ...`; mark "
+            "one that takes lists with `@reward_function(batched=True)`"
         ) from err

@@ -20,9 +20,18 @@ Which of its calls blocked it cannot be told from outside, so each call it held 
 not from when it was queued. A worker that dies on its own (a crash in the reward) fails the calls it held, as
 errors.
 
-The reward function must be picklable: a module-level function (a `module:function` path, as configs give it) or
-a `functools.partial` of one. It is loaded in each worker when the pool starts; a worker that cannot load it fails
-the pool's construction with the reason.
+A batched reward (`types.reward_function(batched=True)`) is one call per `score`, with the whole batch, under the
+same time limit (for the call, not per sample); a failure of the call fails every sample of it, counted.
+
+The reward function is sent to each worker when the pool starts: by reference when plain pickle can (a module-level
+function, as a `module:function` path gives it, or a `functools.partial` of one: the worker imports its module),
+else by value with Ray's cloudpickle (a lambda, a closure, a function defined in the `__main__` of a script or
+notebook: what `run_job(cfg, reward_fn=...)` may get). A worker that cannot load it fails the pool's construction
+with the reason.
+
+Several weighted functions (`reward.functions`): `WeightedRewards`, one pool per function, scored side by side;
+each sample's `overall` is the weighted sum, each function's own score is kept in `RewardResult.by_function`, and a
+function that fails or times out on a sample adds 0 for that sample and counts in the errors or timeouts.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -39,11 +49,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from miles_vl.reward.types import RewardFn, RewardResult, RewardSample, is_async_reward
+from miles_vl.reward.types import RewardFn, RewardResult, RewardSample, is_async_reward, reward_name, reward_traits
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +139,11 @@ class RewardPool:
                 f"num_workers and async_concurrency must be >= 1, found {num_workers} and {async_concurrency}; fix "
                 "reward.num_workers / reward.async_concurrency"
             )
-        self.name = _name(fn)
-        try:
-            self.payload = pickle.dumps(fn)
-        except Exception as err:
-            raise TypeError(
-                f"reward {self.name} cannot be sent to a worker process ({type(err).__name__}: {err}); define it at "
-                "module level and give it as 'package.module:function'"
-            ) from err
+        self.name = reward_name(fn)
+        self.payload = to_payload(fn)
         self.timeout_s = float(timeout_s)
+        self.traits = reward_traits(fn)
+        self.images = self.traits.images  # whether the samples must carry the prompt's images
         self.is_async = is_async_reward(fn)
         self.capacity = async_concurrency if self.is_async else 1
         # async calls time out inside the worker; the kill is the backstop for a blocked event loop
@@ -167,7 +174,10 @@ class RewardPool:
             RewardWorkerError: a replacement worker could not start.
         """
         n = len(samples)
-        batch = _Batch(samples, [None] * n, [None] * n, collections.deque(range(n)))
+        if self.traits.batched and n:  # one task: the whole batch (its answer is expanded below)
+            batch = _Batch([list(samples)], [None], [None], collections.deque([0]))
+        else:
+            batch = _Batch(samples, [None] * n, [None] * n, collections.deque(range(n)))
         killed_before = self.killed
         while batch.queue or any(w.inflight for w in self.workers):
             self._dispatch(batch)
@@ -177,6 +187,8 @@ class RewardPool:
             wait([w.conn for w in busy], timeout=max(0.0, min(deadlines) - time.monotonic()))
             for i, w in enumerate(self.workers):
                 self.workers[i] = self._collect(w, batch)
+        if self.traits.batched and n:
+            batch.results, batch.failures = _expand(batch.results[0], batch.failures[0], n)
         done = [r if r is not None else RewardResult(overall=0.0, error="not scored") for r in batch.results]
         stats = _stats(done, batch.failures, self.killed - killed_before)
         _log_failures(self.name, done, stats)
@@ -269,12 +281,133 @@ class RewardPool:
         return self._start()
 
 
+def to_payload(fn: RewardFn) -> bytes:
+    """`fn` pickled for the workers: by reference when pickle can, else by value with Ray's cloudpickle.
+
+    Raises:
+        TypeError: neither can pickle it (it holds a lock, a socket, an open file...).
+    """
+    try:
+        payload = pickle.dumps(fn)
+    except Exception:  # a lambda or a closure
+        payload = b"__main__"
+    if b"__main__" not in payload:  # a reference to __main__ would not load: the workers' __main__ is worker.py
+        return payload
+    from ray import cloudpickle  # imported only here: Ray ships it; most rewards never need it
+
+    try:
+        return cloudpickle.dumps(fn)
+    except Exception as err:
+        raise TypeError(
+            f"reward {reward_name(fn)} cannot be sent to a worker process ({type(err).__name__}: {err}); define it at "
+            "module level and give it as 'package.module:function', or keep unpicklable state (locks, clients) out "
+            "of it and create that inside the function"
+        ) from err
+
+
+def _expand(result: Any, failure: Any, n: int) -> tuple[list, list]:
+    """A batched call's answer as one result and failure per sample (a failed call fails all `n`)."""
+    if isinstance(result, list):
+        return result, failure
+    return [result] * n, [failure] * n
+
+
 def _kill(w: _Worker) -> None:
     """SIGKILL the worker's process group (the reward may have started processes of its own)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(w.proc.pid, signal.SIGKILL)
     w.proc.wait()
     w.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# several weighted functions
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    """One term of a weighted sum of rewards: `label` names its metrics (`reward/<label>/mean`)."""
+
+    label: str
+    weight: float
+    fn: RewardFn
+
+
+class WeightedRewards:
+    """Several reward functions, each in its own `RewardPool`; a sample's `overall` is the weighted sum of theirs.
+
+    `score` returns what `RewardPool.score` does: results carry `by_function` (each function's own `overall`, and
+    its `accuracy`/`format` as `<label>/accuracy`, `<label>/format` when it reports them); `accuracy` and `format`
+    themselves are kept only with one function. Errors and timeouts are counted per function and sample; a failed
+    term adds 0, and the sample's `error` names the function.
+
+    Args:
+        rewards: the terms, with distinct labels.
+        timeout_s, num_workers, async_concurrency: for each function's pool (`RewardPool`).
+
+    Raises:
+        ValueError: no term, or two with one label; and as `RewardPool`.
+    """
+
+    def __init__(
+        self, rewards: Sequence[WeightedReward], *, timeout_s: float, num_workers: int = 2, async_concurrency: int = 32
+    ):
+        labels = [r.label for r in rewards]
+        if not rewards or len(set(labels)) != len(labels):
+            raise ValueError(f"reward functions need distinct labels and at least one function, found {labels}")
+        self.rewards = list(rewards)
+        self.pools: list[RewardPool] = []
+        try:
+            for r in self.rewards:
+                self.pools.append(
+                    RewardPool(r.fn, timeout_s=timeout_s, num_workers=num_workers, async_concurrency=async_concurrency)
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.images = any(p.images for p in self.pools)
+
+    def __enter__(self) -> WeightedRewards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
+
+    def score(self, samples: Sequence[RewardSample]) -> tuple[list[RewardResult], RewardStats]:
+        """Score every sample with every function (the pools side by side); see the class docstring."""
+        if len(self.pools) == 1:
+            scored = [self.pools[0].score(samples)]
+        else:
+            with ThreadPoolExecutor(len(self.pools)) as ex:
+                scored = list(ex.map(lambda pool: pool.score(samples), self.pools))
+        results = [self._combine([rs[i] for rs, _ in scored]) for i in range(len(samples))]
+        each = [stats for _, stats in scored]
+        stats = _stats(results, [], sum(s.n_workers_killed for s in each))
+        stats = dataclasses.replace(
+            stats, n_errors=sum(s.n_errors for s in each), n_timeouts=sum(s.n_timeouts for s in each)
+        )
+        return results, stats
+
+    def _combine(self, parts: list[RewardResult]) -> RewardResult:
+        by_function: dict[str, float] = {}
+        for r, part in zip(self.rewards, parts, strict=True):
+            by_function[r.label] = part.overall
+            for key in ("accuracy", "format"):
+                if getattr(part, key) is not None:
+                    by_function[f"{r.label}/{key}"] = getattr(part, key)
+        errors = [f"{r.label}: {part.error}" for r, part in zip(self.rewards, parts, strict=True) if part.error]
+        one = parts[0] if len(parts) == 1 else None
+        return RewardResult(
+            overall=sum(r.weight * part.overall for r, part in zip(self.rewards, parts, strict=True)),
+            accuracy=one.accuracy if one else None,
+            format=one.format if one else None,
+            error="; ".join(errors) or None,
+            by_function=by_function,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -325,10 +458,6 @@ async def score_batch_async(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
 
 
 def _stats(results: list[RewardResult], failures: list[str | None], killed: int) -> RewardStats:

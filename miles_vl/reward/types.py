@@ -7,6 +7,15 @@ function or an `async def`; `miles_vl.reward.scoring.score_batch` runs both kind
     def my_reward(sample: RewardSample) -> float: ...
     async def my_reward(sample: RewardSample) -> RewardResult: ...
 
+A sample carries the response, the label (ground truth), the prompt text and the row's metadata; its images only
+for a reward marked `@reward_function(images=True)` (they are copied to the reward workers for every response).
+A reward marked `@reward_function(batched=True)` takes TRL's shape instead: lists of the whole batch, as keywords,
+and returns one score per completion (a list; a length that differs fails every sample of the call, counted):
+
+    @reward_function(batched=True)
+    def my_rewards(prompts, completions, label, metadata, **kwargs) -> list[float]: ...
+    # keywords: prompts, completions, label (= ground_truth), metadata, and images with images=True
+
 Scores must be finite and within +-`MAX_ABS_REWARD` (1e6): a larger one (e.g. 1e39, finite in float64 but inf in
 the float32 advantages) is refused like any other bad return value: that sample scores 0 and counts in
 `reward/errors`, with a message that names the value. Rescale such a reward.
@@ -18,7 +27,7 @@ import functools
 import inspect
 import math
 import numbers
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +37,15 @@ class RewardSample:
     """One response to score."""
 
     response: str  # the decoded response text (no prompt)
-    label: str  # the dataset's reference answer
+    label: str  # the dataset's reference answer (the ground truth)
     metadata: Mapping[str, Any] = field(default_factory=dict)  # anything else from the dataset row (e.g. its index)
+    prompt: str = ""  # the chat-templated prompt text, before image-token expansion
+    images: tuple[Any, ...] = ()  # the prompt's PIL images, in order; only for a reward marked images=True
+
+    @property
+    def ground_truth(self) -> str:
+        """TRL's and verl's name for `label`."""
+        return self.label
 
 
 @dataclass(frozen=True)
@@ -38,12 +54,14 @@ class RewardResult:
 
     `overall` is the reward the advantages are computed from. `accuracy` and `format` are its parts when the reward
     function reports them (None otherwise). `error` is set when the function raised or timed out; `overall` is then 0.
+    `by_function` holds each function's own `overall` when several are summed (`scoring.WeightedRewards`), by label.
     """
 
     overall: float
     accuracy: float | None = None
     format: float | None = None
     error: str | None = None
+    by_function: Mapping[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         """The reported scores as a flat dict for logging (parts that are None are left out)."""
@@ -110,3 +128,77 @@ def is_async_reward(fn: object) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+
+
+def reward_name(fn: object) -> str:
+    """A readable name of a reward callable (the wrapped function's for a `functools.partial`)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+@dataclass(frozen=True)
+class RewardTraits:
+    """How a reward function wants to be called (set by `reward_function`; the defaults otherwise)."""
+
+    batched: bool = False  # takes the batch as lists (TRL's shape), returns a list of scores
+    images: bool = False  # wants the prompt's images (copied to the workers for every response)
+
+
+_TRAITS_ATTR = "__miles_reward_traits__"
+
+
+def reward_function(*, batched: bool = False, images: bool = False) -> Callable[[Callable], Callable]:
+    """Mark a reward function as batched and/or wanting images (module docstring); returns it unchanged otherwise."""
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _TRAITS_ATTR, RewardTraits(batched=batched, images=images))
+        return fn
+
+    return mark
+
+
+def reward_traits(fn: object) -> RewardTraits:
+    """The traits `fn` (or the function a `functools.partial` wraps) was marked with."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, _TRAITS_ATTR, None) or RewardTraits()
+
+
+def batch_arguments(samples: Sequence[RewardSample], *, images: bool) -> dict[str, list]:
+    """The keyword arguments of a batched reward for `samples` (one entry per sample in every list)."""
+    out: dict[str, list] = {
+        "prompts": [s.prompt for s in samples],
+        "completions": [s.response for s in samples],
+        "label": [s.label for s in samples],
+        "metadata": [dict(s.metadata) for s in samples],
+    }
+    if images:
+        out["images"] = [list(s.images) for s in samples]
+    return out
+
+
+def to_batch_results(name: str, value: object, n: int) -> list[RewardResult | Exception]:
+    """What a batched reward returned for `n` samples: one result (or the error of that item) per sample.
+
+    Raises:
+        TypeError: `value` is not a list or tuple (a str, a dict or a generator are not scores).
+        ValueError: its length is not `n`; the message names the reward.
+    """
+    if not isinstance(value, list | tuple) and not (hasattr(value, "tolist") and hasattr(value, "__len__")):
+        raise TypeError(
+            f"batched reward {name} must return a list with one score per completion, found {type(value).__name__}"
+        )
+    values = value.tolist() if hasattr(value, "tolist") else list(value)
+    if len(values) != n:
+        raise ValueError(
+            f"batched reward {name} returned {len(values)} scores for {n} completions; return one score per "
+            "completion, in order"
+        )
+    out: list[RewardResult | Exception] = []
+    for v in values:
+        try:
+            out.append(to_reward_result(v))
+        except (TypeError, ValueError) as err:
+            out.append(err)
+    return out

@@ -7,6 +7,8 @@ Protocol over the connected socket FD (`multiprocessing.connection.Connection` f
     worker -> pool   ("ready",) or ("init_error", message)
     pool -> worker   (task_id, RewardSample, timeout_s)                 any number, as the pool's capacity allows
     worker -> pool   (task_id, RewardResult, failure)                   failure: None | "error" | "timeout"
+A batched reward (`types.reward_function(batched=True)`) gets one task per batch, with a list of samples, and
+answers a list of results and a list of failures (or one result and failure when the whole call failed).
 
 A sync reward runs one call at a time in this process's main thread; the pool kills the process when a call runs
 past its time limit (so CPU-bound work, C extensions and sympy included, stops). An `async def` reward runs up to the
@@ -29,7 +31,17 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from miles_vl.reward.types import RewardResult, RewardSample, is_async_reward, to_reward_result
+from miles_vl.reward.types import (
+    RewardResult,
+    RewardSample,
+    RewardTraits,
+    batch_arguments,
+    is_async_reward,
+    reward_name,
+    reward_traits,
+    to_batch_results,
+    to_reward_result,
+)
 
 
 def main(fd: int) -> None:
@@ -63,12 +75,28 @@ def _serve_sync(conn: Connection, fn: Any) -> None:
         except EOFError:
             return
         try:
-            raw = fn(sample)
+            raw = _call(fn, sample)
             if inspect.isawaitable(raw):  # a sync callable that returned a coroutine
                 raw = asyncio.run(_awaited(raw))
-            conn.send((task_id, to_reward_result(raw), None))
+            conn.send((task_id, *_results(fn, sample, raw)))
         except Exception as err:  # any failure of user code scores 0; the batch goes on
             conn.send((task_id, _failed(err), "error"))
+
+
+def _call(fn: Any, payload: RewardSample | list[RewardSample]) -> Any:
+    traits: RewardTraits = reward_traits(fn)
+    if traits.batched:
+        return fn(**batch_arguments(payload, images=traits.images))
+    return fn(payload)
+
+
+def _results(fn: Any, payload: RewardSample | list[RewardSample], raw: Any) -> tuple[Any, Any]:
+    """(result, failure) of one call: lists of them for a batched reward (types.to_batch_results checks the length)."""
+    if not isinstance(payload, list):
+        return to_reward_result(raw), None
+    items = to_batch_results(reward_name(fn), raw, len(payload))
+    results = [r if isinstance(r, RewardResult) else _failed(r) for r in items]
+    return results, [None if isinstance(r, RewardResult) else "error" for r in items]
 
 
 async def _awaited(awaitable: Any) -> Any:
@@ -96,12 +124,14 @@ async def _serve_async(conn: Connection, fn: Any) -> None:
         task.cancel()
 
 
-async def _one_async(conn: Connection, fn: Any, task_id: int, sample: RewardSample, timeout_s: float) -> None:
+async def _one_async(
+    conn: Connection, fn: Any, task_id: int, sample: RewardSample | list[RewardSample], timeout_s: float
+) -> None:
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
-            raw = await fn(sample)
-        out = (task_id, to_reward_result(raw), None)
+            raw = await _call(fn, sample)
+        out = (task_id, *_results(fn, sample, raw))
     except TimeoutError as err:
         if deadline.expired():
             out = (task_id, RewardResult(overall=0.0, error=f"timeout after {timeout_s}s"), "timeout")

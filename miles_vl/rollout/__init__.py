@@ -1,6 +1,6 @@
-"""Rollout engines behind one protocol: `hf` (embedded, transformers generate) and `sglang` (production)."""
+"""Rollout engines behind one protocol, `RolloutEngine`: `hf` (embedded, transformers generate) and `sglang`."""
 
-from miles_vl.rollout.hf_engine import HFRolloutEngine
-from miles_vl.rollout.types import Generation, PromptLike, RolloutEngine, SamplingParams
+from miles_vl.rollout.hf import HFRolloutEngine
+from miles_vl.rollout.types import EngineDiedError, Generation, RolloutEngine, SamplingParams
 
-__all__ = ["Generation", "HFRolloutEngine", "PromptLike", "RolloutEngine", "SamplingParams"]
+__all__ = ["EngineDiedError", "Generation", "HFRolloutEngine", "RolloutEngine", "SamplingParams"]

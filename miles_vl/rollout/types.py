@@ -1,10 +1,10 @@
-"""What goes into and comes out of a rollout engine, and the `RolloutEngine` protocol both engines implement."""
+"""What goes into and comes out of a rollout engine, and `RolloutEngine`, the protocol every engine implements."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from torch import FloatTensor, LongTensor, Tensor
 
@@ -34,19 +34,63 @@ class Generation:
     finish_reason: Literal["stop", "length"]
 
 
+class EngineDiedError(RuntimeError):
+    """The engine's worker is gone and will not come back by itself: the driver replaces the engine."""
+
+
 class RolloutEngine(Protocol):
-    """Generates responses for canonical prompts and takes new weights. Implemented by `hf` and `sglang`."""
+    """One rollout engine as the driver drives it: a Ray actor (orchestration/engines.py runs a group of them).
+
+    An engine derives from this protocol. It implements `generate`, `load_weight_bucket`, `release_memory` and
+    `resume_memory`; the other calls default to what an engine that holds its model in its own process does (hf),
+    and an engine with a server process (sglang) overrides them. Implemented by `HFRolloutEngine` (rollout/hf) and
+    `SGLangRolloutHost` (rollout/sglang).
+
+    Weights reach an engine one of two ways (miles_vl/rollout/weight_sync.py): through the driver,
+    `begin_weight_sync()`, `load_weight_bucket(bucket)` per bucket, `finish_weight_sync(version)`; or, for an
+    engine the trainer reaches over NCCL, `begin_weight_sync()`, the trainer's broadcast to `endpoint()`, then
+    `expect_weight_version(version)`.
+    """
+
+    def ready(self) -> None:
+        """Returns once the engine can generate (its constructor waits for that)."""
 
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
         """`params.n` generations per prompt, in prompt order."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Replace the weights (HF names) and drop every cache that depends on them."""
+    def begin_weight_sync(self) -> None:
+        """A sync starts: until it finishes, the engine may hold a mix of old and new tensors."""
+
+    def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """Load one bucket of (HF name, tensor); tensors not sent keep their values."""
         ...
+
+    def finish_weight_sync(self, weight_version: str) -> None:
+        """The sync is complete: the engine serves weights `weight_version` and drops caches of the old ones."""
+
+    def endpoint(self) -> Any:
+        """Where trainer rank 0 reaches the engine for an NCCL sync (`weight_sync.EngineAddress`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes weights through load_weight_bucket only")
+
+    def expect_weight_version(self, weight_version: str) -> None:
+        """The trainer broadcast weights `weight_version` to this engine over NCCL."""
+
+    def needs_weights(self) -> bool:
+        """True when the engine lives but lost its weights (a restarted server): it must be synced again."""
+        return False
+
+    def server_restarts(self) -> int:
+        """How often the engine relaunched its server process itself."""
+        return 0
 
     def release_memory(self) -> None:
         """Free accelerator memory while the trainer runs (colocated placement)."""
         ...
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self) -> None:
+        """Take the memory back after training (weights may then need a sync)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (a server process outlives a killed actor)."""

@@ -1,25 +1,22 @@
 """The embedded train backend: a transformers Qwen3-VL trained on packed THD rows (CPU fp32 or one GPU bf16).
 
-One RL step (`train`):
-1. old logprobs of every response token under the current weights (no gradient); their distance to the rollout
-   engine's logprobs is `train_rollout_logprob_abs_diff` (~0 in fp32 on CPU; ~0.01 is healthy in bf16);
-2. reference logprobs when `kl_coef > 0` (a frozen copy of the initial weights);
-3. for each PPO epoch and each mini-batch of `global_batch_size` samples: micro-batches planned under the token
-   budget, packed (`pack_thd`, per-segment positions, block-diagonal attention), the policy loss with global
-   denominators (each micro-batch's loss is its exact share, so gradients accumulate to the full mini-batch
-   gradient), gradient clipping, one AdamW step. A non-finite loss or gradient skips that optimizer step and is
-   counted.
+    backend = TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=1e-6)))
+    metrics = train_step(backend, samples)                      # step.py: the RL step over any backend
 
-Per-token tensors are taken at label positions: logits at row position j score the token at j + 1.
+Implements `TrainBackend`: micro-batches planned under the token budget and packed (`pack_thd`, per-segment positions,
+block-diagonal attention), label logprobs under the engine's sampling distribution (models/qwen3_vl/forward.py), the
+policy loss with global denominators, AdamW with gradient clipping. The reference policy for the KL term is a frozen
+copy of the initial weights. Per-token tensors are taken at label positions: logits at row position j score the token at
+j + 1.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import pickle
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,82 +25,51 @@ from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
 from miles_vl.algo import (
-    LossReduction,
-    PolicyLossMetrics,
     combine_metrics,
     loss_denominators,
     loss_token_weights,
     policy_loss,
     sequence_loss_tokens,
+    sequence_mean_log_ratio,
 )
-from miles_vl.model import SpecialTokens
-from miles_vl.packing import PackedBatch, pack_thd, plan_micro_batches
-from miles_vl.train.packed_forward import label_logprobs
-from miles_vl.train.types import TrainSample
-
-log = logging.getLogger(__name__)
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.forward import label_logprobs
+from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batches
+from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
+from miles_vl.train.types import (
+    Accumulated,
+    TrainOptions,
+    TrainSample,
+    at_labels,
+    check_loss_masks,
+    response_logprobs,
+)
 
 
 class TorchTrainBackend:
-    """Implements `TrainBackend` on one device. All knobs are plain arguments (the orchestration builds it)."""
+    """Implements `TrainBackend` on one device (the orchestration builds it from the config)."""
 
-    def __init__(
-        self,
-        model: Qwen3VLForConditionalGeneration,
-        tokens: SpecialTokens,
-        *,
-        lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        grad_clip: float = 1.0,
-        warmup_steps: int = 0,
-        micro_batch_max_tokens: int = 8192,
-        global_batch_size: int | None = None,
-        ppo_epochs: int = 1,
-        freeze_vision: bool = False,
-        temperature: float = 1.0,
-        suppress_token_ids: Sequence[int] = (),
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        dual_clip_c: float | None = None,
-        loss_reduction: LossReduction = "token_mean",
-        kl_coef: float = 0.0,
-        kl_estimator: str = "low_var_kl",
-        entropy_coef: float = 0.0,
-        tis_mode: str | None = None,
-        tis_cap: float = 2.0,
-    ):
+    dp_size = 1
+
+    def __init__(self, model: Qwen3VLForConditionalGeneration, tokens: SpecialTokens, options: TrainOptions):
         self.model = model
         self.tokens = tokens
+        self.options = options
         self.device = next(model.parameters()).device
-        if freeze_vision:
+        if options.freeze_vision:
             for p in model.model.visual.parameters():
                 p.requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        o = options.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+            self.optimizer, lambda step: min(1.0, (step + 1) / o.warmup_steps) if o.warmup_steps else 1.0
         )
-        self.grad_clip = grad_clip
-        self.max_tokens = micro_batch_max_tokens
-        self.global_batch_size = global_batch_size
-        self.ppo_epochs = ppo_epochs
-        self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: score the plain softmax
-        self.suppress = tuple(suppress_token_ids)  # tokens the engine bans: scored out of the same distribution
-        self.loss_kwargs = dict(
-            clip_low=clip_low,
-            clip_high=clip_high,
-            dual_clip_c=dual_clip_c,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            entropy_coef=entropy_coef,
-            tis_mode=tis_mode,
-            tis_cap=tis_cap,
-        )
-        self.reduction = loss_reduction
+        self.loss = options.loss
         self.ref_model = None
-        if kl_coef > 0:
+        if self.loss.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -113,9 +79,7 @@ class TorchTrainBackend:
 
     def _pack(self, samples: Sequence[TrainSample]) -> tuple[PackedBatch, Tensor | None, Tensor | None]:
         t = self.tokens
-        for i, s in enumerate(samples):
-            if s.loss_mask is not None and bool(s.loss_mask[: s.prompt_len].any()):
-                raise ValueError(f"sample {i}: loss_mask marks prompt tokens; only response tokens can carry loss")
+        check_loss_masks(samples)
         packed = pack_thd(
             samples,
             cp_size=1,
@@ -125,10 +89,12 @@ class TorchTrainBackend:
             video_token_id=t.video_token_id,
             vision_start_token_id=t.vision_start_token_id,
         )
-        return packed, _cat([s.pixel_values for s in samples]), _cat([s.pixel_values_videos for s in samples])
+        pixels = cat_present([s.pixel_values for s in samples])
+        return packed, pixels, cat_present([s.pixel_values_videos for s in samples])
 
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[int]]:
-        return plan_micro_batches([s.input_ids.numel() for s in samples], self.max_tokens).micro_batches
+        lengths = [s.input_ids.numel() for s in samples]
+        return plan_micro_batches(lengths, self.options.micro_batch_max_tokens).micro_batches
 
     @staticmethod
     def _label_positions(packed: PackedBatch) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,67 +114,19 @@ class TorchTrainBackend:
         for mb in self._micro_batches(samples):
             packed, pv, pvv = self._pack([samples[i] for i in mb])
             logp, _ = label_logprobs(
-                model, packed, pv, pvv, temperature=self.temperature, suppress_token_ids=self.suppress
+                model,
+                packed,
+                pv,
+                pvv,
+                temperature=self.loss.score_temperature,
+                suppress_token_ids=self.loss.suppress_token_ids,
             )
-            logp = logp.float().cpu()
-            for j, i in enumerate(mb):
-                start = int(packed.cu_seqlens[j]) + samples[i].prompt_len - 1  # logits before the first response token
-                out[i] = logp[start : start + samples[i].response_len].clone()
+            for i, lp in zip(mb, response_logprobs(logp, packed.cu_seqlens, [samples[i] for i in mb]), strict=True):
+                out[i] = lp
         return out  # type: ignore[return-value]
 
-    def train(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """All optimizer steps of one RL step on `samples`; returns flat metrics (means over response tokens)."""
-        if not samples:
-            raise ValueError("train() got no samples")
-        for i, s in enumerate(samples):
-            if s.rollout_logprobs.numel() != s.response_len:
-                raise ValueError(
-                    f"sample {i}: {s.rollout_logprobs.numel()} rollout logprobs for {s.response_len} response tokens"
-                )
-        self.model.train()
-        old = self.compute_logprobs(samples)
-        ref = self.compute_logprobs(samples, self.ref_model) if self.ref_model is not None else None
-        gbs = self.global_batch_size or len(samples)
-        if len(samples) % gbs:
-            raise ValueError(f"{len(samples)} samples are not a multiple of global_batch_size={gbs}")
-        parts, grad_norms, n_tokens, skipped_before = [], [], 0, self.skipped_steps
-        for _ in range(self.ppo_epochs):
-            for start in range(0, len(samples), gbs):
-                idx = list(range(start, start + gbs))
-                metrics, grad_norm, tokens = self._optimizer_step(samples, idx, old, ref)
-                parts.append(metrics)
-                grad_norms.append(grad_norm)
-                n_tokens += tokens
-        self.model.eval()
-        out = {f"train/{k}": v for k, v in combine_metrics(parts).as_dict().items()}
-        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["train/lr"] = self.scheduler.get_last_lr()[0]
-        out["train/optimizer_steps"] = float(len(parts))
-        out["train/skipped_nonfinite_steps"] = float(self.skipped_steps - skipped_before)
-        out["train/tokens"] = float(n_tokens)
-        return out
-
-    def set_lr(self, lr: float) -> None:
-        """Set the peak learning rate (the LR warm-up factor still applies); the optimizer state is kept."""
-        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * factor
-
-    def _optimizer_step(self, samples, idx, old, ref):
-        """Accumulate the loss of the mini-batch `idx` over its micro-batches, then clip and step."""
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics, finite, tokens = self.accumulate_gradients(samples, idx, old, ref)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)) if finite else math.nan
-        if finite and math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer_steps += 1
-        else:
-            self.skipped_steps += 1
-            log.warning("non-finite loss or gradient norm (%s): optimizer step skipped", grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return metrics, grad_norm, tokens
+    def compute_ref_logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:
+        return self.compute_logprobs(samples, self.ref_model)
 
     def accumulate_gradients(
         self,
@@ -216,12 +134,11 @@ class TorchTrainBackend:
         idx: Sequence[int],
         old: Sequence[Tensor],
         ref: Sequence[Tensor] | None = None,
-    ) -> tuple[PolicyLossMetrics, bool, int]:
-        """Backward the policy loss of samples `idx` (one mini-batch) micro-batch by micro-batch into `.grad`.
-
-        The loss weights use the mini-batch's global denominators, so the accumulated gradient is the gradient of
-        the mini-batch loss however the samples are split. Returns (metrics, all losses finite, tokens processed).
-        """
+    ) -> Accumulated:
+        """`TrainBackend.accumulate_gradients` into `.grad`; a non-finite loss is not back-propagated, nor is any
+        loss after it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
         micro = [[idx[j] for j in mb] for mb in self._micro_batches([samples[i] for i in idx])]
         packs = [self._pack([samples[i] for i in mb]) for mb in micro]
         counts = [sequence_loss_tokens(p.label_mask, p.sample_index, p.num_samples) for p, _, _ in packs]
@@ -235,34 +152,87 @@ class TorchTrainBackend:
                 packed,
                 pv,
                 pvv,
-                temperature=self.temperature,
-                suppress_token_ids=self.suppress,
-                with_entropy=self.loss_kwargs["entropy_coef"] > 0,
+                temperature=self.loss.score_temperature,
+                suppress_token_ids=self.loss.suppress_token_ids,
+                with_entropy=self.loss.entropy_coef > 0,
             )
             at = (mb, sample, resp_idx)  # where each label position reads per-sample response arrays
-            weights = loss_token_weights(packed.label_mask[pos], sample, count, denominators, reduction=self.reduction)
+            weights = loss_token_weights(
+                packed.label_mask[pos],
+                sample,
+                count,
+                denominators,
+                reduction=self.loss.reduction,
+                max_response_len=self.loss.max_response_len,
+            )
             advantages = torch.tensor([samples[i].advantage for i in mb], dtype=torch.float32)[sample]
+            old_at = at_labels(old, *at).to(self.device)
+            seq_log_ratio = None
+            if self.loss.policy_loss_type == "gspo":  # a sample lies whole in one micro-batch row: no reduction
+                seq_log_ratio = sequence_mean_log_ratio(logp[pos], old_at, sample, count, weights.to(self.device))
             out = policy_loss(
                 logp[pos],
-                _at_labels(old, *at).to(self.device),
+                old_at,
                 advantages.to(self.device),
                 weights.to(self.device),
-                ref_logprobs=_at_labels(ref, *at).to(self.device) if ref is not None else None,
+                ref_logprobs=at_labels(ref, *at).to(self.device) if ref is not None else None,
                 entropy=entropy[pos] if entropy is not None else None,
-                rollout_logprobs=_at_labels(rollout, *at).to(self.device),
-                **self.loss_kwargs,
+                rollout_logprobs=at_labels(rollout, *at).to(self.device),
+                seq_log_ratio=seq_log_ratio,
+                **self.loss.policy_loss_kwargs(),
             )
             finite = finite and bool(torch.isfinite(out.loss))
             if finite:
                 out.loss.backward()
             parts.append(out.metrics)
             tokens += packed.num_tokens
-        return combine_metrics(parts), finite, tokens
+        return Accumulated(combine_metrics(parts), tokens, finite)
+
+    def optimizer_step(self, finite: bool) -> tuple[float, bool]:
+        grad_norm = math.nan
+        if finite:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.options.optimizer.grad_clip))
+        stepped = finite and math.isfinite(grad_norm)
+        if stepped:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, stepped
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate from now on (the LR warm-up factor still applies); the optimizer state is kept.
+        `options` gets a copy with the new `optimizer.lr` (the options object passed in is not changed)."""
+        self.options = replace(self.options, optimizer=replace(self.options.optimizer, lr=lr))
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what lr() reads
 
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable tensors with their HF names (frozen ones are not sent: the engine already has them)."""
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return [(name, t.detach().cpu()) for name, t in self.model.state_dict().items() if name in trainable]
+
+    def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """The whole model (frozen parts too) as an HF model directory: config.json and safetensors (hf_files.py).
+        Tied tensors (one storage under two names) are written once, under the first name, as `save_pretrained`
+        does."""
+        config = copy.deepcopy(self.model.config)
+        config.architectures = [type(self.model).__name__]
+        seen: set[int] = set()
+        weights = []
+        for name, t in self.model.state_dict().items():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights.append((name, t))
+        write_hf_model(directory, config, weights, max_shard_bytes=max_shard_bytes)
 
     def save_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
@@ -306,15 +276,3 @@ class TorchTrainBackend:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         if self.ref_model is not None:
             load_model(self.ref_model, str(directory / "ref_model.safetensors"), device=str(self.device))
-
-
-def _at_labels(per_sample: Sequence[Tensor], mb: Sequence[int], sample: Tensor, resp_idx: Tensor) -> Tensor:
-    """Per-sample response arrays (`[response_len]` each) read at the label positions of a micro-batch."""
-    flat = torch.cat([per_sample[i].detach().float().cpu() for i in mb])
-    lens = torch.tensor([per_sample[i].numel() for i in mb])
-    return flat[(torch.cumsum(lens, 0) - lens)[sample] + resp_idx]
-
-
-def _cat(parts: list[Tensor | None]) -> Tensor | None:
-    present = [p for p in parts if p is not None and p.numel()]
-    return torch.cat(present) if present else None

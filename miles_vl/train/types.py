@@ -1,49 +1,182 @@
-"""What the driver hands a train backend, and the `TrainBackend` protocol both backends implement."""
+"""The options both train backends take, and the `TrainBackend` protocol that the RL step (step.py) runs over. What
+the driver hands a backend is `miles_vl.algo.TrainSample` (algo/samples.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from torch import FloatTensor, LongTensor, Tensor
+import torch
+from torch import FloatTensor, Tensor
+
+from miles_vl.algo import KLEstimator, LossReduction, PolicyLossMetrics, PolicyLossType, TISMode, TrainSample
+
+# ---------------------------------------------------------------------------------------------------------------------
+# options
 
 
-@dataclass
-class TrainSample:
-    """One response with its prompt, ready to be packed. `input_ids = prompt_ids + response_ids`."""
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """AdamW with gradient-norm clipping; the learning rate warms up linearly over `warmup_steps` optimizer steps,
+    then stays constant."""
 
-    input_ids: LongTensor  # [L]
-    prompt_len: int
-    advantage: float
-    rollout_logprobs: FloatTensor  # [L - prompt_len] the engine's logprobs of the response tokens
-    image_grid_thw: LongTensor | None = None  # [n_images, 3]
-    video_grid_thw: LongTensor | None = None
-    pixel_values: Tensor | None = None  # [n_patches, C*T*P*P]
-    pixel_values_videos: Tensor | None = None
-    loss_mask: LongTensor | None = None  # [L]; None: every response token
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The policy loss (`miles_vl.algo.policy_loss`, its token weights) and the distribution it scores: the one the
+    engine samples from, logits / `temperature` with the tokens the engine bans removed."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "low_var_kl"
+    entropy_coef: float = 0.0
+    tis_mode: TISMode | None = None
+    tis_cap: float = 2.0
+    policy_loss_type: PolicyLossType = "ppo"  # gspo: each token's response ratio (`seq_log_ratio`, from the backend)
+    reduction: LossReduction = "token_mean"
+    max_response_len: int | None = None  # the constant of reduction="seq_mean_token_sum_norm" (Dr.GRPO)
+    temperature: float = 1.0  # the rollout's sampling temperature
+    suppress_token_ids: tuple[int, ...] = ()  # tokens the engine bans: scored out of the same distribution
 
     @property
-    def response_len(self) -> int:
-        return self.input_ids.numel() - self.prompt_len
+    def score_temperature(self) -> float:
+        """The temperature logits are divided by (greedy rollouts, temperature 0: the plain softmax)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    def policy_loss_kwargs(self) -> dict:
+        """The keyword arguments of `miles_vl.algo.policy_loss` (the fields but the token-weight and scoring ones)."""
+        scoring = ("reduction", "max_response_len", "temperature", "suppress_token_ids")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in scoring}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Everything a train backend is trained with, besides its model and parallel layout.
+
+    Args:
+        optimizer: the optimizer and its schedule.
+        loss: the policy loss.
+        micro_batch_max_tokens: token budget of one packed micro-batch (per CP group).
+        global_batch_size: samples per optimizer step; None: all samples of the RL step.
+        ppo_epochs: passes over the samples per RL step.
+        freeze_vision: the vision tower (and its mergers) is neither trained nor exported.
+    """
+
+    optimizer: OptimizerOptions
+    loss: LossOptions = LossOptions()
+    micro_batch_max_tokens: int = 8192
+    global_batch_size: int | None = None
+    ppo_epochs: int = 1
+    freeze_vision: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the protocol
+
+
+class Accumulated(NamedTuple):
+    """What one mini-batch's forward/backward left besides the gradients."""
+
+    metrics: PolicyLossMetrics  # over every rank of the mini-batch
+    tokens: int  # packed row tokens processed (padding included), over every DP rank
+    finite: bool  # every loss was finite (a non-finite one is not back-propagated)
 
 
 class TrainBackend(Protocol):
-    """Trains the policy on packed micro-batches. Implemented by `torch` (embedded) and `megatron` (production)."""
+    """Forward, backward, optimizer step and checkpoints of one policy; `train_step` (step.py) is the RL step over it.
+    Implemented by `TorchTrainBackend` (embedded) and `MegatronTrainBackend` (production). Every method of a
+    distributed backend is collective: all ranks call it with the same samples."""
+
+    options: TrainOptions
+    dp_size: int  # data-parallel ranks: every one needs the same number of samples per mini-batch
 
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[FloatTensor]:
-        """Current policy logprobs of every response token, `[response_len]` per sample (no gradient)."""
+        """Current policy logprobs of every response token, `[response_len]` per sample (fp32, CPU; no gradient)."""
         ...
 
-    def train(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One RL step's optimisation on these samples (all optimizer steps of it); returns flat metrics."""
+    def compute_ref_logprobs(self, samples: Sequence[TrainSample]) -> list[FloatTensor]:
+        """The same under the reference policy (the initial weights), for the KL term."""
+        ...
+
+    def accumulate_gradients(
+        self,
+        samples: Sequence[TrainSample],
+        idx: Sequence[int],
+        old: Sequence[Tensor],
+        ref: Sequence[Tensor] | None = None,
+    ) -> Accumulated:
+        """Zero the gradients, then back-propagate the policy loss of the mini-batch `samples[idx]` micro-batch by
+        micro-batch. The token weights use the mini-batch's global denominators, so the gradient is that of the
+        mini-batch loss however the samples are split."""
+        ...
+
+    def optimizer_step(self, finite: bool) -> tuple[float, bool]:
+        """Clip and step unless `finite` is False or the gradient norm is not finite; zero the gradients.
+        Returns (gradient norm, whether the weights moved)."""
+        ...
+
+    def lr(self) -> float:
+        """The learning rate of the last optimizer step."""
+        ...
+
+    def set_lr(self, lr: float) -> None:
+        """Make `lr` the peak learning rate (`options.optimizer.lr`) from the next optimizer step on; the LR warm-up
+        factor still applies and the optimizer state is kept (the format warm-up runs at its own peak lr)."""
         ...
 
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable weights as (HF name, tensor) pairs, for the rollout engines."""
         ...
 
+    def save_hf(self, directory: Path, max_shard_bytes: int) -> None:
+        """The whole policy (frozen parts too) as a Hugging Face model directory (config.json, safetensors sharded
+        above `max_shard_bytes`; train/hf_files.py), for transformers' `from_pretrained` and SGLang. Collective: rank
+        0 writes. The processor files are the caller's."""
+        ...
+
     def save_checkpoint(self, directory: Path) -> None: ...
 
     def load_checkpoint(self, directory: Path) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers both backends use
+
+
+def check_loss_masks(samples: Sequence[TrainSample]) -> None:
+    """Raises ValueError if a sample's loss_mask marks prompt tokens (only response tokens can carry loss)."""
+    for i, s in enumerate(samples):
+        if s.loss_mask is not None and bool(s.loss_mask[: s.prompt_len].any()):
+            raise ValueError(f"sample {i}: loss_mask marks prompt tokens; only response tokens can carry loss")
+
+
+def at_labels(per_sample: Sequence[Tensor], ids: Sequence[int], sample: Tensor, resp_idx: Tensor) -> Tensor:
+    """Per-sample response arrays (`[response_len]` each) read at a micro-batch's label positions (fp32, CPU).
+
+    Args:
+        per_sample: one array per sample of the call.
+        ids: the micro-batch's samples (indices into `per_sample`), in row order.
+        sample: [n] each label position's sample, as an index into `ids`.
+        resp_idx: [n] each label position's index in its sample's response.
+    """
+    flat = torch.cat([per_sample[i].detach().float().cpu().reshape(-1) for i in ids])
+    lens = torch.tensor([per_sample[i].numel() for i in ids])
+    return flat[(torch.cumsum(lens, 0) - lens)[sample] + resp_idx]
+
+
+def response_logprobs(full_row: Tensor, cu_seqlens: Tensor, row_samples: Sequence[TrainSample]) -> list[Tensor]:
+    """Per-sample `[response_len]` slices (fp32, CPU) of a full packed row's `[T]` label logprobs, whose segments are
+    `cu_seqlens` and hold `row_samples` in order: the logits before the first response token score it."""
+    starts = [int(cu_seqlens[j]) + s.prompt_len - 1 for j, s in enumerate(row_samples)]
+    return [full_row[a : a + s.response_len].float().cpu().clone() for a, s in zip(starts, row_samples, strict=True)]

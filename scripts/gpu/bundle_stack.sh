@@ -13,12 +13,13 @@
 # split. Ray's Java jar and dashboard web client are dropped from its wheel (the driver starts Ray with the dashboard
 # off and runs no Java workers): 45 MB less to carry. The last part also holds MANIFEST (wheel, distribution,
 # policy) and SHA256SUMS (every part), which install_stack.py checks before it unpacks anything.
-# Environment: PART_MB (58), XZ_LEVEL (6), XZ_THREADS (2), PYTHON (python3).
+# Environment: PART_MB (58), XZ_LEVEL (6), XZ_THREADS (2), PYTHON (python3), TE_WHEELS (the folder holding the
+# transformer_engine_torch 2.20.2 wheel built from its sdist against torch 2.11.0+cu130: docs/gpu.md says how).
 set -euo pipefail
 out=${1:?usage: bundle_stack.sh OUT_DIR}
 part_mb=${PART_MB:-58}
 here=$(cd "$(dirname "$0")" && pwd)
-shared_wheels=$here/../../../shared/gpu/wheels
+te_wheels=${TE_WHEELS:-$here/../../../shared/gpu/wheels}  # default: where this project's build machine keeps it
 py=${PYTHON:-python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -27,11 +28,11 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 
 for n in 34 28 27 26 24 17 12 5; do plat+=(--platform "manylinux_2_${n}_x86_64"); done
 plat+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 
-# name==version of every line but transformer-engine-torch (built from its sdist: ../shared/gpu/wheels)
+# name==version of every line but transformer-engine-torch (built from its sdist: $TE_WHEELS)
 mapfile -t reqs < <(grep -v '^#' "$here/stack_requirements.txt" | awk 'NF {print $1}' | grep -v '^transformer-engine-torch==')
 echo "downloading ${#reqs[@]} wheels (no dependency resolution: stack_requirements.txt is the closure)"
 "$py" -m pip download -q --no-deps "${plat[@]}" -d "$tmp/dl" "${reqs[@]}" 2> >(grep -v "is ignored" >&2)
-cp "$shared_wheels"/transformer_engine_torch-2.20.2-*.whl "$tmp/dl/"
+cp "$te_wheels"/transformer_engine_torch-2.20.2-*.whl "$tmp/dl/"
 
 mkdir -p "$tmp/stored" "$tmp/meta"
 "$py" - "$here/stack_requirements.txt" "$tmp/dl" "$tmp/stored" "$tmp/meta/MANIFEST" <<'EOF'

@@ -7,7 +7,7 @@ What goes into OUT_DIR:
   transformers, random init (seeded), special-token ids taken from the processor below;
 - `generation_config.json`: EOS = the processor's EOS ids (`<|im_end|>`, `<|endoftext|>`), so SGLang stops on the
   same ids as miles_vl's engines;
-- the offline processor (miles_vl.data.offline_processor: Qwen3-VL's tokenizer class, chat template and image
+- the offline processor (miles_vl.models.qwen3_vl.processor: Qwen3-VL's tokenizer class, chat template and image
   processor over a 590-token vocabulary), saved with the pixel range given here, so that `AutoProcessor` and
   SGLang's multimodal processor resize images exactly as miles_vl's prompts were built.
 
@@ -42,8 +42,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a file: make miles_vl and benchmarks importable from the checkout
     sys.path.insert(0, str(REPO))
 
-from miles_vl.data import load_processor, special_tokens  # noqa: E402
-from miles_vl.model import SpecialTokens, tiny_config  # noqa: E402
+from miles_vl.data import load_processor  # noqa: E402
+from miles_vl.models import SpecialTokens  # noqa: E402
+from miles_vl.models.qwen3_vl.model import tiny_config  # noqa: E402
+from miles_vl.models.qwen3_vl.tokens import special_tokens  # noqa: E402
 
 REAL_VOCAB = 151936  # Qwen3-VL's embedding rows
 DEFAULT_MIN_PIXELS = 16 * 32 * 32  # 16 merged vision tokens

@@ -1,4 +1,4 @@
-"""Contract: GRPO / Dr.GRPO / REINFORCE++-baseline advantages equal their formulas (verl's, written out here as
+"""Contract: GRPO / Dr.GRPO / RLOO / REINFORCE++-baseline advantages equal their formulas (verl's, written out here as
 loops), are fp32, and a group whose rewards are all equal gets exactly 0.0 whatever the estimator; the fraction of
 such groups is returned."""
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_vl.algo import compute_advantages, grpo_advantages, reinforce_pp_baseline_advantages
+from miles_vl.algo import compute_advantages, grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
 
 
 def grpo_reference(rewards: list[float], n: int, norm: bool, eps: float = 1e-6) -> list[float]:
@@ -72,6 +72,35 @@ def test_reinforce_pp_baseline_matches_reference(counts):
     assert torch.equal(adv[4:8], torch.zeros(4))  # whitening would shift these; they stay exactly 0
 
 
+def rloo_reference(rewards: list[float], n: int) -> list[float]:
+    """RLOO written out: r_i minus the plain mean of the other n - 1 rewards of its group."""
+    out = []
+    for g in range(0, len(rewards), n):
+        group = rewards[g : g + n]
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1 :]
+            out.append(r - sum(others) / len(others))
+    return out
+
+
+def test_rloo_matches_leave_one_out_reference():
+    adv, frac = compute_advantages(torch.tensor(REWARDS), 4, estimator="rloo")
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == pytest.approx(rloo_reference(REWARDS, 4), abs=1e-6)
+    assert frac == 0.5
+    assert torch.equal(adv[4:8], torch.zeros(4))
+    # group 0 by hand: [1, 0, 1, 0] -> 1 - (0+1+0)/3 = 2/3, 0 - (1+1+0)/3 = -2/3
+    assert adv[:4].tolist() == pytest.approx([2 / 3, -2 / 3, 2 / 3, -2 / 3])
+    # = n/(n-1) times the Dr.GRPO advantage
+    dr, _ = grpo_advantages(torch.tensor(REWARDS), 4, norm_adv_by_std=False)
+    assert torch.allclose(adv, dr * 4 / 3)
+
+
+def test_rloo_needs_two_samples():
+    with pytest.raises(ValueError, match="rloo needs n_samples_per_prompt >= 2"):
+        rloo_advantages(torch.tensor([1.0, 0.0]), 1)
+
+
 def test_reinforce_pp_baseline_without_groups_is_whitened_reinforce():
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
     adv, frac = reinforce_pp_baseline_advantages(torch.tensor(rewards), 1)
@@ -102,11 +131,13 @@ def grouped_rewards(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(grouped_rewards(), st.sampled_from(["grpo", "grpo_dr", "reinforce_pp_baseline"]))
+@given(grouped_rewards(), st.sampled_from(["grpo", "grpo_dr", "rloo", "reinforce_pp_baseline"]))
 def test_identical_groups_get_exactly_zero(case, estimator):
     n, rewards, identical = case
     if estimator == "reinforce_pp_baseline" and (n == 1 or len(rewards) < 2):
         return  # no groups (baseline 0) / nothing to whiten: covered by the tests above
+    if estimator == "rloo" and n == 1:
+        return  # refused: test_rloo_needs_two_samples
     est = "grpo" if estimator.startswith("grpo") else estimator
     adv, frac = compute_advantages(
         torch.tensor(rewards, dtype=torch.float64), n, estimator=est, norm_adv_by_std=estimator == "grpo"
@@ -118,7 +149,7 @@ def test_identical_groups_get_exactly_zero(case, estimator):
             assert torch.equal(block, torch.zeros(n)), block  # exactly 0.0, not ~1e-9
         else:
             assert bool((block != 0).any())
-            if est == "grpo":
+            if est in ("grpo", "rloo"):
                 assert abs(float(block.sum())) < 1e-4  # group-centred
     expected_frac = sum(identical) / len(identical) if n > 1 else 1.0
     assert frac == pytest.approx(expected_frac)

@@ -134,7 +134,7 @@ def test_reductions_differ_and_weight_sequences_as_documented():
     lp = torch.zeros(4)
     counts = sequence_loss_tokens(mask, ids, 2)
     den = loss_denominators(counts)
-    assert den == LossDenominators(n_seqs=2, n_tokens=4)
+    assert den == LossDenominators(n_seqs=2, n_tokens=4, n_samples=2)
     token = policy_loss(
         lp, lp, adv, loss_token_weights(mask, ids, counts, den, reduction="token_mean"), clip_low=0.2, clip_high=0.2
     )

@@ -1,6 +1,6 @@
 """Contract: with weights from full-sequence lengths and global-batch totals, the policy losses of CP shards
 (zigzag, `miles_vl.packing.zigzag_index`) and micro-batches add up to exactly the unsplit full-batch loss, with the
-same gradient and the same combined metrics, under both reductions. A per-shard mean (the classic bug) does not."""
+same gradient and the same combined metrics, under every reduction. A per-shard mean (the classic bug) does not."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from miles_vl.algo import (
 )
 from miles_vl.packing import zigzag_index
 
+REDUCTIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+MAX_RESPONSE_LEN = 16  # the constant of seq_mean_token_sum_norm (Dr.GRPO); >= every response below
 LOSS_KW = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl"}
 
 
@@ -87,7 +89,9 @@ def loss_on(b: GlobalBatch, src: torch.Tensor, weights: torch.Tensor):
 
 def unsplit(b: GlobalBatch, reduction: str):
     counts = sequence_loss_tokens(b.mask, b.seq_ids, len(b.lens))
-    weights = loss_token_weights(b.mask, b.seq_ids, counts, loss_denominators(counts), reduction=reduction)
+    weights = loss_token_weights(
+        b.mask, b.seq_ids, counts, loss_denominators(counts), reduction=reduction, max_response_len=MAX_RESPONSE_LEN
+    )
     return loss_on(b, torch.arange(b.mask.numel()), weights)
 
 
@@ -114,12 +118,16 @@ def split_losses(b: GlobalBatch, micro_batches: list[list[int]], cp_size: int, r
         src, ids, cu = packed_row(b, seqs, cp_size)
         mask = torch.where(src >= 0, b.mask[src.clamp(min=0)], 0)
         counts = sequence_loss_tokens(mask, ids, len(seqs))  # full-sequence counts, from the full row
-        row_weights = loss_token_weights(mask, ids, counts, denominators, reduction=reduction)
+        row_weights = loss_token_weights(
+            mask, ids, counts, denominators, reduction=reduction, max_response_len=MAX_RESPONSE_LEN
+        )
         for rank in range(cp_size):
             idx = zigzag_index(cu, cp_size, rank)
             weights = row_weights[idx]
             # The same weights come out when computed on the shard from the full-sequence counts.
-            on_shard = loss_token_weights(mask[idx], ids[idx], counts, denominators, reduction=reduction)
+            on_shard = loss_token_weights(
+                mask[idx], ids[idx], counts, denominators, reduction=reduction, max_response_len=MAX_RESPONSE_LEN
+            )
             assert torch.equal(on_shard, weights)
             if per_shard_mean:  # the bug this design prevents: normalise by the shard's own token count
                 weights = mask[idx].double() / max(int(mask[idx].sum()), 1)
@@ -147,7 +155,7 @@ LENS = [(3, 5), (2, 11), (6, 1), (1, 7), (4, 9), (2, 2), (5, 13)]  # (prompt, re
 MICRO_BATCHES = [[0, 1, 2], [3, 4], [5, 6]]
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 def test_cp_and_micro_batch_split_equals_unsplit(reduction, cp_size):
     check_split_equals_unsplit(LENS, MICRO_BATCHES, cp_size, reduction)
@@ -171,7 +179,7 @@ def split_cases(draw):
     order = draw(st.permutations(range(n)))
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
     micro = [list(order[a:b]) for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
-    return lens, micro, draw(st.integers(1, 4)), draw(st.sampled_from(["token_mean", "seq_mean_token_mean"]))
+    return lens, micro, draw(st.integers(1, 4)), draw(st.sampled_from(REDUCTIONS))
 
 
 @settings(max_examples=30, deadline=None)
@@ -195,6 +203,16 @@ def test_weights_helper_by_hand():
     assert loss_token_weights(mask, ids, counts, den, reduction="seq_mean_token_mean").tolist() == pytest.approx(
         [0, 1 / 6, 1 / 6, 0, 1 / 3, 0]
     )
+    # Dr.GRPO: sum over tokens / (4 samples, the empty one included, * max_response_len 10), whatever the lengths
+    assert den.n_samples == 4
+    weights = loss_token_weights(mask, ids, counts, den, reduction="seq_mean_token_sum_norm", max_response_len=10)
+    assert weights.tolist() == pytest.approx([0, 1 / 40, 1 / 40, 0, 1 / 40, 0])
+
+
+def test_constant_normaliser_needs_the_length():
+    mask, ids, counts = torch.ones(2), torch.zeros(2), torch.tensor([2])
+    with pytest.raises(ValueError, match="seq_mean_token_sum_norm divides by n_samples \\* max_response_len"):
+        loss_token_weights(mask, ids, counts, loss_denominators(counts), reduction="seq_mean_token_sum_norm")
 
 
 @pytest.mark.parametrize(

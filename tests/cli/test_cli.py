@@ -1,6 +1,7 @@
 """Contract: `miles-vl check` prints the resolved config (exit 0) or every problem (exit 2);
 `--version` and `--help` work without a config."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,182 @@ def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
     error = err[err.index("error: ") :]  # after the log lines of what loaded fine
     assert expected in " ".join(error.split())
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, level",
+    [
+        (["check", "--config-only", TINY], "INFO"),  # the config's logging.level default
+        (["check", "--config-only", TINY, "logging.level=WARNING"], "WARNING"),  # the config's, read
+        (["--log-level", "debug", "check", "--config-only", TINY, "logging.level=WARNING"], "DEBUG"),  # before
+        (["check", "--config-only", TINY, "logging.level=WARNING", "--log-level", "DEBUG"], "DEBUG"),  # after
+        (["check", "--config-only", TINY, "--log-level", "ERROR", "num_steps=7"], "ERROR"),  # overrides go on
+    ],
+)
+def test_log_level_before_or_after_the_subcommand_and_from_the_config(capsys, argv, level):
+    """Issue 16: `--log-level` was refused after the subcommand, and `logging.level` was never read. The command
+    line wins over the config; overrides may follow the option."""
+    import logging
+
+    assert main(argv) == 0
+    assert logging.getLevelName(logging.getLogger().level) == level
+    if "num_steps=7" in argv:
+        assert yaml.safe_load(capsys.readouterr().out)["num_steps"] == 7
+
+
+def test_data_inspect_takes_the_file_before_or_after_the_config(tmp_path, capsys):
+    """Issue 16: `data inspect --config CFG FILE` took FILE for an override and failed; both orders now give the same
+    report, with the config's overrides applied."""
+    data = tmp_path / "synth.parquet"
+    assert main(["data", "synth", str(data), "--n", "3"]) == 0
+    capsys.readouterr()
+    outputs = []
+    for argv in (
+        ["data", "inspect", str(data), "--config", TINY, "data.max_prompt_len=300"],
+        ["data", "inspect", "--config", TINY, str(data), "data.max_prompt_len=300"],
+        ["data", "inspect", "--config", TINY, "data.max_prompt_len=300", str(data)],
+    ):
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert f"file: {data}" in outputs[0] and "max_prompt_len 300" in outputs[0]
+    assert main(["data", "inspect", "--config", TINY, "data.max_prompt_len=300"]) == 2
+    assert "data inspect takes one dataset file (found none)" in capsys.readouterr().err
+
+
+def dry_run_problems(tmp_path: Path) -> tuple[list[str], list[str]]:
+    """Overrides with one problem in every part `check` looks at, and a phrase of each expected message."""
+    (tmp_path / "broken.parquet").write_text("not parquet")
+    (tmp_path / "columns.jsonl").write_text('{"question": "x", "answer": "1"}\n')
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text("{}")
+    overrides = [
+        f"logging.output_dir={tmp_path / 'runs'}",
+        "reward.name=no_such_reward_module:score",
+        "data.dataset_fn=no_such_data_module:row",
+        "data.synthetic_n=0",
+        f"data.train_path={tmp_path / 'missing.parquet'}",
+        f"data.eval_path={tmp_path / 'broken.parquet'}",
+        "model.init=pretrained",
+        f"model.path={tmp_path / 'no_model'}",
+        f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}",
+    ]
+    expected = [
+        "reward.name='no_such_reward_module:score'",
+        "module 'no_such_reward_module' not found",
+        "data.dataset_fn='no_such_data_module:row': cannot import 'no_such_data_module'",
+        f"data.train_path: dataset file not found: {tmp_path / 'missing.parquet'}",
+        f"data.eval_path: {tmp_path / 'broken.parquet'}: cannot read it as parquet",
+        f"model.path='{tmp_path / 'no_model'}': no such directory, nor a hub id in the local Hugging Face cache",
+        f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}: ",
+    ]
+    return overrides, expected
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_check_and_train_report_every_problem_of_the_machine_at_once_and_create_nothing(tmp_path, capsys, command):
+    """Issue 16: `check` only validated the config; a missing data file, reward module or model directory surfaced
+    one at a time when `train` reached it. Now both commands run the same dry run first: every problem at once, each
+    with its fix, exit 2, no traceback, no run directory, no Ray."""
+    import ray
+
+    overrides, expected = dry_run_problems(tmp_path)
+    assert main([command, TINY, *overrides]) == 2
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    for phrase in expected:
+        assert phrase in err, phrase
+    assert "Traceback" not in err and captured.out == ""
+    assert not (tmp_path / "runs").exists()
+    assert not ray.is_initialized()
+
+
+def test_check_names_a_model_directory_without_weights_and_a_data_file_without_the_columns(tmp_path, capsys):
+    (tmp_path / "rows.jsonl").write_text('{"question": "x", "answer": "1"}\n')
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    argv = ["check", TINY, "data.synthetic_n=0", f"data.train_path={tmp_path / 'rows.jsonl'}"]
+    argv += ["model.init=pretrained", f"model.path={tmp_path / 'ckpt'}", "model.processor=offline"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"model.path='{tmp_path / 'ckpt'}': {tmp_path / 'ckpt'} has no weights (*.safetensors or *.bin)" in err
+    assert "data.train_path: " in err and "no prompt column 'problem'" in err
+
+
+def test_check_config_only_skips_the_machine(tmp_path, capsys):
+    overrides, _ = dry_run_problems(tmp_path)
+    assert main(["check", "--config-only", TINY, *overrides]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["reward"]["name"] == "no_such_reward_module:score"
+
+
+def test_check_names_each_missing_backend_package_with_its_fix(monkeypatch, capsys):
+    """The packages of the chosen backends must import; one line each, naming the backend, the fix and the fallback.
+    A package that fails only because another listed one is missing is not repeated."""
+    from miles_vl import stack
+
+    te = stack.Package("fake-te", "no_such_te_xyz", "train.backend=megatron", "layers", "pip install fake-te")
+    bridge = stack.Package("fake-bridge", "tests.cli.needs_fake_te", "train.backend=megatron", "bridge", "pip b")
+    monkeypatch.setattr(stack, "PACKAGES", (*stack.PACKAGES[:4], te, bridge))
+    assert stack.backend_problems("hf", "torch") == []
+    problems = stack.backend_problems("hf", "megatron")
+    assert problems == [
+        "train.backend=megatron needs fake-te (layers), which does not import here: ModuleNotFoundError: No module "
+        "named 'no_such_te_xyz'; pip install fake-te, or set train.backend=torch"
+    ]
+
+
+def test_configs_lists_prints_and_copies_the_shipped_configs(tmp_path, capsys):
+    """Issue 16: the configs did not ship with the package; `miles-vl configs` lists them and copies one."""
+    shipped = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    assert main(["configs"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line and not line.startswith("(")]
+    assert listed == shipped
+    assert main(["configs", "geo3k_tiny_cpu"]) == 0
+    assert capsys.readouterr().out == Path(TINY).read_text()
+    dest = tmp_path / "jobs" / "my_job.yaml"
+    assert main(["configs", "geo3k_tiny_cpu.yaml", str(dest)]) == 0
+    assert dest.read_text() == Path(TINY).read_text() and capsys.readouterr().out.strip() == str(dest)
+    assert main(["configs", "geo3k_tiny_cpu", str(dest)]) == 2  # never overwrites unasked
+    assert "exists; choose another path, or --force" in capsys.readouterr().err
+    assert main(["configs", "geo3k_tiny_cpu", str(tmp_path)]) == 0  # a folder: the config's own name in it
+    assert (tmp_path / "geo3k_tiny_cpu.yaml").is_file()
+    assert main(["configs", "geo3k_tiny_cpus"]) == 2
+    assert "did you mean geo3k_tiny_cpu?" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_configs(tmp_path):
+    """Build the sdist and, from it, the wheel (setuptools, offline), install the wheel into a folder and run
+    `miles-vl configs` from there, away from the checkout: every config of configs/ is in it."""
+    import shutil
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("miles_vl", "configs"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    build = "from setuptools import build_meta as b; import sys; print(getattr(b, sys.argv[1])(sys.argv[2]))"
+    run = dict(capture_output=True, text=True, check=True, timeout=300)
+    sdist = subprocess.run([sys.executable, "-c", build, "build_sdist", str(tmp_path)], cwd=src, **run)
+    with tarfile.open(tmp_path / sdist.stdout.split()[-1]) as tar:
+        tar.extractall(tmp_path / "sdist", filter="data")
+    [unpacked] = (tmp_path / "sdist").iterdir()
+    wheel = subprocess.run([sys.executable, "-c", build, "build_wheel", str(tmp_path)], cwd=unpacked, **run)
+    wheel_path = tmp_path / wheel.stdout.split()[-1]
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    import zipfile
+
+    names = zipfile.ZipFile(wheel_path).namelist()
+    assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("miles_vl/configs/")) == shipped
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site)]
+    subprocess.run([*pip, str(wheel_path)], **run)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    cli = [sys.executable, "-m", "miles_vl.cli", "configs"]
+    listed = subprocess.run(cli, cwd=tmp_path, env=env, **run).stdout
+    assert f"({site / 'miles_vl' / 'configs'})" in listed
+    assert sorted(f"{line.split()[0]}.yaml" for line in listed.splitlines() if line and line[0] != "(") == shipped
+    subprocess.run([*cli, "geo3k_tiny_cpu", "job.yaml"], cwd=tmp_path, env=env, **run)
+    assert (tmp_path / "job.yaml").read_text() == Path(TINY).read_text()

@@ -98,11 +98,16 @@ def test_cp_needs_a_backend_with_cp(tmp_path):
     )
 
 
-def test_cp_needs_thd_packing(tmp_path):
-    found = problems(
-        write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=8", "train.cp=2", "train.packing=padded"]
-    )
-    assert any("train.cp=2 needs THD packing" in p for p in found), found
+def test_removed_train_packing_names_the_fix(tmp_path):
+    """Issue 16: `train.packing` was in the schema but nothing read it (training always packs THD rows); it is gone,
+    and an old config that still sets it is told so, by name, with the fix, from the file or the command line."""
+    old = MINIMAL + "train:\n  packing: thd\n"
+    found = problems(write(tmp_path, old), [])
+    assert len(found) == 1, found
+    assert "train.packing was removed" in found[0] and "delete it from the config" in found[0], found
+    assert "job.yaml" in found[0], found
+    found = problems(write(tmp_path, MINIMAL), ["train.packing=padded"])
+    assert "train.packing was removed" in found[0] and "command-line override train.packing" in found[0], found
 
 
 def test_gpus_not_divisible_by_model_parallel(tmp_path):
@@ -205,3 +210,57 @@ def test_config_reference_doc_is_up_to_date():
 
     doc = (REPO / "docs" / "configs.md").read_text()
     assert doc == render(), "docs/configs.md is stale: run `python -m miles_vl.config.reference > docs/configs.md`"
+
+
+DOC = (REPO / "docs" / "configs.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "overrides, error, documented",
+    [
+        (
+            ["rollout.sglang.vision_cache_mb=64"],
+            "rollout.sglang.vision_cache_mb=64 keeps vision embeddings across weight syncs",
+            "`rollout.sglang.vision_cache_mb > 0` needs `train.freeze_vision: true`",
+        ),
+        (
+            ["rollout.backend=sglang", "rollout.gpus_per_engine=0"],
+            "rollout.backend=sglang needs rollout.gpus_per_engine >= 1",
+            "`rollout.backend: sglang` needs `rollout.gpus_per_engine >= 1`",
+        ),
+        (
+            ["algo.tis.enabled=true", "rollout.temperature=0"],
+            "algo.tis.enabled reweights tokens by the rollout's sampling distribution, but rollout.temperature=0",
+            "`algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`)",
+        ),
+        (  # greedy has no sampling distribution whatever the engine (the rule used to hold for hf only)
+            ["algo.tis.enabled=true", "rollout.temperature=0", "rollout.backend=sglang"],
+            "but rollout.temperature=0 (greedy) samples from none",
+            "`algo.tis.enabled` refuses greedy rollouts",
+        ),
+        (
+            ["data.train_path=rows.parquet"],
+            "data.train_path='rows.parquet' and data.synthetic_n=8 are both set",
+            "`data.train_path` or `data.synthetic_n > 0`, not both",
+        ),
+    ],
+)
+def test_cross_field_rules_are_enforced_and_documented(tmp_path, overrides, error, documented):
+    """Issue 16: docs/configs.md lacked rules the validator enforces; each is refused with its fix and listed."""
+    found = problems(write(tmp_path, MINIMAL), overrides)
+    assert any(error in p for p in found), found
+    assert documented in DOC
+
+
+def test_run_name_default_is_the_config_stem_and_timestamped_only_for_fresh_starts(tmp_path):
+    """What docs/configs.md says of `logging.run_name` is what the driver does."""
+    from miles_vl.orchestration.loop import choose_run_dir
+
+    path = write(tmp_path, MINIMAL, "my_job.yaml")
+    out = f"logging.output_dir={tmp_path / 'runs'}"
+    assert choose_run_dir(load_config(path, [out]), str(path)) == tmp_path / "runs" / "my_job"
+    fresh = choose_run_dir(load_config(path, [out, "checkpoint.resume=never"]), str(path))
+    assert fresh.parent == tmp_path / "runs" and fresh.name.startswith("my_job-20") and len(fresh.name) == 22
+    named = choose_run_dir(load_config(path, [out, "checkpoint.resume=never", "logging.run_name=x"]), str(path))
+    assert named == tmp_path / "runs" / "x"
+    assert "null = the config file's stem" in DOC and "with checkpoint.resume=never, the stem +" in DOC

@@ -4,7 +4,8 @@ eval hold-out or an eval file, prompts within `max_prompt_len`; contradictory or
 import pytest
 
 from miles_vl.config.schema import DataConfig
-from miles_vl.data import build_datasets, special_tokens, write_synth_parquet
+from miles_vl.data import build_datasets, write_synth_parquet
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from tests.data.helpers import MAX_PIXELS, MIN_PIXELS
 
 SMALL = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_prompt_len=256)

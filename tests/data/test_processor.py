@@ -9,9 +9,10 @@ import torch
 from PIL import Image
 from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
 
-from miles_vl.data import DataError, build_offline_processor, load_processor, processor_metadata, special_tokens
-from miles_vl.data.offline_processor import QWEN3_VL_ADDED_TOKENS
-from miles_vl.model import tiny_config
+from miles_vl.data import DataError, load_processor, processor_metadata
+from miles_vl.models.qwen3_vl.model import tiny_config
+from miles_vl.models.qwen3_vl.processor import QWEN3_VL_ADDED_TOKENS, build_offline_processor
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from tests.data.helpers import MAX_PIXELS, MIN_PIXELS
 
 QWEN3_VL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",

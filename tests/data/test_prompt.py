@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from miles_vl.data import PromptEncoder, PromptRow, build_messages, special_tokens
+from miles_vl.data import PromptEncoder, PromptRow, build_messages
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from tests.data.conftest import INSTRUCTION
 from tests.data.helpers import png_bytes
 

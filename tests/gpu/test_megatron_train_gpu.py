@@ -33,6 +33,8 @@ import json
 import pytest
 import torch
 
+from miles_vl.train import LossOptions, OptimizerOptions, TrainOptions, train_step
+from miles_vl.train.megatron.parallel import ParallelOptions
 from tests.gpu.nccl import RankContext, run_ranks
 
 pytestmark = [
@@ -47,23 +49,24 @@ pytestmark = [
 VOCAB, PAD, IMAGE, VIDEO, VSTART, VEND = 128, 0, 120, 121, 122, 123
 PIXEL_DIM = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch of the real processor
 REL_TOL = 2e-2
-OPTIONS = dict(
-    lr=1e-5,
-    grad_clip=1.0,
+OPTIONS = TrainOptions(
+    OptimizerOptions(lr=1e-5, grad_clip=1.0),
+    LossOptions(
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        reduction="token_mean",
+        temperature=0.7,
+        suppress_token_ids=(IMAGE, VIDEO),
+    ),
     micro_batch_max_tokens=96,
     global_batch_size=8,
-    temperature=0.7,
-    suppress_token_ids=(IMAGE, VIDEO),
-    clip_low=0.2,
-    clip_high=0.28,
-    kl_coef=0.0,
-    entropy_coef=0.0,
-    loss_reduction="token_mean",
 )
 
 
 def _tokens():
-    from miles_vl.model import SpecialTokens
+    from miles_vl.models import SpecialTokens
 
     return SpecialTokens(
         image_token_id=IMAGE,
@@ -80,7 +83,7 @@ def write_checkpoint(directory: str) -> dict[str, torch.Tensor]:
     """A tiny random Qwen3-VL saved with transformers; returns its state dict (fp32, CPU)."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from miles_vl.model import tiny_config
+    from miles_vl.models.qwen3_vl.model import tiny_config
 
     config = tiny_config(_tokens(), initializer_range=0.2, deepstack_visual_indexes=[0, 1])
     torch.manual_seed(0)
@@ -130,21 +133,23 @@ def _phase(hf_dir: str, tp: int, cp: int, samples, *, export: bool, checkpoint_d
 
     from miles_vl.train.megatron import build_megatron_backend
 
-    backend = build_megatron_backend(hf_dir, _tokens(), tp=tp, cp=cp, sp=tp > 1, bf16=True, seed=0, **OPTIONS)
+    backend = build_megatron_backend(
+        hf_dir, _tokens(), OPTIONS, ParallelOptions(tp_size=tp, cp_size=cp, sp=tp > 1, bf16=True, seed=0)
+    )
     out: dict = {}
     if export:
         out["export"] = {name: t.clone() for name, t in backend.export_weights()}
     out["logprobs"] = backend.compute_logprobs(samples)
-    out["train"] = backend.train(samples)
+    out["train"] = train_step(backend, samples)
     if checkpoint_dir is not None:
         backend.save_checkpoint(checkpoint_dir)
         saved_logprobs = backend.compute_logprobs(samples)
-        out["after_save"] = backend.train(samples)
+        out["after_save"] = train_step(backend, samples)
         backend.load_checkpoint(checkpoint_dir)
         out["loaded_logprobs_diff"] = max(
             float((a - b).abs().max()) for a, b in zip(saved_logprobs, backend.compute_logprobs(samples), strict=True)
         )
-        out["after_load"] = backend.train(samples)
+        out["after_load"] = train_step(backend, samples)
         out["optimizer_steps_after_load"] = backend.optimizer_steps
     del backend
     parallel_state.destroy_model_parallel()
@@ -170,7 +175,9 @@ def _contiguous_block_logprobs(hf_dir: str, tp: int, cp: int, samples) -> list[t
 
     step.model_inputs = contiguous
     try:
-        backend = build_megatron_backend(hf_dir, _tokens(), tp=tp, cp=cp, sp=tp > 1, bf16=True, seed=0, **OPTIONS)
+        backend = build_megatron_backend(
+            hf_dir, _tokens(), OPTIONS, ParallelOptions(tp_size=tp, cp_size=cp, sp=tp > 1, bf16=True, seed=0)
+        )
         logprobs = backend.compute_logprobs(samples)
     finally:
         step.model_inputs = real

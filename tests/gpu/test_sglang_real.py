@@ -104,7 +104,7 @@ def processor(ckpt):
 
 @pytest.fixture(scope="module")
 def tokens(processor):
-    from miles_vl.data import special_tokens
+    from miles_vl.models.qwen3_vl.tokens import special_tokens
 
     return special_tokens(processor)
 
@@ -131,18 +131,17 @@ def ckpt_weights(ckpt) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def host(ckpt, tokens):
+def _start_host(ckpt, tokens, *, extra_args=EXTRA_ARGS, mem_fraction=0.3, colocated=True, log_name="sglang_server"):
     out = os.environ.get("OUT")
     spec = ServerSpec(
         model_path=str(ckpt),
         port=free_port(),
-        mem_fraction_static=0.3,
-        colocated=True,  # --enable-memory-saver: release/resume below
+        mem_fraction_static=mem_fraction,
+        colocated=colocated,  # --enable-memory-saver: release/resume
         random_seed=0,
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
-        extra_args=EXTRA_ARGS,
+        extra_args=extra_args,
     )
     host = SGLangRolloutHost(
         spec,
@@ -151,11 +150,17 @@ def host(ckpt, tokens):
         request_timeout_s=120.0,
         max_retries=1,
         max_restarts=1,
-        log_path=Path(out) / "sglang_server.log" if out else None,
+        log_path=Path(out) / f"{log_name}.log" if out else None,
         env=SERVER_ENV,
         health_poll_s=0.5,
     )
     _note_pid(host)
+    return host
+
+
+@pytest.fixture(scope="module")
+def host(ckpt, tokens):
+    host = _start_host(ckpt, tokens)
     try:
         yield host
     finally:
@@ -219,6 +224,26 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     record["greedy"] = _greedy(host, prompts[0])
 
 
+def test_a_prompts_n_samples_in_one_request(host, prompts, tokens):
+    """`sampling_params.n` on the real server (what the engine sends by default, and the stand-ins' list answer):
+    one body per sample, each with our prompt ids, sampled apart (no deterministic inference: the shared
+    sampling_seed is ignored)."""
+    ids = prompts[0].prompt_ids.tolist()
+    payload = build_generate_payload(
+        request_input_ids(ids, tokens.image_token_id, 1),
+        [image_data_url(prompts[0].images[0])],
+        SamplingParams(max_new_tokens=16, temperature=1.0),
+        seed=0,
+        stop_token_ids=tokens.eos_token_ids,
+        banned_token_ids=host.engine.banned_token_ids,
+        n=4,
+    )
+    bodies = host.client.generate_n(payload, 4)
+    assert all(b["prompt_token_ids"] == ids for b in bodies)
+    assert len({tuple(b["output_ids"]) for b in bodies}) > 1
+    assert host.engine.one_request_per_prompt
+
+
 def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     """What the stand-ins answer to the canonical (expanded) ids, on the real server: SGLang's processor runs out of
     images (StopIteration, not caught by the route: HTTP 500 "Internal Server Error", the reason in the log), and the
@@ -242,29 +267,34 @@ def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     assert host.health()
 
 
+def _scored(model, tokens, prompts, groups, banned_token_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the torch train backend's logprobs of every generated response under `model` in bf16, the rollout's)."""
+    from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
+
+    loss = LossOptions(suppress_token_ids=tuple(banned_token_ids))
+    backend = TorchTrainBackend(model.to("cuda", torch.bfloat16), tokens, TrainOptions(OptimizerOptions(lr=0.0), loss))
+    samples = [
+        TrainSample(
+            input_ids=torch.cat([prompt.prompt_ids, gen.response_ids]),
+            prompt_len=prompt.prompt_ids.numel(),
+            advantage=0.0,
+            rollout_logprobs=gen.logprobs,
+            image_grid_thw=prompt.image_grid_thw,
+            pixel_values=prompt.pixel_values.to("cuda", torch.bfloat16),
+        )
+        for prompt, group in zip(prompts, groups, strict=True)
+        for gen in group
+    ]
+    return torch.cat(backend.compute_logprobs(samples)).cpu(), torch.cat([s.rollout_logprobs for s in samples])
+
+
 def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
-    from miles_vl.model import build_model
-    from miles_vl.train import TorchTrainBackend, TrainSample
+    from miles_vl.models.qwen3_vl.model import build_model
 
     params = SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=2)
     groups = host.generate(prompts, params)
-    samples = []
-    for prompt, group in zip(prompts, groups, strict=True):
-        for gen in group:
-            samples.append(
-                TrainSample(
-                    input_ids=torch.cat([prompt.prompt_ids, gen.response_ids]),
-                    prompt_len=prompt.prompt_ids.numel(),
-                    advantage=0.0,
-                    rollout_logprobs=gen.logprobs,
-                    image_grid_thw=prompt.image_grid_thw,
-                    pixel_values=prompt.pixel_values.to("cuda", torch.bfloat16),
-                )
-            )
     model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
-    backend = TorchTrainBackend(model, tokens, lr=0.0, suppress_token_ids=host.engine.banned_token_ids)
-    train = torch.cat(backend.compute_logprobs(samples))
-    rollout = torch.cat([s.rollout_logprobs for s in samples])
+    train, rollout = _scored(model, tokens, prompts, groups, host.engine.banned_token_ids)
     diff = (train - rollout).abs()
     result = {
         "train_rollout_logprob_abs_diff": round(float(diff.mean()), 5),
@@ -275,7 +305,7 @@ def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
     }
     print("SGLANG-REAL " + json.dumps(result))
     record["consistency"] = result
-    del backend, model
+    del model
     torch.cuda.empty_cache()
     # The distribution is far from uniform (mean logprob above -log V), so agreement is informative.
     assert float(rollout.mean()) > -math.log(tokens.vocab_size) + 0.5
@@ -343,11 +373,11 @@ def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
 
 
 def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt, record):
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.rollout.sglang import checkpoint_names
     from miles_vl.rollout.sglang.verify import PROBE_MAX_NUMEL, parse_checksums, server_name
-    from miles_vl.rollout.sglang.weights import send_tensor_bucket
-    from miles_vl.train import TorchTrainBackend
+    from miles_vl.rollout.weight_sync import send_tensor_bucket
+    from miles_vl.train import OptimizerOptions, TorchTrainBackend, TrainOptions
     from tests.rollout.sglang.fake_server import sglang_parameter
 
     # 0.5.16's Qwen3-VL has no get_weights_by_name: the route answers 400 (weight_exporter.py:142, http_server.py:1403)
@@ -359,7 +389,7 @@ def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckp
 
     names = checkpoint_names(ckpt)
     model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
-    exported = dict(TorchTrainBackend(model, tokens, lr=0.0).export_weights())
+    exported = dict(TorchTrainBackend(model, tokens, TrainOptions(OptimizerOptions(lr=0.0))).export_weights())
     del model
     torch.cuda.empty_cache()
     assert set(exported) == names  # untied checkpoint, nothing frozen: every tensor, under the checkpoint's names
@@ -392,3 +422,74 @@ def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckp
     mapped = {sglang_parameter(n) for n in names}
     print(f"SGLANG-REAL /weights_checker entries that are no checkpoint tensor: {sorted(set(after) - mapped)}")
     assert mapped <= set(after), sorted(mapped - set(after))
+
+
+def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens, prompts):
+    """Why a deterministic engine sends one request per sample (and the stand-in's deterministic answer to n > 1):
+    with --enable-deterministic-inference every sample of one request gets its sampling_seed, so the n samples are
+    the same response; requests with two seeds differ."""
+    det = _start_host(
+        ckpt,
+        tokens,
+        extra_args=(*EXTRA_ARGS, "--enable-deterministic-inference"),
+        mem_fraction=0.2,
+        colocated=False,
+        log_name="sglang_server_deterministic",
+    )
+    try:
+        assert not det.engine.one_request_per_prompt
+        ids = prompts[0].prompt_ids.tolist()
+
+        def sample(seed: int, n: int) -> list[tuple[int, ...]]:
+            payload = build_generate_payload(
+                request_input_ids(ids, tokens.image_token_id, 1),
+                [image_data_url(prompts[0].images[0])],
+                SamplingParams(max_new_tokens=16, temperature=1.0),
+                seed=seed,
+                stop_token_ids=tokens.eos_token_ids,
+                banned_token_ids=det.engine.banned_token_ids,
+                n=n,
+            )
+            bodies = det.client.generate_n(payload, n) if n > 1 else [det.client.generate(payload)]
+            return [tuple(b["output_ids"]) for b in bodies]
+
+        same = sample(7, 3)
+        print(f"SGLANG-REAL deterministic server, one request with n=3: {len(set(same))} distinct response(s)")
+        assert len(set(same)) == 1
+        assert sample(7, 1) == same[:1] and sample(8, 1) != same[:1]
+        groups = det.generate(prompts[:1], SamplingParams(n=3, max_new_tokens=16, temperature=1.0, seed=1))
+        assert len({tuple(g.response_ids.tolist()) for g in groups[0]}) == 3  # one request (one seed) per sample
+    finally:
+        det.shutdown()
+
+
+def test_sglang_serves_a_directory_written_by_export(ckpt, processor, tokens, prompts, tmp_path):
+    """`checkpoint.save_hf` / `miles-vl export` (orchestration/export.py `write_hf_dir` over the torch backend's
+    `save_hf`) write a directory a real SGLang server loads and serves: our prompt ids come back, and its logprobs are
+    those of the exported (perturbed) weights, not of the checkpoint the model started from."""
+    from miles_vl.models.qwen3_vl.model import build_model
+    from miles_vl.orchestration.export import write_hf_dir
+    from miles_vl.train import OptimizerOptions, TorchTrainBackend, TrainOptions
+
+    model = build_model(tokens, path=str(ckpt), dtype=torch.float32)
+    with torch.no_grad():  # other weights than the checkpoint's: the server must serve these
+        gen = torch.Generator().manual_seed(0)
+        model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=gen) * 0.2)
+    options = TrainOptions(OptimizerOptions(lr=0.0))
+    out = write_hf_dir(tmp_path / "exported", TorchTrainBackend(model, tokens, options).save_hf, processor,
+                       str(ckpt), force=False)  # fmt: skip
+    server = _start_host(out, tokens, mem_fraction=0.2, colocated=False, log_name="sglang_server_exported")
+    try:
+        params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=4)
+        groups = server.generate(prompts, params)  # the engine checks each answer's prompt ids against ours
+    finally:
+        server.shutdown()
+
+    train, rollout = _scored(model, tokens, prompts, groups, server.engine.banned_token_ids)
+    original, _ = _scored(build_model(tokens, path=str(ckpt)), tokens, prompts, groups, server.engine.banned_token_ids)
+    exported_diff = float((train - rollout).abs().mean())
+    original_diff = float((original - rollout).abs().mean())
+    print(f"SGLANG-REAL exported dir: logprob diff {exported_diff:.5f} vs its weights, {original_diff:.5f} vs the "
+          "checkpoint it started from")  # fmt: skip
+    assert exported_diff < 0.1
+    assert original_diff > 5 * exported_diff

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from miles_vl.model import build_model
+from miles_vl.models.qwen3_vl.model import build_model
 from tests.train.test_torch_backend import SPECIAL, backend, grads, make_samples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -1,15 +1,25 @@
 """What the driver tests share: the tiny job (configs/geo3k_tiny_cpu.yaml made fast), a tiny HF checkpoint with the
-offline processor (what `model.init=pretrained` and SGLang load), and the metrics a run wrote."""
+offline processor (what `model.init=pretrained` and SGLang load), the metrics a run wrote, and the stand-ins the
+driver is built with (`stand_ins`: `Hooks` with SGLang servers served by tests/rollout/sglang/hf_server.py, an
+engine that dies on cue, small weight buckets)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import os
 from pathlib import Path
 
 from miles_vl.config import JobConfig, load_config
 from miles_vl.config.schema import TinyModelConfig
-from miles_vl.data import load_processor, special_tokens
-from miles_vl.model import build_model
+from miles_vl.data import load_processor
+from miles_vl.models.qwen3_vl.model import build_model
+from miles_vl.models.qwen3_vl.tokens import special_tokens
+from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, Hooks, build_megatron, launch_hf, launch_sglang
+from miles_vl.rollout import HFRolloutEngine
+from miles_vl.rollout.weight_sync import WeightSyncOptions
+from tests.orchestration import megatron_cpu
 
 REPO = Path(__file__).resolve().parents[2]
 PIXELS = (3136, 12544)  # data.min_pixels / max_pixels of configs/geo3k_tiny_cpu.yaml
@@ -51,3 +61,42 @@ def write_checkpoint(path: Path, seed: int = 7, **tiny) -> Path:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class EngineThatDiesOnce(HFRolloutEngine):
+    """The hf engine, except that the first generate() that finds `kill_file` deletes it and kills its process, as a
+    crashed engine would (the driver must replace it and lose no sample)."""
+
+    def __init__(self, *args, kill_file: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kill_file = Path(kill_file)
+
+    def generate(self, prompts, params):
+        if self.kill_file.exists():
+            self.kill_file.unlink()
+            os._exit(1)
+        return super().generate(prompts, params)
+
+
+def stand_ins(
+    *,
+    sglang: bool = False,
+    megatron: bool = False,
+    kill_once: Path | None = None,
+    weight_sync: WeightSyncOptions | None = None,
+) -> Hooks:
+    """The driver's parts with stand-ins: `sglang` servers are tests/rollout/sglang/hf_server.py (the real host runs
+    it from the real argv, with this module in place of `sglang.launch_server`); the `megatron` backend is built by
+    tests/orchestration/megatron_cpu.py on CPU stand-ins; with `kill_once`, the hf engines die once
+    (`EngineThatDiesOnce`); `weight_sync`: e.g. small buckets, gloo in place of NCCL."""
+    engines = dict(ENGINES)
+    if sglang:
+        launch = functools.partial(launch_sglang, launch_module="tests.rollout.sglang.hf_server")
+        engines["sglang"] = dataclasses.replace(ENGINES["sglang"], launch=launch)
+    if kill_once is not None:
+        launch = functools.partial(launch_hf, engine=EngineThatDiesOnce, kill_file=str(kill_once))
+        engines["hf"] = dataclasses.replace(ENGINES["hf"], launch=launch)
+    backends = dict(TRAIN_BACKENDS)
+    if megatron:
+        backends["megatron"] = functools.partial(build_megatron, builder=megatron_cpu.build)
+    return Hooks(engines=engines, train_backends=backends, weight_sync=weight_sync or WeightSyncOptions())

@@ -1,5 +1,5 @@
-"""`build`: a CPU stand-in for `build_megatron_backend` (same signature) that the driver's train ranks call when a test
-sets MILES_VL_MEGATRON_BUILDER=tests.orchestration.megatron_cpu:build.
+"""`build`: a CPU stand-in for `build_megatron_backend` (same signature) that the driver's train ranks call in place of
+it (`tests.orchestration.jobs.stand_ins(megatron=True)`).
 
 Everything between the job config and the backend is the production path: the driver's placement, the train actors,
 their process group (gloo here), `build_provider` (AutoBridge on the HF checkpoint, the job's parallel sizes,
@@ -18,32 +18,13 @@ from pathlib import Path
 import torch
 
 
-def build(
-    hf_path: str,
-    tokens,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    sp: bool = False,
-    recompute: str = "none",
-    freeze_vision: bool = False,
-    vision_dp_when_cp: bool = False,
-    bf16: bool = True,
-    seed: int = 1234,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    grad_clip: float = 1.0,
-    **options,
-):
+def build(hf_path: str, tokens, options, parallel):
     import torch.distributed as dist
 
     from tests.patches.harness.shims import load_qwen3vl_module
 
-    if pp != 1 or ep != 1:
+    tp, cp, o = parallel.tp_size, parallel.cp_size, options.optimizer
+    if parallel.pp_size != 1 or parallel.ep_size != 1:
         raise ValueError("the CPU stand-in runs tp/cp layouts only (pp = ep = 1)")
     module = load_qwen3vl_module("0.6.2")  # the TE stub and CPU shims, before megatron-bridge's model imports
     import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
@@ -56,9 +37,9 @@ def build(
     from tests.train.megatron.jobs import cpu_te_named_gpt_spec, cpu_te_named_vit_spec, exact_gelu_in_patch_mergers
 
     class CpuBackend(MegatronTrainBackend):
-        def export_weights(self):
+        def hf_weights(self, skip_prefixes=()):
             # megatron-bridge unwraps megatron's DDP itself; CpuDDP is not one of the wrappers it knows
-            return export_hf_weights(self.bridge, [c.module for c in self.model], skip_prefixes=self.frozen_prefixes)
+            return export_hf_weights(self.bridge, [c.module for c in self.model], skip_prefixes=skip_prefixes)
 
         def save_checkpoint(self, directory: Path) -> None:
             state = {
@@ -79,23 +60,29 @@ def build(
     module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     bridge, provider = build_provider(
-        hf_path, tp=tp, cp=cp, sp=sp, freeze_vision=freeze_vision, vision_dp_when_cp=vision_dp_when_cp, bf16=False
+        hf_path,
+        tp_size=tp,
+        cp_size=cp,
+        sp=parallel.sp,
+        freeze_vision=options.freeze_vision,
+        vision_dp_when_cp=parallel.vision_dp_when_cp,
+        bf16=False,
     )
     model = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
     )
     exact_gelu_in_patch_mergers(model[0])
     chunks = [CpuDDP(m) for m in model]
-    optimizer = CpuOptimizer(chunks, lr=lr, clip_grad=grad_clip, weight_decay=weight_decay, betas=betas, eps=eps)
+    optimizer = CpuOptimizer(
+        chunks, lr=o.lr, clip_grad=o.grad_clip, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps
+    )
     return CpuBackend(
         chunks,
         optimizer,
         tokens,
+        options,
         bridge=bridge,
         schedule=cpu_schedule(),
         device="cpu",
-        frozen_prefixes=FROZEN_VISION_PREFIXES if freeze_vision else (),
-        lr=lr,
-        weight_decay=weight_decay,
-        **options,
+        frozen_prefixes=FROZEN_VISION_PREFIXES if options.freeze_vision else (),
     )

@@ -9,10 +9,9 @@ import pytest
 import ray
 
 from miles_vl.orchestration import run_job
-from miles_vl.orchestration.actors import FAULT_FILE_ENV
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.loop import Job
-from tests.orchestration.jobs import metrics
+from tests.orchestration.jobs import metrics, stand_ins
 from tests.orchestration.jobs import tiny_job as config
 
 
@@ -41,11 +40,10 @@ def test_resume_reproduces_the_straight_run(tmp_path):
     assert "eval/reward_mean" in a[1] and "eval/reward_mean" not in a[0]
 
 
-def test_killed_engine_is_replaced_and_no_sample_is_lost(tmp_path, monkeypatch):
+def test_killed_engine_is_replaced_and_no_sample_is_lost(tmp_path):
     fault = tmp_path / "kill-once"
     fault.touch()
-    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))  # Ray workers inherit the driver's environment at start
-    run = run_job(config(tmp_path, "fault", "num_steps=2"))
+    run = run_job(config(tmp_path, "fault", "num_steps=2"), hooks=stand_ins(kill_once=fault))
     rows = metrics(run)
     assert not fault.exists()  # the engine did die
     assert rows[-1]["rollout/engine_restarts"] == 1
@@ -92,3 +90,32 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
         assert r["rollout/dynamic_sampling_drop_rate"] > 0  # even rows were drawn and dropped ...
         assert r["rollout/prompts"] == 2  # ... and the batch was refilled
         assert r["rollout/zero_adv_group_fraction"] == 0.0  # only groups with signal are trained on
+
+
+def test_short_dynamic_sampling_batch_trains_on_whole_mini_batches(tmp_path):
+    """max_rounds=1 with half the groups flat: the kept groups often fall short of rollout.batch_size=4. No crash
+    (before: `N samples are not a multiple of global_batch_size`): the step trains on whole mini-batches of 4 samples,
+    counts the groups it cut, and skips training when not even one mini-batch is left."""
+    run = run_job(
+        config(
+            tmp_path,
+            "dapo_short",
+            "num_steps=3",
+            "rollout.batch_size=4",
+            "train.global_batch_size=4",
+            "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=1",
+            "reward.name=tests.orchestration.rewards:half_constant_reward",
+        )
+    )
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        kept = r["rollout/prompts"] - r["rollout/short_batch_dropped_groups"]  # groups trained on
+        assert r["rollout/short_batch_dropped_samples"] == 2 * r["rollout/short_batch_dropped_groups"]
+        assert (kept * 2) % 4 == 0 and r["rollout/short_batch_dropped_groups"] == r["rollout/prompts"] % 2
+        if kept == 0:
+            assert r["train/skipped_steps"] == 1 and "train/optimizer_steps" not in r
+        else:
+            assert r["train/skipped_steps"] == 0 and r["train/optimizer_steps"] == kept * 2 / 4
+    assert any(r["rollout/prompts"] < 4 for r in rows)  # a short batch did happen

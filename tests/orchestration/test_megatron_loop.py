@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import ray
 
+from miles_vl import stack
 from miles_vl.config import ConfigError, load_config
-from miles_vl.orchestration import loop, run_job, weight_sync
+from miles_vl.orchestration import run_job
 from miles_vl.orchestration.placement import engine_slots, reserve_gpus
-from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
-from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
-from tests.orchestration.jobs import REPO, metrics, pretrained, tiny_job, write_checkpoint
+from miles_vl.rollout.weight_sync import WeightSyncOptions
+from tests.orchestration.jobs import REPO, metrics, pretrained, stand_ins, tiny_job, write_checkpoint
 from tests.patches.harness.shims import require_bridge
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
@@ -64,11 +64,10 @@ def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):
     )
 
 
-def test_megatron_cp2_job_matches_the_torch_backend(bridge, tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
+def test_megatron_cp2_job_matches_the_torch_backend(bridge, tmp_path, checkpoint, fake_gpu_ray):
     torch_rows = metrics(run_job(config(tmp_path, checkpoint, "torch")))
-    monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
     megatron = ("train.backend=megatron", "train.num_gpus=2", "train.cp=2", "model.dtype=fp32")
-    run = run_job(config(tmp_path, checkpoint, "megatron", *megatron))
+    run = run_job(config(tmp_path, checkpoint, "megatron", *megatron), hooks=stand_ins(megatron=True))
     mega_rows = metrics(run)
     assert [r["step"] for r in mega_rows] == [1, 2]
 
@@ -93,13 +92,9 @@ def test_megatron_cp2_job_matches_the_torch_backend(bridge, tmp_path, checkpoint
     assert (run / "checkpoints" / "step_00000002" / "megatron_cpu_rank1.pt").exists()  # every rank saved
 
 
-def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake_gpu_ray, monkeypatch):
+def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake_gpu_ray):
     """Rank 0 broadcasts each bucket to an SGLang-API server (tests/rollout/sglang/hf_server.py, gloo in place of
     NCCL) while rank 1 takes part in the collective export: one group for the job, one POST per bucket."""
-    monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
-    monkeypatch.setenv(LAUNCH_MODULE_ENV, "tests.rollout.sglang.hf_server")
-    monkeypatch.setattr(weight_sync, "WEIGHT_BUCKET_BYTES", 64 * 1024)  # several buckets
-    monkeypatch.setattr(weight_sync, "GROUP_BACKEND", "gloo")
     journal = tmp_path / "journal"
     journal.mkdir()
     cfg = config(
@@ -110,7 +105,8 @@ def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake
         *("rollout.backend=sglang", "ray.placement=disaggregate", f"rollout.sglang.port={free_port()}"),
         *("rollout.sglang.startup_timeout_s=120", f"rollout.sglang.extra_args=[--fake-journal,{journal}]"),
     )
-    rows = metrics(run_job(cfg))
+    sync = WeightSyncOptions(bucket_bytes=64 * 1024, group_backend="gloo")  # several buckets; gloo in place of NCCL
+    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True, megatron=True, weight_sync=sync)))
     for r in rows:
         print("step", r["step"], "train_rollout_logprob_abs_diff", r["train/train_rollout_logprob_abs_diff"])
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4  # step 2: the server holds step 1's weights
@@ -158,25 +154,29 @@ def test_megatron_config_errors_name_the_fix(tmp_path, checkpoint, monkeypatch):
         config(tmp_path, checkpoint, "x", "train.backend=megatron", "train.num_gpus=2", "model.init=random")
     with pytest.raises(ConfigError, match=r"rollout.gpus_per_engine = 4 > train.num_gpus=2"):
         config(tmp_path, checkpoint, "x", "train.backend=megatron", "train.num_gpus=2", "rollout.gpus_per_engine=4")
-    monkeypatch.setattr(loop, "_importable", lambda module: not module.startswith("megatron"))
-    cfg = load_config(REPO / "configs" / "geo3k_qwen3vl_2b.yaml")
-    with pytest.raises(ConfigError, match=r"needs megatron.bridge, megatron.core.*install miles-vl\[megatron\]"):
-        run_job(cfg)
+    # Without megatron the preflight of `miles-vl check` / `train` (miles_vl.stack) names each package and the fix.
+    missing = (None, "ModuleNotFoundError: No module named 'megatron'", [])
+    monkeypatch.setattr(
+        stack, "quiet_import", lambda name: missing if name.startswith("megatron") else (stack, None, [])
+    )
+    problems = stack.backend_problems("hf", "megatron")
+    assert len(problems) == 2 and all("or set train.backend=torch" in p for p in problems), problems
+    assert "train.backend=megatron needs megatron-core" in problems[0] and "scripts/setup_megatron.sh" in problems[0]
 
 
 def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
-    """The driver calls `build_megatron_backend` (train/megatron/build.py) on GPUs only, and the CPU stand-in takes
-    `**options`, so a renamed argument would surface only on a cluster: bind the driver's arguments to the real
+    """The driver calls `build_megatron_backend` (train/megatron/build.py) on GPUs only, and the CPU stand-in is
+    another function, so a renamed argument would surface only on a cluster: bind the driver's arguments to the real
     signature, read from the source (importing build.py needs megatron and Transformer Engine)."""
     import ast
     import inspect
 
-    from miles_vl.data import load_processor, special_tokens
-    from miles_vl.orchestration.trainer import MEGATRON_BUILDER, algo_options, megatron_options
+    from miles_vl.data import load_processor
+    from miles_vl.models.qwen3_vl.tokens import special_tokens
+    from miles_vl.orchestration.factories import parallel_options, train_options
 
-    module, _, name = MEGATRON_BUILDER.partition(":")
-    tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
-    [fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    tree = ast.parse((REPO / "miles_vl" / "train" / "megatron" / "build.py").read_text())
+    [fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_megatron_backend"]
     params = [inspect.Parameter(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in fn.args.args]
     params += [  # kw_defaults: None where a keyword-only argument has no default
         inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY, default=inspect.Parameter.empty if d is None else d)
@@ -187,5 +187,7 @@ def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
     for path in sorted((REPO / "configs").glob("geo3k_qwen3vl_*.yaml")):
         cfg = load_config(path)
         assert cfg.train.backend == "megatron", path.name
-        bound = signature.bind(cfg.model.path, tokens, **megatron_options(cfg), **algo_options(cfg, tokens))
-        assert bound.arguments["tp"] == cfg.train.tp and bound.arguments["ep"] == cfg.train.ep
+        bound = signature.bind(cfg.model.path, tokens, train_options(cfg, tokens), parallel_options(cfg))
+        assert (
+            bound.arguments["parallel"].tp_size == cfg.train.tp and bound.arguments["parallel"].ep_size == cfg.train.ep
+        )

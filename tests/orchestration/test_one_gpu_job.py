@@ -25,9 +25,7 @@ from safetensors import safe_open
 from miles_vl.config import load_config
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import step_dir_name
-from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV
-from miles_vl.orchestration.trainer import MEGATRON_BUILDER_ENV
-from tests.orchestration.jobs import REPO, metrics, write_checkpoint
+from tests.orchestration.jobs import REPO, metrics, stand_ins, write_checkpoint
 from tests.patches.harness.shims import require_bridge
 
 spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
@@ -50,16 +48,14 @@ def one_fake_gpu():
     ray.shutdown()
 
 
-def test_one_gpu_job_runs_resumes_and_reports(tmp_path, one_fake_gpu, monkeypatch):
-    monkeypatch.setenv(MEGATRON_BUILDER_ENV, "tests.orchestration.megatron_cpu:build")
-    monkeypatch.setenv(LAUNCH_MODULE_ENV, "tests.rollout.sglang.hf_server")
+def test_one_gpu_job_runs_resumes_and_reports(tmp_path, one_fake_gpu):
     ckpt = write_checkpoint(tmp_path / "ckpt", initializer_range=0.2)
     rows = []
     for steps in (2, 3):  # the second run resumes from the checkpoint the first one wrote at its end
         cfg = load_config(loop_job.CONFIG, [*loop_job.overrides("tiny", ckpt, tmp_path, "one_gpu", steps), *CPU])
         assert (cfg.rollout.backend, cfg.train.backend, cfg.ray.placement) == ("sglang", "megatron", "colocate")
         assert (cfg.train.num_gpus, cfg.rollout.num_engines, cfg.rollout.gpus_per_engine) == (1, 1, 1)
-        run = run_job(cfg)
+        run = run_job(cfg, hooks=stand_ins(sglang=True, megatron=True))
         rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (run / "checkpoints" / step_dir_name(3)).is_dir()

@@ -23,11 +23,12 @@ import ray
 from safetensors.torch import load_file
 
 from miles_vl.config import ConfigError
-from miles_vl.orchestration import run_job, weight_sync
+from miles_vl.orchestration import run_job
+from miles_vl.orchestration.factories import server_spec
 from miles_vl.orchestration.loop import check_backends
-from miles_vl.orchestration.sglang_engines import LAUNCH_MODULE_ENV, server_spec
 from miles_vl.rollout.sglang import build_server_env
-from tests.orchestration.jobs import metrics, pretrained, tiny_job, write_checkpoint
+from miles_vl.rollout.weight_sync import WeightSyncOptions
+from tests.orchestration.jobs import metrics, pretrained, stand_ins, tiny_job, write_checkpoint
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
 from tests.rollout.sglang.hf_server import tensor_digest
@@ -49,9 +50,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def sglang_env(monkeypatch):
-    monkeypatch.setenv(LAUNCH_MODULE_ENV, "tests.rollout.sglang.hf_server")
-    monkeypatch.setattr(weight_sync, "WEIGHT_BUCKET_BYTES", 64 * 1024)  # the tiny model then takes several buckets
+def hooks():
+    # 64 KiB buckets: the tiny model then takes several
+    return stand_ins(sglang=True, weight_sync=WeightSyncOptions(bucket_bytes=64 * 1024))
 
 
 def config(tmp_path: Path, checkpoint: Path, name: str, *overrides: str):
@@ -113,12 +114,12 @@ def sync_sequences(records: list[dict]) -> list[list[str]]:
     return out
 
 
-def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, sglang_env, local_ray):
+def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, hooks, local_ray):
     journal_dir, crash = tmp_path / "journal", tmp_path / "crash-once"
     journal_dir.mkdir()
     crash.touch()
     extra = f"rollout.sglang.extra_args=[--fake-journal,{journal_dir},--fake-exit-file,{crash}]"
-    run = run_job(config(tmp_path, checkpoint, "colocated", extra))
+    run = run_job(config(tmp_path, checkpoint, "colocated", extra), hooks=hooks)
     rows = metrics(run)
 
     assert not crash.exists()  # a server did crash (on its first generate after the step-1 sync) ...
@@ -151,7 +152,7 @@ def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, sglang_env, loc
     assert [r["version"] for r in second[:first_generate] if r.get("event") == "weights"] == ["step-1"]
 
 
-def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, sglang_env, local_ray):
+def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, hooks, local_ray):
     journal_dir = tmp_path / "journal"
     journal_dir.mkdir()
     run = run_job(
@@ -163,7 +164,8 @@ def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, sglang_env,
             "rollout.num_engines=1",
             "eval.interval=0",
             f"rollout.sglang.extra_args=[--fake-journal,{journal_dir}]",
-        )
+        ),
+        hooks=hooks,
     )
     rows = metrics(run)
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows)
@@ -190,6 +192,10 @@ def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
             config(tmp_path, checkpoint, "x", "train.num_gpus=1", wide)
         check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1", "ray.placement=disaggregate", wide))
     check_backends(config(tmp_path, checkpoint, "x", "train.num_gpus=1"))  # one engine on the trainer's GPU
+    deterministic = "rollout.sglang.extra_args=[--enable-deterministic-inference]"
+    with pytest.raises(ConfigError, match="one_request_per_prompt=true with a deterministic server"):
+        check_backends(config(tmp_path, checkpoint, "x", deterministic, "rollout.sglang.one_request_per_prompt=true"))
+    check_backends(config(tmp_path, checkpoint, "x", deterministic))  # null: one request per sample there
 
 
 def test_server_spec_follows_the_config(tmp_path):

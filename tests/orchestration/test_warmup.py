@@ -21,13 +21,15 @@ import pytest
 import torch
 
 from miles_vl.config import load_config
-from miles_vl.data import build_datasets, load_processor, special_tokens
+from miles_vl.data import build_datasets, load_processor
 from miles_vl.data.records import PromptRow
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration import run_job
-from miles_vl.orchestration.trainer import build_train_backend
+from miles_vl.orchestration.factories import build_torch
 from miles_vl.orchestration.warmup import format_warmup, warmup_samples, warmup_targets
 from miles_vl.reward import RewardSample, geo3k_reward
 from miles_vl.reward.math_answer import extract_last_boxed
+from miles_vl.train import train_step
 from tests.orchestration.jobs import PIXELS, REPO, metrics, tiny_job
 
 
@@ -148,20 +150,24 @@ def test_the_warmup_lr_holds_for_the_warmup_steps_only(processor):
 def test_torch_backend_set_lr_sets_the_peak_lr_under_the_lr_warmup(processor):
     """optimizer.warmup_steps=4: step k (0-based) runs at lr * (k+1)/4; set_lr changes lr and keeps the factor."""
     tokens = special_tokens(processor)
-    backend = build_train_backend(job_config("train.optimizer.lr=1e-3", "train.optimizer.warmup_steps=4"), tokens)
+    cfg = job_config("train.optimizer.lr=1e-3", "train.optimizer.warmup_steps=4")
+    backend = build_torch(cfg, tokens)
+    options = backend.options
     dataset = build_datasets(job_config().data, processor, seed=0).train
     samples = warmup_samples([dataset[0]], ["<think></think>\\boxed{A}"], processor.tokenizer, tokens.eos_token_ids[0])
     backend.set_lr(1e-2)
-    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 4)
-    assert backend.train(samples)["train/lr"] == pytest.approx(1e-2 * 2 / 4)  # after the step: the next step's lr
+    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 4) == backend.lr()
+    assert train_step(backend, samples)["train/lr"] == pytest.approx(1e-2 * 2 / 4)  # after the step: the next one's
     backend.set_lr(1e-4)
-    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 2 / 4)
+    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 2 / 4) == backend.lr()
+    assert backend.options.optimizer.lr == 1e-4 and backend.options.optimizer.warmup_steps == 4
+    assert options.optimizer.lr == cfg.train.optimizer.lr == 1e-3  # the options it was built with are not changed
 
 
 def test_a_warmup_step_is_sft(processor):
     cfg = job_config("train.optimizer.lr=1e-2")
     tokens = special_tokens(processor)
-    backend = build_train_backend(cfg, tokens)
+    backend = build_torch(cfg, tokens)
     dataset = build_datasets(cfg.data, processor, seed=cfg.seed).train
     prompts = [dataset[i] for i in range(4)]
     samples = warmup_samples(
@@ -169,7 +175,7 @@ def test_a_warmup_step_is_sft(processor):
     )
     before = torch.cat(backend.compute_logprobs(samples)).mean()
     for _ in range(3):
-        backend.train(samples)
+        train_step(backend, samples)
     assert torch.cat(backend.compute_logprobs(samples)).mean() > before + 1.0
 
 

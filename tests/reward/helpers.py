@@ -3,7 +3,22 @@
 from miles_vl.reward import RewardSample
 
 NOT_CALLABLE = 42
-AS_LAMBDA = lambda sample: 1.0  # noqa: E731 (the case under test: a lambda does not pickle by reference)
+AS_LAMBDA = lambda sample: 1.0  # noqa: E731 (the case under test: a lambda pickles by value, with cloudpickle)
+
+
+class _HoldsLock:
+    """A callable that holds a lock: neither pickle nor cloudpickle can send it to a worker."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, sample: RewardSample) -> float:
+        return 1.0
+
+
+HOLDS_LOCK = _HoldsLock()
 
 
 def exact_match(sample: RewardSample) -> float:

@@ -44,7 +44,7 @@ def test_module_function_path_to_a_test_helper():
         ("geo3k", {"format_weight": 2.0}, "reward 'geo3k': bad option: format_weight must be in"),
         ("geo3k", {"format_pattern": "[unclosed"}, "reward 'geo3k': bad option: format_pattern .* not a valid"),
         ("geo3k", {"sample": 1}, "cannot be called with one sample"),
-        ("tests.reward.helpers:AS_LAMBDA", {}, "cannot be sent to the reward worker processes .*module level"),
+        ("tests.reward.helpers:HOLDS_LOCK", {}, "cannot be sent to a worker process .*module level"),
     ],
 )
 def test_resolution_errors_name_the_problem(name, options, message):

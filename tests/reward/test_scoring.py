@@ -158,11 +158,16 @@ def test_the_async_form_from_inside_an_event_loop():
 
 
 def test_a_reward_that_cannot_reach_a_worker_is_refused_at_start(tmp_path, monkeypatch):
-    def local(sample):
-        return 1.0
+    import threading
+
+    lock = threading.Lock()
+
+    def holds_a_lock(sample):
+        with lock:
+            return 1.0
 
     with pytest.raises(TypeError, match="cannot be sent to a worker process.*define it at module level"):
-        RewardPool(local, timeout_s=1.0)
+        RewardPool(holds_a_lock, timeout_s=1.0)
     # importable here, not in the worker (its folder is not on the path the workers get): the pool says why
     (tmp_path / "only_here.py").write_text("def score(sample):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -7,11 +7,10 @@ import copy
 import pytest
 import torch
 
-from miles_vl.model import build_model
-from miles_vl.train.torch_backend import TorchTrainBackend
-from miles_vl.train.types import TrainSample
+from miles_vl.models.qwen3_vl.model import build_model
+from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample, train_step
 from tests.packing.samples import IMAGE, VEND, VIDEO, VSTART
-from tests.rollout.test_hf_engine import PATCH, SPECIAL
+from tests.rollout.hf.test_engine import PATCH, SPECIAL
 
 
 def make_samples():
@@ -39,8 +38,9 @@ def make_samples():
     return out
 
 
-def backend(model, **kw):
-    return TorchTrainBackend(model, SPECIAL, lr=1e-2, **kw)
+def backend(model, *, warmup_steps: int = 0, loss: LossOptions | None = None, **kw):
+    optimizer = OptimizerOptions(lr=1e-2, warmup_steps=warmup_steps)
+    return TorchTrainBackend(model, SPECIAL, TrainOptions(optimizer, loss or LossOptions(), **kw))
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +51,17 @@ def base_model():
 def grads(b, samples):
     old = b.compute_logprobs(samples)
     b.optimizer.zero_grad(set_to_none=True)
-    metrics, finite, _ = b.accumulate_gradients(samples, list(range(len(samples))), old)
+    metrics, _, finite = b.accumulate_gradients(samples, list(range(len(samples))), old)
     assert finite
     return metrics, {n: p.grad.clone() for n, p in b.model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_packed_equals_unpacked(base_model, reduction):
     samples = make_samples()
-    packed_b = backend(copy.deepcopy(base_model), loss_reduction=reduction, micro_batch_max_tokens=4096)
-    alone_b = backend(copy.deepcopy(base_model), loss_reduction=reduction)
+    loss = LossOptions(reduction=reduction, max_response_len=8)
+    packed_b = backend(copy.deepcopy(base_model), loss=loss, micro_batch_max_tokens=4096)
+    alone_b = backend(copy.deepcopy(base_model), loss=loss)
     alone_b._micro_batches = lambda batch: [[i] for i in range(len(batch))]  # every sample in its own row
     assert len(packed_b._micro_batches(samples)) == 1
     m1, g1 = grads(packed_b, samples)
@@ -105,11 +106,39 @@ def test_gradient_matches_transformers_reference(base_model):
             torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_gspo_packed_equals_unpacked_and_moves_along_the_advantage(base_model):
+    """GSPO through the torch backend: one packed row and one row per sample give the same loss and gradients (the
+    sequence ratio is per sample, never per row); a step raises the positive-advantage sample's logprobs."""
+    samples = make_samples()
+    loss = LossOptions(policy_loss_type="gspo", reduction="seq_mean_token_mean")
+    packed_b = backend(copy.deepcopy(base_model), loss=loss, micro_batch_max_tokens=4096)
+    alone_b = backend(copy.deepcopy(base_model), loss=loss)
+    alone_b._micro_batches = lambda batch: [[i] for i in range(len(batch))]
+    m1, g1 = grads(packed_b, samples)
+    m2, g2 = grads(alone_b, samples)
+    torch.testing.assert_close(m1.loss, m2.loss, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6, msg=name)
+    before = packed_b.compute_logprobs(samples)
+    train_step(packed_b, samples)
+    assert packed_b.compute_logprobs(samples)[0].sum() > before[0].sum()
+
+
+def test_dr_grpo_loss_is_the_token_sum_over_a_constant(base_model):
+    """Dr.GRPO's reduction at the first micro-step (ratio 1): loss = -sum_i A_i * |y_i| / (N_samples * max_len),
+    written out here from the samples, not from the weights helper."""
+    samples = make_samples()
+    b = backend(copy.deepcopy(base_model), loss=LossOptions(reduction="seq_mean_token_sum_norm", max_response_len=8))
+    metrics, _ = grads(b, samples)
+    expected = -sum(s.advantage * s.response_len for s in samples) / (len(samples) * 8)
+    assert float(metrics.loss) == pytest.approx(expected, abs=1e-6)
+
+
 def test_step_follows_the_advantage(base_model):
     samples = make_samples()
     b = backend(copy.deepcopy(base_model), micro_batch_max_tokens=4096)
     before = b.compute_logprobs(samples)
-    metrics = b.train(samples)
+    metrics = train_step(b, samples)
     after = b.compute_logprobs(samples)
     assert metrics["train/optimizer_steps"] == 1 and metrics["train/skipped_nonfinite_steps"] == 0
     assert after[0].sum() > before[0].sum()  # advantage +1
@@ -123,7 +152,7 @@ def test_nonfinite_loss_skips_the_step(base_model):
     samples[0].advantage = float("nan")
     b = backend(copy.deepcopy(base_model))
     weights = {n: p.clone() for n, p in b.model.named_parameters()}
-    metrics = b.train(samples)
+    metrics = train_step(b, samples)
     assert metrics["train/skipped_nonfinite_steps"] == 1
     assert all(torch.equal(weights[n], p) for n, p in b.model.named_parameters())
 
@@ -131,11 +160,11 @@ def test_nonfinite_loss_skips_the_step(base_model):
 def test_checkpoint_round_trip_continues_identically(base_model, tmp_path):
     samples = make_samples()
     a = backend(copy.deepcopy(base_model), warmup_steps=3)
-    a.train(samples)
+    train_step(a, samples)
     a.save_checkpoint(tmp_path)
     b = backend(build_model(SPECIAL, tiny=dict(initializer_range=0.2), seed=99), warmup_steps=3)
     b.load_checkpoint(tmp_path)
-    ma, mb = a.train(samples), b.train(samples)
+    ma, mb = train_step(a, samples), train_step(b, samples)
     assert ma == mb
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
@@ -168,7 +197,7 @@ def test_frozen_vision_is_not_trained_or_exported(base_model):
     names = [n for n, _ in b.export_weights()]
     assert names and not any(".visual." in n or n.startswith("model.visual") for n in names)
     before = {n: p.clone() for n, p in b.model.model.visual.named_parameters()}
-    b.train(make_samples())
+    train_step(b, make_samples())
     assert all(torch.equal(before[n], p) for n, p in b.model.model.visual.named_parameters())
 
 
@@ -176,14 +205,16 @@ def test_rollout_logprob_length_checked(base_model):
     samples = make_samples()
     samples[1].rollout_logprobs = torch.zeros(5)
     with pytest.raises(ValueError, match="sample 1: 5 rollout logprobs for 2 response tokens"):
-        backend(copy.deepcopy(base_model)).train(samples)
+        train_step(backend(copy.deepcopy(base_model)), samples)
 
 
 def test_old_and_new_logprobs_agree_at_the_first_micro_step(base_model):
     """The no-grad scoring pass and the training forward must describe the same distribution (temperature and
     banned tokens included), or every ratio starts away from 1."""
     samples = make_samples()
-    b = backend(copy.deepcopy(base_model), temperature=0.7, suppress_token_ids=(IMAGE, VIDEO, VSTART, VEND))
+    b = backend(
+        copy.deepcopy(base_model), loss=LossOptions(temperature=0.7, suppress_token_ids=(IMAGE, VIDEO, VSTART, VEND))
+    )
     metrics, _ = grads(b, samples)
     d = metrics.as_dict()
     assert d["ratio_min"] == pytest.approx(1.0, abs=1e-5) and d["ratio_max"] == pytest.approx(1.0, abs=1e-5)

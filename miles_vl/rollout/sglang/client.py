@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from miles_vl.rollout.types import EngineDiedError
+
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -61,7 +63,7 @@ class SGLangRequestError(SGLangError):
         self.path = path
 
 
-class SGLangServerDiedError(SGLangError):
+class SGLangServerDiedError(SGLangError, EngineDiedError):
     """The supervised server process is gone (exit code and the tail of its log are in the message)."""
 
 
@@ -251,6 +253,17 @@ class SGLangClient:
             )
         return body
 
+    def generate_n(self, payload: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+        """`POST /generate` of one prompt with `sampling_params.n = n` > 1; returns the `n` response dicts in order."""
+        body = self.post_json("/generate", dict(payload))
+        if not isinstance(body, list) or len(body) != n or not all(isinstance(b, dict) for b in body):
+            got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+            raise SGLangResponseError(
+                f"/generate with sampling_params.n={n} at {self.base_url} answered {got}, expected a list of {n} "
+                "objects (SGLang 0.5.16 answers one body per sample)"
+            )
+        return body
+
     def flush_cache(self, *, timeout_s: float = 0.0) -> None:
         """`POST /flush_cache?timeout=...`: drop the radix (prefix) cache.
 
@@ -288,7 +301,8 @@ class SGLangClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
     ) -> None:
-        """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see weights.py).
+        """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see
+        miles_vl/rollout/weight_sync.py).
 
         Safe to retry: loading the same tensors twice gives the same weights.
         """

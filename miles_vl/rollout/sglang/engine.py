@@ -8,21 +8,26 @@ images needs `images`: the decoded images (PIL, or encoded bytes) in the order t
 because SGLang runs its own image processor and takes no pixel values over HTTP (see generate.py). Every response
 is checked to have used exactly our prompt ids (`PromptMismatchError` names the first differing position).
 
-`n` samples per prompt are sent as `n` independent requests, each with its own `sampling_seed` (a pure function of
-`params.seed`, the prompt index and the sample index), rather than one request with `sampling_params.n`: results come
-back in a fixed order, one failed sample is retried alone, and runs with `--enable-deterministic-inference` are
-reproducible per sample. The shared prompt prefix is still computed once per batch wave by SGLang's radix cache.
+`n` samples per prompt go out as one request with `sampling_params.n = n` (`one_request_per_prompt`, the default
+unless the server samples deterministically): SGLang then decodes the prompt's images, runs its image processor and
+hashes the pixels once per prompt instead of once per sample, and prefills the prompt once (generate.py). That work
+is serial in SGLang's one tokenizer process and dominated the time before the first decode step (docs/benchmarks.md).
+A sample that SGLang aborts (200 with an abort finish reason) is sent again alone. With
+`--enable-deterministic-inference` SGLang gives all `n` samples of a request the one `sampling_seed`, so the `n`
+samples would be the same: there each sample is its own request, with its own seed (a pure function of
+`params.seed`, the prompt index and the sample index), reproducible per sample; the shared prompt prefix is still
+computed once per batch wave by SGLang's radix cache. Either way results come back in a fixed order.
 
-Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, weights.py); a caller that receives
-the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and `finish_weight_sync` (a
-server restart in between is detected and the sync must begin again); after an NCCL sync driven by the trainer
-(`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's `meta_info.weight_version` must
-equal the version last synced: a server that restarted (and reloaded `model_path`) cannot silently serve stale
-weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a server started with
-`--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU backup) and
-`generate` refuses to run until `load_weights` has been called. Every colocated sync is verified (verify.py): names
-the server's checkpoint does not have are refused before they are sent (SGLang would skip them silently), and a few
-small tensors sent with new values must have changed on the server.
+Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, miles_vl/rollout/weight_sync.py); a caller
+that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
+`finish_weight_sync` (a server restart in between is detected and the sync must begin again); after an NCCL sync driven
+by the trainer (`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's
+`meta_info.weight_version` must equal the version last synced: a server that restarted (and reloaded `model_path`)
+cannot silently serve stale weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a
+server started with `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU
+backup) and `generate` refuses to run until `load_weights` has been called. Every colocated sync is verified
+(verify.py): names the server's checkpoint does not have are refused before they are sent (SGLang would skip them
+silently), and a few small tensors sent with new values must have changed on the server.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
@@ -50,14 +56,14 @@ from miles_vl.rollout.sglang.generate import (
     sampling_seed,
 )
 from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
-from miles_vl.rollout.sglang.weights import (
+from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
+from miles_vl.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     SyncReport,
     finish_tensor_sync,
     iter_buckets,
     send_tensor_bucket,
 )
-from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,8 @@ class SGLangRolloutEngine:
         deterministic: the server runs with `--enable-deterministic-inference` (or `--rl-on-policy-target`, which turns
             it on): only then does it sample with each request's `sampling_seed`. Without it the engine warns once
             that sampled responses are not reproducible by `SamplingParams.seed`.
+        one_request_per_prompt: send a prompt's `n` samples as one request (module docstring); None: yes unless
+            `deterministic` (where it is refused: the samples would be identical).
     """
 
     def __init__(
@@ -130,17 +138,20 @@ class SGLangRolloutEngine:
         known_names: frozenset[str] | None = None,
         verify_weights: bool = True,
         deterministic: bool = False,
+        one_request_per_prompt: bool | None = None,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
+        if one_request_per_prompt and deterministic:
+            raise ValueError(
+                "one_request_per_prompt with a deterministic server (--enable-deterministic-inference): SGLang gives "
+                "every sample of a request the same sampling_seed, so the n samples of a prompt would be identical; "
+                "set rollout.sglang.one_request_per_prompt to false (or null) for deterministic rollouts"
+            )
         self.client = client
         self.tokens = tokens
         self.stop_token_ids = tuple(int(t) for t in tokens.eos_token_ids)
-        self.banned_token_ids = (
-            (tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
-            if ban_vision_tokens
-            else ()
-        )
+        self.banned_token_ids = vision_token_ids(tokens) if ban_vision_tokens else ()
         self.tp_size = tp_size
         self.max_concurrency = max_concurrency
         self.weight_bucket_bytes = weight_bucket_bytes
@@ -152,6 +163,7 @@ class SGLangRolloutEngine:
         self.flush_timeout_s = flush_timeout_s
         self.max_abort_retries = max_abort_retries
         self.deterministic = deterministic
+        self.one_request_per_prompt = not deterministic if one_request_per_prompt is None else one_request_per_prompt
         self.verifier = SyncVerifier(client, known_names, check_values=verify_weights)
         self._warned_seed = False
         self.initial_weight_version = weight_version
@@ -189,52 +201,82 @@ class SGLangRolloutEngine:
             return []
         # fail on a bad prompt before any request
         images = [prompt_images(p, i, self.tokens.video_token_id) for i, p in enumerate(prompts)]
-        jobs = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
-        results: dict[tuple[int, int], Generation] = {}
+        grouped = self.one_request_per_prompt and params.n > 1
+        jobs = (
+            [(i, None) for i in range(len(prompts))]
+            if grouped
+            else [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        )
+        results: dict[int, list[Generation]] = {i: [] for i in range(len(prompts))}
         with ThreadPoolExecutor(
             max_workers=min(self.max_concurrency, len(jobs)), thread_name_prefix="sglang-gen"
         ) as pool:
             urls = list(pool.map(lambda ims: [image_data_url(im) for im in ims], images))
-            futures = {
-                pool.submit(self._generate_one, prompts[i].prompt_ids, urls[i], params, i, j): (i, j) for i, j in jobs
-            }
+
+            def run(i: int, j: int | None) -> list[Generation]:
+                if j is None:
+                    return self._generate_group(prompts[i].prompt_ids, urls[i], params, i)
+                return [self._generate_one(prompts[i].prompt_ids, urls[i], params, i, j)]
+
+            futures = [pool.submit(run, i, j) for i, j in jobs]
             try:
-                for future in futures:
-                    results[futures[future]] = future.result()
+                for (i, _), future in zip(jobs, futures, strict=True):
+                    results[i] += future.result()
             except BaseException:
                 # Drop queued requests; those in flight end within the client's timeout.
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
-        return [[results[(i, j)] for j in range(params.n)] for i in range(len(prompts))]
+        return [results[i] for i in range(len(prompts))]
+
+    def _generate_group(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int) -> list[Generation]:
+        """The `params.n` samples of prompt i as one request; a sample SGLang aborted is sent again alone."""
+        ids = [int(t) for t in prompt_ids.tolist()]
+        payload = self._payload(ids, urls, params, sampling_seed(params.seed, i, 0, params.n), n=params.n)
+        generations: list[Generation] = []
+        for j, body in enumerate(self.client.generate_n(payload, params.n)):
+            try:
+                generation = self._parse(body, ids, params, i)
+            except GenerationAbortedError as e:
+                log.warning("%s (sample %d of %d); sending that sample again alone", e, j, params.n)
+                generation = self._generate_one(prompt_ids, urls, params, i, j)
+            generations.append(generation)
+        return generations
 
     def _generate_one(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int, j: int) -> Generation:
         ids = [int(t) for t in prompt_ids.tolist()]
-        payload = build_generate_payload(
-            request_input_ids(ids, self.tokens.image_token_id, len(urls)) if urls else ids,
-            urls,
-            params,
-            seed=sampling_seed(params.seed, i, j, params.n),
-            stop_token_ids=self.stop_token_ids,
-            banned_token_ids=self.banned_token_ids,
-        )
+        payload = self._payload(ids, urls, params, sampling_seed(params.seed, i, j, params.n))
         for attempt in range(self.max_abort_retries + 1):
             body = self.client.generate(payload)
             try:
-                generation, version = parse_generate_response(
-                    body,
-                    prompt_ids=ids,
-                    stop_token_ids=self.stop_token_ids,
-                    max_new_tokens=params.max_new_tokens,
-                    prompt_index=i,
-                )
+                return self._parse(body, ids, params, i)
             except GenerationAbortedError as e:
                 if attempt == self.max_abort_retries:
                     raise SGLangError(f"{e} ({attempt + 1} attempts); see the server log for why it aborts") from e
                 log.warning("%s; sending it again", e)
-                continue
-            self._check_version(version, i)
-            return generation
         raise AssertionError("unreachable")
+
+    def _parse(self, body: dict, ids: list[int], params: SamplingParams, i: int) -> Generation:
+        """One answer body as a Generation, checked against our prompt ids and the last synced weight version."""
+        generation, version = parse_generate_response(
+            body,
+            prompt_ids=ids,
+            stop_token_ids=self.stop_token_ids,
+            max_new_tokens=params.max_new_tokens,
+            prompt_index=i,
+        )
+        self._check_version(version, i)
+        return generation
+
+    def _payload(self, ids: list[int], urls: list[str], params: SamplingParams, seed: int, n: int = 1) -> dict:
+        return build_generate_payload(
+            request_input_ids(ids, self.tokens.image_token_id, len(urls)) if urls else ids,
+            urls,
+            params,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            banned_token_ids=self.banned_token_ids,
+            n=n,
+        )
 
     def _check_version(self, version: str | None, prompt_index: int) -> None:
         if self.weight_version is not None and version is not None and version != self.weight_version:

@@ -28,6 +28,14 @@ Logprobs: 0.5.16 returns log softmax(logits / T) of the sampled token (`Sampler.
 `python/sglang/srt/layers/sampler.py`): top-p/top-k truncation is not applied to the reported value, and
 `logit_bias` is. With top_p=1 and top_k=-1 this is the distribution the trainer scores and equals the hf engine's.
 
+`sampling_params.n` > 1 (`TokenizerManager._handle_batch_request`, `srt/managers/tokenizer_manager.py:1630-1683`):
+SGLang tokenizes the prompt and runs its image processor, hash and transfer once (`_tokenize_one_request`), sends a
+prefill-only copy (`max_new_tokens = 0`) that puts the prompt in the radix cache and waits for it, then sends `n`
+copies of the same tokenized request with fresh rids and the same sampling parameters, `sampling_seed` included
+(so with `--enable-deterministic-inference` all `n` samples would be the same). The answer is a JSON list of the `n`
+bodies, each as for one request, in order; an abort with a status code fails the whole call, one without (200 with
+`finish_reason.type == "abort"`) only its own body.
+
 Images are sent as PNG data URLs of the decoded pixels: lossless, and the server never decodes a JPEG with nvJPEG
 (0.5.16 does so on the GPU in `python/sglang/srt/utils/common.py:_load_image`), whose output can differ from PIL's.
 """
@@ -188,20 +196,26 @@ def build_generate_payload(
     seed: int,
     stop_token_ids: Sequence[int],
     banned_token_ids: Sequence[int] = (),
+    n: int = 1,
 ) -> dict[str, Any]:
-    """One `GenerateReqInput` body: one prompt, one sample (`n` is expanded by the caller, see engine.py).
+    """One `GenerateReqInput` body: one prompt, `n` samples (engine.py decides how a call's samples are split into
+    requests; `params.n` is not read here).
 
     Args:
         prompt_ids: the ids to send: `request_input_ids` of the canonical ids when images go with them.
         image_urls: `image_data_url` of each image, in prompt order.
-        params: sampling parameters (`params.n` is ignored here).
-        seed: this request's `sampling_seed`.
+        params: sampling parameters.
+        seed: this request's `sampling_seed` (SGLang gives it to all `n` samples).
         stop_token_ids: EOS ids; generation stops after emitting one (it stays in `output_ids`).
         banned_token_ids: ids given a -1e9 logit bias (e.g. vision tokens, as the hf engine bans them).
+        n: samples of this prompt in this request (`sampling_params.n`); the server answers a list of `n` bodies
+            when n > 1.
 
     Returns:
         The JSON body.
     """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, found {n}")
     sampling: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -210,6 +224,8 @@ def build_generate_payload(
         "stop_token_ids": [int(t) for t in stop_token_ids],
         "sampling_seed": seed,
     }
+    if n > 1:
+        sampling["n"] = n
     if banned_token_ids:
         sampling["logit_bias"] = {str(int(t)): BANNED_LOGIT_BIAS for t in banned_token_ids}
     payload: dict[str, Any] = {

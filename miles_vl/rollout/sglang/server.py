@@ -306,6 +306,16 @@ class ServerProcess:
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def exits_within(self, timeout_s: float) -> bool:
+        """Whether the process is gone or exits within `timeout_s` (a server that closed its socket while dying)."""
+        if self._proc is None:
+            return False
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def death_reason(self) -> str | None:
         """None while running (or never started); else the exit status and the end of the log."""
         if self._proc is None or self._proc.poll() is None:

@@ -46,14 +46,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles_vl.models.qwen3_vl import HF_VISION_PREFIX, SGLANG_RENAMES
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError, SGLangResponseError
 
 log = logging.getLogger(__name__)
 
 PROBE_MAX_NUMEL = 1 << 20  # probes are small tensors: their fingerprint is a CPU hash of their bytes
-VISION_PREFIX = "model.visual."
-# `load_weights`'s plain renames for Qwen3-VL (qwen3_vl.py:1463 and :1515-1516), in its order.
-RENAMES = (("model.language_model.", "model."), ("attn.qkv.", "attn.qkv_proj."), ("model.visual.", "visual."))
+VISION_PREFIX = HF_VISION_PREFIX
+RENAMES = SGLANG_RENAMES
 
 
 class WeightSyncError(SGLangError):

@@ -1,7 +1,7 @@
 """The production `megatron` train backend (megatron-bridge Qwen3-VL, TP/PP/CP/EP, pre-sharded THD rows).
 
     from miles_vl.train.megatron import build_megatron_backend
-    backend = build_megatron_backend(hf_path, tokens, tp=2, cp=2, lr=1e-6, micro_batch_max_tokens=16384)
+    backend = build_megatron_backend(hf_path, tokens, options, ParallelOptions(tp_size=2, cp_size=2))  # parallel.py
 
 Modules: `plan` (samples -> DP ranks -> micro-batches), `batch` (packing, the CP shard, model and loss inputs),
 `vocab_parallel` (label logprobs / entropy over TP-split logits), `step` (megatron's forward step and loss function,
@@ -9,8 +9,8 @@ the gradient-scaling contract), `parallel` (process groups, gathers, metric redu
 the engines, streamed; the driver buckets them), `checkpoint` (distributed checkpoints), `backend` (the
 `TrainBackend`), `build` (AutoBridge, DDP, distributed optimizer: the CUDA-only parts).
 
-Importing `backend` or `build` imports megatron and installs `miles_vl.patches`; this package's names load lazily so
-that `import miles_vl.train.megatron.plan` (pure torch) does not.
+Importing `backend` or `build` imports megatron and installs `miles_vl.patches`; `build_megatron_backend` loads
+lazily so that `import miles_vl.train.megatron.plan` (pure torch) does not.
 """
 
 from __future__ import annotations
@@ -18,13 +18,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-_LAZY = {
-    "MegatronTrainBackend": "miles_vl.train.megatron.backend",
-    "build_megatron_backend": "miles_vl.train.megatron.build",
-    "build_provider": "miles_vl.train.megatron.build",
-    "export_hf_weights": "miles_vl.train.megatron.export",
-    "vocab_parallel_logprobs": "miles_vl.train.megatron.vocab_parallel",
-}
+_LAZY = {"build_megatron_backend": "miles_vl.train.megatron.build"}
 
 __all__ = sorted(_LAZY)
 

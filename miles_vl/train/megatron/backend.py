@@ -1,18 +1,17 @@
 """The production train backend: megatron-bridge's Qwen3-VL under TP/PP/CP/EP, trained on pre-sharded THD rows.
 
-    backend = build_megatron_backend(hf_path, tokens, tp=2, cp=2, lr=1e-6, ...)   # build.py (GPUs, NCCL)
-    metrics = backend.train(samples)          # every rank of the train group calls with the SAME samples
+    parallel = ParallelOptions(tp_size=2, cp_size=2)
+    backend = build_megatron_backend(hf_path, tokens, options, parallel)   # build.py (GPUs, NCCL)
+    metrics = train_step(backend, samples)    # miles_vl/train/step.py; every rank calls with the SAME samples
 
-One RL step (`train`) is the torch backend's step (miles_vl/train/torch_backend.py) spread over the process grid:
-1. old logprobs of every response token (`compute_logprobs`, no gradient); reference logprobs when `kl_coef > 0`
-   (the initial weights, swapped in for that pass);
-2. for each PPO epoch and mini-batch of `global_batch_size` samples: the samples are split over DP ranks (equal
-   counts, balanced tokens), each rank's share is cut into micro-batches under the token budget, packed as THD
-   rows and zigzag-sharded over CP (`batch.py`); megatron's schedule runs forward/backward per micro-batch
-   (`step.py`) with the loss of each rank's local label positions weighted by the mini-batch's global
-   denominators, so gradients summed over CP, DP and micro-batches are those of the mini-batch loss (the scaling
-   is derived in step.py); then gradient clipping and one optimizer step. A non-finite gradient norm skips the
-   step and is counted.
+The RL step (miles_vl/train/step.py) is the same as the torch backend's; this backend spreads its parts over the
+process grid: old and reference logprobs (`compute_logprobs`, `compute_ref_logprobs`: the initial weights, swapped
+in for that pass) are gathered to every rank; for a mini-batch (`accumulate_gradients`) the samples are split over
+DP ranks (equal counts, balanced tokens), each rank's share is cut into micro-batches under the token budget,
+packed as THD rows and zigzag-sharded over CP (`batch.py`); megatron's schedule runs forward/backward per
+micro-batch (`step.py`) with the loss of each rank's local label positions weighted by the mini-batch's global
+denominators, so gradients summed over CP, DP and micro-batches are those of the mini-batch loss (the scaling is
+derived in step.py); `optimizer_step` clips and steps, skipping a non-finite gradient norm.
 
 The same per-sample loss as the torch backend: logits at a row position score the next token, divided by the
 temperature, with the engine's suppressed tokens removed (`vocab_parallel.py`), and `miles_vl.algo.policy_loss`
@@ -25,32 +24,30 @@ optimizer methods and `step.sequential_forward_backward`, and run this same code
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import miles_vl.patches
-from miles_vl.algo import LossReduction, PolicyLossMetrics, combine_metrics, loss_denominators, policy_loss
-from miles_vl.model import SpecialTokens
+from miles_vl.algo import PolicyLossMetrics, combine_metrics, loss_denominators, policy_loss
+from miles_vl.models import SpecialTokens
+from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.megatron import checkpoint as ckpt
-from miles_vl.train.megatron.batch import (
-    MicroBatch,
-    attach_loss_inputs,
-    check_loss_masks,
-    pack_micro_batch,
-    sample_loss_tokens,
-)
+from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
 from miles_vl.train.megatron.export import export_hf_weights
 from miles_vl.train.megatron.parallel import ParallelGroups, all_reduce_sum, gather_per_sample, reduce_metrics
 from miles_vl.train.megatron.plan import plan_data_parallel, split_for_data_parallel
-from miles_vl.train.megatron.step import StepOptions, check_token_norm, forward_step
-from miles_vl.train.types import TrainSample
+from miles_vl.train.megatron.step import ForwardOptions, check_token_norm, forward_step
+from miles_vl.train.types import Accumulated, LossOptions, TrainOptions, TrainSample
 
 miles_vl.patches.install()  # megatron-bridge's Qwen3-VL module must be patched before the first forward
 
@@ -66,12 +63,12 @@ class MegatronTrainBackend:
         optimizer: megatron optimizer, its `clip_grad` set (or an object with `zero_grad`, `prepare_grads`,
             `get_grad_norm`, `step`, `param_groups`, `sharded_state_dict`, `load_state_dict`).
         tokens: special token ids.
+        options: optimizer, loss and batching (betas, eps and the gradient clipping live in the optimizer's config).
         groups: process groups (default: megatron's parallel state).
         schedule: megatron's forward_backward function (default `get_forward_backward_func()`).
         bridge: the AutoBridge the model came from (needed by `export_weights`).
         frozen_prefixes: megatron parameter names that are frozen (not exported), e.g. ("vision_model.",).
         device: where micro-batches and collectives go (default: the current CUDA device, else CPU).
-        Others: as `TorchTrainBackend` (betas, eps and the gradient clipping live in the optimizer's config).
     """
 
     def __init__(
@@ -79,29 +76,13 @@ class MegatronTrainBackend:
         model: list[torch.nn.Module],
         optimizer,
         tokens: SpecialTokens,
+        options: TrainOptions,
         *,
         groups: ParallelGroups | None = None,
         schedule: Callable | None = None,
         bridge=None,
         frozen_prefixes: Sequence[str] = (),
         device: torch.device | str | None = None,
-        lr: float,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        micro_batch_max_tokens: int = 8192,
-        global_batch_size: int | None = None,
-        ppo_epochs: int = 1,
-        temperature: float = 1.0,
-        suppress_token_ids: Sequence[int] = (),
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        dual_clip_c: float | None = None,
-        loss_reduction: LossReduction = "token_mean",
-        kl_coef: float = 0.0,
-        kl_estimator: str = "low_var_kl",
-        entropy_coef: float = 0.0,
-        tis_mode: str | None = None,
-        tis_cap: float = 2.0,
     ):
         from megatron.core.utils import get_model_config
 
@@ -120,24 +101,10 @@ class MegatronTrainBackend:
         self.frozen_prefixes = tuple(frozen_prefixes)
         self.device = torch.device(device) if device is not None else _default_device()
         self.config = get_model_config(self.model[0])
-        self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
-        self.max_tokens = micro_batch_max_tokens
-        self.global_batch_size = global_batch_size
-        self.ppo_epochs = ppo_epochs
-        self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: score the plain softmax
-        self.suppress = tuple(suppress_token_ids)
-        self.reduction = loss_reduction
-        self.loss_kwargs = dict(
-            clip_low=clip_low,
-            clip_high=clip_high,
-            dual_clip_c=dual_clip_c,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            entropy_coef=entropy_coef,
-            tis_mode=tis_mode,
-            tis_cap=tis_cap,
-        )
-        self.ref_weights = _snapshot(self.model) if kl_coef > 0 else None  # the initial weights, on the CPU
+        self.options = options
+        self.loss = options.loss
+        self.dp_size = self.groups.dp_size
+        self.ref_weights = _snapshot(self.model) if self.loss.kl_coef > 0 else None  # the initial weights, on the CPU
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -156,23 +123,21 @@ class MegatronTrainBackend:
             tp_size=g.pack_tp_size,
         )
 
-    def _options(self, mode: str, samples: Sequence[TrainSample], token_norm: float = 1.0) -> StepOptions:
-        return StepOptions(
+    def _options(self, mode: str, samples: Sequence[TrainSample], token_norm: float = 1.0) -> ForwardOptions:
+        return ForwardOptions(
             mode=mode,
             groups=self.groups,
             device=self.device,
+            loss=self.loss,
             samples=samples,
-            temperature=self.temperature,
-            suppress_token_ids=self.suppress,
             vocab_size=getattr(self.config, "vocab_size", None),
-            loss_kwargs=self.loss_kwargs,
             token_norm=token_norm,
             # bf16 logits [T/C, V/TP] stay bf16 (Float16Module would upcast them all); vocab_parallel_logprobs
             # works in fp32 chunks, as the torch backend does with its lm_head output
             model_kwargs={"fp32_output": False} if (self.config.bf16 or self.config.fp16) else {},
         )
 
-    def _run(self, options: StepOptions, micro: list[MicroBatch], *, forward_only: bool) -> list[dict]:
+    def _run(self, options: ForwardOptions, micro: list[MicroBatch], *, forward_only: bool) -> list[dict]:
         chunks = len(self.model)  # > 1 with virtual pipeline stages: one iterator per chunk
         reports = self.schedule(
             forward_step_func=partial(forward_step, options),
@@ -194,7 +159,8 @@ class MegatronTrainBackend:
             return []
         lengths = [s.input_ids.numel() for s in samples]
         g = self.groups
-        plans = plan_data_parallel(lengths, dp_size=g.dp_size, max_tokens=self.max_tokens, cp_size=g.cp_size)
+        max_tokens = self.options.micro_batch_max_tokens
+        plans = plan_data_parallel(lengths, dp_size=g.dp_size, max_tokens=max_tokens, cp_size=g.cp_size)
         micro = [self._micro_batch(samples, spec) for spec in plans[g.dp_rank]]
         for chunk in self.model:
             chunk.eval()
@@ -206,45 +172,9 @@ class MegatronTrainBackend:
         shares = split_for_data_parallel(lengths, g.dp_size)  # the split plan_data_parallel made
         return gather_per_sample(mine, shares, [s.response_len for s in samples], g, self.device)
 
-    def train(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """All optimizer steps of one RL step on `samples` (the same list on every rank); returns flat metrics."""
-        if not samples:
-            raise ValueError("train() got no samples")
-        check_loss_masks(samples)
-        for i, s in enumerate(samples):
-            if s.rollout_logprobs.numel() != s.response_len:
-                raise ValueError(
-                    f"sample {i}: {s.rollout_logprobs.numel()} rollout logprobs for {s.response_len} response tokens"
-                )
-        gbs = self.global_batch_size or len(samples)
-        if len(samples) % gbs:
-            raise ValueError(f"{len(samples)} samples are not a multiple of global_batch_size={gbs}")
-        if gbs % self.groups.dp_size:
-            raise ValueError(
-                f"train.global_batch_size={gbs} is not divisible by the data-parallel size {self.groups.dp_size} "
-                "(world / (tp * pp * cp)); every DP rank needs the same number of samples"
-            )
-        old = self.compute_logprobs(samples)
-        ref = None
-        if self.ref_weights is not None:
-            with self._weights(self.ref_weights):
-                ref = self.compute_logprobs(samples)
-        parts, grad_norms, n_tokens, skipped_before = [], [], 0, self.skipped_steps
-        for _ in range(self.ppo_epochs):
-            for start in range(0, len(samples), gbs):
-                metrics, grad_norm, tokens = self._optimizer_step(samples, list(range(start, start + gbs)), old, ref)
-                parts.append(metrics)
-                grad_norms.append(grad_norm)
-                n_tokens += tokens
-        for chunk in self.model:
-            chunk.eval()
-        out = {f"train/{k}": v for k, v in combine_metrics(parts).as_dict().items()}
-        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["train/lr"] = self._lr()
-        out["train/optimizer_steps"] = float(len(parts))
-        out["train/skipped_nonfinite_steps"] = float(self.skipped_steps - skipped_before)
-        out["train/tokens"] = float(n_tokens)
-        return out
+    def compute_ref_logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:
+        with self._weights(self.ref_weights):
+            return self.compute_logprobs(samples)
 
     def accumulate_gradients(
         self,
@@ -252,36 +182,39 @@ class MegatronTrainBackend:
         idx: Sequence[int],
         old: Sequence[Tensor],
         ref: Sequence[Tensor] | None = None,
-    ) -> tuple[PolicyLossMetrics, int]:
-        """Forward/backward of the mini-batch `idx` into the gradient buffers (reduced over DP x CP and scaled by
-        megatron's finalize step). Returns (metrics reduced over all ranks, full-row tokens over all DP ranks)."""
+    ) -> Accumulated:
+        """`TrainBackend.accumulate_gradients` into the gradient buffers (reduced over DP x CP and scaled by
+        megatron's finalize step); metrics reduced over all ranks, tokens over all DP ranks. A non-finite loss shows
+        as a non-finite gradient norm (`optimizer_step`)."""
+        self._zero_grad()
         g = self.groups
         lengths = [samples[i].input_ids.numel() for i in idx]
-        plans = plan_data_parallel(lengths, dp_size=g.dp_size, max_tokens=self.max_tokens, cp_size=g.cp_size)
+        max_tokens = self.options.micro_batch_max_tokens
+        plans = plan_data_parallel(lengths, dp_size=g.dp_size, max_tokens=max_tokens, cp_size=g.cp_size)
         denominators = loss_denominators(torch.tensor([sample_loss_tokens(samples[i]) for i in idx]))
         micro = []
         for spec in plans[g.dp_rank]:
             spec = type(spec)([idx[j] for j in spec.samples], spec.dummy)  # positions in idx -> sample indices
             mb = self._micro_batch(samples, spec)
-            micro.append(attach_loss_inputs(mb, samples, old, ref, denominators, reduction=self.reduction))
+            loss = self.loss
+            mb = attach_loss_inputs(
+                mb, samples, old, ref, denominators, reduction=loss.reduction, max_response_len=loss.max_response_len
+            )
+            micro.append(mb)
         (token_norm,) = all_reduce_sum([sum(mb.packed.num_tokens for mb in micro)], g.dp, self.device)
         for chunk in self.model:
             chunk.train()
         reports = self._run(self._options("train", samples, token_norm), micro, forward_only=False)
         check_token_norm(sum(r["num_tokens"] for r in reports), token_norm, g, self.device)
         local = combine_metrics([r["metrics"] for r in reports]) if reports else None
-        return reduce_metrics(local, g, self.device, template=_metrics_template(self.loss_kwargs)), int(token_norm)
+        metrics = reduce_metrics(local, g, self.device, template=_metrics_template(self.loss))
+        return Accumulated(metrics, int(token_norm), True)
 
-    def _optimizer_step(self, samples, idx, old, ref) -> tuple[PolicyLossMetrics, float, int]:
-        """Accumulate the loss of the mini-batch `idx`, then clip and step (skipped on a non-finite norm)."""
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        metrics, tokens = self.accumulate_gradients(samples, idx, old, ref)
+    def optimizer_step(self, finite: bool = True) -> tuple[float, bool]:
         # megatron's optimizer.step() clips and steps even on a NaN norm (the NaN reaches the weights), so the norm
         # is checked first; step() then repeats the (idempotent) gradient preparation, clips to its clip_grad, steps
         found_inf = self.optimizer.prepare_grads()
-        grad_norm = math.nan if found_inf else float(self.optimizer.get_grad_norm())
+        grad_norm = math.nan if found_inf or not finite else float(self.optimizer.get_grad_norm())
         stepped = False
         if math.isfinite(grad_norm):
             self._set_lr()
@@ -290,32 +223,36 @@ class MegatronTrainBackend:
             self.optimizer_steps += 1
         else:
             self.skipped_steps += 1
-            log.warning("non-finite loss or gradient norm (%s): optimizer step skipped", grad_norm)
+        self._zero_grad()
+        return grad_norm, stepped
+
+    def _zero_grad(self) -> None:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return metrics, grad_norm, tokens
+
+    def lr(self) -> float:
+        """Linear warmup over `warmup_steps` optimizer steps, then constant (as the torch backend)."""
+        o = self.options.optimizer
+        if not o.warmup_steps:
+            return o.lr
+        return o.lr * min(1.0, (self.optimizer_steps + 1) / o.warmup_steps)
 
     def set_lr(self, lr: float) -> None:
-        """Set the peak learning rate (the LR warm-up factor still applies); the optimizer state is kept."""
-        self.lr = lr
+        """Set the peak learning rate from now on (the LR warm-up factor still applies); the optimizer state is kept.
+        `options` gets a copy with the new `optimizer.lr` (the options object passed in is not changed)."""
+        self.options = replace(self.options, optimizer=replace(self.options.optimizer, lr=lr))
         self._set_lr()
 
-    def _lr(self) -> float:
-        """Linear warmup over `warmup_steps` optimizer steps, then constant (as the torch backend)."""
-        if not self.warmup_steps:
-            return self.lr
-        return self.lr * min(1.0, (self.optimizer_steps + 1) / self.warmup_steps)
-
     def _set_lr(self) -> None:
-        lr = self._lr()
+        lr = self.lr()
         for group in self.optimizer.param_groups:
             value = lr * group.get("lr_mult", 1.0)
             if isinstance(group.get("lr"), Tensor):
                 group["lr"].fill_(value)
             else:
                 group["lr"] = value
-            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.options.optimizer.weight_decay * group.get("wd_mult", 1.0)
 
     @contextmanager
     def _weights(self, weights: dict[str, Tensor]):
@@ -330,9 +267,27 @@ class MegatronTrainBackend:
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable weights as (HF name, full CPU tensor) pairs, vision tower included unless frozen. Collective:
         every rank of the model must consume the iterator."""
+        return self.hf_weights(self.frozen_prefixes)
+
+    def hf_weights(self, skip_prefixes: Sequence[str] = ()) -> Iterable[tuple[str, Tensor]]:
+        """Every weight but those under `skip_prefixes` (megatron names) as (HF name, full CPU tensor), through
+        megatron-bridge's HF export (export.py). Collective: every rank must consume the iterator."""
         if self.bridge is None:
-            raise ValueError("export_weights needs the AutoBridge the model was built from; pass bridge=...")
-        return export_hf_weights(self.bridge, self.model, skip_prefixes=self.frozen_prefixes, cpu=True)
+            raise ValueError("exporting HF weights needs the AutoBridge the model was built from; pass bridge=...")
+        return export_hf_weights(self.bridge, self.model, skip_prefixes=skip_prefixes, cpu=True)
+
+    def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """The whole model (frozen vision tower too) as an HF model directory with the config of the checkpoint the
+        bridge was built from; every rank takes part in the export, rank 0 writes (hf_files.py)."""
+        weights = self.hf_weights(())
+        if _rank() == 0:
+            config = copy.deepcopy(self.bridge.hf_pretrained.config)
+            write_hf_model(directory, config, weights, max_shard_bytes=max_shard_bytes)
+        else:
+            for _ in weights:
+                pass
+        if dist.is_initialized():
+            dist.barrier()  # the files exist when any rank returns
 
     def save_checkpoint(self, directory: Path) -> None:
         state = {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
@@ -343,23 +298,27 @@ class MegatronTrainBackend:
         self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _metrics_template(loss_kwargs: dict) -> PolicyLossMetrics:
+def _metrics_template(loss: LossOptions) -> PolicyLossMetrics:
     """A metrics record with the fields these loss options produce (for ranks that compute no loss: PP stages)."""
     empty = torch.zeros(0)
-    kw = dict(loss_kwargs)
     return policy_loss(
         empty,
         empty,
         empty,
         empty,
-        ref_logprobs=empty if kw["kl_coef"] > 0 else None,
-        entropy=empty if kw["entropy_coef"] > 0 else None,
+        ref_logprobs=empty if loss.kl_coef > 0 else None,
+        entropy=empty if loss.entropy_coef > 0 else None,
         rollout_logprobs=empty,
-        **kw,
+        seq_log_ratio=empty if loss.policy_loss_type == "gspo" else None,
+        **loss.policy_loss_kwargs(),
     ).metrics
 
 

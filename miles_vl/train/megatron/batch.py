@@ -25,10 +25,10 @@ import torch
 from torch import LongTensor, Tensor
 
 from miles_vl.algo import LossDenominators, LossReduction, loss_token_weights, sequence_loss_tokens
-from miles_vl.model import SpecialTokens
-from miles_vl.packing import LocalShard, PackedBatch, pack_thd
+from miles_vl.models import SpecialTokens
+from miles_vl.packing import LocalShard, PackedBatch, cat_present, pack_thd
 from miles_vl.train.megatron.plan import MicroBatchSpec
-from miles_vl.train.types import TrainSample
+from miles_vl.train.types import TrainSample, at_labels
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class LossInputs:
     weights: Tensor  # mask and global denominator (`loss_token_weights`)
     rollout_logprobs: Tensor
     ref_logprobs: Tensor | None = None
+    seq_loss_tokens: Tensor | None = None  # [n_samples] loss tokens of each WHOLE sample of the row (GSPO's mean)
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,6 @@ class MicroBatch:
     @property
     def num_local_tokens(self) -> int:
         return self.shard.input_ids.shape[1]
-
-
-def check_loss_masks(samples: Sequence[TrainSample]) -> None:
-    """Raises ValueError if a sample's loss_mask marks prompt tokens (only response tokens can carry loss)."""
-    for i, s in enumerate(samples):
-        if s.loss_mask is not None and bool(s.loss_mask[: s.prompt_len].any()):
-            raise ValueError(f"sample {i}: loss_mask marks prompt tokens; only response tokens can carry loss")
 
 
 def sample_loss_tokens(sample: TrainSample) -> int:
@@ -109,8 +103,8 @@ def pack_micro_batch(
         spec=spec,
         packed=packed,
         shard=packed.shard(cp_rank),
-        pixel_values=_cat([s.pixel_values for s in chosen]),
-        pixel_values_videos=_cat([s.pixel_values_videos for s in chosen]),
+        pixel_values=cat_present([s.pixel_values for s in chosen]),
+        pixel_values_videos=cat_present([s.pixel_values_videos for s in chosen]),
         image_token_id=tokens.image_token_id,
         video_token_id=tokens.video_token_id,
     )
@@ -124,8 +118,10 @@ def attach_loss_inputs(
     denominators: LossDenominators,
     *,
     reduction: LossReduction,
+    max_response_len: int | None = None,
 ) -> MicroBatch:
-    """`mb` with the loss inputs of its local label positions (per-sample arrays are `[response_len]` each)."""
+    """`mb` with the loss inputs of its local label positions (per-sample arrays are `[response_len]` each);
+    `reduction` and `max_response_len` as `miles_vl.algo.loss_token_weights` takes them."""
     shard, packed = mb.shard, mb.packed
     label_mask = shard.label_mask[0]
     pos = label_mask.nonzero().squeeze(1)  # [n] local positions
@@ -133,18 +129,21 @@ def attach_loss_inputs(
     full = shard.full_index[pos]  # [n] full-row positions
     resp_idx = full + 1 - packed.cu_seqlens[:-1].long()[sample] - packed.prompt_lens[sample]
     counts = sequence_loss_tokens(packed.label_mask, packed.sample_index, packed.num_samples)  # whole samples
-    weights = loss_token_weights(label_mask[pos], sample, counts, denominators, reduction=reduction)
+    weights = loss_token_weights(
+        label_mask[pos], sample, counts, denominators, reduction=reduction, max_response_len=max_response_len
+    )
     ids = mb.spec.samples
     advantages = torch.tensor([float(samples[i].advantage) for i in ids], dtype=torch.float32)[sample]
     rollout = [s.rollout_logprobs for s in samples]
     loss = LossInputs(
         positions=pos,
         sample=sample,
-        old_logprobs=_at_labels(old_logprobs, ids, sample, resp_idx),
+        old_logprobs=at_labels(old_logprobs, ids, sample, resp_idx),
         advantages=advantages,
         weights=weights.float(),
-        rollout_logprobs=_at_labels(rollout, ids, sample, resp_idx),
-        ref_logprobs=_at_labels(ref_logprobs, ids, sample, resp_idx) if ref_logprobs is not None else None,
+        rollout_logprobs=at_labels(rollout, ids, sample, resp_idx),
+        ref_logprobs=at_labels(ref_logprobs, ids, sample, resp_idx) if ref_logprobs is not None else None,
+        seq_loss_tokens=counts,
     )
     return replace(mb, loss=loss)
 
@@ -190,24 +189,3 @@ def model_inputs(mb: MicroBatch, device: torch.device | str, *, with_vision: boo
         kwargs["video_grid_thw"] = packed.video_grid_thw.to(device)
         kwargs["video_input_mask"] = (vision & (ids == mb.video_token_id)).to(device)
     return kwargs
-
-
-def response_logprobs(full_row_logprobs: Tensor, mb: MicroBatch, samples: Sequence[TrainSample]) -> list[Tensor]:
-    """Per-sample `[response_len]` slices of a full-row `[T]` tensor of label logprobs (fp32, CPU)."""
-    out = []
-    for j, i in enumerate(mb.spec.samples):
-        start = int(mb.packed.cu_seqlens[j]) + samples[i].prompt_len - 1  # logits before the first response token
-        out.append(full_row_logprobs[start : start + samples[i].response_len].float().cpu().clone())
-    return out
-
-
-def _at_labels(per_sample: Sequence[Tensor], ids: Sequence[int], sample: Tensor, resp_idx: Tensor) -> Tensor:
-    """Per-sample response arrays read at the label positions of a micro-batch (fp32, CPU)."""
-    flat = torch.cat([per_sample[i].detach().float().cpu().reshape(-1) for i in ids])
-    lens = torch.tensor([per_sample[i].numel() for i in ids])
-    return flat[(torch.cumsum(lens, 0) - lens)[sample] + resp_idx]
-
-
-def _cat(parts: list[Tensor | None]) -> Tensor | None:
-    present = [p for p in parts if p is not None and p.numel()]
-    return torch.cat(present) if present else None

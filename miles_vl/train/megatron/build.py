@@ -1,7 +1,8 @@
 """Build the megatron backend from a Qwen3-VL HF checkpoint (dense or MoE) on GPUs: the CUDA-only parts.
 
     torch.distributed.init_process_group("nccl")       # torchrun or the Ray train actor does this
-    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, tp=2, cp=2, lr=1e-6)
+    parallel = ParallelOptions(tp_size=2, cp_size=2)
+    backend = build_megatron_backend("/ckpt/Qwen3-VL-2B-Instruct", tokens, options, parallel)
 
 Steps: `AutoBridge.from_hf_pretrained(path)` -> `bridge.to_megatron_provider()` (weights load in a pre-wrap hook)
 -> parallel sizes, sequence parallel, recompute, bf16, frozen vision tower -> `miles_vl.patches.configure_provider`
@@ -13,32 +14,34 @@ with fp32 gradient buffers, SUM reduction) -> megatron's distributed optimizer (
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.train.megatron.backend import MegatronTrainBackend
-from miles_vl.train.megatron.parallel import ParallelGroups
+from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions
+from miles_vl.train.types import TrainOptions
 
 log = logging.getLogger(__name__)
 
 Recompute = Literal["none", "selective", "full"]
-FROZEN_VISION_PREFIXES = ("vision_model.",)  # megatron names of the vision tower, its merger and deepstack mergers
+FROZEN_VISION_PREFIXES = MEGATRON_VISION_PREFIXES  # the vision tower, its merger and deepstack mergers
 
 
 def build_provider(
     hf_path: str | Path,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    cp_size: int = 1,
+    ep_size: int = 1,
     sp: bool = False,
     recompute: Recompute = "none",
     freeze_vision: bool = False,
@@ -55,19 +58,19 @@ def build_provider(
 
     from miles_vl.patches import configure_provider
 
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+    for name, value in (("tp", tp_size), ("pp", pp_size), ("cp", cp_size), ("ep", ep_size)):
         if value < 1:
             raise ValueError(f"train.{name} must be >= 1, found {value}")
-    if sp and tp == 1:
+    if sp and tp_size == 1:
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"train.recompute must be none, selective or full; found {recompute!r}")
 
     bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.tensor_model_parallel_size = tp
-    provider.pipeline_model_parallel_size = pp
-    provider.expert_model_parallel_size = ep
+    provider.tensor_model_parallel_size = tp_size
+    provider.pipeline_model_parallel_size = pp_size
+    provider.expert_model_parallel_size = ep_size
     provider.sequence_parallel = sp
     provider.bf16, provider.fp16 = bf16, False
     provider.params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -82,7 +85,7 @@ def build_provider(
     provider.freeze_language_model = False
     provider.freeze_vision_model = freeze_vision
     provider.freeze_vision_projection = freeze_vision
-    configure_provider(provider, cp_size=cp, vision_dp_when_cp=vision_dp_when_cp)
+    configure_provider(provider, cp_size=cp_size, vision_dp_when_cp=vision_dp_when_cp)
     if not provider.calculate_per_token_loss:
         log.info("provider.calculate_per_token_loss: False -> True (the loss carries global denominators)")
         provider.calculate_per_token_loss = True
@@ -91,7 +94,7 @@ def build_provider(
         # would fuse without it, but the flag is model-wide
         log.info("provider.gradient_accumulation_fusion: True -> False (APEX fused_weight_gradient_mlp_cuda missing)")
         provider.gradient_accumulation_fusion = False
-    if pp > 1:  # THD rows differ in length per micro-batch: pipeline stages exchange shapes
+    if pp_size > 1:  # THD rows differ in length per micro-batch: pipeline stages exchange shapes
         provider.variable_seq_lengths = True
         if provider.moe_token_dispatcher_type == "allgather":  # megatron rejects it with variable lengths
             log.info("provider.moe_token_dispatcher_type: allgather -> alltoall (pp > 1, variable lengths)")
@@ -104,52 +107,19 @@ def build_provider(
             "train.sp=%s but the provider set sequence_parallel=%s (tp=%d); training with sequence_parallel=%s",
             sp,
             provider.sequence_parallel,
-            tp,
+            tp_size,
             provider.sequence_parallel,
         )
     return bridge, provider
 
 
 def build_megatron_backend(
-    hf_path: str | Path,
-    tokens: SpecialTokens,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    sp: bool = False,
-    recompute: Recompute = "none",
-    freeze_vision: bool = False,
-    vision_dp_when_cp: bool = False,
-    bf16: bool = True,
-    seed: int = 1234,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    grad_clip: float = 1.0,
-    warmup_steps: int = 0,
-    micro_batch_max_tokens: int = 8192,
-    global_batch_size: int | None = None,
-    ppo_epochs: int = 1,
-    temperature: float = 1.0,
-    suppress_token_ids: Sequence[int] = (),
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip_c: float | None = None,
-    loss_reduction: str = "token_mean",
-    kl_coef: float = 0.0,
-    kl_estimator: str = "low_var_kl",
-    entropy_coef: float = 0.0,
-    tis_mode: str | None = None,
-    tis_cap: float = 2.0,
+    hf_path: str | Path, tokens: SpecialTokens, options: TrainOptions, parallel: ParallelOptions
 ) -> MegatronTrainBackend:
     """The megatron train backend on this rank (collective: every rank of the train world calls it).
 
     `torch.distributed` must be initialized with NCCL and the CUDA device set; the world size must be a multiple of
-    tp * pp * cp (the rest is data parallel). Algorithm and optimizer arguments mean what they mean for
-    `TorchTrainBackend`.
+    tp * pp * cp (the rest is data parallel).
 
     Raises:
         RuntimeError: torch.distributed is not initialized, or the world does not fit the parallel sizes.
@@ -164,23 +134,17 @@ def build_megatron_backend(
             "build_megatron_backend needs torch.distributed: call torch.distributed.init_process_group('nccl') "
             "(torchrun and the Ray train actors do) and torch.cuda.set_device(local_rank) first"
         )
+    p, o, bf16 = parallel, options.optimizer, parallel.bf16
     world = dist.get_world_size()
-    if world % (tp * pp * cp):
-        raise RuntimeError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}; change train.* sizes")
+    if world % (p.tp_size * p.pp_size * p.cp_size):
+        raise RuntimeError(
+            f"world size {world} is not a multiple of tp*pp*cp = {p.tp_size}*{p.pp_size}*{p.cp_size}; "
+            "change train.* sizes"
+        )
 
-    bridge, provider = build_provider(
-        hf_path,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        ep=ep,
-        sp=sp,
-        recompute=recompute,
-        freeze_vision=freeze_vision,
-        vision_dp_when_cp=vision_dp_when_cp,
-        bf16=bf16,
-    )
-    provider.initialize_model_parallel(seed=seed)
+    layout = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "seed"}  # build_provider's names
+    bridge, provider = build_provider(hf_path, **layout, freeze_vision=options.freeze_vision)
+    provider.initialize_model_parallel(seed=p.seed)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -193,13 +157,13 @@ def build_megatron_backend(
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=lr,
-            min_lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=betas[0],
-            adam_beta2=betas[1],
-            adam_eps=eps,
-            clip_grad=grad_clip,
+            lr=o.lr,
+            min_lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip,
             bf16=bf16,
             fp16=False,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -214,24 +178,8 @@ def build_megatron_backend(
         model,
         optimizer,
         tokens,
+        options,
         groups=ParallelGroups.from_megatron(sequence_parallel=provider.sequence_parallel),
         bridge=bridge,
-        frozen_prefixes=FROZEN_VISION_PREFIXES if freeze_vision else (),
-        lr=lr,
-        weight_decay=weight_decay,
-        warmup_steps=warmup_steps,
-        micro_batch_max_tokens=micro_batch_max_tokens,
-        global_batch_size=global_batch_size,
-        ppo_epochs=ppo_epochs,
-        temperature=temperature,
-        suppress_token_ids=suppress_token_ids,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip_c=dual_clip_c,
-        loss_reduction=loss_reduction,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef,
-        tis_mode=tis_mode,
-        tis_cap=tis_cap,
+        frozen_prefixes=FROZEN_VISION_PREFIXES if options.freeze_vision else (),
     )

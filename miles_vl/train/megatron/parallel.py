@@ -19,6 +19,31 @@ from miles_vl.algo import PolicyLossMetrics
 
 
 @dataclass(frozen=True)
+class ParallelOptions:
+    """The megatron model's parallel layout and precision (`build_megatron_backend`).
+
+    Args:
+        tp_size, pp_size, cp_size, ep_size: tensor, pipeline, context and expert parallel sizes (`train.tp/pp/cp/ep`;
+            the rest of the world is data parallel).
+        sp: sequence parallel (needs tp_size > 1).
+        recompute: activation recompute ("none", "selective", "full").
+        vision_dp_when_cp: split the vision tower's work across CP ranks.
+        bf16: bf16 weights and compute (else fp32).
+        seed: megatron's model-parallel RNG seed.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    vision_dp_when_cp: bool = False
+    bf16: bool = True
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
 class ParallelGroups:
     tp: dist.ProcessGroup
     cp: dist.ProcessGroup

@@ -32,31 +32,29 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_vl.algo import policy_loss
+from miles_vl.algo import policy_loss, sequence_mean_log_ratio
 from miles_vl.packing.distributed import gather_full_row
-from miles_vl.train.megatron.batch import MicroBatch, model_inputs, response_logprobs
+from miles_vl.train.megatron.batch import MicroBatch, model_inputs
 from miles_vl.train.megatron.parallel import ParallelGroups
 from miles_vl.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from miles_vl.train.types import TrainSample
+from miles_vl.train.types import LossOptions, TrainSample, response_logprobs
 
 
 @dataclass
-class StepOptions:
+class ForwardOptions:
     """What the forward step and loss function need besides the micro-batch."""
 
     mode: Literal["logprobs", "train"]
     groups: ParallelGroups
     device: torch.device | str
+    loss: LossOptions  # the policy loss and the distribution it scores
     samples: Sequence[TrainSample] = ()
-    temperature: float = 1.0
-    suppress_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # policy_loss options (clip_low, kl_coef, ...)
     token_norm: float = 1.0  # train: total full-row tokens of the optimizer step over all DP ranks (see above)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. fp32_output=False for megatron's Float16Module
 
 
-def forward_step(options: StepOptions, data_iterator: Iterator[MicroBatch], model):
+def forward_step(options: ForwardOptions, data_iterator: Iterator[MicroBatch], model):
     """megatron's `forward_step_func`: (output tensor, loss function of it)."""
     mb = next(data_iterator)
     output = model(**model_inputs(mb, options.device, with_vision=options.groups.first_stage), **options.model_kwargs)
@@ -81,7 +79,7 @@ def _num_tokens(mb: MicroBatch, like: Tensor) -> Tensor:
     return torch.tensor(mb.num_local_tokens, dtype=torch.int, device=like.device)
 
 
-def logprobs_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
+def logprobs_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
     """Label logprobs of the whole micro-batch: {"logprobs": {sample index: [response_len] fp32 CPU}}."""
     logits = _local_logits(output)
     labels = mb.shard.labels[0].to(logits.device)
@@ -89,8 +87,8 @@ def logprobs_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Te
         logits,
         labels,
         tp_group=options.groups.tp,
-        temperature=options.temperature,
-        suppress_token_ids=options.suppress_token_ids,
+        temperature=options.loss.score_temperature,
+        suppress_token_ids=options.loss.suppress_token_ids,
         vocab_size=options.vocab_size,
     )  # [T/C]
     if options.groups.cp_size > 1:
@@ -99,12 +97,13 @@ def logprobs_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Te
         full = logp.detach()
     per_sample = {}
     if not mb.spec.dummy:
-        per_sample = dict(zip(mb.spec.samples, response_logprobs(full, mb, options.samples), strict=True))
+        chosen = [options.samples[i] for i in mb.spec.samples]
+        per_sample = dict(zip(mb.spec.samples, response_logprobs(full, mb.packed.cu_seqlens, chosen), strict=True))
     zero = logits.new_zeros((), dtype=torch.float32)
     return zero, _num_tokens(mb, logits), {"logprobs": per_sample}
 
 
-def train_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
+def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
     """This rank's share of the policy loss, times `token_norm` (module docstring), and its metrics."""
     if mb.loss is None:
         raise ValueError("train_loss_func needs a micro-batch with loss inputs (attach_loss_inputs)")
@@ -113,28 +112,49 @@ def train_loss_func(options: StepOptions, mb: MicroBatch, output) -> tuple[Tenso
     li = mb.loss
     pos = li.positions.to(device)
     labels = mb.shard.labels[0].to(device)[pos]
-    with_entropy = options.loss_kwargs.get("entropy_coef", 0.0) > 0
     logp, entropy = vocab_parallel_logprobs(
         logits.index_select(0, pos),  # only the label positions that carry loss: [n, V/TP]
         labels,
         tp_group=options.groups.tp,
-        temperature=options.temperature,
-        suppress_token_ids=options.suppress_token_ids,
+        temperature=options.loss.score_temperature,
+        suppress_token_ids=options.loss.suppress_token_ids,
         vocab_size=options.vocab_size,
-        with_entropy=with_entropy,
+        with_entropy=options.loss.entropy_coef > 0,
     )
+    old = li.old_logprobs.to(device)
+    seq_log_ratio = None
+    if options.loss.policy_loss_type == "gspo":
+        seq_log_ratio = sequence_mean_log_ratio(
+            logp, old, li.sample.to(device), li.seq_loss_tokens, li.weights.to(device), all_reduce=_cp_sum(options)
+        )
     out = policy_loss(
         logp,
-        li.old_logprobs.to(device),
+        old,
         li.advantages.to(device),
         li.weights.to(device),
         ref_logprobs=li.ref_logprobs.to(device) if li.ref_logprobs is not None else None,
         entropy=entropy,
         rollout_logprobs=li.rollout_logprobs.to(device),
-        **options.loss_kwargs,
+        seq_log_ratio=seq_log_ratio,
+        **options.loss.policy_loss_kwargs(),
     )
     report = {"metrics": out.metrics, "num_tokens": mb.num_local_tokens}
     return out.loss * options.token_norm, _num_tokens(mb, logits), report
+
+
+def _cp_sum(options: ForwardOptions):
+    """GSPO's per-sample sums over the CP ranks of a row (a sample's tokens are zigzagged over all of them; a sample
+    never spans micro-batches: the planners pack whole samples). Every CP rank of the group runs the loss function of
+    the same micro-batch (dummy ones included), so the collective matches; None without CP."""
+    if options.groups.cp_size == 1:
+        return None
+
+    def reduce(x: Tensor) -> Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=options.groups.cp)
+        return x
+
+    return reduce
 
 
 def sequential_forward_backward(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from miles_vl.model import SpecialTokens
+from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang import SGLangClient
 from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, FakeSGLang
 

@@ -619,14 +619,23 @@ class Handler(BaseHTTPRequestHandler):
             version = str(f.value)
         if (f := s.take_fault("/generate", ("abort_status",))) is not None:
             return self._abort_with_status(int(f.value))
-        if self.server.model is not None:
-            if s.released:
-                raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
-            out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
-        else:
+        n = int(sampling.get("n", 1))
+        if self.server.model is not None and s.released:
+            raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
+        if self.server.model is None:  # the images are processed once per request, whatever n is
             counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
             prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
-            out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
+        responses = []
+        for _ in range(n):  # 0.5.16 sends n copies of the tokenized request, sampling_seed included
+            if self.server.model is not None:
+                out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
+            else:
+                out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
+            responses.append(self._response(body, list(prompt_ids), out, logprobs, finish, version))
+        self._json(200, responses if n > 1 else responses[0])
+
+    def _response(self, body, prompt_ids, out, logprobs, finish, version) -> dict:
+        s = self.server.state
         if s.take_fault("/generate", ("abort",)) is not None:
             out, logprobs, finish = out[:1], logprobs[:1], {"type": "abort", "message": "Abort before prefill",
                                                             "status_code": None, "err_type": None}  # fmt: skip
@@ -653,7 +662,7 @@ class Handler(BaseHTTPRequestHandler):
         response = {"text": "", "output_ids": out, "meta_info": meta}
         if body.get("return_prompt_token_ids"):
             response["prompt_token_ids"] = prompt_ids
-        self._json(200, response)
+        return response
 
     def _abort_with_status(self, status: int) -> None:
         """A request the scheduler aborted with a status code (tokenizer_manager.py:1438 `_handle_abort_finish_reason`):

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from miles_vl.data import load_processor, special_tokens
-from miles_vl.model import build_model
+from miles_vl.data import load_processor
+from miles_vl.models.qwen3_vl.model import build_model
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.rollout import HFRolloutEngine, SamplingParams
 from tests.rollout.sglang.fake_server import BadRequest, ServerError, parse_args, serve
 

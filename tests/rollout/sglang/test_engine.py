@@ -1,5 +1,6 @@
-"""Contract: `SGLangRolloutEngine` implements `RolloutEngine` over the SGLang 0.5.16 HTTP API: `n` generations per
-prompt in order, one request per sample with the canonical ids and the prompt's images; a prompt-id mismatch, a
+"""Contract: `SGLangRolloutEngine` generates and takes weights over the SGLang 0.5.16 HTTP API: `n` generations per
+prompt in order, one request per prompt with `sampling_params.n` (one per sample on a deterministic server) with the
+canonical ids and the prompt's images; a prompt-id mismatch, a
 prompt without its images, or a response from other weights than the last synced is a loud error; the colocated
 weight sync sends byte-bounded buckets of the exact tensors, then labels the version and flushes the cache (also when
 the buckets are handed over one call at a time, where a server restart in the middle voids the sync); memory
@@ -21,7 +22,7 @@ from miles_vl.rollout.sglang import (
     SGLangRolloutEngine,
     WeightVersionError,
 )
-from miles_vl.rollout.types import RolloutEngine, SamplingParams
+from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
 from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
 
@@ -52,7 +53,7 @@ def deterministic_fake():
 
 def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(deterministic_fake):
     fake = deterministic_fake
-    eng: RolloutEngine = engine(fake, deterministic=True)
+    eng = engine(fake, deterministic=True)
     ps = prompts()
     params = SamplingParams(n=3, max_new_tokens=6, temperature=0.9, seed=11)
     groups = eng.generate(ps, params)
@@ -86,6 +87,61 @@ def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(determinis
     assert [[g.response_ids.tolist() for g in gs] for gs in again] == [
         [g.response_ids.tolist() for g in gs] for gs in groups
     ]
+
+
+def test_a_prompts_n_samples_go_as_one_request_by_default(fake):
+    """Without deterministic inference, prompt i's n samples are one request with sampling_params.n = n: the server
+    processes its images once (0.5.16 tokenizes once and sends n copies); the answer's n bodies are the group, each
+    checked against our prompt ids and weight version."""
+    eng = engine(fake)
+    assert eng.one_request_per_prompt
+    ps = prompts()
+    groups = eng.generate(ps, SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=3))
+    bodies = generate_bodies(fake)
+    assert len(bodies) == len(ps) and all(b["sampling_params"]["n"] == 4 for b in bodies)
+    assert sorted(len(b.get("image_data", [])) for b in bodies) == sorted(len(p.images) for p in ps)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    for group in groups:
+        assert len({tuple(g.response_ids.tolist()) for g in group}) > 1  # sampled without a shared seed: they differ
+        assert all(g.logprobs.shape == g.response_ids.shape for g in group)
+
+    fake.inject("/generate", "prompt_ids", {"position": 4, "token": 7})  # one body of the group: still an error
+    with pytest.raises(PromptMismatchError, match="position 4"):
+        eng.generate([make_prompt([11, 12], 1)], SamplingParams(n=3, max_new_tokens=4))
+    fake.inject("/generate", "weight_version", "stale")
+    with pytest.raises(WeightVersionError):
+        eng.generate([make_prompt([11, 12], 1)], SamplingParams(n=3, max_new_tokens=4))
+    assert len(eng.generate([make_prompt([5])], SamplingParams(n=1, max_new_tokens=4))[0]) == 1
+    assert "n" not in generate_bodies(fake)[-1]["sampling_params"]  # n=1: a plain single request
+
+
+def test_an_aborted_sample_of_a_group_is_sent_again_alone(fake):
+    eng = engine(fake, max_abort_retries=1)
+    fake.inject("/generate", "abort", times=1)  # the first body of the group: 200 with an abort finish reason
+    [group] = eng.generate([make_prompt([5, 6], 1)], SamplingParams(n=3, max_new_tokens=4, temperature=1.0))
+    assert len(group) == 3
+    bodies = generate_bodies(fake)
+    assert [b["sampling_params"].get("n", 1) for b in bodies] == [3, 1]
+
+
+def test_deterministic_servers_get_one_request_per_sample(deterministic_fake):
+    """SGLang gives all n samples of a request its one sampling_seed: on a deterministic server they would be the same
+    response n times (what the stand-in answers; tests/gpu/test_sglang_real.py checks it on the real server). So a
+    deterministic engine sends one request per sample, and asking for grouping there is refused."""
+    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 9,
+                                                     "n": 3, "stop_token_ids": [EOS]}}  # fmt: skip
+    answers = quick_client(deterministic_fake.url).generate_n(body, 3)
+    assert len({tuple(a["output_ids"]) for a in answers}) == 1
+    assert not engine(deterministic_fake, deterministic=True).one_request_per_prompt
+    with pytest.raises(ValueError, match="would be identical.*one_request_per_prompt"):
+        engine(deterministic_fake, deterministic=True, one_request_per_prompt=True)
+
+
+def test_an_answer_that_is_not_n_bodies_is_an_error(fake):
+    from miles_vl.rollout.sglang import SGLangResponseError
+
+    with pytest.raises(SGLangResponseError, match="expected a list of 3 objects"):
+        quick_client(fake.url).generate_n({"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "n": 2}}, 3)
 
 
 def test_prompt_mismatch_is_an_error(fake):

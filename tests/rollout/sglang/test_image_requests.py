@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from miles_vl.data import PromptEncoder, load_processor, special_tokens
+from miles_vl.data import PromptEncoder, load_processor
+from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.rollout.sglang import SGLangRolloutEngine, SGLangUnavailableError
 from miles_vl.rollout.sglang.generate import request_input_ids
 from miles_vl.rollout.types import SamplingParams

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from miles_vl.train.step import train_step
+
 ALGO = dict(
     clip_low=0.2,
     clip_high=0.28,
@@ -28,7 +30,7 @@ LR = 1e-5
 
 
 def tokens():
-    from miles_vl.model import SpecialTokens
+    from miles_vl.models import SpecialTokens
     from tests.patches.harness.tiny import IMAGE, PAD, VEND, VIDEO, VOCAB, VSTART
 
     return SpecialTokens(
@@ -76,6 +78,15 @@ def perturbed(logprobs: list[torch.Tensor], seed: int, scale: float = 0.3) -> li
     return [lp + scale * torch.randn(lp.shape, generator=g) for lp in logprobs]
 
 
+def train_options(reduction: str, **kwargs):
+    """The backends' options in these tests: `ALGO`, `TEMPERATURE`, the vision pads suppressed; `kwargs` override
+    the batching."""
+    from miles_vl.train import LossOptions, OptimizerOptions, TrainOptions
+
+    loss = LossOptions(**ALGO, reduction=reduction, temperature=TEMPERATURE, suppress_token_ids=suppressed())
+    return TrainOptions(OptimizerOptions(lr=LR), loss, **kwargs)
+
+
 def build_backend(ctx, *, tp: int, cp: int, reduction: str, **kwargs):
     """The tiny real Qwen3VLModel (seed 0; identical weights for every CP/DP layout) in a MegatronTrainBackend with
     the CPU stand-ins."""
@@ -86,17 +97,9 @@ def build_backend(ctx, *, tp: int, cp: int, reduction: str, **kwargs):
     ctx.init_parallel(tp=tp, cp=cp)
     model = build_tiny_qwen3vl(ctx.module, cp_size=cp, tp_size=tp, seed=0)
     chunks = [CpuDDP(model)]
-    options = dict(
-        lr=LR,
-        micro_batch_max_tokens=48,  # several micro-batches per rank
-        temperature=TEMPERATURE,
-        suppress_token_ids=suppressed(),
-        loss_reduction=reduction,
-        **ALGO,
-    )
-    options.update(kwargs)
+    options = train_options(reduction, micro_batch_max_tokens=48, **kwargs)  # several micro-batches per rank
     return MegatronTrainBackend(
-        chunks, CpuOptimizer(chunks, lr=LR), tokens(), schedule=cpu_schedule(), device="cpu", **options
+        chunks, CpuOptimizer(chunks, lr=LR), tokens(), options, schedule=cpu_schedule(), device="cpu"
     )
 
 
@@ -108,7 +111,7 @@ def _step_once(backend, samples, old, ref) -> dict:
     """Gradients and metrics of one mini-batch (all samples) with given old/ref logprobs, then one full train()."""
     for chunk in backend.model:
         chunk.zero_grad_buffer()
-    metrics, tokens = backend.accumulate_gradients(samples, list(range(len(samples))), old, ref)
+    metrics, tokens, _ = backend.accumulate_gradients(samples, list(range(len(samples))), old, ref)
     out = {"metrics": metrics.as_dict(), "grads": _grads(backend), "tokens": tokens}
     out["grad_norm"] = backend.optimizer.grad_norm()
     for chunk in backend.model:
@@ -222,7 +225,7 @@ def job_all(ctx, samples, reduction: str, hf_dir: str, hf_samples) -> dict:
                 for n, p in backend.model[0].module.named_parameters()
             }
             res["tp_rank"] = ps.get_tensor_model_parallel_rank()
-        res["train"] = backend.train(samples)
+        res["train"] = train_step(backend, samples)
         out[name] = res
     # TP=2 is live: the vocab-parallel unit case over the real TP group
     tp_group = ps.get_tensor_model_parallel_group()
@@ -289,7 +292,7 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     are TE's (fused norms)."""
     import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
 
-    from miles_vl.rollout.sglang import iter_buckets
+    from miles_vl.rollout.weight_sync import iter_buckets
     from miles_vl.train.megatron.backend import MegatronTrainBackend
     from miles_vl.train.megatron.build import build_provider
     from miles_vl.train.megatron.export import export_hf_weights
@@ -310,10 +313,10 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     exact_gelu_in_patch_mergers(model[0])
     chunks = [CpuDDP(m) for m in model]
     backend = MegatronTrainBackend(
-        chunks, CpuOptimizer(chunks, lr=LR), tokens(), schedule=cpu_schedule(), device="cpu", **cross_backend_options()
+        chunks, CpuOptimizer(chunks, lr=LR), tokens(), cross_backend_options(), schedule=cpu_schedule(), device="cpu"
     )
     out["logprobs"] = backend.compute_logprobs(hf_samples)
-    out["train"] = backend.train(hf_samples)
+    out["train"] = train_step(backend, hf_samples)
     return out
 
 
@@ -336,7 +339,7 @@ def job_pipeline(ctx, hf_dir: str, hf_samples) -> dict:
     provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
     ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
     ctx.init_parallel(pp=2)
-    _, provider = build_provider(hf_dir, pp=2, bf16=False)
+    _, provider = build_provider(hf_dir, pp_size=2, bf16=False)
     model = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
     )
@@ -344,15 +347,13 @@ def job_pipeline(ctx, hf_dir: str, hf_samples) -> dict:
         exact_gelu_in_patch_mergers(model[0])
     chunks = [CpuDDP(m) for m in model]
     get_model_config(chunks[0]).finalize_model_grads_func = cpu_finalize
-    backend = MegatronTrainBackend(
-        chunks, CpuOptimizer(chunks, lr=LR), tokens(), device="cpu", **cross_backend_options()
-    )
+    backend = MegatronTrainBackend(chunks, CpuOptimizer(chunks, lr=LR), tokens(), cross_backend_options(), device="cpu")
     return {
         "stage": ps.get_pipeline_model_parallel_rank(),
         "variable_seq_lengths": provider.variable_seq_lengths,
         "params": sorted(n for n, _ in model[0].named_parameters()),
         "logprobs": backend.compute_logprobs(hf_samples),
-        "train": backend.train(hf_samples),
+        "train": train_step(backend, hf_samples),
     }
 
 
@@ -383,20 +384,15 @@ def exact_gelu_in_patch_mergers(model) -> int:
     return count
 
 
-def cross_backend_options() -> dict:
+def cross_backend_options():
     """Backend options shared by the torch and megatron backends in the cross-backend test.
 
-    No entropy term: the torch backend's entropy (packed_forward.label_logprobs) has a NaN gradient wherever a
+    No entropy term: the torch backend's entropy (models.qwen3_vl.forward.label_logprobs) has a NaN gradient wherever a
     token is suppressed (`where(p > 0, p * logp, 0)` back-propagates 0 * -inf), so it would skip every step."""
-    return dict(
-        lr=LR,
-        micro_batch_max_tokens=64,
-        global_batch_size=2,
-        temperature=TEMPERATURE,
-        suppress_token_ids=suppressed(),
-        loss_reduction="token_mean",
-        **(ALGO | {"entropy_coef": 0.0}),
-    )
+    import dataclasses
+
+    options = train_options("token_mean", micro_batch_max_tokens=64, global_batch_size=2)
+    return dataclasses.replace(options, loss=dataclasses.replace(options.loss, entropy_coef=0.0))
 
 
 def hf_train_samples(seed: int = 3):
@@ -472,7 +468,7 @@ def cpu_te_named_vit_spec():
 def write_tiny_hf_checkpoint(directory: str, seed: int = 0, **tiny) -> dict:
     """A tiny random Qwen3-VL (transformers; `tiny` overrides its config) saved to `directory`; returns its state
     dict."""
-    from miles_vl.model import build_model
+    from miles_vl.models.qwen3_vl.model import build_model
 
     tiny = {"initializer_range": 0.2, "deepstack_visual_indexes": [0, 1]} | tiny
     model = build_model(tokens(), tiny=tiny, seed=seed)
@@ -488,7 +484,7 @@ def write_tiny_moe_checkpoint(directory: str, seed: int = 0) -> None:
     """A tiny random Qwen3-VL-MoE (transformers; the dense tiny config plus 4 experts, top-2) saved to `directory`."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from miles_vl.model.qwen3_vl import tiny_config
+    from miles_vl.models.qwen3_vl.model import tiny_config
 
     dense = tiny_config(tokens()).to_dict()
     text = dense["text_config"] | dict(
@@ -517,8 +513,8 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
         setattr(moe_utils, fn, getattr(moe_utils, fn) or object())
     out = {}
     for name, kw in {
-        "tp2_ep2": dict(tp=2, ep=2, sp=False),
-        "pp2": dict(pp=2),
+        "tp2_ep2": dict(tp_size=2, ep_size=2, sp=False),
+        "pp2": dict(pp_size=2),
         "frozen_vision": dict(freeze_vision=True),
     }.items():
         _, p = build_provider(hf_dir, load_weights=False, bf16=False, **kw)
@@ -537,4 +533,54 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
                 "calculate_per_token_loss",
             )
         }
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save_hf: the megatron backend's HF directory
+
+
+def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str) -> dict:
+    """The backend at DP=2 as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py; TP=1: the
+    harness cannot load HF weights into TP shards): one RL step with a large learning rate (the weights move away from
+    the checkpoint), its logprobs of `hf_samples`, then `save_hf` in small shards (every rank exports, rank 0
+    writes)."""
+    import dataclasses
+    from pathlib import Path
+
+    from miles_vl.train.megatron.parallel import ParallelOptions
+    from tests.orchestration import megatron_cpu
+
+    options = cross_backend_options()
+    options = dataclasses.replace(options, optimizer=dataclasses.replace(options.optimizer, lr=1e-2))
+    backend = megatron_cpu.build(hf_dir, tokens(), options, ParallelOptions(bf16=False))
+    train_step(backend, hf_samples)
+    logprobs = backend.compute_logprobs(hf_samples)
+    backend.save_hf(Path(out_dir), max_shard_bytes=200_000)
+    return {"logprobs": logprobs}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# set_lr: the peak learning rate changed between RL steps (the format warm-up's own lr)
+
+
+def job_set_lr(ctx, samples) -> dict:
+    """One rank, an LR warm-up of 4 optimizer steps (step k runs at lr * (k + 1) / 4): `set_lr(10 * LR)`, one RL step
+    (one optimizer step), `set_lr(LR)`; the param groups' lr and `lr()` after each, and the options before and
+    after."""
+    import dataclasses
+
+    backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean")
+    built = dataclasses.replace(
+        backend.options, optimizer=dataclasses.replace(backend.options.optimizer, warmup_steps=4)
+    )
+    backend.options = built
+    groups = backend.optimizer.param_groups
+    backend.set_lr(10 * LR)
+    out = {"set": [float(g["lr"]) for g in groups], "lr_set": backend.lr()}
+    out["train_lr"] = train_step(backend, samples)["train/lr"]
+    out["stepped"] = [float(g["lr"]) for g in groups]  # the lr the optimizer step ran at
+    backend.set_lr(LR)
+    out |= {"reset": [float(g["lr"]) for g in groups], "lr_reset": backend.lr()}
+    out |= {"built_lr": built.optimizer.lr, "options": dataclasses.asdict(backend.options.optimizer)}
     return out

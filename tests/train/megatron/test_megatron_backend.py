@@ -141,16 +141,16 @@ def test_export_round_trips_the_hf_checkpoint(runs, hf_checkpoint):
 
 def test_megatron_backend_matches_torch_backend(runs, hf_checkpoint):
     """Same HF checkpoint, same samples and options (DP=2 for megatron): the same logprobs and RL-step metrics."""
-    from miles_vl.model import build_model
-    from miles_vl.train import TorchTrainBackend
+    from miles_vl.models.qwen3_vl.model import build_model
+    from miles_vl.train import TorchTrainBackend, train_step
 
     torch_backend = TorchTrainBackend(
-        build_model(jobs.tokens(), path=hf_checkpoint[0]), jobs.tokens(), **jobs.cross_backend_options()
+        build_model(jobs.tokens(), path=hf_checkpoint[0]), jobs.tokens(), jobs.cross_backend_options()
     )
     samples = jobs.hf_train_samples()
     export = runs[0]["export"]
     assert _max_abs(export["logprobs"], torch_backend.compute_logprobs(samples)) < 1e-5
-    want = torch_backend.train(samples)
+    want = train_step(torch_backend, samples)
     got = export["train"]
     for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy_loss", "train/grad_norm"):
         assert abs(got[key] - want[key]) <= 1e-4 * max(abs(want[key]), 1e-3), (key, got[key], want[key])
@@ -164,8 +164,8 @@ def test_pipeline_parallel_matches_torch_backend(tmp_path):
     """PP=2 (megatron's 1F1B schedule over gloo, variable lengths, the vision tower on stage 0 only): the same
     logprobs on both stages and the same RL step as the torch backend on the same checkpoint. Four layers: megatron-
     bridge needs every deepstack layer (two here) on the first stage."""
-    from miles_vl.model import build_model
-    from miles_vl.train import TorchTrainBackend
+    from miles_vl.models.qwen3_vl.model import build_model
+    from miles_vl.train import TorchTrainBackend, train_step
 
     jobs.write_tiny_hf_checkpoint(str(tmp_path), num_hidden_layers=4)
     hf_checkpoint = (str(tmp_path),)
@@ -179,10 +179,10 @@ def test_pipeline_parallel_matches_torch_backend(tmp_path):
         "output_layer" in n for n in stages[0]["params"]
     )
     torch_backend = TorchTrainBackend(
-        build_model(jobs.tokens(), path=hf_checkpoint[0]), jobs.tokens(), **jobs.cross_backend_options()
+        build_model(jobs.tokens(), path=hf_checkpoint[0]), jobs.tokens(), jobs.cross_backend_options()
     )
     want_logprobs = torch_backend.compute_logprobs(samples)
-    want = torch_backend.train(samples)
+    want = train_step(torch_backend, samples)
     for stage in stages:
         got = stage["train"]
         print(

@@ -102,3 +102,76 @@ def _has_loss(sample: TrainSample, j: int) -> bool:
     if sample.loss_mask is not None:
         return bool(sample.loss_mask[j])
     return j >= sample.prompt_len
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GSPO at CP=2: a sample's tokens lie on both CP ranks, so its sequence ratio needs the CP all-reduce of the loss func
+
+VOCAB_GSPO = 97
+
+
+def _gspo_tables(samples) -> list[torch.Tensor]:
+    """Stand-in logits: one leaf [L_i, V] per sample (row j scores token j+1 of the sample)."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(s.input_ids.numel(), VOCAB_GSPO, generator=g).requires_grad_() for s in samples]
+
+
+def _gspo_old(samples) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(6)
+    return [-torch.rand(s.response_len, generator=g) for s in samples]
+
+
+def _gspo_cp_worker(rank: int, world_size: int) -> dict:
+    """One CP rank: `train_loss_func` on this rank's zigzag shard of stand-in logits; its loss and table gradients."""
+    import torch.distributed as dist
+
+    from miles_vl.train.megatron.parallel import ParallelGroups
+    from miles_vl.train.megatron.step import ForwardOptions, train_loss_func
+    from miles_vl.train.types import LossOptions
+
+    singles = [dist.new_group([r]) for r in range(world_size)]  # collective: every rank makes every group
+    me = singles[rank]
+    groups = ParallelGroups(tp=me, cp=dist.group.WORLD, dp=me, dp_cp=dist.group.WORLD, pp=me)
+    samples = _samples()
+    tables = _gspo_tables(samples)
+    den = loss_denominators(torch.tensor([sample_loss_tokens(s) for s in samples]))
+    mb = pack_micro_batch(
+        samples, MicroBatchSpec([0, 1, 2]), tokens=_tokens(), spatial_merge_size=2, cp_size=2, cp_rank=rank
+    )
+    mb = attach_loss_inputs(mb, samples, _gspo_old(samples), None, den, reduction="seq_mean_token_mean")
+    cu = mb.packed.cu_seqlens.long()
+    row = torch.zeros(int(cu[-1]), VOCAB_GSPO)
+    rows = [row[: int(cu[0])]]
+    for i, t in enumerate(tables):  # each sample's logits at its span of the CP-padded row, zeros on the padding
+        pad = int(cu[i + 1] - cu[i]) - t.shape[0]
+        rows += [t, torch.zeros(pad, VOCAB_GSPO)]
+    full = torch.cat(rows)  # [T, V]
+    local = full[zigzag_index(mb.packed.cu_seqlens, 2, rank)]  # [T/2, V]
+    loss = LossOptions(policy_loss_type="gspo", reduction="seq_mean_token_mean")
+    options = ForwardOptions(mode="train", groups=groups, device="cpu", loss=loss, vocab_size=VOCAB_GSPO)
+    out, _, _ = train_loss_func(options, mb, local[None])
+    out.backward()
+    return {"loss": out.item(), "grads": [t.grad for t in tables]}
+
+
+def test_gspo_over_cp_ranks_equals_the_paper_objective():
+    """The sum over the two CP ranks of megatron's train loss equals GSPO written out per sample (geometric-mean
+    ratio over the whole response, sequence clip, mean over samples), in value and gradient. Without the all-reduce
+    each rank would use the mean over its half of the response."""
+    from tests.dist import run_gloo
+
+    samples = _samples()
+    ranks = run_gloo(_gspo_cp_worker, 2)
+    tables, old = _gspo_tables(samples), _gspo_old(samples)
+    total = 0.0
+    for s, t, o in zip(samples, tables, old, strict=True):
+        logp = torch.log_softmax(t[:-1], -1).gather(1, s.input_ids[1:, None]).squeeze(1)  # token j+1 given j
+        on = torch.tensor([_has_loss(s, j) for j in range(1, s.input_ids.numel())])
+        resp = torch.arange(1, s.input_ids.numel()) - s.prompt_len  # response index of each label
+        ratio = torch.exp((logp[on] - o[resp[on]]).mean())
+        total = total + torch.maximum(-s.advantage * ratio, -s.advantage * ratio.clamp(0.8, 1.28))
+    total = total / len(samples)
+    total.backward()
+    assert sum(r["loss"] for r in ranks) == pytest.approx(total.item(), abs=1e-6)
+    for i, t in enumerate(tables):
+        torch.testing.assert_close(ranks[0]["grads"][i] + ranks[1]["grads"][i], t.grad, rtol=1e-5, atol=1e-7)

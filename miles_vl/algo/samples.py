@@ -1,0 +1,72 @@
+"""The sample a train backend learns from, and how a step's rollouts become such samples (group advantages).
+
+    samples, metrics = to_train_samples(prompts, groups, rewards, estimator="grpo", norm_adv_by_std=True)
+
+Duck-typed inputs (so that algo imports neither data nor rollout): a prompt has `prompt_ids` [P], `image_grid_thw`
+and `pixel_values`; a generation has `response_ids` [R] and `logprobs` [R]; a reward has `overall`. Groups are one
+list per prompt, `n_samples_per_prompt` long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import FloatTensor, LongTensor, Tensor
+
+from miles_vl.algo.advantages import Estimator, compute_advantages
+
+
+@dataclass
+class TrainSample:
+    """One response with its prompt, ready to be packed. `input_ids = prompt_ids + response_ids`."""
+
+    input_ids: LongTensor  # [L]
+    prompt_len: int
+    advantage: float
+    rollout_logprobs: FloatTensor  # [L - prompt_len] the engine's logprobs of the response tokens
+    image_grid_thw: LongTensor | None = None  # [n_images, 3]
+    video_grid_thw: LongTensor | None = None
+    pixel_values: Tensor | None = None  # [n_patches, C*T*P*P]
+    pixel_values_videos: Tensor | None = None
+    loss_mask: LongTensor | None = None  # [L]; None: every response token
+
+    @property
+    def response_len(self) -> int:
+        return self.input_ids.numel() - self.prompt_len
+
+
+def to_train_samples(
+    prompts: Sequence,
+    groups: Sequence[Sequence],
+    rewards: Sequence[Sequence],
+    *,
+    estimator: Estimator,
+    norm_adv_by_std: bool,
+) -> tuple[list[TrainSample], dict[str, float]]:
+    """One `TrainSample` per generation, with its group advantage (fp32; zero for a group whose rewards are all
+    equal), and the metric `rollout/zero_adv_group_fraction`."""
+    flat_rewards = torch.tensor([r.overall for rs in rewards for r in rs], dtype=torch.float32)
+    adv = compute_advantages(
+        flat_rewards,
+        len(groups[0]),
+        estimator=estimator,
+        norm_adv_by_std=norm_adv_by_std,
+        token_counts=torch.tensor([g.response_ids.numel() for gs in groups for g in gs]),
+    )
+    samples, k = [], 0
+    for p, gs in zip(prompts, groups, strict=True):
+        for g in gs:
+            samples.append(
+                TrainSample(
+                    input_ids=torch.cat([p.prompt_ids, g.response_ids]),
+                    prompt_len=p.prompt_ids.numel(),
+                    advantage=float(adv.advantages[k]),
+                    rollout_logprobs=g.logprobs,
+                    image_grid_thw=p.image_grid_thw,
+                    pixel_values=p.pixel_values,
+                )
+            )
+            k += 1
+    return samples, {"rollout/zero_adv_group_fraction": adv.zero_adv_group_fraction}

@@ -1,0 +1,304 @@
+"""What a job is built from: the tables of rollout engines (picked by `rollout.backend`) and train backends (picked
+by `train.backend`), and `Hooks`, through which tests put stand-ins in (production defaults everywhere).
+
+    kind = hooks.engines[cfg.rollout.backend]             # an EngineKind
+    actor = kind.launch(cfg, tokens, slot)                # a Ray actor that implements miles_vl.rollout.RolloutEngine
+    backend = hooks.train_backends[cfg.train.backend](cfg, tokens)   # in each train rank: a TrainBackend
+    run_job(cfg, hooks=Hooks(engines={**ENGINES, "hf": EngineKind(my_launch)}))
+
+The builders here are the only code between the config and the plain arguments of engines and backends (STYLE
+§2.5). Adding a rollout engine: its folder under miles_vl/rollout/ (a class that derives from `RolloutEngine`), one
+`EngineKind` here, and its name in `rollout.backend` (config/schema.py). Adding a train backend: a class that
+implements `miles_vl.train.TrainBackend`, one builder here, and its name in `train.backend`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from miles_vl.config import ConfigError, JobConfig
+from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl.model import build_model
+from miles_vl.models.qwen3_vl.tokens import vision_token_ids
+from miles_vl.reward import REWARD_CONFIG_KEYS, RewardResolutionError, WeightedReward, check_reward, resolve_reward
+from miles_vl.reward.types import reward_name
+from miles_vl.rollout import HFRolloutEngine
+from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
+from miles_vl.rollout.sglang.host import deterministic_inference
+from miles_vl.rollout.weight_sync import WeightSyncOptions
+from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions
+from miles_vl.train.megatron.parallel import ParallelOptions
+
+SGLANG_LAUNCH_MODULE = "sglang.launch_server"
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """Where engine `index` runs: its Ray actor options, the GPUs its server uses (a colocated engine's actor holds
+    only the first in Ray's accounting; None: those Ray gives the actor), the directory for its logs."""
+
+    index: int
+    ray_options: dict[str, Any]
+    gpu_ids: Sequence[str] | None
+    log_dir: Path
+
+
+def no_problems(cfg: JobConfig) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One rollout engine of the table.
+
+    Args:
+        launch: (cfg, tokens, slot) -> the engine's Ray actor.
+        config_problems: what this build cannot do with the config (checked before Ray starts).
+        sends_pixels: False when the engine processes the prompts' `images` itself: `pixel_values` stay home.
+        nccl_when_disaggregated: with `ray.placement=disaggregate` trainer rank 0 broadcasts the weights to the
+            engine over NCCL (it implements `endpoint` and `expect_weight_version`); else they go through the driver.
+    """
+
+    launch: Callable[[JobConfig, SpecialTokens, EngineSlot], Any]
+    config_problems: Callable[[JobConfig], list[str]] = no_problems
+    sends_pixels: bool = True
+    nccl_when_disaggregated: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the policy both roles start from
+
+
+def torch_dtype(cfg: JobConfig, device: str) -> torch.dtype:
+    if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and device == "cpu"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def set_threads(cfg: JobConfig) -> None:
+    if cfg.ray.num_cpus:
+        torch.set_num_threads(cfg.ray.num_cpus)
+
+
+def build_policy(cfg: JobConfig, tokens: SpecialTokens):
+    """The policy model both roles start from, on this process's device (same seed: identical random init on every
+    actor)."""
+    set_threads(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return build_model(
+        tokens,
+        path=cfg.model.path if cfg.model.init == "pretrained" else None,
+        tiny=cfg.model.tiny.model_dump(),
+        seed=cfg.seed,
+        dtype=torch_dtype(cfg, device),
+        device=device,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the engines
+
+
+@functools.cache
+def actor_class(cls: type):
+    """`cls` as a Ray actor class (made once per class; making it does not start Ray)."""
+    return ray.remote(cls)
+
+
+def launch_hf(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, engine: type = HFRolloutEngine, **kwargs):
+    """An hf engine; `engine` and `kwargs`: a stand-in class and its extra arguments (tests)."""
+    return (
+        actor_class(engine)
+        .options(**slot.ray_options)
+        .remote(
+            functools.partial(build_policy, cfg, tokens),
+            tokens,
+            ban_vision_tokens=cfg.rollout.ban_vision_tokens,
+            **kwargs,
+        )
+    )
+
+
+def server_spec(cfg: JobConfig, index: int) -> ServerSpec:
+    """What sglang engine `index` launches: the checkpoint at `model.path`, port `rollout.sglang.port + index`, one
+    GPU per TP rank, the processor's pixel range, memory saver when colocated."""
+    s = cfg.rollout.sglang
+    return ServerSpec(
+        model_path=cfg.model.path or "",
+        port=s.port + index,
+        host=s.host,
+        api_key=s.api_key,
+        tp_size=cfg.rollout.gpus_per_engine,
+        mem_fraction_static=s.mem_fraction_static,
+        colocated=cfg.ray.placement == "colocate",
+        random_seed=cfg.seed + index,
+        weight_version="base",
+        image_min_pixels=cfg.data.min_pixels,
+        image_max_pixels=cfg.data.max_pixels,
+        vision_cache_mb=s.vision_cache_mb,
+        extra_args=tuple(s.extra_args),
+    )
+
+
+def sglang_problems(cfg: JobConfig) -> list[str]:
+    problems = []
+    if cfg.model.init != "pretrained":
+        problems.append(
+            "rollout.backend=sglang serves the checkpoint at model.path, but model.init=random trains a random model "
+            "the server cannot load; set model.init=pretrained (with model.path) or rollout.backend=hf"
+        )
+    if cfg.rollout.sglang.one_request_per_prompt and deterministic_inference(cfg.rollout.sglang.extra_args):
+        problems.append(
+            "rollout.sglang.one_request_per_prompt=true with a deterministic server (--enable-deterministic-inference "
+            "in rollout.sglang.extra_args): SGLang gives every sample of a request one sampling_seed, so the n samples "
+            "of a prompt would be identical; set rollout.sglang.one_request_per_prompt to null or false"
+        )
+    return problems
+
+
+def launch_sglang(
+    cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, launch_module: str = SGLANG_LAUNCH_MODULE
+):
+    """An sglang engine: its server's log goes to `slot.log_dir/sglang_<index>.log` (on the actor's node);
+    `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags)."""
+    s = cfg.rollout.sglang
+    return (
+        actor_class(SGLangRolloutHost)
+        .options(**slot.ray_options)
+        .remote(
+            server_spec(cfg, slot.index),
+            tokens,
+            ban_vision_tokens=cfg.rollout.ban_vision_tokens,
+            startup_timeout_s=s.startup_timeout_s,
+            request_timeout_s=s.request_timeout_s,
+            max_retries=s.max_retries,
+            max_restarts=cfg.rollout.max_restarts,
+            log_path=str(slot.log_dir / f"sglang_{slot.index}.log"),
+            launch_module=launch_module,
+            one_request_per_prompt=s.one_request_per_prompt,
+            env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
+            cpu_tensors_by_name=True,
+        )
+    )
+
+
+ENGINES: Mapping[str, EngineKind] = {
+    "hf": EngineKind(launch_hf),
+    "sglang": EngineKind(launch_sglang, sglang_problems, sends_pixels=False, nccl_when_disaggregated=True),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the train backends (built inside each train rank, after its process group is formed)
+
+TrainBackendBuilder = Callable[[JobConfig, SpecialTokens], TrainBackend]
+
+
+def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
+    """The optimizer, loss and batching both backends train with."""
+    t, a = cfg.train, cfg.algo
+    same = ("clip_low", "clip_high", "dual_clip_c", "kl_coef", "kl_estimator", "entropy_coef")  # same names in algo.*
+    return TrainOptions(
+        optimizer=OptimizerOptions(**t.optimizer.model_dump(exclude={"name"})),
+        loss=LossOptions(
+            **a.model_dump(include=set(same)),
+            tis_mode=a.tis.mode if a.tis.enabled else None,
+            tis_cap=a.tis.cap,
+            policy_loss_type=a.policy_loss,
+            reduction=a.loss_reduction,
+            max_response_len=cfg.rollout.max_response_len,
+            temperature=cfg.rollout.temperature,
+            suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
+        ),
+        **t.model_dump(include={"micro_batch_max_tokens", "global_batch_size", "ppo_epochs", "freeze_vision"}),
+    )
+
+
+def parallel_options(cfg: JobConfig) -> ParallelOptions:
+    """The megatron model's parallel layout from `train.*` (whose `tp/pp/cp/ep` are the `*_size`s)."""
+    t = cfg.train
+    return ParallelOptions(
+        tp_size=t.tp,
+        pp_size=t.pp,
+        cp_size=t.cp,
+        ep_size=t.ep,
+        **t.model_dump(include={"sp", "recompute", "vision_dp_when_cp", "seed"}),  # same names in train.*
+        bf16=cfg.model.dtype != "fp32",
+    )
+
+
+def build_torch(cfg: JobConfig, tokens: SpecialTokens) -> TrainBackend:
+    return TorchTrainBackend(build_policy(cfg, tokens), tokens, train_options(cfg, tokens))
+
+
+def build_megatron(cfg: JobConfig, tokens: SpecialTokens, *, builder: Callable | None = None) -> TrainBackend:
+    """This rank's megatron backend (collective); `builder`: a stand-in with `build_megatron_backend`'s signature."""
+    if builder is None:
+        from miles_vl.train.megatron.build import build_megatron_backend as builder
+    return builder(cfg.model.path, tokens, train_options(cfg, tokens), parallel_options(cfg))
+
+
+TRAIN_BACKENDS: Mapping[str, TrainBackendBuilder] = {"torch": build_torch, "megatron": build_megatron}
+
+
+def reward_options(cfg: JobConfig) -> dict[str, Any]:
+    """The keyword arguments bound to the reward function: the options a registered reward takes from keys of the
+    `reward` section (`REWARD_CONFIG_KEYS`: geo3k's format_weight, format_pattern), then `reward.kwargs`, which win."""
+    r = cfg.reward
+    return {**{k: getattr(r, k) for k in REWARD_CONFIG_KEYS.get(r.name or "", ())}, **r.kwargs}
+
+
+def build_rewards(cfg: JobConfig, reward_fn: Callable[..., Any] | None = None) -> list[WeightedReward]:
+    """The job's reward functions, resolved and checked (before Ray starts): `reward.functions`, or `reward.name` with
+    `reward_options`, or `reward_fn` given in Python (with `reward.kwargs` bound; `reward.name` must be null).
+
+    Raises:
+        ConfigError: no reward at all, or `reward_fn` together with `reward.name` / `reward.functions`.
+        RewardResolutionError: a function that does not resolve; the message names its key.
+    """
+    r = cfg.reward
+    if reward_fn is not None:
+        if r.name is not None or r.functions:
+            given = f"reward.name={r.name!r}" if r.name is not None else "reward.functions"
+            raise ConfigError(
+                [
+                    f"run_job got reward_fn= and the config sets {given}; use one: set reward.name=null (and no "
+                    "reward.functions) to score with reward_fn, or drop reward_fn"
+                ]
+            )
+        label = reward_name(reward_fn).rpartition(".")[2]
+        return [WeightedReward(label, 1.0, check_reward(reward_fn, label, **r.kwargs))]
+    if r.functions:
+        terms = []
+        for i, f in enumerate(r.functions):
+            try:
+                terms.append(WeightedReward(f.metric_label, f.weight, resolve_reward(f.name, **f.kwargs)))
+            except RewardResolutionError as err:
+                raise RewardResolutionError(f"reward.functions[{i}].name={f.name!r}: {err}") from err
+        return terms
+    if r.name is None:
+        raise ConfigError(
+            [
+                "reward.name is null and reward.functions is empty: name a reward (reward.name=geo3k), list "
+                "reward.functions, or pass run_job(cfg, reward_fn=...)"
+            ]
+        )
+    label = r.name.rpartition(":")[2].rpartition(".")[2]
+    return [WeightedReward(label, 1.0, resolve_reward(r.name, **reward_options(cfg)))]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a job builds its parts with. Production defaults; tests replace entries (stand-in servers, engines that
+    die on cue, a megatron backend on CPU stand-ins)."""
+
+    engines: Mapping[str, EngineKind] = field(default_factory=lambda: ENGINES)
+    train_backends: Mapping[str, TrainBackendBuilder] = field(default_factory=lambda: TRAIN_BACKENDS)
+    weight_sync: WeightSyncOptions = WeightSyncOptions()

@@ -1,0 +1,147 @@
+"""Everything a job needs from this machine, checked before anything is created: `miles-vl check` and `miles-vl train`.
+
+    preflight(cfg, "configs/geo3k_qwen3vl_2b.yaml")     # returns, or raises one ConfigError listing every problem
+
+What it checks, each problem one line with its fix:
+- the packages of the chosen backends import (`miles_vl.stack`: the core for every job, SGLang for
+  `rollout.backend=sglang`, megatron-core/bridge and Transformer Engine for `train.backend=megatron`), and what the
+  rollout engine itself cannot do with the config (`check_backends`);
+- `reward.name` or each of `reward.functions` resolves (a registry name, or `module:function` that imports, with
+  its options);
+- `data.dataset_fn` resolves; `data.train_path` / `data.eval_path` open as parquet or jsonl with the columns the
+  layout reads (the rows themselves are validated when the job loads them);
+- `model.path` is a checkpoint directory (config.json and weights), or a hub id in the local Hugging Face cache,
+  when the job loads it (`model.init=pretrained`, or an SGLang rollout); the processor (`model.processor`, else
+  `model.path`) loads from local files, unless it is `offline`;
+- `checkpoint.resume`, when it names a checkpoint, is a complete one.
+
+Nothing is written: no run directory, no Ray, no model weights read. The driver (`run_job`) runs `check_backends`
+again itself, as its callers need not be the CLI; the package check stays here, where tests that stand in for an
+engine do not reach.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_vl.config import ConfigError, JobConfig
+from miles_vl.data import load_processor
+from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
+from miles_vl.data.processor import OFFLINE
+from miles_vl.orchestration.checkpoint import verify_checkpoint
+from miles_vl.orchestration.factories import build_rewards
+from miles_vl.orchestration.loop import check_backends
+from miles_vl.stack import backend_problems, captured_output
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+
+
+def preflight(cfg: JobConfig, config_path: str | None = None) -> None:
+    """Raise one `ConfigError` with every problem `preflight_problems` finds (module docstring); else return."""
+    problems = preflight_problems(cfg)
+    if problems:
+        raise ConfigError(problems, config_path)
+
+
+def preflight_problems(cfg: JobConfig) -> list[str]:
+    """Every problem of the job on this machine, one line each (module docstring)."""
+    problems = backend_problems(cfg.rollout.backend, cfg.train.backend)
+    try:
+        check_backends(cfg)
+    except ConfigError as e:
+        problems += e.problems
+    problems += reward_problems(cfg)
+    problems += data_problems(cfg)
+    problems += model_problems(cfg)
+    problems += resume_problems(cfg)
+    return problems
+
+
+def reward_problems(cfg: JobConfig) -> list[str]:
+    try:
+        build_rewards(cfg)
+    except ConfigError as err:
+        return err.problems
+    except Exception as err:  # RewardResolutionError, or what a user's module raises while it imports
+        where = "" if cfg.reward.functions else f"reward.name={cfg.reward.name!r}: "
+        return [f"{where}{err}"]
+    return []
+
+
+def data_problems(cfg: JobConfig) -> list[str]:
+    d = cfg.data
+    problems = []
+    if d.dataset_fn:
+        try:
+            load_dataset_fn(d.dataset_fn)
+        except DataError as err:
+            problems.append(str(err))
+    for key, path in (("data.train_path", d.train_path), ("data.eval_path", d.eval_path)):
+        if not path:
+            continue
+        try:
+            records = read_records(path)
+            if not d.dataset_fn:  # a dataset_fn maps rows of any shape
+                resolve_layout(
+                    records,
+                    d.format,
+                    prompt_key=d.prompt_key,
+                    answer_key=d.answer_key,
+                    image_key=d.image_key,
+                    source=str(path),
+                )
+        except DataError as err:
+            problems.append(f"{key}: {err}")
+    return problems
+
+
+def model_problems(cfg: JobConfig) -> list[str]:
+    m = cfg.model
+    problems = []
+    loads_path = m.path and (m.init == "pretrained" or cfg.rollout.backend == "sglang")
+    path_problem = checkpoint_dir_problem(m.path) if loads_path else None
+    if path_problem:
+        problems.append(path_problem)
+    processor = m.processor or m.path
+    if processor and processor != OFFLINE and not (path_problem and processor == m.path):
+        with captured_output():
+            try:
+                load_processor(processor, cfg.data.min_pixels, cfg.data.max_pixels)
+            except (DataError, ImportError) as err:
+                problems.append(f"model.processor={processor!r}: {err}")
+    return problems
+
+
+def checkpoint_dir_problem(path: str) -> str | None:
+    """What keeps `path` (a directory, or a hub id in the local Hugging Face cache) from loading as an HF checkpoint."""
+    directory = Path(path)
+    if not directory.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(path, local_files_only=True))
+        except Exception:  # not a valid repo id, or not in the cache
+            return (
+                f"model.path={path!r}: no such directory, nor a hub id in the local Hugging Face cache; download the "
+                f"checkpoint (e.g. `huggingface-cli download Qwen/Qwen3-VL-2B-Instruct --local-dir {path}`) or set "
+                "model.path to the directory that holds it"
+            )
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if missing:
+        return (
+            f"model.path={path!r}: {directory} has no {' and no '.join(missing)}; point model.path at the directory "
+            "of a Hugging Face checkpoint"
+        )
+    return None
+
+
+def resume_problems(cfg: JobConfig) -> list[str]:
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "never"):  # `auto` finds (and sets aside) broken ones when the job starts
+        return []
+    problems = verify_checkpoint(resume)
+    return [f"checkpoint.resume={resume}: {p}" for p in problems]

@@ -1,0 +1,283 @@
+"""One rollout engine with its own SGLang server process: launch, wait for health, restart when it dies.
+
+The driver runs one `SGLangRolloutHost` per engine as a Ray actor (`ray.remote(SGLangRolloutHost)`); it implements
+`RolloutEngine`. Ray's `CUDA_VISIBLE_DEVICES` for the actor is inherited by the server, which uses those
+GPUs from index 0 (`--tp-size` = GPUs of the engine). The host is a plain class: it runs (and is tested) without Ray.
+
+    host = SGLangRolloutHost(ServerSpec(model_path=..., port=30000, tp_size=1), tokens)
+    groups = host.generate(prompts, params)      # forwarded to SGLangRolloutEngine (engine.py)
+    host.shutdown()
+
+Restarts: before every call, and when a call finds the server gone, the host relaunches it (same argv, port and
+log file), at most `max_restarts` times over its life. A restarted server has `model_path`'s weights again: when
+weights had been synced, the engine then refuses to generate until they are synced again (and an NCCL weight-update
+group must be formed again), so a crash can cost a sync but never silently yields samples from stale weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles_vl.models import SpecialTokens
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
+from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
+from miles_vl.rollout.sglang.server import (
+    LOOPBACK_HOSTS,
+    ServerProcess,
+    ServerSpec,
+    build_server_argv,
+    build_server_env,
+    check_port_free,
+    wait_until_healthy,
+    write_server_config,
+)
+from miles_vl.rollout.sglang.verify import checkpoint_names
+from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, EngineAddress, SyncReport
+
+log = logging.getLogger(__name__)
+
+DYING_GRACE_S = 5.0  # how long an unreachable server's process may take to exit and count as dead
+
+
+class SGLangRolloutHost(RolloutEngine):
+    """Owns one SGLang server process and the engine that drives it.
+
+    Args:
+        spec: what to launch.
+        tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
+        ban_vision_tokens: see `SGLangRolloutEngine`.
+        startup_timeout_s: how long a (re)start may take to become healthy (rollout.sglang.startup_timeout_s).
+        request_timeout_s: per-attempt timeout of every call (rollout.sglang.request_timeout_s).
+        max_retries: retries of a failed call (rollout.sglang.max_retries).
+        retry_backoff_s: first backoff between retries.
+        max_restarts: relaunches of a dead server over the host's life before giving up.
+        log_path: the server's log file (its directory is created); None: a file in the host's private directory.
+        max_concurrency: requests in flight at once.
+        weight_bucket_bytes: bound of one weight bucket.
+        python: the interpreter that runs the server.
+        launch_module: the module run with `python -m` (tests run a stand-in that takes SGLang's flags).
+        env: extra environment variables for the server process.
+        health_poll_s: pause between health polls while starting.
+        verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
+            names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
+        one_request_per_prompt: send a prompt's n samples as one request (`SGLangRolloutEngine`); None: unless the
+            server's flags make it deterministic.
+        cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
+            (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        tokens: SpecialTokens,
+        *,
+        ban_vision_tokens: bool = True,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        max_restarts: int = 2,
+        log_path: str | Path | None = None,
+        max_concurrency: int = 128,
+        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        python: str = sys.executable,
+        launch_module: str = "sglang.launch_server",
+        env: Mapping[str, str] | None = None,
+        health_poll_s: float = 1.0,
+        verify_weights: bool = True,
+        one_request_per_prompt: bool | None = None,
+        cpu_tensors_by_name: bool = False,
+    ):
+        if cpu_tensors_by_name and not torch.cuda.is_available():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        if log_path is not None:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.health_poll_s = health_poll_s
+        self.restarts = 0
+        self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
+        config_file = write_server_config(spec, self._dir)
+        argv = build_server_argv(
+            spec, python=python, module=launch_module, config_file=None if config_file is None else str(config_file)
+        )
+        self.server = ServerProcess(
+            argv,
+            env={**build_server_env(spec), **(env or {})},
+            log_path=log_path if log_path is not None else self._dir / f"sglang_{spec.port}.log",
+        )
+        self.client = SGLangClient(
+            spec.url,
+            api_key=spec.api_key,
+            timeout_s=request_timeout_s,
+            max_retries=max_retries,
+            backoff_s=retry_backoff_s,
+            liveness=self.server.death_reason,
+        )
+        self.engine = SGLangRolloutEngine(
+            self.client,
+            tokens,
+            ban_vision_tokens=ban_vision_tokens,
+            tp_size=spec.tp_size,
+            max_concurrency=max_concurrency,
+            weight_bucket_bytes=weight_bucket_bytes,
+            weight_version=spec.weight_version,
+            memory_saver=spec.colocated,
+            weights_cpu_backup=spec.weights_cpu_backup,
+            deterministic=deterministic_inference(spec.extra_args),
+            known_names=checkpoint_names(spec.model_path),
+            verify_weights=verify_weights,
+            one_request_per_prompt=one_request_per_prompt,
+        )
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def log_path(self) -> Path:
+        return self.server.log_path
+
+    def _launch(self) -> None:
+        check_port_free(self.spec.host, self.spec.port)
+        self.server.start()
+        waited = wait_until_healthy(
+            self.client, self.server, timeout_s=self.startup_timeout_s, poll_s=self.health_poll_s
+        )
+        log.info("SGLang server %s healthy after %.1fs (pid %s)", self.url, waited, self.server.pid)
+
+    def _restart(self, why: str) -> None:
+        if self.restarts >= self.max_restarts:
+            raise SGLangServerDiedError(
+                f"SGLang server {self.url} died again after {self.restarts} restart(s) (max_restarts="
+                f"{self.max_restarts}): {why}"
+            )
+        self.restarts += 1
+        log.warning("SGLang server %s is down (%s); restart %d/%d", self.url, why, self.restarts, self.max_restarts)
+        self.server.stop()
+        self._launch()
+        self.engine.server_restarted()
+
+    def ensure_running(self) -> None:
+        """Relaunch the server if its process has exited (counts against `max_restarts`)."""
+        reason = self.server.death_reason()
+        if reason is not None:
+            self._restart(reason)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Forward to the engine; on a server death, restart and try once more (the engine refuses if weights
+        were lost, with a message that says to sync them again)."""
+        self.ensure_running()
+        try:
+            return getattr(self.engine, method)(*args, **kwargs)
+        except SGLangServerDiedError as e:
+            reason = str(e)
+        except SGLangUnavailableError as e:
+            # Refused connections from a server whose process has not exited yet (the client's liveness check ran
+            # too early): a death all the same, once the process is gone.
+            if not self.server.exits_within(DYING_GRACE_S):
+                raise
+            reason = f"{e}; then {self.server.death_reason()}"
+        self._restart(reason)
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    # RolloutEngine (the constructor waited for health: `ready` returns at once) -------------------------------------
+
+    def generate(self, prompts: Sequence[SGLangPrompt], params: SamplingParams) -> list[list[Generation]]:
+        """`SGLangRolloutEngine.generate` with the restart rule of this module."""
+        return self._call("generate", prompts, params)
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str | None = None
+    ) -> SyncReport:
+        """`SGLangRolloutEngine.load_weights` (colocated sync). The tensors are kept as a list for the duration of
+        the call, so that a sync interrupted by a server death can be sent again in full to the relaunched server."""
+        return self._call("load_weights", list(named_tensors), weight_version=weight_version)
+
+    def begin_weight_sync(self) -> None:
+        """`SGLangRolloutEngine.begin_weight_sync`: a colocated sync whose buckets arrive one call at a time."""
+        self._call("begin_weight_sync")
+
+    def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """`SGLangRolloutEngine.load_weight_bucket`; raises `EngineStateError` when the server restarted since the
+        sync began (begin it again)."""
+        self._call("load_weight_bucket", list(named_tensors))
+
+    def finish_weight_sync(self, weight_version: str | None = None) -> SyncReport:
+        """`SGLangRolloutEngine.finish_weight_sync`."""
+        return self._call("finish_weight_sync", weight_version)
+
+    @property
+    def weights_missing(self) -> str | None:
+        """Why the server's weights cannot be used now (a restart or release lost them), or None when they can."""
+        return self.engine.weights_missing
+
+    def needs_weights(self) -> bool:
+        """True when the server cannot generate until weights are synced again (it restarted, or it was released
+        without a CPU backup). A dead server is relaunched first (that counts as a restart)."""
+        self.ensure_running()
+        return self.weights_missing is not None
+
+    def server_restarts(self) -> int:
+        return self.restarts
+
+    def endpoint(self) -> EngineAddress:
+        """How trainer rank 0 reaches this server (its node's address unless the server binds loopback)."""
+        import ray
+
+        loopback = self.spec.host in LOOPBACK_HOSTS
+        node_ip = ray.util.get_node_ip_address()
+        url = self.spec.url if loopback else f"http://{node_ip}:{self.spec.port}"
+        return EngineAddress(url, self.spec.api_key, self.spec.tp_size, node_ip, loopback)
+
+    def release_memory(self) -> None:
+        """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        """`SGLangRolloutEngine.resume_memory`; sync weights before the next generate unless they are backed up."""
+        self._call("resume_memory")
+
+    def expect_weight_version(self, version: str) -> None:
+        """Record an NCCL sync the trainer drove (`DistributedWeightSender.send`) to this engine's server."""
+        self.engine.expect_weight_version(version)
+
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """The process runs and `/health_generate` answers 200."""
+        return self.server.is_alive() and self.client.is_healthy()
+
+    def shutdown(self) -> None:
+        """Stop the server (its whole process group) and delete the API-key file; the log stays for post-mortems
+        (the private directory is removed when it holds nothing else)."""
+        self.server.stop()
+        self.client.close()
+        for path in self._dir.glob("*.yaml"):
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self._dir.rmdir()
+
+
+def deterministic_inference(extra_args: Sequence[str]) -> bool:
+    """Whether these server flags make SGLang 0.5.16 honour `sampling_seed`: `--enable-deterministic-inference`, or
+    `--rl-on-policy-target`, which turns it on (`ServerArgs._handle_deterministic_inference`, srt/server_args.py)."""
+    return any(
+        a == "--enable-deterministic-inference" or a.split("=", 1)[0] == "--rl-on-policy-target" for a in extra_args
+    )

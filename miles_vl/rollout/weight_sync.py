@@ -1,0 +1,658 @@
+"""Weight sync trainer -> rollout engines: byte-bounded buckets, both paths, both ends, and what the driver calls.
+
+The driver (`make_weight_sync`) picks one of two paths after every train step, and again for engines that lost
+their weights (a restarted server, a replaced actor):
+
+    tensors  (through the driver: hf engines, sglang colocated) — Ray's object store, one bucket at a time:
+        every engine  begin_weight_sync()
+        for bucket in trainer.weight_buckets(bucket_bytes, ahead=2)  # streamed from train rank 0 (`iter_buckets`)
+            every engine  load_weight_bucket(bucket)                 # sglang: `send_tensor_bucket` below
+        every engine  finish_weight_sync(version)                    # sglang: `finish_tensor_sync` below
+
+    nccl  (an engine kind with `nccl_when_disaggregated`, disaggregated: sglang) — train rank 0 broadcasts:
+        once:      trainer.open_weight_group(engine.endpoint() of all)   # `open_trainer_group` in the train actor
+        each sync: trainer.send_weights(version)                          # `DistributedWeightSender.send`
+                   every engine  expect_weight_version(version)           # responses must carry this label from now on
+        repair:    trainer.close_weight_group(); open again; send to all  # a restarted server left the group
+
+`push` and `repair` return the engines that failed ({index: error}) instead of raising, so that the caller
+(orchestration/engines.py) can replace the dead ones and re-sync the others; they raise what they cannot repair.
+
+SGLang's side of the tensor path (called by the sglang engine, per engine):
+
+    for each bucket:  POST /update_weights_from_tensor  {serialized_named_tensors: [payload_rank0, ...],
+                                                         load_format: null, flush_cache: false}
+    POST /update_weight_version {new_version}          # responses now carry meta_info.weight_version = version
+    POST /flush_cache?timeout=...                       # drop the prefix cache computed with the old weights
+
+A payload is base64 of a `multiprocessing.reduction.ForkingPickler` dump of `[(name, tensor), ...]`: for CUDA
+tensors only an IPC handle crosses, the server maps the memory and copies it (0.5.16: `TpModelWorker.
+update_weights_from_tensor` in `python/sglang/srt/managers/tp_worker.py` indexes the list by TP rank and
+deserializes with `MultiprocessingSerializer` from `python/sglang/srt/utils/common.py`, under a `SafeUnpickler`
+allowlist that admits `torch.*` and `multiprocessing.resource_sharer.*`). The device of a CUDA tensor is written as
+its GPU UUID, not its index, because the trainer and the server see different `CUDA_VISIBLE_DEVICES`; 0.5.16's
+`monkey_patch_torch_reductions` (`python/sglang/srt/utils/patch_torch.py`) accepts either on the receiving side.
+The sender must keep the tensors alive until the call returns (it does: the bucket is held during the call). SGLang's
+`load_format="flattened_bucket"` (one tensor per bucket, `python/sglang/srt/weight_sync/tensor_bucket.py`) is not
+used: its metadata class lives in sglang, which the trainer need not import.
+
+The NCCL path, trainer rank 0 of a group of `1 + sum(tp_size)` ranks (`DistributedWeightSender`):
+
+    init_group():  every engine  POST /init_weights_update_group {master_address, master_port,
+                                     rank_offset, world_size, group_name, backend}     } concurrently: all
+                   trainer       joins the same group as rank 0 (rendezvous at tcp://master:port)  } block until formed
+    send():  for each bucket:   every engine POST /update_weights_from_distributed {names, dtypes, shapes,
+                                     group_name, flush_cache: false}  (in threads) while the trainer broadcasts each
+                                     tensor of the bucket, in order, from rank 0; then the POSTs return
+             every engine:      POST /update_weight_version, POST /flush_cache
+    close(): every engine POST /destroy_weights_update_group  } concurrently (NCCL teardown waits for peers)
+             the trainer destroys its group                     }
+
+0.5.16 receives one `torch.distributed.broadcast(src=0)` per tensor in list order into freshly allocated tensors
+(`WeightUpdater.update_weights_from_distributed` in `python/sglang/srt/model_executor/model_runner_components/
+weight_updater.py`) and builds the group with `init_custom_process_group` (`python/sglang/srt/utils/common.py`):
+rendezvous on `tcp://master_address:master_port`, a `PrefixStore(group_name)`, then torch's
+`_new_process_group_helper`. `init_trainer_group` does the same on the trainer side so the store keys agree.
+
+Buckets bound the bytes in flight (and the server's temporary allocation): a bucket closes before the tensor that
+would push it past `max_bucket_bytes`; a single tensor larger than the bound travels alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import socket
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from miles_vl.rollout.sglang.client import SGLangClient
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What `/update_weights_from_distributed` needs to know about one tensor before receiving it."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16" (the server calls getattr(torch, ...))
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, name: str, tensor: Tensor) -> TensorMeta:
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one weight sync moved."""
+
+    buckets: int
+    tensors: int
+    bytes: int
+    seconds: float
+    weight_version: str
+    verified: tuple[str, ...] = ()  # tensors whose landing the server confirmed (colocated syncs, see verify.py)
+
+
+@dataclass
+class ExportStats:
+    """What one export of the trainer's weights held: tensors, bytes and buckets."""
+
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+
+    def add(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
+        self.buckets += 1
+        self.tensors += len(bucket)
+        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# buckets
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]], max_bucket_bytes: int
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Split tensors, in order, into buckets of at most `max_bucket_bytes` (a larger tensor goes alone). Holds one
+    bucket at a time, so a lazy exporter never materializes the model.
+
+    Yields:
+        Lists of (name, tensor): consecutive runs of `named_tensors`.
+    """
+    _check_bound(max_bucket_bytes)
+    current: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_bucket_bytes:
+            yield current
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        yield current
+
+
+def _check_bound(max_bucket_bytes: int) -> None:
+    if max_bucket_bytes <= 0:
+        raise ValueError(f"max_bucket_bytes must be > 0, found {max_bucket_bytes}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the tensor path, SGLang's side: update_weights_from_tensor
+
+
+def serialize_named_tensors(named_tensors: Sequence[tuple[str, Tensor]]) -> str:
+    """Base64 of a ForkingPickler dump of `[(name, tensor), ...]`, CUDA devices written as GPU UUIDs.
+
+    CPU tensors are shared through file descriptors, which only a process that can reach ours (e.g. a thread of this
+    process) can open: that is what the CPU tests do. A real SGLang server needs CUDA tensors.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    # ForkingPickler copies its reducers into this instance's dispatch_table: override here, not globally.
+    for cls in list(pickler.dispatch_table):
+        if isinstance(cls, type) and issubclass(cls, torch.Tensor):
+            pickler.dispatch_table[cls] = _reduce_tensor_with_uuid
+    pickler.dump([(str(name), tensor) for name, tensor in named_tensors])
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+_CUDA_DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
+
+
+def _reduce_tensor_with_uuid(tensor: Tensor):
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if getattr(rebuild, "__name__", "") == "rebuild_cuda_tensor":
+        device = args[_CUDA_DEVICE_ARG]
+        if not isinstance(device, int):
+            raise TypeError(
+                f"torch {torch.__version__} changed rebuild_cuda_tensor's arguments (device slot holds "
+                f"{device!r}); update _CUDA_DEVICE_ARG in miles_vl/rollout/weight_sync.py"
+            )
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def send_tensor_bucket(
+    client: SGLangClient,
+    bucket: Sequence[tuple[str, Tensor]],
+    *,
+    tp_size: int = 1,
+    device: torch.device | str | None = None,
+) -> int:
+    """One `/update_weights_from_tensor` call of the colocated sync: the tensors of one bucket.
+
+    The sglang engine calls this per bucket of a sync and `finish_tensor_sync` after the last one.
+
+    Args:
+        client: the engine's server.
+        bucket: HF-named tensors (e.g. one bucket of `iter_buckets`).
+        tp_size: the server's TP size (one payload per rank).
+        device: move tensors here before serializing; None keeps them.
+
+    Returns:
+        Bytes sent.
+    """
+    if device is not None:
+        bucket = [(name, t.to(device, non_blocking=True)) for name, t in bucket]
+        if torch.device(device).type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the copies must land before the server maps them
+    # One dump per TP rank: each dump registers its own sharing handles (CUDA IPC reference counts, CPU file
+    # descriptors), and a handle must not be consumed by two receiving processes.
+    payloads = [serialize_named_tensors(bucket) for _ in range(tp_size)]
+    client.update_weights_from_tensor(payloads, flush_cache=False)
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def finish_tensor_sync(client: SGLangClient, *, weight_version: str, flush_timeout_s: float = 60.0) -> None:
+    """End of a colocated sync: label the weights `weight_version`, then drop the prefix cache of the old ones."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+    client.update_weight_version(weight_version)
+    client.flush_cache(timeout_s=flush_timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the NCCL path, trainer rank 0's side: update_weights_from_distributed
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """One engine as the trainer sees it for the NCCL path."""
+
+    client: SGLangClient
+    tp_size: int = 1
+
+
+def group_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Rank offsets of the engines in the weight-update group and its world size (rank 0 is the trainer).
+
+    Returns:
+        (rank_offsets, world_size), e.g. tp_sizes [2, 2] -> ([1, 3], 5).
+    """
+    offsets, next_rank = [], 1
+    for tp in tp_sizes:
+        if tp < 1:
+            raise ValueError(f"an engine's tp_size must be >= 1, found {tp}")
+        offsets.append(next_rank)
+        next_rank += tp
+    return offsets, next_rank
+
+
+def init_trainer_group(
+    *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float
+):
+    """Join the weight-update group as rank 0, the way SGLang 0.5.16's `init_custom_process_group` builds it.
+
+    Uses torch's private `_new_process_group_helper` (what SGLang uses on its side): a group independent of the
+    trainer's default process group, so it works whether or not `torch.distributed` is initialized.
+
+    Returns:
+        The process group.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    missing = [n for n in ("rendezvous", "PrefixStore", "_new_process_group_helper", "_world") if not hasattr(c10d, n)]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks torch.distributed.distributed_c10d.{missing}, which the NCCL weight "
+            "sync uses to build a group independent of the default one; use the torch version SGLang pins (2.11)"
+        )
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # group rank == "global" rank, as SGLang
+    return group
+
+
+class DistributedWeightSender:
+    """Trainer rank 0's side of the NCCL weight sync to a set of SGLang engines (sequence in the module docstring).
+
+    Args:
+        engines: the engines, each with its client and TP size.
+        master_address: address of this process that the engines can reach (the group's rendezvous).
+        master_port: a free port on it.
+        group_name: the group's name on both sides.
+        backend: "nccl" (tensors on CUDA) or "gloo" (tensors on CPU; tests).
+        max_bucket_bytes: bound of one bucket.
+        flush_timeout_s: how long `/flush_cache` may wait for running requests.
+        timeout_s: the group's timeout (rendezvous and every collective).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineEndpoint],
+        *,
+        master_address: str,
+        master_port: int,
+        group_name: str = "miles_vl_weight_sync",
+        backend: str = "nccl",
+        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        flush_timeout_s: float = 60.0,
+        timeout_s: float = 600.0,
+    ):
+        if not engines:
+            raise ValueError("DistributedWeightSender needs at least one engine")
+        _check_bound(max_bucket_bytes)
+        self.engines = list(engines)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.backend = backend
+        self.max_bucket_bytes = max_bucket_bytes
+        self.flush_timeout_s = flush_timeout_s
+        self.timeout_s = timeout_s
+        self.rank_offsets, self.world_size = group_layout([e.tp_size for e in self.engines])
+        self.group = None
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="sglang-weights")
+
+    def init_group(self) -> None:
+        """Form the group: every engine's POST and the trainer's own join run concurrently (all block until then)."""
+        if self.group is not None:
+            raise RuntimeError(f"weight-update group {self.group_name!r} is already initialized")
+        futures = [
+            self._pool.submit(
+                e.client.init_weights_update_group,
+                master_address=self.master_address,
+                master_port=self.master_port,
+                rank_offset=offset,
+                world_size=self.world_size,
+                group_name=self.group_name,
+                backend=self.backend,
+            )
+            for e, offset in zip(self.engines, self.rank_offsets, strict=True)
+        ]
+        self.group = init_trainer_group(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
+        self._wait(futures, "init_weights_update_group")
+        log.info("weight-update group %r formed: %d ranks", self.group_name, self.world_size)
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
+        """Send all tensors bucket by bucket, then label the version and flush every engine's cache.
+
+        Args:
+            named_tensors: HF-named tensors, possibly lazy (moved to this process's GPU for nccl; CPU for gloo).
+            weight_version: label the engines report from now on.
+
+        Returns:
+            A `SyncReport`.
+
+        Raises:
+            RuntimeError: `init_group` was not called.
+            SGLangError: an engine refused a call; the engines' weights are then partially updated.
+        """
+        if self.group is None:
+            raise RuntimeError("call init_group() before send(): the engines have not joined the weight-update group")
+        if self.backend == "nccl":  # NCCL broadcasts from this process's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+            named_tensors = ((name, t.to(device)) for name, t in named_tensors)
+        start = time.monotonic()
+        buckets = tensors = nbytes = 0
+        for bucket in iter_buckets(named_tensors, self.max_bucket_bytes):
+            metas = [TensorMeta.of(name, t) for name, t in bucket]
+            futures = [
+                self._pool.submit(
+                    e.client.update_weights_from_distributed,
+                    names=[m.name for m in metas],
+                    dtypes=[m.dtype for m in metas],
+                    shapes=[m.shape for m in metas],
+                    group_name=self.group_name,
+                    flush_cache=False,
+                )
+                for e in self.engines
+            ]
+            for _, tensor in bucket:
+                self._raise_early(futures)  # an engine that refused at once will never join this broadcast
+                torch.distributed.broadcast(tensor.contiguous(), src=0, group=self.group)
+            self._wait(futures, "update_weights_from_distributed")
+            buckets += 1
+            tensors += len(metas)
+            nbytes += sum(m.nbytes for m in metas)
+        if buckets == 0:
+            raise ValueError("no tensors to sync: named_tensors was empty")
+        for e in self.engines:
+            e.client.update_weight_version(weight_version)
+            e.client.flush_cache(timeout_s=self.flush_timeout_s)
+        return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version)
+
+    def close(self) -> None:
+        """Leave the group on every engine and here, concurrently: tearing down an NCCL communicator waits for its
+        peers, so an engine's destroy returns only once the trainer destroys its side too. Engines that are gone
+        are skipped with a warning."""
+        from miles_vl.rollout.sglang.client import SGLangError  # here: the sglang package imports this module
+
+        if self.group is not None:
+            futures = [self._pool.submit(e.client.destroy_weights_update_group, self.group_name) for e in self.engines]
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
+            for e, f in zip(self.engines, futures, strict=True):
+                try:
+                    f.result()
+                except SGLangError as err:
+                    log.warning("could not destroy the weight-update group on %s: %s", e.client.base_url, err)
+        self._pool.shutdown(wait=True)
+
+    def _raise_early(self, futures: list[Future]) -> None:
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def _wait(self, futures: list[Future], what: str) -> None:
+        from miles_vl.rollout.sglang.client import SGLangError
+
+        errors = []
+        for e, f in zip(self.engines, futures, strict=True):
+            try:
+                f.result()
+            except Exception as err:  # collect every engine's failure, then raise one error naming them all
+                errors.append(f"{e.client.base_url}: {err}")
+        if errors:
+            raise SGLangError(f"{what} failed on {len(errors)} engine(s):\n" + "\n".join(errors))
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """How trainer rank 0 reaches one engine's server for the NCCL sync (`RolloutEngine.endpoint`)."""
+
+    url: str
+    api_key: str | None
+    tp_size: int
+    node_ip: str
+    loopback: bool  # the server binds a loopback address: reachable from its own node only
+
+
+def open_trainer_group(
+    engines: Sequence[EngineAddress],
+    *,
+    backend: str,
+    max_bucket_bytes: int,
+    request_timeout_s: float,
+    timeout_s: float = 600.0,
+) -> DistributedWeightSender:
+    """Trainer rank 0's weight-update group with every engine, formed (runs inside the train actor).
+
+    Args:
+        engines: the engines' addresses, in engine order.
+        backend: "nccl" (tensors go to this process's GPU first) or "gloo" (CPU; tests).
+        max_bucket_bytes: bound of one bucket (one `/update_weights_from_distributed` call).
+        request_timeout_s: per-attempt timeout of the HTTP calls to the servers.
+        timeout_s: the group's timeout (rendezvous and every broadcast).
+
+    Raises:
+        ValueError: an engine bound to loopback on another node (the trainer could not reach it).
+    """
+    import ray
+
+    from miles_vl.rollout.sglang.client import SGLangClient
+
+    here = ray.util.get_node_ip_address()
+    far = [i for i, e in enumerate(engines) if e.loopback and e.node_ip != here]
+    if far:
+        raise ValueError(
+            f"engines {far} bind 127.0.0.1 on another node than the trainer ({here}), so the NCCL weight sync "
+            "cannot reach them; set rollout.sglang.host=0.0.0.0 and rollout.sglang.api_key"
+        )
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    sender = DistributedWeightSender(
+        [
+            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            for e in engines
+        ],
+        master_address="127.0.0.1" if all(e.node_ip == here for e in engines) else here,
+        master_port=port,
+        backend=backend,
+        max_bucket_bytes=max_bucket_bytes,
+        timeout_s=timeout_s,
+    )
+    try:
+        sender.init_group()
+    except BaseException:
+        sender.close()
+        raise
+    return sender
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the driver
+
+
+@dataclass(frozen=True)
+class WeightSyncOptions:
+    """How weights travel (production defaults; tests lower the bucket bound to see several buckets).
+
+    Args:
+        bucket_bytes: bound of one bucket (an object-store object, or one `/update_weights_from_distributed`).
+        buckets_ahead: buckets the trainer may export ahead of the engines (bounds the object store's share).
+        group_backend: backend of the NCCL path's group; None: nccl when the trainer has GPUs, else gloo.
+        timeout_s: the NCCL group's timeout (rendezvous and every broadcast).
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    buckets_ahead: int = 2
+    group_backend: str | None = None
+    timeout_s: float = 600.0
+
+
+Failed = dict[int, BaseException]
+
+
+def make_weight_sync(
+    trainer, *, nccl: bool, trainer_gpus: bool, request_timeout_s: float, options: WeightSyncOptions
+) -> WeightSync:
+    """The sync from `trainer` (orchestration/trainer.py: `weight_buckets`, `open_weight_group`, `send_weights`,
+    `close_weight_group`) to the engines: over NCCL when `nccl`, else through the driver."""
+    if nccl:
+        backend = options.group_backend or ("nccl" if trainer_gpus else "gloo")
+        return NcclWeightSync(trainer, backend=backend, request_timeout_s=request_timeout_s, options=options)
+    return TensorWeightSync(trainer, options)
+
+
+class TensorWeightSync:
+    """Through the driver: the trainer's buckets (object-store refs) go to every engine actor."""
+
+    def __init__(self, trainer, options: WeightSyncOptions):
+        self.trainer = trainer
+        self.options = options
+
+    def push(self, engines: Sequence, version: str, only: Sequence[int] | None = None) -> Failed:
+        """Sync `engines` (or only those at the indices `only`) to the trainer's weights, labelled `version`."""
+        targets = {i: engines[i] for i in (range(len(engines)) if only is None else only)}
+        failed: Failed = {}
+        _call_each(targets, failed, "begin_weight_sync")
+        n = 0
+        # an ObjectRef per bucket: each engine fetches it from the object store
+        for bucket in self.trainer.weight_buckets(self.options.bucket_bytes, ahead=self.options.buckets_ahead):
+            _call_each(targets, failed, "load_weight_bucket", bucket)
+            n += 1
+        _call_each(targets, failed, "finish_weight_sync", version)
+        log.info("weights %s: %d bucket(s) to %d engine(s), %d failed", version, n, len(targets), len(failed))
+        return failed
+
+    def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
+        """Engines `indices` lost their weights (restarted or replaced): sync those again."""
+        return self.push(engines, version, only=indices)
+
+    def close(self) -> None:
+        pass
+
+
+class NcclWeightSync:
+    """Trainer rank 0 broadcasts to every engine: one weight-update group, formed on the first push."""
+
+    def __init__(self, trainer, *, backend: str, request_timeout_s: float, options: WeightSyncOptions):
+        self.trainer = trainer
+        self.backend = backend
+        self.request_timeout_s = request_timeout_s
+        self.options = options
+        self.open = False
+
+    def push(self, engines: Sequence, version: str) -> Failed:
+        """Broadcast the trainer's weights to every engine, labelled `version`. A failure leaves every engine with
+        partly updated weights, so all of them are returned as failed (the caller re-syncs them)."""
+        import ray
+
+        failed: Failed = {}
+        _call_each(dict(enumerate(engines)), failed, "begin_weight_sync")  # generate refuses until the sync ends
+        if failed:
+            return failed
+        try:
+            if not self.open:
+                addresses = ray.get([e.endpoint.remote() for e in engines])
+                self.trainer.open_weight_group(
+                    addresses,
+                    backend=self.backend,
+                    max_bucket_bytes=self.options.bucket_bytes,
+                    timeout_s=self.options.timeout_s,
+                    request_timeout_s=self.request_timeout_s,
+                )
+                self.open = True
+            report = self.trainer.send_weights(version)
+        except ray.exceptions.RayTaskError as error:
+            log.warning("NCCL weight sync %s failed: %s", version, error)
+            self.close()
+            return _blame(engines, error)
+        _call_each(dict(enumerate(engines)), failed, "expect_weight_version", version)
+        log.info(
+            "weights %s: %d bucket(s) over %s to %d engine(s)", version, report.buckets, self.backend, len(engines)
+        )
+        return failed
+
+    def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
+        """A restarted or replaced engine is no longer in the group: form it again and send to every engine."""
+        self.close()
+        return self.push(engines, version)
+
+    def close(self) -> None:
+        """Leave the group on every engine and the trainer (engines that are gone are skipped with a warning)."""
+        if self.open:
+            self.open = False
+            self.trainer.close_weight_group()
+
+
+WeightSync = TensorWeightSync | NcclWeightSync
+
+
+def _call_each(targets: dict, failed: Failed, method: str, *args) -> None:
+    """`method(*args)` on every target engine not failed yet, concurrently; failures are recorded, not raised."""
+    import ray
+
+    refs = {i: getattr(e, method).remote(*args) for i, e in targets.items() if i not in failed}
+    for i, ref in refs.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as error:
+            failed[i] = error
+
+
+def _blame(engines: Sequence, error: BaseException) -> Failed:
+    """Every engine after a failed NCCL sync: those that died with their own error, the others with `error`."""
+    import ray
+
+    failed: Failed = {}
+    for i, e in enumerate(engines):
+        try:
+            ray.get(e.needs_weights.remote())
+            failed[i] = error
+        except ray.exceptions.RayError as probe_error:
+            failed[i] = probe_error
+    return failed

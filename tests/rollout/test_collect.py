@@ -1,0 +1,52 @@
+"""Contract of dynamic sampling's collection: each round over-samples ceil(factor * missing) prompts, groups beyond
+`want` are surplus, and a short batch is cut to whole mini-batches of whole groups, counting what was cut."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from miles_vl.rollout.collect import collect, has_reward_variance, trim_to_whole_batches
+
+
+def fake_run(flat: set[int]):
+    """Prompts are ints from a counter; prompts in `flat` get equal rewards (dropped by the filter)."""
+    cursor, asked = [0], []
+
+    def next_batch(k):
+        asked.append(k)
+        out = list(range(cursor[0], cursor[0] + k))
+        cursor[0] += k
+        return out
+
+    def generate(prompts, round_):
+        return [[SimpleNamespace(response_ids=torch.tensor([1]))] * 2 for _ in prompts]
+
+    def score(prompts, groups):
+        reward = lambda p, j: SimpleNamespace(overall=1.0 if p in flat else float(j))  # noqa: E731
+        return [[reward(p, j) for j in range(2)] for p in prompts], SimpleNamespace(n_errors=0, n_timeouts=0)
+
+    return next_batch, generate, score, asked
+
+
+def test_over_sampling_asks_factor_times_the_missing_prompts():
+    next_batch, generate, score, asked = fake_run(flat={0, 1, 2})
+    out = collect(next_batch, generate, score, want=4, keep=has_reward_variance, max_rounds=3, over_sampling_factor=1.5)
+    # round 1: ceil(1.5*4)=6 prompts 0..5, keeps 3..5 (3); round 2: ceil(1.5*1)=2 prompts 6,7: keeps 6, 7 is surplus
+    assert asked == [6, 2]
+    assert out.prompts == [3, 4, 5, 6] and out.dropped == 3 and out.surplus == 1 and out.rounds == 2
+
+
+def test_short_batch_is_cut_to_whole_mini_batches():
+    next_batch, generate, score, _ = fake_run(flat={0, 2, 4, 6, 8})
+    out = collect(next_batch, generate, score, want=4, keep=has_reward_variance, max_rounds=1)
+    assert out.prompts == [1, 3, 5]  # round 1: 0..3 keeps 1, 3; round 2: 4, 5 keeps 5; then max_rounds is reached
+    # n=2, global_batch_size=4: whole mini-batches hold 2 groups -> keep 2 groups, cut 1
+    cut = trim_to_whole_batches(out, global_batch_size=4, n_samples_per_prompt=2)
+    assert cut.prompts == [1, 3] and len(cut.groups) == len(cut.rewards) == 2 and cut.short_batch_dropped == 1
+    # n=4, global_batch_size=6: lcm 12 samples = 3 groups -> all three kept
+    assert trim_to_whole_batches(out, global_batch_size=6, n_samples_per_prompt=4).short_batch_dropped == 0
+    # fewer samples than one mini-batch: nothing left
+    none = trim_to_whole_batches(out, global_batch_size=8, n_samples_per_prompt=2)
+    assert none.prompts == [] and none.short_batch_dropped == 3

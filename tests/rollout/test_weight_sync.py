@@ -1,0 +1,192 @@
+"""Contract: weight buckets keep the tensor order and stay within the byte bound (a larger tensor travels alone);
+a colocated payload references only modules SGLang 0.5.16's unpickler allows and rebuilds the exact tensors; the
+NCCL path forms one group of 1 + sum(tp) ranks with the trainer as rank 0 and, per bucket, POSTs names/dtypes/shapes
+while broadcasting the tensors in the same order (exercised end to end with gloo against two stand-in servers, each
+its own process), then labels the version, flushes, and finally destroys the group."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import pickletools
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles_vl.rollout import weight_sync
+from miles_vl.rollout.weight_sync import (
+    DistributedWeightSender,
+    EngineEndpoint,
+    TensorMeta,
+    group_layout,
+    iter_buckets,
+    serialize_named_tensors,
+)
+from tests.rollout.sglang.conftest import FAKE_SERVER, free_port, quick_client
+from tests.rollout.sglang.fake_server import ALLOWED_MODULE_PREFIXES, _unpickle_allowlisted
+
+
+def metas(sizes: list[int]) -> list[TensorMeta]:
+    return [TensorMeta(f"t{i}", "uint8", (n,), n) for i, n in enumerate(sizes)]
+
+
+def buckets_of(sizes: list[int], bound: int) -> list[list[TensorMeta]]:
+    """`iter_buckets` over uint8 tensors of these sizes (bytes), as the metas of each bucket."""
+    tensors = ((f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate(sizes))
+    return [[TensorMeta.of(n, t) for n, t in b] for b in iter_buckets(tensors, bound)]
+
+
+def test_buckets_by_example():
+    buckets = buckets_of([3, 3, 3, 10, 1, 1], 6)
+    assert [[m.nbytes for m in b] for b in buckets] == [[3, 3], [3], [10], [1, 1]]
+    assert [[m.name for m in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    assert TensorMeta.of("w", torch.zeros(2, 3, dtype=torch.bfloat16)) == TensorMeta("w", "bfloat16", (2, 3), 12)
+    with pytest.raises(ValueError, match="max_bucket_bytes must be > 0"):
+        buckets_of([1], 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 100), max_size=30), st.integers(1, 150))
+def test_buckets_are_ordered_bounded_and_greedy(sizes, bound):
+    buckets = buckets_of(sizes, bound)
+    assert [m for b in buckets for m in b] == metas(sizes)  # nothing lost, nothing reordered
+    for k, b in enumerate(buckets):
+        total = sum(m.nbytes for m in b)
+        assert total <= bound or len(b) == 1  # within the bound, or one tensor larger than it
+        if k + 1 < len(buckets):
+            assert total + buckets[k + 1][0].nbytes > bound  # closed only when the next tensor would not fit
+
+
+def test_payload_passes_sglangs_unpickler_and_rebuilds_the_tensors():
+    g = torch.Generator().manual_seed(1)
+    tensors = [
+        ("a.weight", torch.randn(3, 4, generator=g).to(torch.bfloat16)),
+        ("b.bias", torch.arange(5, dtype=torch.int64)),
+        ("c.weight", torch.randn(4, 2, generator=g).t()),  # non-contiguous view
+    ]
+    data = base64.b64decode(serialize_named_tensors(tensors), validate=True)
+    modules = {arg for op, arg, _ in pickletools.genops(data) if op.name == "SHORT_BINUNICODE" and "." in str(arg)}
+    referenced = {m for m in modules if m.startswith(("torch", "multiprocessing"))}
+    assert referenced and all(any((m + ".").startswith(p) for p in ALLOWED_MODULE_PREFIXES) for m in referenced)
+    rebuilt = _unpickle_allowlisted(data)  # same process: CPU storages travel as file descriptors
+    assert [n for n, _ in rebuilt] == [n for n, _ in tensors]
+    for (_, got), (_, want) in zip(rebuilt, tensors, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="Blocked unsafe class loading"):
+        _unpickle_allowlisted(pickle.dumps(subprocess.Popen))
+
+
+def test_group_layout_puts_the_trainer_at_rank_0():
+    assert group_layout([1]) == ([1], 2)
+    assert group_layout([2, 2, 4]) == ([1, 3, 5], 9)
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        group_layout([0])
+
+
+def _start_fake(port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(FAKE_SERVER), "--model-path", "m", "--port", str(port), "--weight-version", "base"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.slow
+def test_nccl_path_end_to_end_over_gloo():
+    ports = [free_port(), free_port()]
+    servers = [_start_fake(p) for p in ports]
+    try:
+        clients = [quick_client(f"http://127.0.0.1:{p}", timeout_s=60) for p in ports]
+        deadline = time.monotonic() + 20
+        while not all(c.is_healthy(timeout_s=0.5) for c in clients):
+            assert time.monotonic() < deadline, "stand-in servers did not start"
+            time.sleep(0.05)
+        sender = DistributedWeightSender(
+            [EngineEndpoint(c) for c in clients],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            group_name="miles_vl_test_sync",
+            backend="gloo",
+            max_bucket_bytes=64,
+            timeout_s=60,
+        )
+        g = torch.Generator().manual_seed(2)
+        tensors = [
+            ("model.layers.0.weight", torch.randn(4, 3, generator=g)),  # 48 B
+            ("model.norm.weight", torch.randn(4, generator=g).to(torch.bfloat16)),  # 8 B
+            ("lm_head.weight", torch.randn(6, 4, generator=g)),  # 96 B: alone
+            ("model.visual.bias", torch.arange(3, dtype=torch.int32)),  # 12 B
+        ]
+        try:
+            sender.init_group()
+            report = sender.send(iter(tensors), weight_version="step-1")
+        finally:
+            sender.close()
+        assert (report.buckets, report.tensors, report.bytes) == (3, 4, 164)
+
+        for offset, client in zip([1, 2], clients, strict=True):
+            calls = client.get_json("/_fake/calls")
+            assert [c["path"] for c in calls[-7:]] == [
+                "/init_weights_update_group",
+                "/update_weights_from_distributed",
+                "/update_weights_from_distributed",
+                "/update_weights_from_distributed",
+                "/update_weight_version",
+                "/flush_cache",
+                "/destroy_weights_update_group",
+            ]
+            assert calls[-7]["body"] == {"master_address": "127.0.0.1", "master_port": sender.master_port,
+                                         "rank_offset": offset, "world_size": 3, "group_name": "miles_vl_test_sync",
+                                         "backend": "gloo"}  # fmt: skip
+            assert calls[-6]["body"] == {"names": ["model.layers.0.weight", "model.norm.weight"],
+                                         "dtypes": ["float32", "bfloat16"], "shapes": [[4, 3], [4]],
+                                         "group_name": "miles_vl_test_sync", "flush_cache": False,
+                                         "abort_all_requests": False, "weight_version": None}  # fmt: skip
+            received = client.get_json("/_fake/weights")
+            flat = [(n, s, v) for w in received for n, s, v in zip(w["names"], w["shapes"], w["sums"], strict=True)]
+            assert flat == [(n, list(t.shape), pytest.approx(float(t.double().sum()))) for n, t in tensors]
+            assert client.model_info()["weight_version"] == "step-1"
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait(timeout=10)
+
+
+def test_cuda_tensors_name_their_gpu_by_uuid_not_index(monkeypatch):
+    """The colocated payload must carry the GPU's UUID where torch writes the device index (issue 20.8: a payload
+    with the index survived the CPU suite). The trainer's engine actor and the SGLang server see different
+    CUDA_VISIBLE_DEVICES, so index 3 here can be another GPU there. Without a GPU, torch's CUDA reduction is stood in
+    by a function of the same name and argument layout, checked against torch's own `rebuild_cuda_tensor`."""
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    # the slot we rewrite is torch's `storage_device` (an independent reading of torch's signature)
+    params = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert params[weight_sync._CUDA_DEVICE_ARG] == "storage_device"
+
+    def rebuild_cuda_tensor(*args):  # the name the reducer looks for
+        raise AssertionError("never rebuilt here")
+
+    args = tuple(f"arg{i}" for i in range(len(params)))
+    args = (*args[: weight_sync._CUDA_DEVICE_ARG], 3, *args[weight_sync._CUDA_DEVICE_ARG + 1 :])
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (rebuild_cuda_tensor, args))
+    seen = []
+
+    class Props:
+        def __init__(self, index):
+            seen.append(index)
+            self.uuid = f"GPU-uuid-of-{index}"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
+    rebuild, out = weight_sync._reduce_tensor_with_uuid(torch.zeros(1))
+    assert rebuild is rebuild_cuda_tensor and seen == [3]
+    assert out[weight_sync._CUDA_DEVICE_ARG] == "GPU-uuid-of-3"
+    assert out[: weight_sync._CUDA_DEVICE_ARG] == args[: weight_sync._CUDA_DEVICE_ARG]
+    assert out[weight_sync._CUDA_DEVICE_ARG + 1 :] == args[weight_sync._CUDA_DEVICE_ARG + 1 :]
