@@ -63,23 +63,33 @@ from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost  # noqa: E402
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
     build_generate_payload,
     image_data_url,
+    image_hash,
     parse_generate_response,
     request_input_ids,
 )
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
 SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# Server variants (`--variants`): (extra flags, extra environment). What each changes in 0.5.16's multimodal path
-# (srt/multimodal/processors/base_processor.py, srt/managers/mm_utils.py):
-#   default     pixel values copied to the CPU, sha256-hashed there (`tensor_hash`), pickled to the scheduler
+# Server variants (`--variants`): (extra flags, extra environment, whether requests carry `mm_hashes`, launch module).
+# What each changes in 0.5.16's multimodal path (srt/multimodal/processors/base_processor.py, srt/managers/mm_utils.py,
+# srt/managers/schedule_batch.py):
+#   v0516       0.5.16 as shipped (what miles_vl ran before commit 437158a): pixel values sha256-hashed in the
+#               scheduler process, once for every request and, with `sampling_params.n`, once for every copy
+#   default     what the engine does: SGLANG_MM_PRECOMPUTE_HASH=1 (the tokenizer hashes once per request, before the
+#               `n` copies are made) and `mm_hashes` (our hash of the image bytes: no pixel hash at all for n = 1)
+#   nopix       default + sglang_copies_without_pixels.py (a prototype, not used by miles_vl): the `n` copies go to the
+#               scheduler without pixel values (their prompt is in the prefix cache)
 #   cuda_ipc    `--mm-feature-transport cuda_ipc`: pixel values stay on the GPU, hashed there, handed over by CUDA IPC
 #               (crashed the scheduler on an H100, 2026-11-23: `torch.cat` of image features on cuda:0 and cpu in
 #               qwen3_vl.py get_image_feature, once the IPC pool fell back to the CPU for some images)
 #   skip_hash   SGLANG_MM_SKIP_COMPUTE_HASH=1: a random id instead of the content hash (no prefix sharing of images)
+BENCH_DIR = str(Path(__file__).resolve().parent)
 VARIANTS = {
-    "default": ((), {}),
-    "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}),
-    "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}),
+    "v0516": ((), {"SGLANG_MM_PRECOMPUTE_HASH": "0"}, False, "sglang.launch_server"),
+    "default": ((), {}, True, "sglang.launch_server"),
+    "nopix": ((), {}, True, "sglang_copies_without_pixels"),
+    "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}, True, "sglang.launch_server"),
+    "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, False, "sglang.launch_server"),
 }
 
 
@@ -130,7 +140,15 @@ def build_prompts(processor, n: int, seed: int) -> list[Prompt]:
 
 
 def sglang_call(
-    host: SGLangRolloutHost, prompts, urls, tokens: SpecialTokens, n: int, temperature: float, seed: int, shape: Shape
+    host: SGLangRolloutHost,
+    prompts,
+    urls,
+    tokens: SpecialTokens,
+    n: int,
+    temperature: float,
+    seed: int,
+    shape: Shape,
+    hashes: bool,
 ):
     """(wall seconds, output lengths) of one batch of concurrent `/generate` requests, after a cache flush: the first
     `len(prompts) // shape.group` prompts, `shape.group` samples each, as one request per sample or one per prompt."""
@@ -147,6 +165,7 @@ def sglang_call(
             stop_token_ids=tokens.eos_token_ids,
             banned_token_ids=host.engine.banned_token_ids,
             n=per_request,
+            image_hashes=[image_hash(u) for u in urls[i]] if hashes else (),
         )
         body["sampling_params"]["ignore_eos"] = True  # 0.5.16: no token-based stop at all (EOS nor stop_token_ids)
         payloads += [(i, body)] * (shape.group // per_request)
@@ -181,7 +200,9 @@ def sglang_call(
 def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default") -> list[dict]:
     """One server of this variant; a row per `--shapes` entry."""
     b, n = len(prompts), args.max_new_tokens
-    flags, env = VARIANTS[variant]
+    flags, env, hashes, launch_module = VARIANTS[variant]
+    if launch_module != "sglang.launch_server":  # a prototype launcher in benchmarks/
+        env = env | {"PYTHONPATH": os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)}
     spec = ServerSpec(
         model_path=ckpt,
         port=free_port(),
@@ -212,6 +233,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
         max_restarts=0,
         log_path=Path(log_dir) / f"sglang_bench_{variant}.log" if log_dir else None,
         env=SERVER_ENV | env,
+        launch_module=launch_module,
         health_poll_s=0.5,
     )
     startup_s = time.perf_counter() - t0
@@ -222,7 +244,9 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
     try:
         urls = [[image_data_url(im) for im in p.images] for p in prompts]
         for shape in args.shapes:
-            call = partial(sglang_call, host, prompts, urls, tokens, temperature=args.temperature, shape=shape)
+            call = partial(
+                sglang_call, host, prompts, urls, tokens, temperature=args.temperature, shape=shape, hashes=hashes
+            )
             call(4, seed=args.seed)  # warm-up
             short = [call(1, seed=args.seed)[0] for _ in range(args.repeats)]
             runs = [call(n, seed=args.seed + k) for k in range(args.repeats)]

@@ -4,7 +4,7 @@
 #
 # usage (in the repository root on the GPU machine, inside scripts/gpu/stack.sh, which stages and installs SGLang):
 #   bash scripts/gpu/stack.sh bash scripts/gpu/run_sglang_checks.sh [--keep-going] [--skip-bench] [--skip-tests]
-#                                                                  [--bench-args "ARGS"]
+#                                                                  [--bench-args "ARGS"] [-k EXPR]
 #
 # On a fresh machine the tests (SGLang's first import ~90 s, two servers) and the benchmark no longer fit one 10-minute
 # call together (2026-11-24: the tests got 262 s and the last one was cut): run them in two calls, --skip-bench then
@@ -22,13 +22,14 @@ budget=${BUDGET_S:-570}
 py=${PYTHON:-python3}
 export OUT=${OUT:-$(mktemp -d)}
 log=$OUT/driver.log
-keep_going=0 skip_bench=0 skip_tests=0 bench_args=""
+keep_going=0 skip_bench=0 skip_tests=0 bench_args="" select=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --keep-going) keep_going=1; shift ;;
     --skip-bench) skip_bench=1; shift ;;
     --skip-tests) skip_tests=1; shift ;;
     --bench-args) bench_args=${2:?--bench-args needs a string}; shift 2 ;;
+    -k) select=(-k "${2:?-k needs a pytest expression}"); shift 2 ;;
     *) echo "run_sglang_checks: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -101,7 +102,7 @@ if [ "$skip_tests" = 0 ]; then
   [ "$t" -lt 60 ] && fail tests "only ${t}s left for the tests"
   say "tests: pytest -v -s (timeout ${t}s)"
   timeout -s INT -k 30 "$t" "$py" -m pytest tests/gpu/test_sglang_real.py tests/rollout/sglang/test_gpu.py \
-    -v -s -p no:cacheprovider >> "$log" 2>&1
+    -v -s -p no:cacheprovider "${select[@]}" >> "$log" 2>&1
   status=$?
   cleanup_servers
   grep -oE "SGLANG-REAL.*|[0-9]+ (passed|failed|skipped|errors?)[^=]*" "$log" | tail -8 | while read -r line; do say "tests: $line"; done

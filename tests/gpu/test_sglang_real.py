@@ -42,7 +42,7 @@ import torch
 
 from miles_vl.rollout import SamplingParams
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRequestError, SGLangRolloutHost
-from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, request_input_ids
+from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, image_hash, request_input_ids
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,6 +242,38 @@ def test_a_prompts_n_samples_in_one_request(host, prompts, tokens):
     assert all(b["prompt_token_ids"] == ids for b in bodies)
     assert len({tuple(b["output_ids"]) for b in bodies}) > 1
     assert host.engine.one_request_per_prompt
+
+
+def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, tokens):
+    """What `image_hash` (generate.py) assumes of the real server: with n = 1 the `mm_hashes` we send, not the pixels,
+    key an image's prefix: the same text with another image but the first image's hash reuses the cached prompt past
+    the image; with its own hash it stops at the image. And 0.5.16 drops `mm_hashes` from a request with n > 1 (its
+    `GenerateReqInput.__getitem__` does not copy them): such a request caches the image under the pixels' hash."""
+    ids = prompts[0].prompt_ids.tolist()
+    first_image_token = ids.index(tokens.image_token_id)
+    urls = [image_data_url(prompts[k].images[0]) for k in (0, 1)]
+    assert urls[0] != urls[1]
+
+    def cached(k: int, hash_of: int, n: int = 1) -> int:
+        payload = build_generate_payload(
+            request_input_ids(ids, tokens.image_token_id, 1),
+            [urls[k]],
+            SamplingParams(max_new_tokens=1, temperature=1.0),
+            seed=0,
+            stop_token_ids=tokens.eos_token_ids,
+            n=n,
+            image_hashes=[image_hash(urls[hash_of])],
+        )
+        bodies = host.client.generate_n(payload, n) if n > 1 else [host.client.generate(payload)]
+        return int(bodies[0]["meta_info"]["cached_tokens"])
+
+    host.client.flush_cache(timeout_s=60)
+    assert cached(0, hash_of=0) == 0
+    assert cached(1, hash_of=0) >= len(ids) - 1  # another image under the same hash: the whole prompt is a hit
+    assert cached(1, hash_of=1) <= first_image_token  # its own hash: the cache stops where the image starts
+    host.client.flush_cache(timeout_s=60)
+    cached(0, hash_of=0, n=2)  # n > 1: the hash is dropped, the prefix is cached under the pixels' own hash
+    assert cached(1, hash_of=0) <= first_image_token
 
 
 def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):

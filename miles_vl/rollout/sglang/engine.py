@@ -50,6 +50,7 @@ from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
     build_generate_payload,
     image_data_url,
+    image_hash,
     parse_generate_response,
     prompt_images,
     request_input_ids,
@@ -276,6 +277,7 @@ class SGLangRolloutEngine:
             stop_token_ids=self.stop_token_ids,
             banned_token_ids=self.banned_token_ids,
             n=n,
+            image_hashes=[image_hash(u) for u in urls],
         )
 
     def _check_version(self, version: str | None, prompt_index: int) -> None:

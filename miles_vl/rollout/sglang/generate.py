@@ -43,6 +43,7 @@ Images are sent as PNG data URLs of the decoded pixels: lossless, and the server
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -95,6 +96,19 @@ def image_data_url(image: Image.Image | bytes | bytearray) -> str:
             "load paths/URLs into PIL images when building the prompt record"
         )
     return "data:image/png;base64," + base64.b64encode(raw).decode("ascii")
+
+
+def image_hash(url: str) -> str:
+    """The content hash SGLang gets for an image in `mm_hashes` (16 hex digits of a BLAKE2b of its data URL).
+
+    With it the server keys its prefix cache on our hash instead of a SHA-256 of the processed pixel values
+    (`GenerateReqInput.mm_hashes`, `srt/managers/io_struct.py:193`; read in `srt/managers/tokenizer_manager.py:946`).
+    Same bytes, same pixels: equal images share a prefix, different images do not (64 bits; SGLang itself keeps 30
+    of them for the pad value). 0.5.16 drops `mm_hashes` from a request with `sampling_params.n > 1`
+    (`GenerateReqInput.__getitem__` does not copy it); there the server hashes the pixels once per request
+    (`SGLANG_MM_PRECOMPUTE_HASH`, server.py).
+    """
+    return hashlib.blake2b(url.encode("ascii"), digest_size=8).hexdigest()
 
 
 def _png(image: Image.Image) -> bytes:
@@ -197,6 +211,7 @@ def build_generate_payload(
     stop_token_ids: Sequence[int],
     banned_token_ids: Sequence[int] = (),
     n: int = 1,
+    image_hashes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """One `GenerateReqInput` body: one prompt, `n` samples (engine.py decides how a call's samples are split into
     requests; `params.n` is not read here).
@@ -210,6 +225,7 @@ def build_generate_payload(
         banned_token_ids: ids given a -1e9 logit bias (e.g. vision tokens, as the hf engine bans them).
         n: samples of this prompt in this request (`sampling_params.n`); the server answers a list of `n` bodies
             when n > 1.
+        image_hashes: `image_hash` of each image (sent as `mm_hashes`), or none.
 
     Returns:
         The JSON body.
@@ -237,6 +253,10 @@ def build_generate_payload(
     }
     if image_urls:
         payload["image_data"] = list(image_urls)
+    if image_hashes:
+        if len(image_hashes) != len(image_urls):
+            raise ValueError(f"{len(image_hashes)} image hashes for {len(image_urls)} images")
+        payload["mm_hashes"] = list(image_hashes)
     return payload
 
 

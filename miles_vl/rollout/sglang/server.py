@@ -17,6 +17,11 @@ Decisions (each one is also in docs/sglang.md):
   clear that cache (`Scheduler.flush_cache` in `python/sglang/srt/managers/scheduler.py` resets the radix tree and
   memory pools only), so after a weight sync the same image would reuse embeddings of the old vision tower. Set
   `vision_cache_mb > 0` only when the vision tower is frozen.
+- `SGLANG_MM_PRECOMPUTE_HASH=1` by default. Without it, 0.5.16 hashes each request's pixel values (a SHA-256 of
+  4.8 MB for a 196-token image) in the scheduler process, once for every one of the `n` copies of a request with
+  `sampling_params.n` (each copy is materialized afresh: `MultimodalInputs.from_processor_output` ->
+  `MultimodalDataItem.set_pad_value`, `srt/managers/schedule_batch.py:299`, `:576`); with it the tokenizer hashes once
+  per request before the copies are made (`srt/managers/tokenizer_manager.py:966-974`) and the copies carry the hash.
 - Colocated engines get `--enable-memory-saver` so that `/release_memory_occupation` frees the GPU for the trainer.
 
 `ServerProcess` runs the command in its own session (process group), so stopping it also stops the scheduler and
@@ -205,10 +210,12 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
     """The server's environment: `base` (default: ours) plus the settings miles_vl needs (pure).
 
     Returns:
-        A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0).
+        A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0), and
+        `SGLANG_MM_PRECOMPUTE_HASH` is 1 unless `base` sets it.
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
+    env.setdefault("SGLANG_MM_PRECOMPUTE_HASH", "1")  # hash once per request, not once per `n` copy (docstring)
     for key, value in NO_MULTICAST_ENV.items():  # NVLink multicast off unless the caller decided otherwise
         env.setdefault(key, value)
     return env

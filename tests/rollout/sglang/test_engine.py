@@ -22,6 +22,7 @@ from miles_vl.rollout.sglang import (
     SGLangRolloutEngine,
     WeightVersionError,
 )
+from miles_vl.rollout.sglang.generate import image_hash
 from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
 from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
@@ -73,6 +74,8 @@ def test_generate_sends_one_request_per_sample_and_keeps_prompt_order(determinis
     for p, wire, group in zip(ps, request_ids, groups, strict=True):
         sent = [b for (i, _), b in by_request.items() if i == wire]
         assert len(sent) == 3 and all(len(b.get("image_data", [])) == len(p.images) for b in sent)
+        # one content hash per image (SGLang's prefix-cache key): the hash of the image it goes with
+        assert all(b.get("mm_hashes", []) == [image_hash(u) for u in b.get("image_data", [])] for b in sent)
         # Each generation is exactly what the server produced for one of this prompt's requests, from the
         # canonical (expanded) prompt it rebuilt.
         ids = p.prompt_ids.tolist()

@@ -6,6 +6,7 @@ prompt ids equal ours; otherwise the error names what differs (for prompts, the 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 
 import pytest
@@ -18,6 +19,7 @@ from miles_vl.rollout.sglang.generate import (
     build_generate_payload,
     check_prompt_tokens,
     image_data_url,
+    image_hash,
     parse_generate_response,
     prompt_images,
     request_input_ids,
@@ -56,6 +58,22 @@ def test_payload_is_exactly_the_intended_request():
     text_only = build_generate_payload([7], [], SamplingParams(top_k=0), seed=0, stop_token_ids=[EOS])
     assert "image_data" not in text_only and "logit_bias" not in text_only["sampling_params"]
     assert text_only["sampling_params"]["top_k"] == -1  # SGLang: -1 disables top-k, 0 is rejected
+
+
+def test_image_hashes_go_as_mm_hashes_one_per_image_and_follow_the_bytes():
+    """`mm_hashes` keys SGLang's prefix cache: equal image bytes must give equal hashes, different bytes different
+    ones (else two images would share a cached prefix); the reference is BLAKE2b written out here."""
+    red, blue = image_data_url(Image.new("RGB", (8, 8), "red")), image_data_url(Image.new("RGB", (8, 8), "blue"))
+    assert image_hash(red) == image_hash(image_data_url(Image.new("RGB", (8, 8), "red")))
+    assert image_hash(red) != image_hash(blue)
+    assert image_hash(red) == hashlib.blake2b(red.encode(), digest_size=8).hexdigest()
+    assert int(image_hash(red), 16) < 2**64  # SGLang parses each entry with int(h, 16)
+    body = build_generate_payload([1], [red, blue], SamplingParams(), seed=0, stop_token_ids=[EOS],
+                                  image_hashes=[image_hash(red), image_hash(blue)])  # fmt: skip
+    assert body["mm_hashes"] == [image_hash(red), image_hash(blue)]
+    assert "mm_hashes" not in build_generate_payload([1], [red], SamplingParams(), seed=0, stop_token_ids=[EOS])
+    with pytest.raises(ValueError, match="1 image hashes for 2 images"):
+        build_generate_payload([1], [red, blue], SamplingParams(), seed=0, stop_token_ids=[EOS], image_hashes=["ab"])
 
 
 VS, PAD, VE = 151652, 151655, 151653  # Qwen3-VL <|vision_start|>, <|image_pad|>, <|vision_end|>

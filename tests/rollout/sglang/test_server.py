@@ -134,11 +134,13 @@ def test_spec_rejects_unsafe_or_conflicting_settings():
 
 
 def test_env_disables_the_vision_embedding_cache_by_default():
-    """Also: every server runs with NVLink multicast off (NCCL, PyTorch, NVSHMEM), unless the caller set those."""
+    """Also: every server runs with NVLink multicast off (NCCL, PyTorch, NVSHMEM), unless the caller set those, and
+    hashes an image once per request in its tokenizer, not once per `n` copy in its scheduler."""
     env = build_server_env(ServerSpec(model_path="m", port=1), base={"PATH": "/bin"})
     assert env == {
         "PATH": "/bin",
         "SGLANG_VLM_CACHE_SIZE_MB": "0",
+        "SGLANG_MM_PRECOMPUTE_HASH": "1",
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1",
@@ -150,6 +152,8 @@ def test_env_disables_the_vision_embedding_cache_by_default():
         build_server_env(ServerSpec(model_path="m", port=1, vision_cache_mb=64), base={})["SGLANG_VLM_CACHE_SIZE_MB"]
         == "64"
     )
+    spec = ServerSpec(model_path="m", port=1)
+    assert build_server_env(spec, base={"SGLANG_MM_PRECOMPUTE_HASH": "0"})["SGLANG_MM_PRECOMPUTE_HASH"] == "0"
 
 
 def test_check_port_free_names_the_port():
