@@ -88,12 +88,14 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out fraction of train when no eval_path.")
     synthetic_n: int = Field(0, ge=0, description="generate this many geo3k-style rows instead of reading a file.")
-    synthetic_task: Literal["geometry", "polygon_colour", "polygon_sides"] = Field(
+    synthetic_task: Literal["geometry", "polygon_colour", "polygon_sides", "background_colour"] = Field(
         "geometry",
         description="what `synthetic_n` generates (data/synth.py): `geometry` = find-x diagrams (angles, sides, "
-        "circles); `polygon_colour` = 'What colour is the polygon? Choices: A. red, B. green, C. blue, D. black.' "
-        "(benchmarks/vision_learning.py); `polygon_sides` = 'How many sides does the polygon have? Choices: 3, 4, 5, "
-        "6.'. Both polygon tasks have the same text for every problem: the answer is in the pixels only.",
+        "circles); `background_colour` = 'What colour is the background? Choices: A. red, B. green, C. blue, "
+        "D. black.' (a white polygon on that colour: what configs/vision_tiny_cpu.yaml learns); "
+        "`polygon_colour` = 'What colour is the polygon? ...' (the same choices, a coloured polygon on white); "
+        "`polygon_sides` = 'How many sides does the polygon have? Choices: 3, 4, 5, 6.'. The three have the same "
+        "text for every problem: the answer is in the pixels only.",
     )
     blank_images: bool = Field(
         False,

@@ -215,6 +215,15 @@ class TorchTrainBackend:
             group["lr"] = lr * factor
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what lr() reads
 
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """Train the vision tower (`model.visual`: tower, merger, deepstack mergers) from the next step on, or not:
+        frozen, it gets no gradient, so its weights and optimizer state stay as they are. A no-op under
+        `freeze_vision`, which keeps it frozen for the whole run. The format warm-up freezes it (warmup.py)."""
+        if self.options.freeze_vision:
+            return
+        for p in self.model.model.visual.parameters():
+            p.requires_grad_(trainable)
+
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable tensors with their HF names (frozen ones are not sent: the engine already has them)."""
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}

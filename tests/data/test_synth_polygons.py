@@ -1,10 +1,12 @@
-"""Contract of the polygon tasks (`polygon_colour` is what the tiny CPU job learns): the answer is in the pixels and
-only there.
+"""Contract of the polygon tasks (`background_colour` is what the tiny CPU job, configs/vision_tiny_cpu.yaml, learns):
+the answer is in the pixels and only there.
 
 - Every problem of a task has the same text, so nothing but the image can tell the answers apart; the four answers
   are balanced (chance is 1/4).
 - polygon_colour: the answer is the letter of the colour read here from the pixels (the median of the non-white
   pixels, matched to the colour names of the question text: red, green, blue, black).
+- background_colour: the answer is the letter of the colour read here from the image's border pixels (the median of
+  the outermost ring: the polygon never reaches it), and the polygon is white.
 - polygon_sides: the answer equals the number of sides recovered here from the drawn pixels alone, by an independent
   rule: a regular n-gon with circumradius R covers n/2 * sin(2*pi/n) * R^2 of area, so (filled pixels) / (pi * R^2),
   with R the farthest filled pixel from the filled centroid, is 0.41, 0.64, 0.76 or 0.83 for n = 3, 4, 5, 6.
@@ -64,6 +66,22 @@ def test_colour_answer_is_the_letter_of_the_colour_drawn():
         assert f"{p.answer}. {colour_from_pixels(p.image)}" in text, p.params
     assert {a: sum(p.answer == a for p in problems) for a in "ABCD"} == dict.fromkeys("ABCD", N // 4)
     assert {p.params["sides"] for p in problems} == set(SIDES)  # the side count varies and says nothing
+
+
+def test_background_answer_is_the_letter_of_the_colour_around_a_white_polygon():
+    problems = generate_problems(N, seed=5, task="background_colour")
+    text = "<image>What colour is the background? Choices: A. red, B. green, C. blue, D. black."
+    assert {p.problem for p in problems} == {text}
+    for p in problems:
+        arr = np.asarray(p.image.convert("RGB")).astype(int)
+        border = np.concatenate([arr[0], arr[-1], arr[:, 0], arr[:, -1]])  # [4 * 256, 3]
+        r, g, b = np.median(border, axis=0)
+        name = "black" if max(r, g, b) < 40 else {0: "red", 1: "green", 2: "blue"}[int(np.argmax([r, g, b]))]
+        assert f"{p.answer}. {name}" in text, p.params
+        assert (arr.min(axis=2) == 255).mean() > 0.1  # a white polygon is drawn
+    assert {a: sum(p.answer == a for p in problems) for a in "ABCD"} == dict.fromkeys("ABCD", N // 4)
+    again = generate_problems(N, seed=5, task="background_colour")
+    assert all(np.array_equal(np.asarray(a.image), np.asarray(b.image)) for a, b in zip(again, problems, strict=True))
 
 
 def test_text_is_the_same_for_every_problem_and_answers_are_balanced(problems):

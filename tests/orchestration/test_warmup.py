@@ -67,6 +67,7 @@ def fake_job(cfg, processor, dataset):
         trainer=SimpleNamespace(
             train=lambda samples: calls.train.append(samples) or calls.events.append("train") or {},
             set_lr=lambda lr: calls.events.append(lr),
+            set_vision_trainable=lambda on: calls.events.append(f"vision {'on' if on else 'off'}"),
         ),
         rollout=SimpleNamespace(sync_weights=calls.sync.append),
         evaluate=lambda step: {"eval/accuracy": 0.25},
@@ -140,11 +141,11 @@ def test_the_warmup_lr_holds_for_the_warmup_steps_only(processor):
     cfg = job_config(*overrides, "train.format_warmup_lr=3e-3")
     job, calls = fake_job(cfg, processor, build_datasets(cfg.data, processor, seed=cfg.seed).train)
     format_warmup(job)
-    assert calls.events == [3e-3, "train", "train", 1e-4]
+    assert calls.events == [3e-3, "vision off", "train", "train", "vision on", 1e-4]
     cfg = job_config(*overrides)
     job, calls = fake_job(cfg, processor, build_datasets(cfg.data, processor, seed=cfg.seed).train)
     format_warmup(job)
-    assert calls.events == ["train", "train"]
+    assert calls.events == ["vision off", "train", "train", "vision on"]  # the tower trains again before the sync
 
 
 def test_torch_backend_set_lr_sets_the_peak_lr_under_the_lr_warmup(processor):
@@ -162,6 +163,37 @@ def test_torch_backend_set_lr_sets_the_peak_lr_under_the_lr_warmup(processor):
     assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 2 / 4) == backend.lr()
     assert backend.options.optimizer.lr == 1e-4 and backend.options.optimizer.warmup_steps == 4
     assert options.optimizer.lr == cfg.train.optimizer.lr == 1e-3  # the options it was built with are not changed
+
+
+def test_torch_backend_holds_the_vision_tower_while_it_is_not_trainable(processor):
+    """set_vision_trainable(False): a step moves the language model and leaves every `model.visual` tensor (tower,
+    merger, deepstack mergers) and its optimizer state as they were; True: the tower trains again, and its weights
+    are exported again. Under freeze_vision the call changes nothing."""
+    tokens = special_tokens(processor)
+    dataset = build_datasets(job_config().data, processor, seed=0).train
+    samples = warmup_samples([dataset[i] for i in range(2)], ["<think></think>\\boxed{A}"] * 2, processor.tokenizer,
+                             tokens.eos_token_ids[0])  # fmt: skip
+    backend = build_torch(job_config("train.optimizer.lr=1e-2"), tokens)
+
+    def snapshot(prefix):
+        return {n: p.detach().clone() for n, p in backend.model.named_parameters() if n.startswith(prefix)}
+
+    vision, language = snapshot("model.visual."), snapshot("model.language_model.")
+    assert vision and language
+    backend.set_vision_trainable(False)
+    train_step(backend, samples)
+    assert all(torch.equal(p, vision[n]) for n, p in snapshot("model.visual.").items())
+    assert any(not torch.equal(p, language[n]) for n, p in snapshot("model.language_model.").items())
+    assert not any(backend.optimizer.state.get(p) for n, p in backend.model.named_parameters() if n in vision)
+    assert not {n for n, _ in backend.export_weights()} & set(vision)
+    backend.set_vision_trainable(True)
+    train_step(backend, samples)
+    assert any(not torch.equal(p, vision[n]) for n, p in snapshot("model.visual.").items())
+    assert set(vision) <= {n for n, _ in backend.export_weights()}
+
+    frozen = build_torch(job_config("train.freeze_vision=true"), tokens)
+    frozen.set_vision_trainable(True)
+    assert not any(p.requires_grad for p in frozen.model.model.visual.parameters())
 
 
 def test_a_warmup_step_is_sft(processor):

@@ -584,3 +584,25 @@ def job_set_lr(ctx, samples) -> dict:
     out |= {"reset": [float(g["lr"]) for g in groups], "lr_reset": backend.lr()}
     out |= {"built_lr": built.optimizer.lr, "options": dataclasses.asdict(backend.options.optimizer)}
     return out
+
+
+def job_vision_trainable(ctx, samples) -> dict:
+    """One rank, weight decay 0: a step with `set_vision_trainable(False)`, then one with True; for each, which
+    parameters moved (megatron names, DDP prefix stripped)."""
+    backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean")
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
+
+    def moved(before) -> list[str]:
+        return sorted(n for n, p in snapshot().items() if not torch.equal(p, before[n]))
+
+    before = snapshot()
+    backend.set_vision_trainable(False)
+    train_step(backend, samples)
+    out = {"frozen_step": moved(before), "names": sorted(before)}
+    before = snapshot()
+    backend.set_vision_trainable(True)
+    train_step(backend, samples)
+    out["trainable_step"] = moved(before)
+    return out
