@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/setup_megatron.sh
 	@touch $@
 
 run: setup
-	$(VENV)/bin/miles-vl train configs/geo3k_tiny_cpu.yaml
+	$(VENV)/bin/miles-vl train configs/vision_tiny_cpu.yaml
 
 test: setup
 	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \

@@ -40,7 +40,7 @@ EXIT_CONFIG = 2
 
 _EPILOG = """\
 quickstart:
-  make run                      set up .venv if needed, then run the tiny CPU GRPO job
+  make run                      set up .venv if needed, then run the tiny CPU GRPO job (vision_tiny_cpu)
   make test                     set up .venv if needed, then the CPU test suite
 
 examples:

@@ -87,11 +87,25 @@ class DataConfig(_Section):
     train_path: str | None = Field(None, description="parquet or jsonl file; null with `synthetic_n` > 0.")
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out fraction of train when no eval_path.")
-    synthetic_n: int = Field(0, ge=0, description="generate this many geo3k-style rows instead of reading a file.")
-    synthetic_task: Literal["geo3k", "motion"] = Field(
-        "geo3k",
-        description="what `synthetic_n` generates: geo3k-style diagrams (one image), or motion: a short video of a "
-        "shape moving left or right (`miles-vl data synth --task motion`).",
+    synthetic_n: int = Field(
+        0, ge=0, description="generate this many rows of `synthetic_task` instead of reading a file."
+    )
+    synthetic_task: Literal["geometry", "polygon_colour", "polygon_sides", "background_colour", "motion"] = Field(
+        "geometry",
+        description="what `synthetic_n` generates (data/synth.py, whose TASKS has the same names): `geometry` = "
+        "find-x diagrams (angles, sides, circles); `background_colour` = 'What colour is the background? Choices: "
+        "A. red, B. green, C. blue, D. black.' (a white polygon on that colour: what configs/vision_tiny_cpu.yaml "
+        "learns); `polygon_colour` = 'What colour is the polygon? ...' (the same choices, a coloured polygon on "
+        "white); `polygon_sides` = 'How many sides does the polygon have? Choices: 3, 4, 5, 6.'. The three have the "
+        "same text for every problem: the answer is in the pixels only. `motion` = a video: 'Which way does the "
+        "shape move? Choices: A. left, B. right' over four frames of a moving polygon (`miles-vl data synth --task "
+        "motion`).",
+    )
+    blank_images: bool = Field(
+        False,
+        description="replace every image and every video frame by a white one of the same size before it is encoded "
+        "(rollout and trainer both see the blank): the control run, whose accuracy must stay at chance on a task "
+        "whose answer is in the pixels only.",
     )
     in_memory: bool = Field(
         False,
@@ -283,6 +297,20 @@ class TrainConfig(_Section):
     ppo_epochs: int = Field(1, gt=0)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     freeze_vision: bool = False
+    format_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="supervised steps before the first RL step that teach the answer format only: each target is "
+        "`<think></think>\\boxed{a}` with `a` the answer of a random other training row (no information about "
+        "the prompt's image), trained by the RL step itself with advantage 1 (plain SFT); then one eval, logged as "
+        "step 0. Not repeated on resume.",
+    )
+    format_warmup_lr: float | None = Field(
+        None,
+        gt=0,
+        description="peak learning rate of the format warm-up steps; null = train.optimizer.lr. RL runs at "
+        "train.optimizer.lr after it (same AdamW state).",
+    )
     recompute: Literal["none", "selective", "full"] = "none"
     vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
     seed: int = 1234

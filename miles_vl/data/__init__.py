@@ -7,8 +7,8 @@
 Modules: `records` (PromptRow, PromptSample, LoadReport, DropReason), `images` (bytes/paths/data URLs),
 `videos` (frame lists and files, frame sampling), `layouts` (files and column layouts), `prompt` (messages, chat
 template, encoding), `loading` (validation and drop counting), `dataset` (seeded order, resumable cursor, eval split),
-`processor` (loading it, its settings), `synth` (procedural geo3k-style problems and the motion video task),
-`builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
+`processor` (loading it, its settings), `synth` (procedural problems: geometry diagrams, polygon questions, the
+motion video task), `builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
 The model family's special tokens and offline processor are in miles_vl/models/qwen3_vl/.
 
 Names are imported on first use (PEP 562), so `miles-vl --help` does not pay for torch and transformers.
@@ -21,6 +21,7 @@ from typing import Any
 
 # The names used outside this package, each with the module that defines it.
 _EXPORTS = {
+    "COLOURS": "synth",
     "DataError": "layouts",
     "DropReason": "records",
     "ImageError": "images",
@@ -28,6 +29,8 @@ _EXPORTS = {
     "PromptDataset": "dataset",
     "PromptEncoder": "prompt",
     "PromptRow": "records",
+    "SIDES": "synth",
+    "TASKS": "synth",
     "build_datasets": "builder",
     "build_messages": "prompt",
     "generate_problems": "synth",

@@ -3,11 +3,12 @@
     splits = build_datasets(cfg.data, processor, seed=cfg.seed)
     batch = splits.train.next_batch(cfg.rollout.batch_size)
 
-Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated problems (`synth`, seeded by the job seed):
-geo3k-style diagrams, or with `synthetic_task=motion` short videos of a moving shape. Eval: `eval_path`, else a
-seeded `eval_fraction` of the training rows, else none. Every load is counted and logged (`LoadReport`); a
-training set with no usable row is an error. Every problem with the files is a
-`DataError` naming the file (the CLI exits with status 2 on it, before Ray starts).
+Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated problems of `synthetic_task` (`synth`, seeded by
+the job seed): geometry diagrams or polygon questions, one image each, or with `synthetic_task=motion` short videos
+of a moving shape. `blank_images` makes the encoder replace every image and video frame by a white one (the control
+run). Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted and
+logged (`LoadReport`); a training set with no usable row is an error. Every problem with the files is a `DataError`
+naming the file (the CLI exits with status 2 on it, before Ray starts).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def build_datasets(
             f"data.train_path={cfg.train_path!r} and data.synthetic_n={cfg.synthetic_n} are both set; "
             "set data.synthetic_n=0 to train on the file, or data.train_path=null for generated problems"
         )
-    encoder = PromptEncoder(processor, system_prompt=cfg.system_prompt, instruction=cfg.instruction)
+    encoder = PromptEncoder(
+        processor, system_prompt=cfg.system_prompt, instruction=cfg.instruction, blank_images=cfg.blank_images
+    )
     file_kwargs: dict[str, Any] = dict(
         max_prompt_len=cfg.max_prompt_len,
         layout=cfg.format,
@@ -90,12 +93,11 @@ def build_datasets(
     elif cfg.train_path:
         train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
     else:
-        task = "" if cfg.synthetic_task == "geo3k" else f", task={cfg.synthetic_task}"
         train_rows, report = load_prompt_records(
-            synth_records(cfg.synthetic_n, seed, task=cfg.synthetic_task),
+            synth_records(cfg.synthetic_n, seed, cfg.synthetic_task),
             encoder,
             max_prompt_len=cfg.max_prompt_len,
-            source=f"synthetic(n={cfg.synthetic_n}, seed={seed}{task})",
+            source=f"synthetic(n={cfg.synthetic_n}, seed={seed}, task={cfg.synthetic_task})",
             layout="geometry3k",
             max_image_pixels=cfg.max_image_pixels,
         )

@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import typing
 from collections import Counter
 from collections.abc import Sequence
+
+from miles_vl.config.schema import DataConfig
 
 
 def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
@@ -26,16 +29,18 @@ def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.Argume
     sub = parser.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
     synth = sub.add_parser(
         "synth",
-        help="write N generated problems (geo3k-style, or the motion video task) to a parquet file",
+        help="write N generated problems (geometry, polygon questions, or the motion video task) to a parquet file",
         parents=list(parents),
     )
     synth.add_argument("out", help="output .parquet path")
     synth.add_argument("--n", type=int, default=256, help="number of problems (default 256)")
+    task = DataConfig.model_fields["synthetic_task"]  # the task names and default of `data.synthetic_task`
     synth.add_argument(
         "--task",
-        choices=("geo3k", "motion"),
-        default="geo3k",
-        help="geo3k: diagrams, one image each (default); motion: 4-frame videos of a shape moving left or right",
+        choices=typing.get_args(task.annotation),
+        default=task.default,
+        help="one of %(choices)s (default %(default)s): the tasks of `data.synthetic_task` (docs/configs.md); "
+        "motion: 4-frame videos of a shape moving left or right, the others one image each",
     )
     synth.add_argument("--seed", type=int, default=0, help="the same seed gives the same file (default 0)")
     synth.set_defaults(data_handler=cmd_synth)
@@ -75,7 +80,6 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Load PATH with the job's (or default) data settings and print rows, drops and the first prompt."""
-    from miles_vl.config.schema import DataConfig
     from miles_vl.data.builder import video_settings
     from miles_vl.data.layouts import load_dataset_fn
     from miles_vl.data.loading import load_prompt_file

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from PIL import Image
 
 from miles_vl.data.images import open_image
 from miles_vl.data.records import PromptRow, PromptSample
@@ -76,16 +77,26 @@ def build_messages(
 class PromptEncoder:
     """Renders and encodes prompts with one processor and one set of prompt settings."""
 
-    def __init__(self, processor: Any, *, system_prompt: str | None = None, instruction: str | None = None):
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        system_prompt: str | None = None,
+        instruction: str | None = None,
+        blank_images: bool = False,
+    ):
         """
         Args:
             processor: a Qwen-VL processor (e.g. from `load_processor`), with its pixel range already fixed.
             system_prompt: system message for every prompt, or None.
             instruction: text appended to every problem, or None.
+            blank_images: replace each image and each video frame by a white RGB image of the same size (same grid,
+                frame count and token count, no content): the control that shows whether a model uses the pixels.
         """
         self.processor = processor
         self.system_prompt = system_prompt
         self.instruction = instruction
+        self.blank_images = blank_images
         self.image_token_id = int(processor.image_token_id)
         self.video_token_id = int(processor.video_token_id)
         self.merge_size = int(processor.image_processor.merge_size)
@@ -172,11 +183,16 @@ class PromptEncoder:
                 template changed after loading: build the dataset with the processor you encode with).
         """
         images = [open_image(ref) for ref in row.images]
+        if self.blank_images:
+            images = [Image.new("RGB", im.size, "white") for im in images]
         text = self.render(row.problem)
         video_kwargs: dict[str, Any] = {}
         if row.videos:  # the frames sampled at load time, with the metadata that fixes their timestamps
+            videos = [load_frames(v) for v in row.videos]
+            if self.blank_images:
+                videos = [[Image.new("RGB", f.size, "white") for f in frames] for frames in videos]
             video_kwargs = dict(
-                videos=[load_frames(v) for v in row.videos],
+                videos=videos,
                 video_metadata=[v.metadata for v in row.videos],
                 do_sample_frames=False,
             )

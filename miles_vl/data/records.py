@@ -97,7 +97,7 @@ class DroppedRow:
 class LoadReport:
     """Counts of one load: rows read, kept, and dropped per reason (with the first few examples of each)."""
 
-    source: str  # file path, or "synthetic(n=..., seed=...)"
+    source: str  # file path, or "synthetic(n=..., seed=..., task=...)"
     layout: str  # geometry3k | geo3k_imgurl | generic | custom (dataset_fn)
     n_rows: int = 0
     n_kept: int = 0

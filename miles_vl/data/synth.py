@@ -1,23 +1,45 @@
-"""Procedural problems drawn with PIL, exact answers, deterministic given a seed: geo3k-style diagrams (one image
-each) and a video task (a short clip of a moving shape).
+"""Procedural problems drawn with PIL, exact answers, deterministic given a seed: geo3k-style diagrams and polygon
+questions (one image each), and a video task (a short clip of a moving shape).
 
     miles-vl data synth data/synth.parquet --n 256 --seed 0                  # a geometry3k-layout parquet file
     miles-vl data synth data/motion.parquet --n 256 --task motion            # the video task (a `videos` column)
     problems = generate_problems(8, seed=0)                      # SynthProblem: problem, answer, params, image
+    problems = generate_problems(8, seed=0, task="polygon_sides")
     clip = generate_motion_problem(0, seed=0)                    # SynthVideoProblem: problem, answer, params, frames
 
-Four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to scale:
+Five tasks (`TASKS`: the names `data.synthetic_task` and `miles-vl data synth --task` take), four of images and one
+of videos. `geometry` (the default): four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to
+scale:
 
     triangle_angle   a triangle with two interior angles labelled, the third is x°        answer: 180 - a - b
     right_triangle   a right triangle with two sides labelled, the third is x              answer: Pythagoras
     parallel_lines   two parallel lines m, n and a transversal; one angle given, one is x° answer: x or 180 - x
     circle           a circle with its radius or diameter labelled; circumference or area answer: to the tenth
 
+`polygon_colour` and `polygon_sides`: one filled regular polygon (3 to 6 sides) of random size, position and small
+tilt on white, and a multiple-choice question with the same text for every problem, so that the answer is in the
+pixels only and a model shown blank images cannot beat chance (1/4):
+
+    polygon_colour   "What colour is the polygon? Choices: A. red, B. green, C. blue, D. black."   answer: the letter
+                     (problem i has colour i % 4; the side count is random)
+    polygon_sides    "How many sides does the polygon have? Choices: 3, 4, 5, 6."                  answer: 3 to 6
+                     (problem i has SIDES[i % 4]; the fill colour is random)
+
+`background_colour`: the same polygon drawn white on a background of colour i % 4, "What colour is the background?
+Choices: A. red, B. green, C. blue, D. black." (answer: the letter). Most of the image carries the answer (the polygon
+covers 15-30 % of it), which is what lets the tiny random-init job (configs/vision_tiny_cpu.yaml) learn it by GRPO in
+a few minutes on 2 CPU cores; on polygon_colour, where the answer sits in the polygon only, it did not
+(docs/benchmarks.md).
+
+Trained supervised (cross-entropy on the answer token, 60 steps of 16 images, 2 CPU cores), the tiny random-init
+Qwen3-VL tells the fill colour of these polygons apart (~0.8 held-out accuracy) but not their side count (near
+chance): colour is the task for a quick learning check (benchmarks/vision_learning.py).
+
 `params` holds the geometry as drawn, in image pixels (y down): vertex coordinates, segment end points, the scale
 (pixels per unit), so that the answer can be recomputed from the picture's geometry alone. Problem i draws from
 its own `random.Random` seeded by (seed, i): the first n problems are the same for every larger n.
 
-The video task (`task="motion"`): MOTION_FRAMES frames of MOTION_SIZE pixels, a filled polygon (3 to 6 sides, a
+`motion`, the video task: MOTION_FRAMES frames of MOTION_SIZE pixels, a filled polygon (3 to 6 sides, a
 random colour and rotation) that moves a fixed number of pixels per frame to the left or to the right; "Which way
 does the shape move? Choices: A. left, B. right", answer A or B. Every frame looks alike, so the answer needs two
 frames; the path's centre is drawn from one range for both directions. The row's video is its frame list (PNG
@@ -37,12 +59,34 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 KINDS = ("triangle_angle", "right_triangle", "parallel_lines", "circle")
-TASKS = ("geo3k", "motion")
 MOTION_FRAMES = 4
 MOTION_SIZE = 64  # pixels, square frames (Qwen3-VL takes frames of at least 32 x 32)
 MOTION_FPS = 2.0  # the clip's frame rate: Qwen3-VL's sampling rate (its processors' fps), so every frame is sampled
 MOTION_PROBLEM = "<video>Which way does the shape move? Choices: A. left, B. right"
 MOTION_ANSWERS = {"left": "A", "right": "B"}
+SIDES = (3, 4, 5, 6)  # the choices of the polygon_sides task
+COLOURS = {
+    "A": ("red", (214, 39, 40)),
+    "B": ("green", (44, 160, 44)),
+    "C": ("blue", (31, 119, 180)),
+    "D": ("black", (0, 0, 0)),
+}
+TASKS = {  # task -> the kinds it cycles through
+    "geometry": KINDS,
+    "polygon_colour": ("polygon_colour",),
+    "polygon_sides": ("polygon_sides",),
+    "background_colour": ("background_colour",),
+    "motion": ("motion",),  # the video task: generate_motion_problem, not generate_problem
+}
+POLYGON_SIDES_PROBLEM = "<image>How many sides does the polygon have? Choices: " + ", ".join(map(str, SIDES)) + "."
+POLYGON_COLOUR_PROBLEM = (
+    "<image>What colour is the polygon? Choices: " + ", ".join(f"{k}. {name}" for k, (name, _) in COLOURS.items()) + "."
+)
+BACKGROUND_COLOUR_PROBLEM = (
+    "<image>What colour is the background? Choices: "
+    + ", ".join(f"{k}. {name}" for k, (name, _) in COLOURS.items())
+    + "."
+)
 IMAGE_SIZE = 256  # pixels, square
 _MARGIN = 36
 _LINE = 2
@@ -73,21 +117,40 @@ class SynthVideoProblem:
     frames: list[Image.Image] = field(repr=False)  # RGB, MOTION_SIZE x MOTION_SIZE each
 
 
-def generate_problems(n: int, seed: int = 0) -> list[SynthProblem]:
-    """`n` problems; the same (n, seed) always gives the same problems and pixels.
+def generate_problems(n: int, seed: int = 0, task: str = "geometry") -> list[SynthProblem]:
+    """`n` problems of the image task `task`; the same (n, seed, task) always gives the same problems and pixels.
 
     Raises:
-        ValueError: n < 0.
+        ValueError: n < 0, or a task not in TASKS, or `motion` (generate_motion_problem makes those).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, found {n}")
-    return [generate_problem(i, seed) for i in range(n)]
+    return [generate_problem(i, seed, task) for i in range(n)]
 
 
-def generate_problem(i: int, seed: int = 0) -> SynthProblem:
-    """Problem number `i` of the stream `seed` (kind KINDS[i % 4])."""
-    rng = random.Random(f"miles-vl-synth:{seed}:{i}")  # str seeds hash with sha512: stable across Python versions
-    kind = KINDS[i % len(KINDS)]
+def generate_problem(i: int, seed: int = 0, task: str = "geometry") -> SynthProblem:
+    """Problem number `i` of the stream (`seed`, `task`): kind TASKS[task][i % len(TASKS[task])].
+
+    Raises:
+        ValueError: a task not in TASKS, or `motion` (a video task: generate_motion_problem makes its clips).
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "motion":
+        raise ValueError(
+            "task 'motion' makes videos, not SynthProblems: use generate_motion_problem(i, seed) (or "
+            "synth_records(n, seed, task='motion'))"
+        )
+    # str seeds hash with sha512: stable across Python versions; the geometry stream keeps its original seeds
+    rng = random.Random(f"miles-vl-synth:{seed}:{i}" if task == "geometry" else f"miles-vl-synth:{task}:{seed}:{i}")
+    kinds = TASKS[task]
+    kind = kinds[i % len(kinds)]
+    if kind == "polygon_sides":
+        return _polygon_sides(rng, SIDES[i % len(SIDES)])
+    if kind == "polygon_colour":
+        return _polygon_colour(rng, tuple(COLOURS)[i % len(COLOURS)])
+    if kind == "background_colour":
+        return _background_colour(rng, tuple(COLOURS)[i % len(COLOURS)])
     return _BUILDERS[kind](rng)
 
 
@@ -126,13 +189,13 @@ def generate_motion_problem(i: int, seed: int = 0) -> SynthVideoProblem:
     return SynthVideoProblem("motion", MOTION_PROBLEM, MOTION_ANSWERS[direction], params, frames)
 
 
-def synth_records(n: int, seed: int = 0, task: str = "geo3k") -> list[dict[str, Any]]:
+def synth_records(n: int, seed: int = 0, task: str = "geometry") -> list[dict[str, Any]]:
     """`n` problems as geometry3k-layout records: images [{bytes, path}], problem, answer, plus kind and params (JSON);
     with `task="motion"` the images are empty and `videos` holds one video, `{"frames": [{bytes, path}, ...], "fps":
     MOTION_FPS}`.
 
     Raises:
-        ValueError: n < 0, or an unknown task.
+        ValueError: n < 0, or a task not in TASKS.
     """
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
@@ -141,7 +204,7 @@ def synth_records(n: int, seed: int = 0, task: str = "geo3k") -> list[dict[str, 
             raise ValueError(f"n must be >= 0, found {n}")
         return [_motion_record(generate_motion_problem(i, seed), seed, i) for i in range(n)]
     records = []
-    for i, p in enumerate(generate_problems(n, seed)):
+    for i, p in enumerate(generate_problems(n, seed, task)):
         buf = io.BytesIO()
         p.image.save(buf, format="PNG")
         records.append(
@@ -156,7 +219,7 @@ def synth_records(n: int, seed: int = 0, task: str = "geo3k") -> list[dict[str, 
     return records
 
 
-def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geo3k") -> Path:
+def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geometry") -> Path:
     """Write `synth_records(n, seed, task)` to a parquet file (the hiyouga/geometry3k schema plus kind and params,
     and for `task="motion"` a `videos` column: list<struct<frames: list<struct<bytes, path>>, fps>>).
 
@@ -354,6 +417,55 @@ def _circle(rng: random.Random) -> SynthProblem:
     return SynthProblem("circle", problem, f"{value:.1f}", params, img)
 
 
+# Fill colours of polygon_sides: any of them on white, so that colour says nothing about the answer.
+_FILLS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (140, 86, 75), (0, 0, 0))
+
+
+def _polygon_sides(rng: random.Random, sides: int) -> SynthProblem:
+    img, params = _polygon(rng, sides, rng.choice(_FILLS))
+    params["choices"] = list(SIDES)
+    return SynthProblem("polygon_sides", POLYGON_SIDES_PROBLEM, str(sides), params, img)
+
+
+def _polygon_colour(rng: random.Random, letter: str) -> SynthProblem:
+    img, params = _polygon(rng, rng.choice(SIDES), COLOURS[letter][1])
+    params["choices"] = {k: name for k, (name, _) in COLOURS.items()}
+    return SynthProblem("polygon_colour", POLYGON_COLOUR_PROBLEM, letter, params, img)
+
+
+def _background_colour(rng: random.Random, letter: str) -> SynthProblem:
+    img, params = _polygon(rng, rng.choice(SIDES), (255, 255, 255), background=COLOURS[letter][1])
+    params["choices"] = {k: name for k, (name, _) in COLOURS.items()}
+    return SynthProblem("background_colour", BACKGROUND_COLOUR_PROBLEM, letter, params, img)
+
+
+def _polygon(
+    rng: random.Random, sides: int, fill: tuple[int, int, int], background: tuple[int, int, int] = (255, 255, 255)
+) -> tuple[Image.Image, dict[str, Any]]:
+    """A filled regular polygon on `background`: random circumradius, centre and a small tilt; its image and
+    geometry."""
+    radius = rng.uniform(72.0, 100.0)  # circumradius, pixels
+    center = (IMAGE_SIZE / 2 + rng.uniform(-14.0, 14.0), IMAGE_SIZE / 2 + rng.uniform(-14.0, 14.0))
+    tilt = rng.uniform(-12.0, 12.0)  # degrees; 0 puts one side flat at the bottom
+    # Vertex k at angle -90° + 180°/n + k·360°/n (math convention, y up): the bottom side is horizontal at tilt 0.
+    vertices = []
+    for k in range(sides):
+        a = math.radians(-90.0 + 180.0 / sides + 360.0 * k / sides + tilt)
+        vertices.append((center[0] + radius * math.cos(a), center[1] - radius * math.sin(a)))  # y down
+    img, draw, _ = _canvas(background)
+    draw.polygon(vertices, fill=fill)
+    params = {
+        "sides": sides,
+        "vertices": [[x, y] for x, y in vertices],
+        "center": list(center),
+        "radius_px": radius,
+        "tilt_deg": tilt,
+        "fill": list(fill),
+        "background": list(background),
+    }
+    return img, params
+
+
 _BUILDERS = {
     "triangle_angle": _triangle_angle,
     "right_triangle": _right_triangle,
@@ -366,8 +478,10 @@ _BUILDERS = {
 # drawing helpers
 
 
-def _canvas() -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.FreeTypeFont | ImageFont.ImageFont]:
-    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "white")
+def _canvas(
+    background: tuple[int, int, int] | str = "white",
+) -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.FreeTypeFont | ImageFont.ImageFont]:
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), background)
     return img, ImageDraw.Draw(img), ImageFont.load_default(size=_FONT_SIZE)
 
 

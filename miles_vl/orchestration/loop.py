@@ -1,5 +1,6 @@
 """The driver loop: the whole RL algorithm on one screen.
 
+    format warm-up when configured (fresh start only; warmup.py), eval: the step-0 record
     for step in range(start, num_steps):
         prompts  = next batch of the training set
         groups   = rollout (n_samples_per_prompt each; engines restarted and prompts retried if one dies)
@@ -65,6 +66,7 @@ from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_r
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.trainer import Trainer
+from miles_vl.orchestration.warmup import format_warmup
 from miles_vl.reward import WeightedRewards
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.rollout.collect import (
@@ -134,6 +136,8 @@ def run_job(
         try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
             start = job.restore(resume, resume_state) if resume else 0
             job.open_sinks(start)
+            if start == 0 and cfg.train.format_warmup_steps:
+                job.log(format_warmup(job))  # supervised format steps (no image information), then eval: step 0
             for step in range(start, cfg.num_steps):
                 batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
                 with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end

@@ -107,6 +107,12 @@ class TrainWorker:
             torch.cuda.empty_cache()
         return metrics
 
+    def set_lr(self, lr: float) -> None:
+        self.backend.set_lr(lr)
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        self.backend.set_vision_trainable(trainable)
+
     def device_memory_used_gib(self) -> float | None:
         """GiB in use on this rank's GPU by every process (e.g. a colocated SGLang server too); None without CUDA."""
         if not torch.cuda.is_available():
@@ -222,6 +228,14 @@ class Trainer:
         """One RL step on `samples` on every rank (one object-store copy); rank 0's metrics (reduced over ranks)."""
         ref = ray.put(list(samples))
         return ray.get([w.train.remote(ref) for w in self.workers])[0]
+
+    def set_lr(self, lr: float) -> None:
+        """The peak learning rate of every rank from the next optimizer step on (the format warm-up uses its own)."""
+        ray.get([w.set_lr.remote(lr) for w in self.workers])
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """Train the vision tower on every rank from the next optimizer step on, or not (the format warm-up)."""
+        ray.get([w.set_vision_trainable.remote(trainable) for w in self.workers])
 
     def weight_buckets(self, max_bucket_bytes: int, ahead: int) -> Iterator:
         """ObjectRefs of rank 0's weight buckets, streamed at most `ahead` buckets before the consumer."""

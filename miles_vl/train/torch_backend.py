@@ -16,6 +16,7 @@ import copy
 import math
 import pickle
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -203,6 +204,25 @@ class TorchTrainBackend:
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate from now on (the LR warm-up factor still applies); the optimizer state is kept.
+        `options` gets a copy with the new `optimizer.lr` (the options object passed in is not changed)."""
+        self.options = replace(self.options, optimizer=replace(self.options.optimizer, lr=lr))
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what lr() reads
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """Train the vision tower (`model.visual`: tower, merger, deepstack mergers) from the next step on, or not:
+        frozen, it gets no gradient, so its weights and optimizer state stay as they are. A no-op under
+        `freeze_vision`, which keeps it frozen for the whole run. The format warm-up freezes it (warmup.py)."""
+        if self.options.freeze_vision:
+            return
+        for p in self.model.model.visual.parameters():
+            p.requires_grad_(trainable)
 
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable tensors with their HF names (frozen ones are not sent: the engine already has them)."""

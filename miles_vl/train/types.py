@@ -130,6 +130,16 @@ class TrainBackend(Protocol):
         """The learning rate of the last optimizer step."""
         ...
 
+    def set_lr(self, lr: float) -> None:
+        """Make `lr` the peak learning rate (`options.optimizer.lr`) from the next optimizer step on; the LR warm-up
+        factor still applies and the optimizer state is kept (the format warm-up runs at its own peak lr)."""
+        ...
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """Train the vision tower from the next optimizer step on, or hold it where it is (the format warm-up);
+        a no-op when it is frozen for the whole run (`freeze_vision`)."""
+        ...
+
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable weights as (HF name, tensor) pairs, for the rollout engines."""
         ...

@@ -17,7 +17,7 @@ def test_synthetic_with_eval_fraction(processor):
     assert (len(splits.train), len(splits.eval)) == (12, 4)
     train_ids = {r.index for r in splits.train.rows}
     assert train_ids.isdisjoint(r.index for r in splits.eval.rows)
-    assert splits.reports[0].source == "synthetic(n=16, seed=3)" and splits.reports[0].n_kept == 16
+    assert splits.reports[0].source == "synthetic(n=16, seed=3, task=geometry)" and splits.reports[0].n_kept == 16
     again = build_datasets(cfg, processor, seed=3)
     assert [s.index for s in again.train.next_batch(5)] == [s.index for s in splits.train.next_batch(5)]
     batch = splits.train.next_batch(3)

@@ -2,16 +2,20 @@
 geometry alone (pixel coordinates and scale in `params`, not the generator's own numbers), and the image really
 holds the diagram: dark pixels along every drawn segment and circle."""
 
+import argparse
 import io
 import json
 import math
+import typing
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from miles_vl.data import KINDS, generate_problems, load_prompt_records, synth_records, write_synth_parquet
-from miles_vl.data.synth import generate_motion_problem
+from miles_vl.config.schema import DataConfig
+from miles_vl.data import KINDS, TASKS, generate_problems, load_prompt_records, synth_records, write_synth_parquet
+from miles_vl.data.cli import configure
+from miles_vl.data.synth import generate_motion_problem, generate_problem
 
 N = 40  # 10 of each kind
 
@@ -204,3 +208,27 @@ def test_motion_records_and_parquet_load_as_videos(tmp_path):
     assert sample.video_grid_thw.tolist() == [[2, 4, 4]] and sample.image_grid_thw is None
     with pytest.raises(ValueError, match="unknown synthetic task 'nope'"):
         synth_records(1, task="nope")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the task names
+
+
+def test_one_task_vocabulary():
+    """`synth.TASKS` is the list of tasks; `data.synthetic_task` (a Literal, as config imports no data module) names
+    the same tasks in the same order with the same default, and `miles-vl data synth --task` takes exactly those
+    (its choices are the schema's); every task generates rows of its own kinds."""
+    field = DataConfig.model_fields["synthetic_task"]
+    assert typing.get_args(field.annotation) == tuple(TASKS)
+    assert field.default == "geometry" == synth_records.__defaults__[-1] == generate_problem.__defaults__[-1]
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert parser.parse_args(["synth", "out.parquet"]).task == "geometry"
+    for name in TASKS:
+        assert parser.parse_args(["synth", "out.parquet", "--task", name]).task == name
+    with pytest.raises(SystemExit):  # the old name of geometry (issue 18's branch) is no task
+        parser.parse_args(["synth", "out.parquet", "--task", "geo3k"])
+    for name in TASKS:
+        assert synth_records(1, seed=0, task=name)[0]["kind"] in TASKS[name]
+    with pytest.raises(ValueError, match="generate_motion_problem"):
+        generate_problems(1, task="motion")

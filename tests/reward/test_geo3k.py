@@ -64,3 +64,36 @@ def test_bad_options_raise():
         geo3k_reward(RewardSample("x", "1"), format_weight=1.5)
     with pytest.raises(ValueError, match="format_pattern '\\(' is not a valid regular expression"):
         geo3k_reward(RewardSample("x", "1"), format_pattern="(")
+
+
+@pytest.mark.parametrize(
+    ("response", "overall"),
+    [
+        ("<think></think>\\boxed{5}", 1.0),  # what the tiny job learns to say for a pentagon
+        ("<think></think>\\boxed{4}", 0.1),  # well-formatted, wrong count: the format part only
+        ("<think>five corners</think>\\boxed{5.0}", 1.0),  # answers compare by value
+        ("<think></think>\\boxed{3}\\boxed{5}", 1.0),  # the last box counts
+        ("<think></think>\\boxed{5}\\boxed{3}", 0.1),
+        ("\\boxed{5}", 0.9),  # right count, no think block
+        ("<think></think>5", 0.0),  # no box: no answer
+        ("<think></think>\\boxed{pentagon}", 0.1),  # the choices are side counts, not names
+    ],
+)
+def test_polygon_sides_answers(response, overall):
+    """The synthetic polygon_sides task (data/synth.py: label "5" for a pentagon) scored by the geo3k reward."""
+    assert geo3k_reward(RewardSample(response, "5")).overall == pytest.approx(overall)
+
+
+@pytest.mark.parametrize(
+    ("response", "overall"),
+    [
+        ("<think></think>\\boxed{B}", 1.0),  # what the tiny job learns to say for a green polygon
+        ("<think></think>\\boxed{C}", 0.1),  # well-formatted, wrong letter
+        ("<think>green</think> \\boxed{ B }", 1.0),  # whitespace inside the box is ignored
+        ("\\boxed{B}", 0.9),  # right letter, no think block
+        ("<think></think>\\boxed{green}", 0.1),  # the answer is the letter of the choice
+    ],
+)
+def test_polygon_colour_answers(response, overall):
+    """The synthetic polygon_colour task (data/synth.py: label "B" for green) scored by the geo3k reward."""
+    assert geo3k_reward(RewardSample(response, "B")).overall == pytest.approx(overall)

@@ -29,6 +29,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from torch import Tensor
 import miles_vl.patches
 from miles_vl.algo import PolicyLossMetrics, combine_metrics, loss_denominators, policy_loss
 from miles_vl.models import SpecialTokens
+from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.megatron import checkpoint as ckpt
 from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
@@ -98,6 +100,7 @@ class MegatronTrainBackend:
         self.schedule = schedule
         self.bridge = bridge
         self.frozen_prefixes = tuple(frozen_prefixes)
+        self.vision_trainable = True  # set_vision_trainable
         self.device = torch.device(device) if device is not None else _default_device()
         self.config = get_model_config(self.model[0])
         self.options = options
@@ -212,6 +215,13 @@ class MegatronTrainBackend:
     def optimizer_step(self, finite: bool = True) -> tuple[float, bool]:
         # megatron's optimizer.step() clips and steps even on a NaN norm (the NaN reaches the weights), so the norm
         # is checked first; step() then repeats the (idempotent) gradient preparation, clips to its clip_grad, steps
+        if not self.vision_trainable:  # the gradients are reduced; what the optimizer reads of them is zeroed
+            for chunk in self.model:
+                for name, p in chunk.named_parameters():
+                    if _is_vision(name):
+                        for grad in (getattr(p, "main_grad", None), p.grad):  # DDP's buffer, or a plain .grad
+                            if grad is not None:
+                                grad.zero_()
         found_inf = self.optimizer.prepare_grads()
         grad_norm = math.nan if found_inf or not finite else float(self.optimizer.get_grad_norm())
         stepped = False
@@ -237,6 +247,12 @@ class MegatronTrainBackend:
             return o.lr
         return o.lr * min(1.0, (self.optimizer_steps + 1) / o.warmup_steps)
 
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate from now on (the LR warm-up factor still applies); the optimizer state is kept.
+        `options` gets a copy with the new `optimizer.lr` (the options object passed in is not changed)."""
+        self.options = replace(self.options, optimizer=replace(self.options.optimizer, lr=lr))
+        self._set_lr()
+
     def _set_lr(self) -> None:
         lr = self.lr()
         for group in self.optimizer.param_groups:
@@ -256,6 +272,14 @@ class MegatronTrainBackend:
             yield
         finally:
             _restore(self.model, current)
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """Train the vision tower (megatron's `vision_model.*`: tower, merger, deepstack mergers) from the next
+        optimizer step on, or not: frozen, its gradients are zeroed before the optimizer reads them, so only weight
+        decay moves it (AdamW's moments stay at what they were). A no-op when the tower is frozen for the run
+        (`freeze_vision`). The format warm-up freezes it (warmup.py)."""
+        if not self.frozen_prefixes:
+            self.vision_trainable = trainable
 
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Trainable weights as (HF name, full CPU tensor) pairs, vision tower included unless frozen. Collective:
@@ -313,6 +337,13 @@ def _metrics_template(loss: LossOptions) -> PolicyLossMetrics:
         seq_log_ratio=empty if loss.policy_loss_type == "gspo" else None,
         **loss.policy_loss_kwargs(),
     ).metrics
+
+
+def _is_vision(name: str) -> bool:
+    """Whether a chunk's parameter name (DDP's `module.` prefixes stripped) is under the vision tower."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name.startswith(MEGATRON_VISION_PREFIXES)
 
 
 def _snapshot(model: list[torch.nn.Module]) -> dict[str, Tensor]:

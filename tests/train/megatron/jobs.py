@@ -558,3 +558,51 @@ def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str) -> dict:
     logprobs = backend.compute_logprobs(hf_samples)
     backend.save_hf(Path(out_dir), max_shard_bytes=200_000)
     return {"logprobs": logprobs}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# set_lr: the peak learning rate changed between RL steps (the format warm-up's own lr)
+
+
+def job_set_lr(ctx, samples) -> dict:
+    """One rank, an LR warm-up of 4 optimizer steps (step k runs at lr * (k + 1) / 4): `set_lr(10 * LR)`, one RL step
+    (one optimizer step), `set_lr(LR)`; the param groups' lr and `lr()` after each, and the options before and
+    after."""
+    import dataclasses
+
+    backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean")
+    built = dataclasses.replace(
+        backend.options, optimizer=dataclasses.replace(backend.options.optimizer, warmup_steps=4)
+    )
+    backend.options = built
+    groups = backend.optimizer.param_groups
+    backend.set_lr(10 * LR)
+    out = {"set": [float(g["lr"]) for g in groups], "lr_set": backend.lr()}
+    out["train_lr"] = train_step(backend, samples)["train/lr"]
+    out["stepped"] = [float(g["lr"]) for g in groups]  # the lr the optimizer step ran at
+    backend.set_lr(LR)
+    out |= {"reset": [float(g["lr"]) for g in groups], "lr_reset": backend.lr()}
+    out |= {"built_lr": built.optimizer.lr, "options": dataclasses.asdict(backend.options.optimizer)}
+    return out
+
+
+def job_vision_trainable(ctx, samples) -> dict:
+    """One rank, weight decay 0: a step with `set_vision_trainable(False)`, then one with True; for each, which
+    parameters moved (megatron names, DDP prefix stripped)."""
+    backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean")
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
+
+    def moved(before) -> list[str]:
+        return sorted(n for n, p in snapshot().items() if not torch.equal(p, before[n]))
+
+    before = snapshot()
+    backend.set_vision_trainable(False)
+    train_step(backend, samples)
+    out = {"frozen_step": moved(before), "names": sorted(before)}
+    before = snapshot()
+    backend.set_vision_trainable(True)
+    train_step(backend, samples)
+    out["trainable_step"] = moved(before)
+    return out
