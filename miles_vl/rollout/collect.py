@@ -76,8 +76,8 @@ def collect(
     are counted as `surplus` and not returned. The seconds of every round's generation and scoring go to `timer` as
     "rollout" and "reward".
 
-    Raises:
-        RuntimeError: the filter kept no group in any round.
+    A filter that keeps no group in any round returns an empty batch (counted in `dropped`; the driver skips that
+    step's training), never an error: a run whose policy solves (or fails) every prompt of a step goes on.
     """
     timer = timer or (lambda name: contextlib.nullcontext())
     out = CollectedBatch([], [], [], [], 0, 0)
@@ -102,10 +102,12 @@ def collect(
         out.rounds += 1
         if keep is None or out.rounds > max_rounds:
             break
-    if not out.prompts:
-        raise RuntimeError(
-            f"dynamic sampling kept no group in {out.rounds} rounds (every group had equal rewards); raise "
-            "rollout.dynamic_sampling.max_rounds or check the reward function"
+    if not out.prompts:  # the step trains on nothing (loop.py skips its train phase); the run goes on
+        log.warning(
+            "dynamic sampling kept no group in %d rounds (every one of %d groups had equal rewards): this step "
+            "trains on nothing; if it repeats, raise rollout.dynamic_sampling.max_rounds or check the reward function",
+            out.rounds,
+            out.dropped,
         )
     return out
 

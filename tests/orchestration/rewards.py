@@ -29,3 +29,8 @@ def hostile_reward(sample: RewardSample) -> float:
         while True:
             time.sleep(1)
     return length_reward(sample)
+
+
+def constant_reward(sample: RewardSample) -> float:
+    """1.0 for every response: every group has equal rewards, so dynamic sampling keeps none."""
+    return 1.0

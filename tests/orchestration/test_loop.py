@@ -119,3 +119,23 @@ def test_short_dynamic_sampling_batch_trains_on_whole_mini_batches(tmp_path):
         else:
             assert r["train/skipped_steps"] == 0 and r["train/optimizer_steps"] == kept * 2 / 4
     assert any(r["rollout/prompts"] < 4 for r in rows)  # a short batch did happen
+
+
+def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on(tmp_path):
+    """A reward equal for every response: no group has signal, in any round. Each step is logged with every group
+    dropped and no train phase, and the run reaches num_steps (before: RuntimeError, the run was lost)."""
+    run = run_job(
+        config(
+            tmp_path,
+            "dapo_none",
+            "num_steps=2",
+            "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=1",
+            "reward.name=tests.orchestration.rewards:constant_reward",
+        )
+    )
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/prompts"] == 0 and r["rollout/dynamic_sampling_drop_rate"] == 1.0
+        assert r["train/skipped_steps"] == 1 and "train/optimizer_steps" not in r

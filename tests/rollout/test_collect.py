@@ -50,3 +50,21 @@ def test_short_batch_is_cut_to_whole_mini_batches():
     # fewer samples than one mini-batch: nothing left
     none = trim_to_whole_batches(out, global_batch_size=8, n_samples_per_prompt=2)
     assert none.prompts == [] and none.short_batch_dropped == 3
+
+
+def test_a_filter_that_keeps_nothing_is_an_empty_step_not_an_error(caplog):
+    """Every group with equal rewards in every round (a policy that solves or fails all): an empty batch with every
+    group counted as dropped, a warning naming the fix, and the metrics of an empty step (the driver then skips its
+    train phase, `train/skipped_steps`); the run goes on."""
+    from miles_vl.rollout.collect import rollout_metrics
+
+    next_batch, generate, score, asked = fake_run(flat=set(range(100)))
+    with caplog.at_level("WARNING"):
+        out = collect(next_batch, generate, score, want=4, keep=has_reward_variance, max_rounds=2)
+    assert out.prompts == [] and out.groups == [] and out.rewards == [] and out.dropped == 12 and out.rounds == 3
+    assert asked == [4, 4, 4]
+    assert "kept no group in 3 rounds" in caplog.text and "rollout.dynamic_sampling.max_rounds" in caplog.text
+    trimmed = trim_to_whole_batches(out, global_batch_size=4, n_samples_per_prompt=2)
+    assert trimmed.prompts == [] and trimmed.short_batch_dropped == 0
+    stats = rollout_metrics(trimmed, media_token_ids=[7], dynamic_sampling=True)
+    assert stats["rollout/prompts"] == 0.0 and stats["rollout/dynamic_sampling_drop_rate"] == 1.0
