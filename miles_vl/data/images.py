@@ -127,15 +127,24 @@ def _ref_from_string(value: str, base_dir: Path | None) -> ImageRef:
         if not sep or not header.endswith(";base64"):
             raise ImageError(DropReason.CORRUPT_IMAGE, f"data URL without a base64 payload: {text[:60]!r}")
         return _b64decode(payload, "the data URL")
+    found, name, tried = find_local_file(text, base_dir)
+    if found is None:
+        raise ImageError(DropReason.MISSING_IMAGE, f"image file not found: {name!r} (looked at {tried})")
+    return found
+
+
+def find_local_file(text: str, base_dir: Path | None) -> tuple[Path | None, str, str]:
+    """A local path or `file://` URL, looked up under `base_dir` (the dataset file's folder) first, then as given.
+
+    Returns:
+        (the first existing file or None, the path text without `file://`, the places looked at, for a message).
+    """
     if text.startswith("file://"):
         text = text[len("file://") :]
     path = Path(text).expanduser()
     candidates = [path] if path.is_absolute() or base_dir is None else [base_dir / path, path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    tried = ", ".join(str(c) for c in candidates)
-    raise ImageError(DropReason.MISSING_IMAGE, f"image file not found: {text!r} (looked at {tried})")
+    found = next((c for c in candidates if c.is_file()), None)
+    return found, text, ", ".join(str(c) for c in candidates)
 
 
 def _b64decode(payload: str, what: str) -> bytes:

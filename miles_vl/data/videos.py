@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from miles_vl.data.images import ImageError, image_ref, open_image
+from miles_vl.data.images import ImageError, find_local_file, image_ref, open_image
 from miles_vl.data.layouts import DataError
 from miles_vl.data.records import DropReason, ImageRef
 
@@ -316,15 +316,10 @@ def _video_path(text: str, base_dir: Path | None) -> Path:
             DropReason.REMOTE_IMAGE,
             f"remote video URL {text[:120]!r}: miles_vl does not download; point the dataset at local files or frames",
         )
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    path = Path(text).expanduser()
-    candidates = [path] if path.is_absolute() or base_dir is None else [base_dir / path, path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    tried = ", ".join(str(c) for c in candidates)
-    raise VideoError(DropReason.MISSING_VIDEO, f"video file not found: {text!r} (looked at {tried})")
+    found, name, tried = find_local_file(text, base_dir)
+    if found is None:
+        raise VideoError(DropReason.MISSING_VIDEO, f"video file not found: {name!r} (looked at {tried})")
+    return found
 
 
 def _frame_reason(reason: DropReason) -> DropReason:
