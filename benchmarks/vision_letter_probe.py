@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from miles_vl.config.schema import DataConfig
 from miles_vl.data import PromptEncoder, generate_problems, load_processor
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import special_tokens
@@ -52,9 +53,7 @@ torch.set_num_threads(2)
 px = args.px * args.px
 proc = load_processor("offline", px, px)
 tok = special_tokens(proc)
-instr = {"default": "Think step by step inside <think></think>, then put the final answer in \\boxed{}.", "none": None}[
-    args.instruction
-]
+instr = {"default": DataConfig.model_fields["instruction"].default, "none": None}[args.instruction]  # the job's default
 enc = PromptEncoder(proc, instruction=instr)
 model = build_model(tok, seed=args.seed, tiny={"hidden_size": args.hidden} if args.hidden != 64 else None)
 model.train()

@@ -208,7 +208,7 @@ class PromptEncoder:
                 "dataset with the processor you encode with"
             )
         grid = out.get("image_grid_thw")
-        video_grid = out.get("video_grid_thw")
+        grid_v = out.get("video_grid_thw")
         return PromptSample(
             index=row.index,
             prompt_ids=prompt_ids,
@@ -219,5 +219,5 @@ class PromptEncoder:
             prompt_text=text,
             metadata=dict(row.metadata),
             pixel_values_videos=out.get("pixel_values_videos") if row.videos else None,
-            video_grid_thw=video_grid.to(torch.long) if row.videos and video_grid is not None else None,
+            video_grid_thw=grid_v.to(torch.long) if row.videos and grid_v is not None else None,
         )

@@ -79,14 +79,10 @@ TASKS = {  # task -> the kinds it cycles through
     "motion": ("motion",),  # the video task: generate_motion_problem, not generate_problem
 }
 POLYGON_SIDES_PROBLEM = "<image>How many sides does the polygon have? Choices: " + ", ".join(map(str, SIDES)) + "."
-POLYGON_COLOUR_PROBLEM = (
-    "<image>What colour is the polygon? Choices: " + ", ".join(f"{k}. {name}" for k, (name, _) in COLOURS.items()) + "."
-)
-BACKGROUND_COLOUR_PROBLEM = (
-    "<image>What colour is the background? Choices: "
-    + ", ".join(f"{k}. {name}" for k, (name, _) in COLOURS.items())
-    + "."
-)
+COLOUR_CHOICES = {k: name for k, (name, _) in COLOURS.items()}  # letter -> colour name: the colour tasks' choices
+_COLOUR_CHOICES_TEXT = ", ".join(f"{k}. {name}" for k, name in COLOUR_CHOICES.items())
+POLYGON_COLOUR_PROBLEM = f"<image>What colour is the polygon? Choices: {_COLOUR_CHOICES_TEXT}."
+BACKGROUND_COLOUR_PROBLEM = f"<image>What colour is the background? Choices: {_COLOUR_CHOICES_TEXT}."
 IMAGE_SIZE = 256  # pixels, square
 _MARGIN = 36
 _LINE = 2
@@ -203,20 +199,16 @@ def synth_records(n: int, seed: int = 0, task: str = "geometry") -> list[dict[st
         if n < 0:
             raise ValueError(f"n must be >= 0, found {n}")
         return [_motion_record(generate_motion_problem(i, seed), seed, i) for i in range(n)]
-    records = []
-    for i, p in enumerate(generate_problems(n, seed, task)):
-        buf = io.BytesIO()
-        p.image.save(buf, format="PNG")
-        records.append(
-            {
-                "images": [{"bytes": buf.getvalue(), "path": f"synth_{seed}_{i:06d}.png"}],
-                "problem": p.problem,
-                "answer": p.answer,
-                "kind": p.kind,
-                "params": json.dumps(p.params, sort_keys=True),
-            }
-        )
-    return records
+    return [
+        {
+            "images": [_png_ref(p.image, f"synth_{seed}_{i:06d}.png")],
+            "problem": p.problem,
+            "answer": p.answer,
+            "kind": p.kind,
+            "params": json.dumps(p.params, sort_keys=True),
+        }
+        for i, p in enumerate(generate_problems(n, seed, task))
+    ]
 
 
 def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geometry") -> Path:
@@ -245,12 +237,15 @@ def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "ge
     return path
 
 
+def _png_ref(image: Image.Image, path: str) -> dict[str, Any]:
+    """An image as a geometry3k-layout entry: its PNG bytes and a file name."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return {"bytes": buf.getvalue(), "path": path}
+
+
 def _motion_record(p: SynthVideoProblem, seed: int, i: int) -> dict[str, Any]:
-    frames = []
-    for f, frame in enumerate(p.frames):
-        buf = io.BytesIO()
-        frame.save(buf, format="PNG")
-        frames.append({"bytes": buf.getvalue(), "path": f"synth_motion_{seed}_{i:06d}_{f}.png"})
+    frames = [_png_ref(frame, f"synth_motion_{seed}_{i:06d}_{f}.png") for f, frame in enumerate(p.frames)]
     return {
         "images": [],
         "problem": p.problem,
@@ -429,13 +424,13 @@ def _polygon_sides(rng: random.Random, sides: int) -> SynthProblem:
 
 def _polygon_colour(rng: random.Random, letter: str) -> SynthProblem:
     img, params = _polygon(rng, rng.choice(SIDES), COLOURS[letter][1])
-    params["choices"] = {k: name for k, (name, _) in COLOURS.items()}
+    params["choices"] = dict(COLOUR_CHOICES)
     return SynthProblem("polygon_colour", POLYGON_COLOUR_PROBLEM, letter, params, img)
 
 
 def _background_colour(rng: random.Random, letter: str) -> SynthProblem:
     img, params = _polygon(rng, rng.choice(SIDES), (255, 255, 255), background=COLOURS[letter][1])
-    params["choices"] = {k: name for k, (name, _) in COLOURS.items()}
+    params["choices"] = dict(COLOUR_CHOICES)
     return SynthProblem("background_colour", BACKGROUND_COLOUR_PROBLEM, letter, params, img)
 
 

@@ -34,13 +34,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from miles_vl.data.images import ImageError, find_local_file, image_ref, open_image
+from miles_vl.data.images import REMOTE_PREFIXES, ImageError, find_local_file, image_ref, open_image
 from miles_vl.data.layouts import DataError
 from miles_vl.data.records import DropReason, ImageRef
 
 # transformers' `load_video` backends, in the order tried, with the module each needs and its pip name.
 VIDEO_BACKENDS = (("torchcodec", "torchcodec", "torchcodec"), ("pyav", "av", "av"), ("decord", "decord", "decord"))
-REMOTE_PREFIXES = ("http://", "https://", "ftp://", "s3://", "gs://")
 
 
 class VideoError(ValueError):
@@ -240,11 +239,11 @@ def import_backend(backend: str) -> None:
     Raises:
         DataError: the module does not import (names the backend, the error and what to reinstall).
     """
-    module, pip = next((m, p) for name, m, p in VIDEO_BACKENDS if name == backend)
+    module = next(m for name, m, _ in VIDEO_BACKENDS if name == backend)
     try:
         importlib.import_module(module)
     except Exception as err:  # ImportError, OSError (a missing libav*.so), RuntimeError (torchcodec's FFmpeg check)
-        raise DataError(_broken_backend(backend, pip, err)) from err
+        raise DataError(_broken_backend(backend, err)) from err
 
 
 def decode_video_file(
@@ -289,8 +288,7 @@ def decode_video_file(
     except VideoError:
         raise
     except ImportError as err:  # a part of the decoder that loads on first use: the install, not this file
-        pip = next(p for name, _, p in VIDEO_BACKENDS if name == backend)
-        raise DataError(_broken_backend(backend, pip, err)) from err
+        raise DataError(_broken_backend(backend, err)) from err
     except Exception as err:  # decoders raise their own types for broken files
         raise VideoError(DropReason.CORRUPT_VIDEO, f"cannot decode video {path} ({backend}): {err}") from err
     frames = torch.as_tensor(array)
@@ -300,7 +298,8 @@ def decode_video_file(
     return images, found["fps"], found["total"], found["indices"]
 
 
-def _broken_backend(backend: str, pip: str, err: BaseException) -> str:
+def _broken_backend(backend: str, err: BaseException) -> str:
+    pip = next(p for name, _, p in VIDEO_BACKENDS if name == backend)
     others = ", ".join(name for name, _, _ in VIDEO_BACKENDS if name != backend)
     return (
         f"the video decoder {backend} is installed but does not load ({type(err).__name__}: {err}); reinstall it "
