@@ -75,21 +75,47 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 # srt/managers/schedule_batch.py):
 #   v0516       0.5.16 as shipped (what miles_vl ran before commit 437158a): pixel values sha256-hashed in the
 #               scheduler process, once for every request and, with `sampling_params.n`, once for every copy
-#   default     what the engine does: SGLANG_MM_PRECOMPUTE_HASH=1 (the tokenizer hashes once per request, before the
-#               `n` copies are made) and `mm_hashes` (our hash of the image bytes: no pixel hash at all for n = 1)
-#   nopix       default + sglang_copies_without_pixels.py (a prototype, not used by miles_vl): the `n` copies go to the
-#               scheduler without pixel values (their prompt is in the prefix cache)
+#   default     SGLang's own launch_server with miles_vl's request settings: SGLANG_MM_PRECOMPUTE_HASH=1 (the tokenizer
+#               hashes once per request, before the `n` copies are made) and `mm_hashes` (our hash of the image bytes:
+#               no pixel hash at all for n = 1); what the engine ran until `share` became its default
+#   nopix       default + sglang_copies_without_pixels.py (the first prototype of `share`, without its scheduler half):
+#               the `n` copies go to the scheduler without pixel values (their prompt is in the prefix cache)
 #   cuda_ipc    `--mm-feature-transport cuda_ipc`: pixel values stay on the GPU, hashed there, handed over by CUDA IPC
 #               (crashed the scheduler on an H100, 2026-11-23: `torch.cat` of image features on cuda:0 and cpu in
 #               qwen3_vl.py get_image_feature, once the IPC pool fell back to the CPU for some images)
+#   cuda_ipc_big  cuda_ipc with an 8 GiB pool (SGLANG_MM_FEATURE_CACHE_MB=8192, 1 GiB by default): does the crash
+#               above come only from the pool running full? (H100, 2026-11-24: the server failed its own warm-up,
+#               `CUDA error: invalid device context` rebuilding the IPC tensor in the tokenizer to hash it)
 #   skip_hash   SGLANG_MM_SKIP_COMPUTE_HASH=1: a random id instead of the content hash (no prefix sharing of images)
+#   timed       default, with benchmarks/sglang_timing/sitecustomize.py timing the tokenizer's and the scheduler's
+#               steps into $OUT/sglang_timing.jsonl (with this script's call markers): where t(1) goes
+#   share       default, launched through miles_vl.sglang_launch (the engine's default): the `n` copies reach the
+#               scheduler without pixel values and get their prompt's tensor back there
+#   tok4, tok8  default + `--tokenizer-worker-num 4` / `8`: that many tokenizer processes (uvicorn workers) share the
+#               per-request work (PNG decode, image processor, hash, the `n` copies' transfer to the scheduler);
+#               connections are spread over them by the kernel
 BENCH_DIR = str(Path(__file__).resolve().parent)
 VARIANTS = {
     "v0516": ((), {"SGLANG_MM_PRECOMPUTE_HASH": "0"}, False, "sglang.launch_server"),
     "default": ((), {}, True, "sglang.launch_server"),
     "nopix": ((), {}, True, "sglang_copies_without_pixels"),
     "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}, True, "sglang.launch_server"),
+    "cuda_ipc_big": (
+        ("--mm-feature-transport", "cuda_ipc"),
+        {"SGLANG_MM_FEATURE_CACHE_MB": "8192"},
+        True,
+        "sglang.launch_server",
+    ),
     "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, False, "sglang.launch_server"),
+    "timed": (
+        (),
+        {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"},
+        True,
+        "sglang.launch_server",
+    ),
+    "share": ((), {}, True, "miles_vl.sglang_launch"),
+    "tok4": (("--tokenizer-worker-num", "4"), {}, True, "sglang.launch_server"),
+    "tok8": (("--tokenizer-worker-num", "8"), {}, True, "sglang.launch_server"),
 }
 
 
@@ -151,6 +177,7 @@ def sglang_call(
     seed: int,
     shape: Shape,
     hashes: bool,
+    timing: str | None = None,
 ):
     """(wall seconds, output lengths) of one batch of concurrent `/generate` requests, after a cache flush: the first
     `len(prompts) // shape.group` prompts, `shape.group` samples each, as one request per sample or one per prompt."""
@@ -182,8 +209,13 @@ def sglang_call(
     host.client.flush_cache(timeout_s=60)
     with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
         t0 = time.perf_counter()
+        start = time.time()
         answers = [a for group in pool.map(post, payloads) for a in group]
         wall = time.perf_counter() - t0
+    if timing:  # the call's span, beside the server's own timings (sglang_timing/sitecustomize.py)
+        with open(timing, "a") as f:
+            mark = dict(what="bench.call", start=start, t=start + wall, ms=wall * 1e3, new_tokens=n)
+            f.write(json.dumps(mark | dict(group=shape.group, mode=shape.mode)) + "\n")
     lengths = []
     for i, body in answers:
         gen, _ = parse_generate_response(  # also checks that SGLang used our prompt ids
@@ -203,8 +235,15 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
     """One server of this variant; a row per `--shapes` entry."""
     b, n = len(prompts), args.max_new_tokens
     flags, env, hashes, launch_module = VARIANTS[variant]
-    if launch_module != "sglang.launch_server":  # a prototype launcher in benchmarks/
+    if launch_module not in ("sglang.launch_server", "miles_vl.sglang_launch"):  # a prototype launcher in benchmarks/
         env = env | {"PYTHONPATH": os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)}
+    elif "PYTHONPATH" in env:  # a directory of benchmarks/ first on the server's path (the timing sitecustomize)
+        first = os.path.join(BENCH_DIR, env["PYTHONPATH"])
+        env = env | {"PYTHONPATH": os.pathsep.join(p for p in (first, os.environ.get("PYTHONPATH")) if p)}
+    timing = None
+    if "MILES_VL_SGLANG_TIMING" in env:  # the timing file, in $OUT when there is one
+        timing = os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), env["MILES_VL_SGLANG_TIMING"])
+        env = env | {"MILES_VL_SGLANG_TIMING": timing}
     spec = ServerSpec(
         model_path=ckpt,
         port=free_port(),
@@ -247,7 +286,15 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
         urls = [[image_data_url(im) for im in p.images] for p in prompts]
         for shape in args.shapes:
             call = partial(
-                sglang_call, host, prompts, urls, tokens, temperature=args.temperature, shape=shape, hashes=hashes
+                sglang_call,
+                host,
+                prompts,
+                urls,
+                tokens,
+                temperature=args.temperature,
+                shape=shape,
+                hashes=hashes,
+                timing=timing,
             )
             call(4, seed=args.seed)  # warm-up
             short = [call(1, seed=args.seed)[0] for _ in range(args.repeats)]

@@ -1,0 +1,139 @@
+"""Where an SGLang 0.5.16 server's time goes, per process: bench_sglang_decode.py's `timed` variant.
+
+Put this directory first on PYTHONPATH and set MILES_VL_SGLANG_TIMING=<file>: every Python process of the server (the
+HTTP/tokenizer process, the scheduler, the detokenizer; spawned children import sitecustomize too) then appends one
+JSON line per timed call to <file>:
+
+    {"t": <end, time.time()>, "pid": ..., "what": "sched.run_batch", "ms": 3.1, "n": 64, "mode": "DECODE"}
+
+Timed, once their module is imported (a meta-path hook patches the classes as they load, nothing is imported early):
+- tokenizer (`srt/managers/tokenizer_manager.py`): `_tokenize_one_request` (base64 + PNG decode, the image processor,
+  the hash), `_send_one_request` (the shared-memory copy of the pixel values and the pickle to the scheduler);
+- scheduler (`srt/managers/scheduler.py`, `scheduler_components/request_receiver.py`): `recv_requests` (zmq receive,
+  unpickling, the shared-memory copy back), `process_input_requests` (building `Req`s), `get_next_batch_to_run`
+  (scheduling, prefix matching), `run_batch` (launch; with the overlap scheduler the GPU work is waited for in the
+  next `process_batch_result`), `process_batch_result`.
+The benchmark writes its own markers (`bench.call`) to the same file. Not used by miles_vl; measurement only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+
+_PATH = os.environ.get("MILES_VL_SGLANG_TIMING")
+
+
+def record(what: str, seconds: float, **extra) -> None:
+    line = json.dumps(
+        {"t": round(time.time(), 6), "pid": os.getpid(), "what": what, "ms": round(seconds * 1e3, 3)} | extra
+    )
+    fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write per line: O_APPEND keeps the processes' lines whole
+    finally:
+        os.close(fd)
+
+
+def _timed(fn, what, describe=None):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        extra = describe(args, out) if describe else {}
+        if extra is not None:
+            record(what, time.perf_counter() - t0, **extra)
+        return out
+
+    return wrapper
+
+
+def _timed_async(fn, what):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = await fn(*args, **kwargs)
+        record(what, time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
+def _batch(args, _out):
+    batch = args[1] if len(args) > 1 else None
+    if batch is None:
+        return None
+    return {"n": batch.batch_size(), "mode": getattr(batch.forward_mode, "name", str(batch.forward_mode))}
+
+
+def _received(_args, out):
+    return {"n": len(out)} if out else None  # idle polls are not recorded
+
+
+def _send(args, _out):
+    obj = args[1]
+    items = getattr(getattr(obj, "mm_inputs", None), "mm_items", None) or []
+    return {
+        "pixels": sum(1 for i in items if getattr(i, "feature", None) is not None),
+        "new": obj.sampling_params.max_new_tokens,
+    }
+
+
+def _patch_tokenizer(module) -> None:
+    cls = module.TokenizerManager
+    cls._tokenize_one_request = _timed_async(cls._tokenize_one_request, "tok.tokenize")
+    cls._send_one_request = _timed(cls._send_one_request, "tok.send", _send)
+
+
+def _patch_receiver(module) -> None:
+    cls = module.SchedulerRequestReceiver
+    cls.recv_requests = _timed(cls.recv_requests, "sched.recv", _received)
+
+
+def _patch_scheduler(module) -> None:
+    cls = module.Scheduler
+    cls.process_input_requests = _timed(
+        cls.process_input_requests, "sched.process_input", lambda a, _o: {"n": len(a[1])} if a[1] else None
+    )
+    cls.get_next_batch_to_run = _timed(cls.get_next_batch_to_run, "sched.next_batch")
+    cls.run_batch = _timed(cls.run_batch, "sched.run_batch", _batch)
+    cls.process_batch_result = _timed(cls.process_batch_result, "sched.result", _batch)
+
+
+PATCHES = {
+    "sglang.srt.managers.tokenizer_manager": _patch_tokenizer,
+    "sglang.srt.managers.scheduler_components.request_receiver": _patch_receiver,
+    "sglang.srt.managers.scheduler": _patch_scheduler,
+}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the modules in PATCHES, wraps the real loader so that the patch runs once the module
+    has executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def patched_exec(module, _exec=exec_module, _patch=PATCHES[name]):
+                    _exec(module)
+                    _patch(module)
+
+                spec.loader.exec_module = patched_exec
+                return spec
+        return None
+
+
+if _PATH:
+    sys.meta_path.insert(0, _PatchAfterImport())
