@@ -218,6 +218,12 @@ class SGLangConfig(_Section):
         description="SGLang's cache of vision-tower embeddings by image, MiB; 0 = off. It survives weight syncs, so "
         "it needs train.freeze_vision.",
     )
+    share_copy_pixels: bool = Field(
+        True,
+        description="start the server through miles_vl.sglang_launch: the n samples of a prompt reach SGLang's "
+        "scheduler without their own copy of the prompt's pixel values, which the scheduler gives back from the "
+        "prompt's request (docs/sglang.md); false = SGLang's own launch_server.",
+    )
 
     @model_validator(mode="after")
     def _open_needs_key(self) -> SGLangConfig:

@@ -37,6 +37,7 @@ from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, Tra
 from miles_vl.train.megatron.parallel import ParallelOptions
 
 SGLANG_LAUNCH_MODULE = "sglang.launch_server"
+SHARED_PIXELS_LAUNCH_MODULE = "miles_vl.sglang_launch"  # rollout.sglang.share_copy_pixels
 
 
 @dataclass(frozen=True)
@@ -163,12 +164,13 @@ def sglang_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def launch_sglang(
-    cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, launch_module: str = SGLANG_LAUNCH_MODULE
-):
+def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, launch_module: str | None = None):
     """An sglang engine: its server's log goes to `slot.log_dir/sglang_<index>.log` (on the actor's node);
-    `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags)."""
+    `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags); None: miles_vl's
+    launcher (`rollout.sglang.share_copy_pixels`) or SGLang's own."""
     s = cfg.rollout.sglang
+    if launch_module is None:
+        launch_module = SHARED_PIXELS_LAUNCH_MODULE if s.share_copy_pixels else SGLANG_LAUNCH_MODULE
     return (
         actor_class(SGLangRolloutHost)
         .options(**slot.ray_options)

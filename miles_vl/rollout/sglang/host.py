@@ -65,7 +65,9 @@ class SGLangRolloutHost(RolloutEngine):
         max_concurrency: requests in flight at once.
         weight_bucket_bytes: bound of one weight bucket.
         python: the interpreter that runs the server.
-        launch_module: the module run with `python -m` (tests run a stand-in that takes SGLang's flags).
+        launch_module: the module run with `python -m`: miles_vl's launcher of SGLang (`miles_vl/sglang_launch.py`:
+            the `n` copies of a prompt share its pixel values), `sglang.launch_server`, or a stand-in that takes
+            SGLang's flags (tests).
         env: extra environment variables for the server process.
         health_poll_s: pause between health polls while starting.
         verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
@@ -91,7 +93,7 @@ class SGLangRolloutHost(RolloutEngine):
         max_concurrency: int = 128,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         python: str = sys.executable,
-        launch_module: str = "sglang.launch_server",
+        launch_module: str = "miles_vl.sglang_launch",
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
         verify_weights: bool = True,

@@ -1,0 +1,244 @@
+"""SGLang 0.5.16's server with one change to how a prompt's `n` samples reach the scheduler:
+`python -m miles_vl.sglang_launch <the flags of python -m sglang.launch_server>`.
+
+For a request with `sampling_params.n > 1`, 0.5.16's tokenizer process sends the prompt alone first
+(`max_new_tokens = 0`: it fills the prefix cache) and then `n` copies of the tokenized request, each with the
+prompt's pixel values in a new shared-memory segment that the scheduler copies out again
+(`TokenizerManager._handle_batch_request`, `srt/managers/tokenizer_manager.py:1630-1683`; `wrap_shm_features`,
+`srt/managers/mm_utils.py:1966`; `SchedulerRequestReceiver._finalize_shm_features`,
+`srt/managers/scheduler_components/request_receiver.py:238`). Measured on an H100 (docs/benchmarks.md): about 7.6 ms
+of the tokenizer process and 3.9 ms of the scheduler per copy, serially; for 8 prompts x 8 samples that is 0.5 s of
+a 1.0 s wait before the first decode step.
+
+Here the copies travel without pixel values and the scheduler gives each copy the pixel tensor of its prompt back,
+by the image's content hash, from the prompt's own request, which always reaches the scheduler first (the tokenizer
+awaits the prompt's answer before it sends the copies):
+- tokenizer process: a copy's image items whose `hash` is set (`SGLANG_MM_PRECOMPUTE_HASH=1`, which miles_vl's
+  servers run with) are sent with `feature = None`; items without a hash keep their pixels;
+- scheduler: every received request's pixel tensors are remembered by hash (least recently used first out, at most
+  `MILES_VL_SGLANG_PIXEL_CACHE_MB`, 4096 by default), and a copy's missing ones are set to the remembered tensor. The
+  model then sees exactly the objects stock SGLang would give it. A copy whose pixels were already dropped from the
+  memory (more than the budget of other images arrived between a prompt and its copies) is logged and left
+  without them: if its prompt is in the prefix cache it needs none (the vision tower runs only for images not all
+  in the prefix, `_get_chunked_prefill_embedding`, `mm_utils.py:754`), otherwise the scheduler fails on the missing
+  tensor and the server dies, which miles_vl's host relaunches (never a wrong sample).
+
+How the patches reach every server process: this module is the server's `__main__`, and SGLang starts its
+scheduler, detokenizer and tokenizer workers with the `spawn` start method, which imports the parent's main module
+(as `__mp_main__`) in each child; running it installs a meta-path hook that patches the two SGLang classes when
+SGLang imports their modules. Nothing else of miles_vl is imported in the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import importlib.abc
+import logging
+import os
+import sys
+
+CACHE_ENV = "MILES_VL_SGLANG_PIXEL_CACHE_MB"
+DEFAULT_CACHE_MB = 4096
+ENABLED_ENV = "MILES_VL_SGLANG_SHARE_COPY_PIXELS"  # "0": the copies keep their pixels (set below for the blockers)
+TOKENIZER_MODULE = "sglang.srt.managers.tokenizer_manager"
+RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
+
+log = logging.getLogger("miles_vl.sglang_launch")
+
+# True inside the task of an HTTP request whose prompts have `n > 1` samples (the tokenizer's parallel sampling).
+_PARALLEL_SAMPLING: contextvars.ContextVar[bool] = contextvars.ContextVar("miles_vl_parallel_sampling", default=False)
+
+
+def _mm_items(req) -> list:
+    mm = getattr(req, "mm_inputs", None)
+    return list(getattr(mm, "mm_items", None) or [])
+
+
+def sharing_blockers(server_args) -> list[str]:
+    """Server settings under which a copy might reach a scheduler that never saw its prompt's pixels, or pixels that
+    are not plain tensors: there the copies keep their own (stock 0.5.16)."""
+    blockers = []
+    if getattr(server_args, "dp_size", 1) > 1:
+        blockers.append(f"--dp-size {server_args.dp_size} (the copies may go to another scheduler than their prompt)")
+    if getattr(server_args, "use_ray", False):
+        blockers.append("--use-ray (its schedulers are Ray actors, which this module does not reach)")
+    if getattr(server_args, "mm_feature_transport", None) not in (None, "cpu"):
+        blockers.append(f"--mm-feature-transport {server_args.mm_feature_transport} (pixels are not plain tensors)")
+    return blockers
+
+
+def drop_copy_pixels(tokenized_obj, parallel_sampling: bool) -> int:
+    """Tokenizer side: a copy of a parallel-sampling request (not its prefix request, `max_new_tokens == 0`) loses
+    the pixel values of every image item that has a hash. Returns how many items lost them.
+
+    The items are the copy's own (0.5.16 copies each item per copy before sending), so the prompt's request keeps its
+    pixels."""
+    if not parallel_sampling or tokenized_obj.sampling_params.max_new_tokens == 0:
+        return 0
+    if os.environ.get(ENABLED_ENV, "1") == "0":
+        return 0
+    dropped = 0
+    for item in _mm_items(tokenized_obj):
+        if item.hash is not None and item.feature is not None:
+            item.feature = None
+            dropped += 1
+    return dropped
+
+
+class PixelMemory:
+    """Scheduler side: pixel tensors by image hash, least recently used out first above `max_bytes`."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.tensors: collections.OrderedDict[int, object] = collections.OrderedDict()
+        self.restored = 0
+        self.missing = 0
+
+    @staticmethod
+    def _size(tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def remember(self, key: int, tensor) -> None:
+        """Keep `tensor` (a plain torch tensor; anything else, e.g. a CUDA IPC proxy or a list, is not kept)."""
+        import torch  # the scheduler has it loaded; imported here so that importing this module stays light
+
+        if type(tensor) is not torch.Tensor:
+            return
+        if key in self.tensors:
+            self.tensors.move_to_end(key)
+            return
+        self.tensors[key] = tensor
+        self.bytes += self._size(tensor)
+        while self.bytes > self.max_bytes and len(self.tensors) > 1:
+            _, old = self.tensors.popitem(last=False)
+            self.bytes -= self._size(old)
+
+    def fill(self, reqs) -> None:
+        """Remember the pixels of every image item that has them; give them to the items that came without."""
+        for req in reqs or ():
+            for sub in getattr(req, "batch", None) or (req,):  # batch requests hold their requests in `.batch`
+                for item in _mm_items(sub):
+                    if item.hash is None:
+                        continue
+                    if item.feature is not None:
+                        self.remember(item.hash, item.feature)
+                    elif getattr(item, "precomputed_embeddings", None) is None:
+                        tensor = self.tensors.get(item.hash)
+                        if tensor is None:
+                            self.missing += 1
+                            log.error(
+                                "miles_vl: no pixel values remembered for image %x of request %s (%d missing so far): "
+                                "it runs only if its prompt is still in the prefix cache; raise %s (now %d MB)",
+                                item.hash,
+                                getattr(sub, "rid", "?"),
+                                self.missing,
+                                CACHE_ENV,
+                                self.max_bytes >> 20,
+                            )
+                            continue
+                        self.tensors.move_to_end(item.hash)
+                        item.feature = tensor
+                        self.restored += 1
+
+
+def _patch_tokenizer(module) -> None:
+    cls = module.TokenizerManager
+    handle, send = cls._handle_batch_request, cls._send_one_request
+
+    async def handle_batch_request(self, obj, request=None):
+        token = _PARALLEL_SAMPLING.set(getattr(obj, "parallel_sample_num", 1) > 1)  # this request's task
+        try:
+            async for out in handle(self, obj, request):
+                yield out
+        finally:
+            try:
+                _PARALLEL_SAMPLING.reset(token)  # a caller that goes on in the same task (Engine.async_generate)
+            except ValueError:  # closed from another context: that context never saw the flag
+                pass
+
+    def send_one_request(self, tokenized_obj):
+        drop_copy_pixels(tokenized_obj, _PARALLEL_SAMPLING.get())
+        return send(self, tokenized_obj)
+
+    cls._handle_batch_request, cls._send_one_request = handle_batch_request, send_one_request
+
+
+def _patch_receiver(module) -> None:
+    cls = module.SchedulerRequestReceiver
+    recv = cls.recv_requests
+    memory = PixelMemory(int(os.environ.get(CACHE_ENV, DEFAULT_CACHE_MB)) << 20)
+
+    def recv_requests(self, *args, **kwargs):
+        reqs = recv(self, *args, **kwargs)
+        memory.fill(reqs)
+        return reqs
+
+    cls.recv_requests = recv_requests
+    cls.miles_vl_pixel_memory = memory
+
+
+PATCHES = {TOKENIZER_MODULE: _patch_tokenizer, RECEIVER_MODULE: _patch_receiver}
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds no module itself: for a module in `patches`, wraps the loader that would load it, so that the patch runs
+    right after the module has executed (nothing is imported earlier than SGLang imports it)."""
+
+    def __init__(self, patches):
+        self.patches = dict(patches)
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                exec_module = spec.loader.exec_module
+
+                def exec_and_patch(module, _exec=exec_module):
+                    _exec(module)
+                    patch(module)
+
+                spec.loader.exec_module = exec_and_patch
+                del self.patches[name]  # once per process
+                return spec
+        return None
+
+
+def install() -> None:
+    """Patch the SGLang modules of this process when they are imported (or now, if they already are)."""
+    pending = {}
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        else:
+            pending[name] = patch
+    if pending and not any(isinstance(f, PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, PatchOnImport(pending))
+
+
+# In the launching process (`__main__`) and in every process SGLang starts with `spawn`, which runs the parent's main
+# module as `__mp_main__` before the child's target; importing this module elsewhere (tests) installs nothing.
+if __name__ in ("__main__", "__mp_main__"):
+    install()
+
+if __name__ == "__main__":
+    from sglang.launch_server import run_server  # noqa: E402 (after the hook, so that SGLang's modules get patched)
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sys.argv[1:])
+    if blockers := sharing_blockers(server_args):  # before SGLang starts any child: they inherit the environment
+        os.environ[ENABLED_ENV] = "0"
+        log.warning("miles_vl: the n copies of a prompt keep their own pixel values here: %s", "; ".join(blockers))
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

@@ -1,0 +1,247 @@
+"""Contract: miles_vl/sglang_launch.py (the server launcher behind rollout.sglang.share_copy_pixels).
+
+- tokenizer side: the copies of a parallel-sampling request lose the pixel values of their hashed image items; the
+  prompt's own request (max_new_tokens 0), unhashed items and requests without `n > 1` keep theirs;
+- scheduler side: a copy gets back the very tensor its prompt's request carried, by image hash; least recently used
+  tensors leave above the byte budget; a copy whose tensor is gone is counted and left without it;
+- the patches reach processes started with the `spawn` start method (how SGLang 0.5.16 starts its scheduler and
+  tokenizer workers): a stand-in SGLang package whose `run_server` spawns a child that imports the two patched modules.
+The real server with this launcher: tests/gpu/test_sglang_real.py and the GPU runs in docs/gpu-runs (docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import torch
+
+from miles_vl import sglang_launch
+from miles_vl.sglang_launch import PixelMemory, drop_copy_pixels
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _item(h, feature):
+    return types.SimpleNamespace(hash=h, feature=feature, precomputed_embeddings=None)
+
+
+def _req(items, max_new_tokens, rid="r"):
+    return types.SimpleNamespace(
+        rid=rid,
+        mm_inputs=types.SimpleNamespace(mm_items=items),
+        sampling_params=types.SimpleNamespace(max_new_tokens=max_new_tokens),
+    )
+
+
+def test_only_the_copies_hashed_items_lose_their_pixels():
+    px = torch.randn(4, 6)
+    prefix = _req([_item(1, px)], max_new_tokens=0)
+    assert drop_copy_pixels(prefix, parallel_sampling=True) == 0 and prefix.mm_inputs.mm_items[0].feature is px
+    copy_req = _req([_item(1, px), _item(None, px)], max_new_tokens=16)
+    assert drop_copy_pixels(copy_req, parallel_sampling=True) == 1
+    assert copy_req.mm_inputs.mm_items[0].feature is None and copy_req.mm_inputs.mm_items[1].feature is px
+    single = _req([_item(1, px)], max_new_tokens=16)
+    assert drop_copy_pixels(single, parallel_sampling=False) == 0 and single.mm_inputs.mm_items[0].feature is px
+    text_only = types.SimpleNamespace(mm_inputs=None, sampling_params=types.SimpleNamespace(max_new_tokens=4))
+    assert drop_copy_pixels(text_only, parallel_sampling=True) == 0
+
+
+def test_copies_get_their_prompts_tensor_back_by_hash():
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    memory = PixelMemory(max_bytes=1 << 20)
+    memory.fill([_req([_item(10, a)], 0), _req([_item(20, b)], 0)])
+    copies = [_req([_item(10, None)], 8), _req([_item(20, None)], 8), _req([_item(10, None)], 8)]
+    memory.fill(copies)
+    assert [c.mm_inputs.mm_items[0].feature for c in copies] == [a, b, a]  # identity: the prompt's own tensors
+    assert all(c.mm_inputs.mm_items[0].feature is t for c, t in zip(copies, (a, b, a), strict=True))
+    assert memory.restored == 3 and memory.missing == 0
+
+
+def test_least_recently_used_pixels_leave_first_and_a_miss_is_counted():
+    t = [torch.zeros(256, dtype=torch.float32) for _ in range(3)]  # 1 KiB each
+    memory = PixelMemory(max_bytes=2048)
+    memory.fill([_req([_item(1, t[0])], 0), _req([_item(2, t[1])], 0)])
+    memory.fill([_req([_item(1, None)], 8)])  # 1 used again: 2 is now the oldest
+    memory.fill([_req([_item(3, t[2])], 0)])  # over budget: 2 leaves
+    assert list(memory.tensors) == [1, 3] and memory.bytes == 2048
+    lost = _req([_item(2, None)], 8, rid="lost")
+    memory.fill([lost])
+    assert lost.mm_inputs.mm_items[0].feature is None and memory.missing == 1
+
+
+def test_batch_requests_and_precomputed_embeddings():
+    px = torch.randn(2, 3)
+    memory = PixelMemory(max_bytes=1 << 20)
+    batch = types.SimpleNamespace(batch=[_req([_item(5, px)], 0), _req([_item(5, None)], 4)])
+    memory.fill([batch])
+    assert batch.batch[1].mm_inputs.mm_items[0].feature is px
+    embedded = _item(5, None)
+    embedded.precomputed_embeddings = torch.ones(1)
+    memory.fill([_req([embedded], 4)])
+    assert embedded.feature is None  # an item that brings its embeddings needs no pixels
+
+
+def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies():
+    """The two patches together on stand-in classes with 0.5.16's method names: the parallel-sampling handler sends
+    the prompt, then its copies (copies of the items, as 0.5.16 makes them); the objects cross a process boundary
+    (deep copies); the receiver hands them to the scheduler."""
+    sent = []
+
+    class TokenizerManager:
+        async def _handle_batch_request(self, obj, request=None):
+            prefix = _req([_item(7, obj.pixels)], 0, rid="prefix")
+            self._send_one_request(prefix)
+            for k in range(obj.parallel_sample_num):
+                c = _req([copy.copy(prefix.mm_inputs.mm_items[0])], 16, rid=f"copy{k}")
+                self._send_one_request(c)
+            yield "done"
+
+        def _send_one_request(self, tokenized_obj):
+            sent.append(copy.deepcopy(tokenized_obj))  # pickled to the scheduler
+
+    class SchedulerRequestReceiver:
+        def recv_requests(self):
+            return list(sent)
+
+    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
+    pixels = torch.randn(8, 4)
+
+    async def run():
+        return [
+            x
+            async for x in TokenizerManager()._handle_batch_request(
+                types.SimpleNamespace(parallel_sample_num=3, pixels=pixels)
+            )
+        ]
+
+    assert asyncio.run(run()) == ["done"]
+    assert [r.mm_inputs.mm_items[0].feature is None for r in sent] == [False, True, True, True]  # what travels
+    received = SchedulerRequestReceiver().recv_requests()
+    features = [r.mm_inputs.mm_items[0].feature for r in received]
+    assert all(torch.equal(f, pixels) for f in features)
+    assert all(f is features[0] for f in features)  # one tensor in the scheduler, as the prompt's request brought it
+    assert SchedulerRequestReceiver.miles_vl_pixel_memory.restored == 3
+
+
+STAND_IN = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/managers/__init__.py": "",
+    "sglang/srt/managers/scheduler_components/__init__.py": "",
+    "sglang/srt/managers/tokenizer_manager.py": """
+        class TokenizerManager:
+            async def _handle_batch_request(self, obj, request=None):
+                yield None
+            def _send_one_request(self, tokenized_obj):
+                pass
+    """,
+    "sglang/srt/managers/scheduler_components/request_receiver.py": """
+        class SchedulerRequestReceiver:
+            def recv_requests(self):
+                return []
+    """,
+    "sglang/srt/plugins.py": "def load_plugins():\n    pass\n",
+    "sglang/srt/server_args.py": "def prepare_server_args(argv):\n    return argv\n",
+    "sglang/srt/utils.py": "def kill_process_tree(pid, include_parent=True):\n    pass\n",
+    "sglang/launch_server.py": """
+        import json, multiprocessing as mp
+
+        def report():
+            from sglang.srt.managers.tokenizer_manager import TokenizerManager
+            from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
+            return {"tokenizer": TokenizerManager._send_one_request.__name__,
+                    "receiver": hasattr(SchedulerRequestReceiver, "miles_vl_pixel_memory")}
+
+        def child(path):
+            with open(path, "w") as f:
+                json.dump(report(), f)
+
+        def run_server(argv):
+            ctx = mp.get_context("spawn")
+            p = ctx.Process(target=child, args=(argv[1],))
+            p.start()
+            p.join()
+            with open(argv[1] + ".parent", "w") as f:
+                json.dump(report(), f)
+    """,
+}
+
+
+def test_the_patches_reach_spawned_server_processes(tmp_path):
+    for rel, text in STAND_IN.items():
+        path = tmp_path / "site" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    out = tmp_path / "child.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
+    done = subprocess.run(
+        [sys.executable, "-m", "miles_vl.sglang_launch", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    patched = {"tokenizer": "send_one_request", "receiver": True}
+    assert json.loads(out.read_text()) == patched  # the scheduler-like child, started with spawn
+    assert json.loads(Path(str(out) + ".parent").read_text()) == patched
+
+
+def test_settings_that_could_lose_a_copys_pixels_keep_sglangs_own_transfer(monkeypatch):
+    """--dp-size > 1 routes a prompt and its copies to different schedulers, --use-ray starts schedulers this module
+    does not reach, CUDA IPC sends proxies: there the launcher sets MILES_VL_SGLANG_SHARE_COPY_PIXELS=0 and the copies
+    keep their pixels (0.5.16 server_args.py: dp_size, use_ray, mm_feature_transport)."""
+    from miles_vl.sglang_launch import ENABLED_ENV, sharing_blockers
+
+    ok = types.SimpleNamespace(dp_size=1, use_ray=False, mm_feature_transport="cpu")
+    assert sharing_blockers(ok) == [] and sharing_blockers(types.SimpleNamespace(mm_feature_transport=None)) == []
+    for field, value, word in (
+        ("dp_size", 2, "--dp-size"),
+        ("use_ray", True, "--use-ray"),
+        ("mm_feature_transport", "cuda_ipc", "cuda_ipc"),
+    ):
+        (blocker,) = sharing_blockers(types.SimpleNamespace(**(vars(ok) | {field: value})))
+        assert word in blocker
+    px = torch.randn(2, 2)
+    monkeypatch.setenv(ENABLED_ENV, "0")
+    kept = _req([_item(1, px)], max_new_tokens=8)
+    assert drop_copy_pixels(kept, parallel_sampling=True) == 0 and kept.mm_inputs.mm_items[0].feature is px
+
+
+def test_only_plain_tensors_are_remembered():
+    class Proxy:  # e.g. 0.5.16's CudaIpcTensorTransportProxy: neither sized nor a tensor of the scheduler's own
+        pass
+
+    memory = PixelMemory(max_bytes=1 << 20)
+    memory.fill([_req([_item(1, Proxy())], 0), _req([_item(2, [torch.ones(2)])], 0)])
+    assert memory.tensors == {} and memory.bytes == 0
+
+
+def test_the_parallel_sampling_flag_ends_with_its_request():
+    """An in-process caller (Engine.async_generate) may send n > 1 and then n = 1 in one task: the second request's
+    pixels must travel."""
+
+    class TokenizerManager:
+        async def _handle_batch_request(self, obj, request=None):
+            yield "ok"
+
+        def _send_one_request(self, tokenized_obj):
+            pass
+
+    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+
+    async def run():
+        async for _ in TokenizerManager()._handle_batch_request(types.SimpleNamespace(parallel_sample_num=4)):
+            assert sglang_launch._PARALLEL_SAMPLING.get()
+        return sglang_launch._PARALLEL_SAMPLING.get()
+
+    assert asyncio.run(run()) is False
