@@ -6,7 +6,8 @@ JSON line per timed call to <file>:
 
     {"t": <end, time.time()>, "pid": ..., "what": "sched.run_batch", "ms": 3.1, "n": 64, "mode": "DECODE"}
 
-Timed, once their module is imported (a meta-path hook patches the classes as they load, nothing is imported early):
+Timed, once their module is imported (miles_vl.sglang_launch's meta-path hook patches the classes as they load,
+nothing is imported early; it needs miles_vl on the server's path, as the `share` launcher does):
 - tokenizer (`srt/managers/tokenizer_manager.py`): `_tokenize_one_request` (base64 + PNG decode, the image processor,
   the hash), `_send_one_request` (the shared-memory copy of the pixel values and the pickle to the scheduler);
 - scheduler (`srt/managers/scheduler.py`, `scheduler_components/request_receiver.py`): `recv_requests` (zmq receive,
@@ -19,8 +20,6 @@ The benchmark writes its own markers (`bench.call`) to the same file. Not used b
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import sys
@@ -112,28 +111,7 @@ PATCHES = {
 }
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the modules in PATCHES, wraps the real loader so that the patch runs once the module
-    has executed."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                exec_module = spec.loader.exec_module
-
-                def patched_exec(module, _exec=exec_module, _patch=PATCHES[name]):
-                    _exec(module)
-                    _patch(module)
-
-                spec.loader.exec_module = patched_exec
-                return spec
-        return None
-
-
 if _PATH:
-    sys.meta_path.insert(0, _PatchAfterImport())
+    from miles_vl.sglang_launch import PatchOnImport  # the launcher's hook: patches each module as SGLang imports it
+
+    sys.meta_path.insert(0, PatchOnImport(PATCHES))

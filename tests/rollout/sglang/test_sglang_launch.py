@@ -139,6 +139,8 @@ STAND_IN = {
     "sglang/srt/managers/scheduler_components/__init__.py": "",
     "sglang/srt/managers/tokenizer_manager.py": """
         class TokenizerManager:
+            async def _tokenize_one_request(self, obj):
+                return obj
             async def _handle_batch_request(self, obj, request=None):
                 yield None
             def _send_one_request(self, tokenized_obj):
@@ -245,3 +247,20 @@ def test_the_parallel_sampling_flag_ends_with_its_request():
         return sglang_launch._PARALLEL_SAMPLING.get()
 
     assert asyncio.run(run()) is False
+
+
+def test_two_import_hooks_on_one_module_both_patch_it(tmp_path, monkeypatch):
+    """benchmarks/sglang_timing (the `timed` bench variant) chains its own PatchOnImport with the launcher's: each
+    must wrap the module once, neither may recurse into the other."""
+    from miles_vl.sglang_launch import PatchOnImport
+
+    (tmp_path / "hooked_mod.py").write_text("calls = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hooked_mod", raising=False)
+    first = PatchOnImport({"hooked_mod": lambda m: m.calls.append("first")})
+    second = PatchOnImport({"hooked_mod": lambda m: m.calls.append("second")})
+    monkeypatch.setattr(sys, "meta_path", [first, second, *sys.meta_path])
+    import hooked_mod
+
+    assert sorted(hooked_mod.calls) == ["first", "second"]
+    assert first.patches == {} and second.patches == {}
