@@ -59,7 +59,12 @@ from miles_vl.models import SpecialTokens  # noqa: E402
 from miles_vl.models.qwen3_vl.model import build_model  # noqa: E402
 from miles_vl.models.qwen3_vl.tokens import special_tokens  # noqa: E402
 from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
-from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost  # noqa: E402
+from miles_vl.rollout.sglang import (  # noqa: E402
+    MILES_VL_LAUNCH_MODULE,
+    SGLANG_LAUNCH_MODULE,
+    ServerSpec,
+    SGLangRolloutHost,
+)
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
     build_generate_payload,
     image_data_url,
@@ -96,26 +101,26 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #               connections are spread over them by the kernel
 BENCH_DIR = str(Path(__file__).resolve().parent)
 VARIANTS = {
-    "v0516": ((), {"SGLANG_MM_PRECOMPUTE_HASH": "0"}, False, "sglang.launch_server"),
-    "default": ((), {}, True, "sglang.launch_server"),
+    "v0516": ((), {"SGLANG_MM_PRECOMPUTE_HASH": "0"}, False, SGLANG_LAUNCH_MODULE),
+    "default": ((), {}, True, SGLANG_LAUNCH_MODULE),
     "nopix": ((), {}, True, "sglang_copies_without_pixels"),
-    "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}, True, "sglang.launch_server"),
+    "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}, True, SGLANG_LAUNCH_MODULE),
     "cuda_ipc_big": (
         ("--mm-feature-transport", "cuda_ipc"),
         {"SGLANG_MM_FEATURE_CACHE_MB": "8192"},
         True,
-        "sglang.launch_server",
+        SGLANG_LAUNCH_MODULE,
     ),
-    "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, False, "sglang.launch_server"),
+    "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, False, SGLANG_LAUNCH_MODULE),
     "timed": (
         (),
         {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"},
         True,
-        "sglang.launch_server",
+        SGLANG_LAUNCH_MODULE,
     ),
-    "share": ((), {}, True, "miles_vl.sglang_launch"),
-    "tok4": (("--tokenizer-worker-num", "4"), {}, True, "sglang.launch_server"),
-    "tok8": (("--tokenizer-worker-num", "8"), {}, True, "sglang.launch_server"),
+    "share": ((), {}, True, MILES_VL_LAUNCH_MODULE),
+    "tok4": (("--tokenizer-worker-num", "4"), {}, True, SGLANG_LAUNCH_MODULE),
+    "tok8": (("--tokenizer-worker-num", "8"), {}, True, SGLANG_LAUNCH_MODULE),
 }
 
 
@@ -235,7 +240,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
     """One server of this variant; a row per `--shapes` entry."""
     b, n = len(prompts), args.max_new_tokens
     flags, env, hashes, launch_module = VARIANTS[variant]
-    if launch_module not in ("sglang.launch_server", "miles_vl.sglang_launch"):  # a prototype launcher in benchmarks/
+    if launch_module not in (SGLANG_LAUNCH_MODULE, MILES_VL_LAUNCH_MODULE):  # a prototype launcher in benchmarks/
         env = env | {"PYTHONPATH": os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)}
     elif "PYTHONPATH" in env:  # a directory of benchmarks/ first on the server's path (the timing sitecustomize)
         first = os.path.join(BENCH_DIR, env["PYTHONPATH"])

@@ -30,14 +30,11 @@ from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.reward import REWARD_CONFIG_KEYS, RewardResolutionError, WeightedReward, check_reward, resolve_reward
 from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
-from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost
+from miles_vl.rollout.sglang import MILES_VL_LAUNCH_MODULE, SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.weight_sync import WeightSyncOptions
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions
 from miles_vl.train.megatron.parallel import ParallelOptions
-
-SGLANG_LAUNCH_MODULE = "sglang.launch_server"
-SHARED_PIXELS_LAUNCH_MODULE = "miles_vl.sglang_launch"  # rollout.sglang.share_copy_pixels
 
 
 @dataclass(frozen=True)
@@ -170,7 +167,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
     launcher (`rollout.sglang.share_copy_pixels`) or SGLang's own."""
     s = cfg.rollout.sglang
     if launch_module is None:
-        launch_module = SHARED_PIXELS_LAUNCH_MODULE if s.share_copy_pixels else SGLANG_LAUNCH_MODULE
+        launch_module = MILES_VL_LAUNCH_MODULE if s.share_copy_pixels else SGLANG_LAUNCH_MODULE
     return (
         actor_class(SGLangRolloutHost)
         .options(**slot.ray_options)

@@ -160,9 +160,8 @@ def main() -> int:
         and result["start_vs_megatron"] > CONTROL_RATIO * result["exported_vs_megatron"]
     )
 
-    step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.rsplit("_", 1)[-1].isdigit() else None
-    during = args.run_dir / HF_DIR / checkpoint.name
-    if step is not None and during.is_dir():
+    during = args.run_dir / HF_DIR / checkpoint.name  # save_hf's directory of the same step (step_dir_name)
+    if during.is_dir():
         compared, differ = same_tensors(during, args.out)
         result["save_hf_during_run"] = {"dir": str(during), "tensors": compared, "differ": differ[:10]}
         ok = ok and not differ

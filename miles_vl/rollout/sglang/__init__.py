@@ -23,6 +23,8 @@ from miles_vl.rollout.sglang.engine import EngineStateError, SGLangRolloutEngine
 from miles_vl.rollout.sglang.generate import PromptMismatchError
 from miles_vl.rollout.sglang.host import SGLangRolloutHost
 from miles_vl.rollout.sglang.server import (
+    MILES_VL_LAUNCH_MODULE,
+    SGLANG_LAUNCH_MODULE,
     ServerProcess,
     ServerSpec,
     build_server_argv,
@@ -33,6 +35,8 @@ from miles_vl.rollout.sglang.server import (
 from miles_vl.rollout.sglang.verify import WeightSyncError, checkpoint_names
 
 __all__ = [
+    "MILES_VL_LAUNCH_MODULE",
+    "SGLANG_LAUNCH_MODULE",
     "EngineStateError",
     "PromptMismatchError",
     "SGLangClient",

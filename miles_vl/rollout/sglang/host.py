@@ -32,6 +32,7 @@ from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, 
 from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (
     LOOPBACK_HOSTS,
+    MILES_VL_LAUNCH_MODULE,
     ServerProcess,
     ServerSpec,
     build_server_argv,
@@ -93,7 +94,7 @@ class SGLangRolloutHost(RolloutEngine):
         max_concurrency: int = 128,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         python: str = sys.executable,
-        launch_module: str = "miles_vl.sglang_launch",
+        launch_module: str = MILES_VL_LAUNCH_MODULE,
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
         verify_weights: bool = True,

@@ -49,6 +49,10 @@ from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, 
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# What `python -m` runs: SGLang's own entry point, or miles_vl's launcher of it (miles_vl/sglang_launch.py: the `n`
+# copies of a prompt share its pixel values; rollout.sglang.share_copy_pixels), which takes the same flags.
+SGLANG_LAUNCH_MODULE = "sglang.launch_server"
+MILES_VL_LAUNCH_MODULE = "miles_vl.sglang_launch"
 # NCCL, PyTorch and NVSHMEM with NVLink multicast off: on shared hosts a program that uses it can take the GPUs out of
 # service. Set for every worker of a job (orchestration/placement.py) and for every server (build_server_env).
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -166,7 +170,7 @@ def build_server_argv(
     spec: ServerSpec,
     *,
     python: str = sys.executable,
-    module: str = "sglang.launch_server",
+    module: str = SGLANG_LAUNCH_MODULE,
     config_file: str | None = None,
 ) -> list[str]:
     """The command that starts SGLang 0.5.16 for `spec` (pure: no I/O).
