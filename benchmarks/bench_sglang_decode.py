@@ -66,6 +66,7 @@ from miles_vl.rollout.sglang import (  # noqa: E402
     SGLangRolloutHost,
 )
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
+    batch_payload,
     build_generate_payload,
     image_data_url,
     image_hash,
@@ -95,11 +96,20 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   timed       default, with benchmarks/sglang_timing/sitecustomize.py timing the tokenizer's and the scheduler's
 #               steps into $OUT/sglang_timing.jsonl (with this script's call markers): where t(1) goes
 #   share       default, launched through miles_vl.sglang_launch (the engine's default): the `n` copies reach the
-#               scheduler without pixel values and get their prompt's tensor back there
+#               scheduler without pixel values and get their prompt's tensor back there; a request's prefixes go out
+#               as they are tokenized and all its copies in one message (shape `batch`: all prompts in one request)
+#   share_nogroup  share with MILES_VL_SGLANG_GROUP_COPIES=0: 0.5.16's order of prefixes and copies (the launcher
+#               of 2026-11-24, before the copies went in one message)
 #   tok4, tok8  default + `--tokenizer-worker-num 4` / `8`: that many tokenizer processes (uvicorn workers) share the
 #               per-request work (PNG decode, image processor, hash, the `n` copies' transfer to the scheduler);
 #               connections are spread over them by the kernel
+#   timed_share  timed, launched through miles_vl.sglang_launch: the breakdown of the engine's default server
 BENCH_DIR = str(Path(__file__).resolve().parent)
+REQUESTS = {
+    "single": "one per sample",
+    "n": "one per prompt (sampling_params.n)",
+    "batch": "one for all prompts (sampling_params.n each)",
+}
 VARIANTS = {
     "v0516": ((), {"SGLANG_MM_PRECOMPUTE_HASH": "0"}, False, SGLANG_LAUNCH_MODULE),
     "default": ((), {}, True, SGLANG_LAUNCH_MODULE),
@@ -119,6 +129,13 @@ VARIANTS = {
         SGLANG_LAUNCH_MODULE,
     ),
     "share": ((), {}, True, MILES_VL_LAUNCH_MODULE),
+    "share_nogroup": ((), {"MILES_VL_SGLANG_GROUP_COPIES": "0"}, True, MILES_VL_LAUNCH_MODULE),
+    "timed_share": (
+        (),
+        {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"},
+        True,
+        MILES_VL_LAUNCH_MODULE,
+    ),
     "tok4": (("--tokenizer-worker-num", "4"), {}, True, SGLANG_LAUNCH_MODULE),
     "tok8": (("--tokenizer-worker-num", "8"), {}, True, SGLANG_LAUNCH_MODULE),
 }
@@ -127,8 +144,10 @@ VARIANTS = {
 @dataclass(frozen=True)
 class Shape:
     """How a batch of sequences is asked for: `group` samples of each of batch / group prompts (GRPO's shape:
-    rollout.batch_size x n_samples_per_prompt), sent as one request per sample ("single") or one request per
-    prompt with sampling_params.n = group ("n", what the engine sends by default)."""
+    rollout.batch_size x n_samples_per_prompt), sent as one request per sample ("single"), one request per
+    prompt with sampling_params.n = group ("n": the engine with SGLang's own launch_server), or one request for all
+    the prompts, each with sampling_params.n = group ("batch": the engine with miles_vl's launcher,
+    `prompts_per_request`)."""
 
     group: int
     mode: str
@@ -136,8 +155,8 @@ class Shape:
     @classmethod
     def parse(cls, text: str) -> Shape:
         group, _, mode = text.partition(":")
-        if not group.isdigit() or int(group) < 1 or mode not in ("single", "n"):
-            raise argparse.ArgumentTypeError(f"{text!r}: expected GROUP:single or GROUP:n, e.g. 8:n")
+        if not group.isdigit() or int(group) < 1 or mode not in ("single", "n", "batch"):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected GROUP:single, GROUP:n or GROUP:batch, e.g. 8:n")
         return cls(int(group), mode)
 
 
@@ -185,9 +204,10 @@ def sglang_call(
     timing: str | None = None,
 ):
     """(wall seconds, output lengths) of one batch of concurrent `/generate` requests, after a cache flush: the first
-    `len(prompts) // shape.group` prompts, `shape.group` samples each, as one request per sample or one per prompt."""
+    `len(prompts) // shape.group` prompts, `shape.group` samples each, as one request per sample, one per prompt, or
+    one for all (`Shape`)."""
     k = len(prompts) // shape.group
-    per_request = shape.group if shape.mode == "n" else 1
+    per_request = 1 if shape.mode == "single" else shape.group
     payloads = []
     for i in range(k):
         p = prompts[i]
@@ -202,14 +222,16 @@ def sglang_call(
             image_hashes=[image_hash(u) for u in urls[i]] if hashes else (),
         )
         body["sampling_params"]["ignore_eos"] = True  # 0.5.16: no token-based stop at all (EOS nor stop_token_ids)
-        payloads += [(i, body)] * (shape.group // per_request)
+        payloads += [((i,), body)] * (shape.group // per_request)
+    if shape.mode == "batch" and k > 1:
+        payloads = [(tuple(range(k)), batch_payload([body for _, body in payloads]))]
 
     def post(item):
-        i, body = item
-        return [
-            (i, b)
-            for b in (host.client.generate_n(body, per_request) if per_request > 1 else [host.client.generate(body)])
-        ]
+        indices, body = item
+        if per_request == 1:
+            return [(indices[0], host.client.generate(body))]
+        answers = host.client.generate_n(body, per_request * len(indices))  # prompt by prompt
+        return [(indices[j // per_request], b) for j, b in enumerate(answers)]
 
     host.client.flush_cache(timeout_s=60)
     with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
@@ -314,7 +336,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
                     variant=variant,
                     prompts=b // shape.group,
                     group=shape.group,
-                    requests="one per prompt (sampling_params.n)" if shape.mode == "n" else "one per sample",
+                    requests=REQUESTS[shape.mode],
                     startup_s=round(startup_s, 1),
                     wall_s=round(wall, 3),
                     prefill_s=round(t1, 3),
@@ -386,8 +408,8 @@ def main() -> None:
         "--shapes",
         type=lambda text: [Shape.parse(t) for t in text.split(",")],
         default=[Shape(1, "single")],
-        help="GROUP:MODE,... : batch / GROUP prompts with GROUP samples each, one request per sample (single) or per "
-        "prompt (n); default 1:single (every sequence its own prompt)",
+        help="GROUP:MODE,... : batch / GROUP prompts with GROUP samples each, one request per sample (single), per "
+        "prompt (n) or for all prompts (batch); default 1:single (every sequence its own prompt)",
     )
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-measuring copy")
     args = ap.parse_args()

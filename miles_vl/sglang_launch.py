@@ -23,6 +23,18 @@ awaits the prompt's answer before it sends the copies):
   in the prefix, `_get_chunked_prefill_embedding`, `mm_utils.py:754`), otherwise the scheduler fails on the missing
   tensor and the server dies, which miles_vl's host relaunches (never a wrong sample).
 
+The tokenizer also sends a batch of prompts with `n > 1` (one HTTP request: `SGLangRolloutEngine`'s
+`prompts_per_request`) in two steps instead of 0.5.16's `2 x batch` (`_handle_batch_request`, `:1630-1683`: each
+prompt's prefix request is sent and awaited before the next prompt's, then every copy is sent on its own, and the
+scheduler starts on the copies while the rest still trickle in, one extend batch per trickle):
+- each prompt's prefix request goes out as soon as that prompt is tokenized (the scheduler prefills the first prompts
+  while the tokenizer processes the next images), and the prefix answers are awaited together;
+- then every copy of every prompt goes to the scheduler in one message (`BatchTokenizedGenerateReqInput`, which the
+  scheduler takes in one receive: one extend batch), each with its own sampling parameters and ids;
+- the prompts' `mm_hashes`, which 0.5.16 drops from the prompts of a batch (`GenerateReqInput.__getitem__`), are
+  given back to them, so the tokenizer does not hash the pixel values again.
+Streaming requests, and the settings that would break the pixel sharing (`sharing_blockers`), keep 0.5.16's path.
+
 How the patches reach every server process: this module is the server's `__main__`, and SGLang starts its
 scheduler, detokenizer and tokenizer workers with the `spawn` start method, which imports the parent's main module
 (as `__mp_main__`) in each child; running it installs a meta-path hook that patches the two SGLang classes when
@@ -31,8 +43,10 @@ SGLang imports their modules. Nothing else of miles_vl is imported in the server
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextvars
+import copy
 import importlib.abc
 import logging
 import os
@@ -41,6 +55,7 @@ import sys
 CACHE_ENV = "MILES_VL_SGLANG_PIXEL_CACHE_MB"
 DEFAULT_CACHE_MB = 4096
 ENABLED_ENV = "MILES_VL_SGLANG_SHARE_COPY_PIXELS"  # "0": the copies keep their pixels (set below for the blockers)
+GROUP_ENV = "MILES_VL_SGLANG_GROUP_COPIES"  # "0": a batch's prefixes and copies go as in 0.5.16 (the bench's baseline)
 TOKENIZER_MODULE = "sglang.srt.managers.tokenizer_manager"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
 
@@ -143,6 +158,84 @@ class PixelMemory:
                         self.restored += 1
 
 
+def _own_mm_hashes(obj, sub_requests: list) -> None:
+    """Give each prompt of a batch request the `mm_hashes` entry the client sent for it (0.5.16's `__getitem__`
+    leaves the field out); anything not shaped one list per prompt is left alone (SGLang then hashes the pixels)."""
+    hashes = getattr(obj, "mm_hashes", None)
+    if not hashes:
+        return
+    if len(sub_requests) == 1 and all(isinstance(h, str) for h in hashes):
+        sub_requests[0].mm_hashes = list(hashes)
+    elif len(hashes) == len(sub_requests) and all(isinstance(h, list) for h in hashes):
+        for sub, own in zip(sub_requests, hashes, strict=True):
+            sub.mm_hashes = list(own)
+
+
+def _copy_request(tokenized_obj, rid: str):
+    """A copy of a tokenized request that shares no mutable field with it: the copies of a batch travel pickled in
+    one message, where shared objects would stay shared in the scheduler."""
+    out = copy.copy(tokenized_obj)
+    out.rid = rid
+    out.sampling_params = copy.deepcopy(tokenized_obj.sampling_params)
+    out.input_ids = copy.copy(tokenized_obj.input_ids)
+    mm = getattr(tokenized_obj, "mm_inputs", None)
+    if mm is not None:
+        out.mm_inputs = copy.copy(mm)
+        out.mm_inputs.mm_items = [copy.copy(item) for item in mm.mm_items]
+    return out
+
+
+def groups_batch(obj) -> bool:
+    """Whether `handle_grouped` takes this request (module docstring)."""
+    return (
+        getattr(obj, "parallel_sample_num", 1) > 1
+        and not getattr(obj, "stream", False)
+        and os.environ.get(GROUP_ENV, "1") != "0"
+        and os.environ.get(ENABLED_ENV, "1") != "0"
+    )
+
+
+async def handle_grouped(manager, obj, request=None):
+    """The parallel-sampling branch of 0.5.16's `TokenizerManager._handle_batch_request` (`:1630-1683`), with the
+    prefixes pipelined and the copies sent in one message (module docstring). Yields the list of the
+    `batch x n` answers, prompt by prompt, as 0.5.16 does."""
+    n = obj.parallel_sample_num
+    prompts = [obj[i] for i in range(obj.batch_size)]
+    _own_mm_hashes(obj, prompts)
+
+    async def tokenize_and_prefill(sub):
+        tokenized = await manager._tokenize_one_request(sub)
+        head = copy.copy(sub)
+        prefix = _copy_request(tokenized, head.regenerate_rid())
+        prefix.sampling_params.max_new_tokens = 0  # prefill only: the prompt enters the prefix cache
+        prefix.stream = False
+        manager._init_req_state(head)
+        manager._send_one_request(prefix)
+        await manager._wait_one_response(head, request).__anext__()
+        return tokenized
+
+    tokenized = await asyncio.gather(*(tokenize_and_prefill(sub) for sub in prompts))
+
+    copies, waiters = [], []
+    for sub, tok in zip(prompts, tokenized, strict=True):
+        for _ in range(n):
+            sample = copy.copy(sub)
+            one = _copy_request(tok, sample.regenerate_rid())
+            manager._init_req_state(sample)
+            state = manager.rid_to_state[sample.rid]
+            one.time_stats = state.time_stats
+            if sample.return_prompt_token_ids:
+                state.prompt_token_ids = list(tok.input_ids)
+            drop_copy_pixels(one, parallel_sampling=True)
+            copies.append(one)
+            waiters.append(manager._wait_one_response(sample, request))
+        state = manager.rid_to_state.pop(sub.rid, None)  # the prompt's own entry: its samples answer for it
+        if state is not None:
+            state.time_stats.set_finished_time()
+    manager._send_batch_request(copies)
+    yield list(await asyncio.gather(*(w.__anext__() for w in waiters)))
+
+
 def _patch_tokenizer(module) -> None:
     cls = module.TokenizerManager
     handle, send = cls._handle_batch_request, cls._send_one_request
@@ -150,7 +243,7 @@ def _patch_tokenizer(module) -> None:
     async def handle_batch_request(self, obj, request=None):
         token = _PARALLEL_SAMPLING.set(getattr(obj, "parallel_sample_num", 1) > 1)  # this request's task
         try:
-            async for out in handle(self, obj, request):
+            async for out in (handle_grouped if groups_batch(obj) else handle)(self, obj, request):
                 yield out
         finally:
             try:

@@ -13,7 +13,11 @@ nothing is imported early; it needs miles_vl on the server's path, as the `share
 - scheduler (`srt/managers/scheduler.py`, `scheduler_components/request_receiver.py`): `recv_requests` (zmq receive,
   unpickling, the shared-memory copy back), `process_input_requests` (building `Req`s), `get_next_batch_to_run`
   (scheduling, prefix matching), `run_batch` (launch; with the overlap scheduler the GPU work is waited for in the
-  next `process_batch_result`), `process_batch_result`.
+  next `process_batch_result`), `process_batch_result`; `_send_batch_request` (a batch's copies in one message,
+  miles_vl's launcher);
+- model (`srt/models/qwen3_vl.py`), with the GPU work waited for: `get_image_feature` (the vision tower) and
+  `forward` of extend batches (vision tower + language model; decode replays a CUDA graph and is not timed). These
+  two add CUDA syncs, so a `timed` run's own t(1) is not comparable with the other variants'.
 The benchmark writes its own markers (`bench.call`) to the same file. Not used by miles_vl; measurement only.
 """
 
@@ -87,6 +91,42 @@ def _patch_tokenizer(module) -> None:
     cls = module.TokenizerManager
     cls._tokenize_one_request = _timed_async(cls._tokenize_one_request, "tok.tokenize")
     cls._send_one_request = _timed(cls._send_one_request, "tok.send", _send)
+    cls._send_batch_request = _timed(cls._send_batch_request, "tok.send_batch", lambda a, _o: {"n": len(a[1])})
+
+
+def _synced(fn, what, describe=None):
+    """Like `_timed`, with the GPU work included: waits for the queued work before (not counted) and for the call's
+    own work after. Only for the breakdown: the syncs cost the overlap scheduler its overlap."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        extra = describe(args) if describe else {}
+        if extra is None:
+            return fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        record(what, time.perf_counter() - t0, **extra)
+        return out
+
+    return wrapper
+
+
+def _extend(args):
+    batch = args[3] if len(args) > 3 else None  # forward(self, input_ids, positions, forward_batch, ...)
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or not mode.is_extend():
+        return None  # decode runs as a CUDA graph replay, not through here
+    return {"n": getattr(batch, "batch_size", None), "tokens": int(args[1].numel())}
+
+
+def _patch_model(module) -> None:
+    cls = module.Qwen3VLForConditionalGeneration
+    cls.get_image_feature = _synced(cls.get_image_feature, "gpu.vision", lambda a: {"images": len(a[1])})
+    cls.forward = _synced(cls.forward, "gpu.extend", _extend)
 
 
 def _patch_receiver(module) -> None:
@@ -108,6 +148,7 @@ PATCHES = {
     "sglang.srt.managers.tokenizer_manager": _patch_tokenizer,
     "sglang.srt.managers.scheduler_components.request_receiver": _patch_receiver,
     "sglang.srt.managers.scheduler": _patch_scheduler,
+    "sglang.srt.models.qwen3_vl": _patch_model,
 }
 
 

@@ -224,6 +224,14 @@ class SGLangConfig(_Section):
         "scheduler without their own copy of the prompt's pixel values, which the scheduler gives back from the "
         "prompt's request (docs/sglang.md); false = SGLang's own launch_server.",
     )
+    prompts_per_request: int | None = Field(
+        None,
+        ge=1,
+        description="prompts (each with its n samples) sent in one request when a prompt's samples go together "
+        "(one_request_per_prompt): miles_vl's launcher prefills them as they are tokenized and starts all their "
+        "samples at once. null = 16 with miles_vl's launcher (share_copy_pixels), 1 with SGLang's own, which "
+        "prefills a batch's prompts one after another.",
+    )
 
     @model_validator(mode="after")
     def _open_needs_key(self) -> SGLangConfig:

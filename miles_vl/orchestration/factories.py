@@ -182,6 +182,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
             log_path=str(slot.log_dir / f"sglang_{slot.index}.log"),
             launch_module=launch_module,
             one_request_per_prompt=s.one_request_per_prompt,
+            prompts_per_request=s.prompts_per_request,
             env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
             cpu_tensors_by_name=True,
         )

@@ -244,11 +244,54 @@ def test_a_prompts_n_samples_in_one_request(host, prompts, tokens):
     assert host.engine.one_request_per_prompt
 
 
+def test_a_batch_of_prompts_with_n_in_one_request(host, prompts, tokens):
+    """What `prompts_per_request` sends (and the stand-in's batch answers), on the real server with miles_vl's
+    launcher: `k x n` bodies, prompt by prompt, each with its own prompt's ids; every copy got its prompt's pixels
+    back, and all copies were prefilled in one batch (the launcher sends them in one message); a batch that mixes n
+    is refused with 400."""
+    import re
+
+    from miles_vl.rollout.sglang.generate import batch_payload
+
+    k, n = 3, 4
+    urls = [image_data_url(prompts[i].images[0]) for i in range(k)]
+    payloads = [
+        build_generate_payload(
+            request_input_ids(prompts[i].prompt_ids.tolist(), tokens.image_token_id, 1),
+            [urls[i]],
+            SamplingParams(max_new_tokens=8, temperature=1.0),
+            seed=i,
+            stop_token_ids=tokens.eos_token_ids,
+            banned_token_ids=host.engine.banned_token_ids,
+            n=n,
+            image_hashes=[image_hash(urls[i])],
+        )
+        for i in range(k)
+    ]
+    host.client.flush_cache(timeout_s=60)
+    bodies = host.client.generate_n(batch_payload(payloads), k * n)
+    for i in range(k):
+        assert all(b["prompt_token_ids"] == prompts[i].prompt_ids.tolist() for b in bodies[i * n : (i + 1) * n])
+    time.sleep(1.0)  # the scheduler's log lines of this request
+    log = host.server.log_tail(max_lines=400, max_bytes=1 << 17)
+    assert "no pixel values remembered" not in log
+    assert re.search(rf"Prefill batch, #new-seq: {k * n}, ", log), "the copies were not prefilled in one batch"
+    mixed = batch_payload(payloads[:1]) | {
+        "input_ids": [payloads[0]["input_ids"], payloads[1]["input_ids"]],
+        "image_data": [[urls[0]], [urls[1]]],
+        "sampling_params": [payloads[0]["sampling_params"], {**payloads[1]["sampling_params"], "n": 2}],
+    }
+    mixed.pop("mm_hashes", None)
+    with pytest.raises(SGLangRequestError, match="parallel_sample_num should be the same"):
+        host.client.generate_n(mixed, 6)
+
+
 def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, tokens):
     """What `image_hash` (generate.py) assumes of the real server: with n = 1 the `mm_hashes` we send, not the pixels,
     key an image's prefix: the same text with another image but the first image's hash reuses the cached prompt past
-    the image; with its own hash it stops at the image. And 0.5.16 drops `mm_hashes` from a request with n > 1 (its
-    `GenerateReqInput.__getitem__` does not copy them): such a request caches the image under the pixels' hash."""
+    the image; with its own hash it stops at the image. 0.5.16 drops `mm_hashes` from a request with n > 1 (its
+    `GenerateReqInput.__getitem__` does not copy them); miles_vl's launcher (the host's default) gives them back, so
+    such a request caches the image under our hash too."""
     ids = prompts[0].prompt_ids.tolist()
     first_image_token = ids.index(tokens.image_token_id)
     urls = [image_data_url(prompts[k].images[0]) for k in (0, 1)]
@@ -272,8 +315,8 @@ def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, token
     assert cached(1, hash_of=0) >= len(ids) - 1  # another image under the same hash: the whole prompt is a hit
     assert cached(1, hash_of=1) <= first_image_token  # its own hash: the cache stops where the image starts
     host.client.flush_cache(timeout_s=60)
-    cached(0, hash_of=0, n=2)  # n > 1: the hash is dropped, the prefix is cached under the pixels' own hash
-    assert cached(1, hash_of=0) <= first_image_token
+    cached(0, hash_of=0, n=2)  # n > 1: the launcher keeps our hash, the prefix is cached under it
+    assert cached(1, hash_of=0) >= len(ids) - 1
 
 
 def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):

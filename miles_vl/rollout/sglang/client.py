@@ -254,12 +254,14 @@ class SGLangClient:
         return body
 
     def generate_n(self, payload: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
-        """`POST /generate` of one prompt with `sampling_params.n = n` > 1; returns the `n` response dicts in order."""
+        """`POST /generate` of a request that asks for `n` samples in all (one prompt with `sampling_params.n = n`,
+        or a batch of prompts: prompts x their n); returns the `n` response dicts in SGLang's order (prompt by
+        prompt)."""
         body = self.post_json("/generate", dict(payload))
         if not isinstance(body, list) or len(body) != n or not all(isinstance(b, dict) for b in body):
             got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
             raise SGLangResponseError(
-                f"/generate with sampling_params.n={n} at {self.base_url} answered {got}, expected a list of {n} "
+                f"/generate for {n} samples at {self.base_url} answered {got}, expected a list of {n} "
                 "objects (SGLang 0.5.16 answers one body per sample)"
             )
         return body

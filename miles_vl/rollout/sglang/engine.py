@@ -18,6 +18,12 @@ samples would be the same: there each sample is its own request, with its own se
 `params.seed`, the prompt index and the sample index), reproducible per sample; the shared prompt prefix is still
 computed once per batch wave by SGLang's radix cache. Either way results come back in a fixed order.
 
+With `prompts_per_request` > 1 (miles_vl's launcher only: `miles_vl/sglang_launch.py`), up to that many prompts, each
+with its `n` samples, go out as one batched request: the launcher prefills them as they are tokenized and then sends
+every sample to the scheduler at once, so they start decoding together instead of trickling in (docs/sglang.md).
+SGLang's own server takes such a request too, but waits for each prompt's prefill in turn, so the engine sends it one
+prompt per request.
+
 Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, miles_vl/rollout/weight_sync.py); a caller
 that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
 `finish_weight_sync` (a server restart in between is detected and the sync must begin again); after an NCCL sync driven
@@ -48,6 +54,7 @@ from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
+    batch_payload,
     build_generate_payload,
     image_data_url,
     image_hash,
@@ -119,6 +126,8 @@ class SGLangRolloutEngine:
             that sampled responses are not reproducible by `SamplingParams.seed`.
         one_request_per_prompt: send a prompt's `n` samples as one request (module docstring); None: yes unless
             `deterministic` (where it is refused: the samples would be identical).
+        prompts_per_request: with `one_request_per_prompt`, how many prompts (each with its `n` samples) one request
+            carries; more than 1 only for a server started by miles_vl's launcher (module docstring).
     """
 
     def __init__(
@@ -140,9 +149,12 @@ class SGLangRolloutEngine:
         verify_weights: bool = True,
         deterministic: bool = False,
         one_request_per_prompt: bool | None = None,
+        prompts_per_request: int = 1,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
+        if prompts_per_request < 1:
+            raise ValueError(f"prompts_per_request must be >= 1, found {prompts_per_request}")
         if one_request_per_prompt and deterministic:
             raise ValueError(
                 "one_request_per_prompt with a deterministic server (--enable-deterministic-inference): SGLang gives "
@@ -165,6 +177,7 @@ class SGLangRolloutEngine:
         self.max_abort_retries = max_abort_retries
         self.deterministic = deterministic
         self.one_request_per_prompt = not deterministic if one_request_per_prompt is None else one_request_per_prompt
+        self.prompts_per_request = prompts_per_request
         self.verifier = SyncVerifier(client, known_names, check_values=verify_weights)
         self._warned_seed = False
         self.initial_weight_version = weight_version
@@ -202,46 +215,58 @@ class SGLangRolloutEngine:
             return []
         # fail on a bad prompt before any request
         images = [prompt_images(p, i, self.tokens.video_token_id) for i, p in enumerate(prompts)]
-        grouped = self.one_request_per_prompt and params.n > 1
-        jobs = (
-            [(i, None) for i in range(len(prompts))]
-            if grouped
-            else [(i, j) for i in range(len(prompts)) for j in range(params.n)]
-        )
+        # a job: (prompt indices, sample index); None: all `n` samples of those prompts in one request
+        if self.one_request_per_prompt and params.n > 1:
+            step = self.prompts_per_request
+            jobs = [(range(s, min(s + step, len(prompts))), None) for s in range(0, len(prompts), step)]
+        else:
+            jobs = [(range(i, i + 1), j) for i in range(len(prompts)) for j in range(params.n)]
         results: dict[int, list[Generation]] = {i: [] for i in range(len(prompts))}
         with ThreadPoolExecutor(
             max_workers=min(self.max_concurrency, len(jobs)), thread_name_prefix="sglang-gen"
         ) as pool:
             urls = list(pool.map(lambda ims: [image_data_url(im) for im in ims], images))
 
-            def run(i: int, j: int | None) -> list[Generation]:
+            def run(indices: range, j: int | None) -> list[tuple[int, list[Generation]]]:
                 if j is None:
-                    return self._generate_group(prompts[i].prompt_ids, urls[i], params, i)
-                return [self._generate_one(prompts[i].prompt_ids, urls[i], params, i, j)]
+                    return self._generate_groups(prompts, urls, params, indices)
+                i = indices[0]
+                return [(i, [self._generate_one(prompts[i].prompt_ids, urls[i], params, i, j)])]
 
-            futures = [pool.submit(run, i, j) for i, j in jobs]
+            futures = [pool.submit(run, indices, j) for indices, j in jobs]
             try:
-                for (i, _), future in zip(jobs, futures, strict=True):
-                    results[i] += future.result()
+                for future in futures:
+                    for i, generations in future.result():
+                        results[i] += generations
             except BaseException:
                 # Drop queued requests; those in flight end within the client's timeout.
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         return [results[i] for i in range(len(prompts))]
 
-    def _generate_group(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int) -> list[Generation]:
-        """The `params.n` samples of prompt i as one request; a sample SGLang aborted is sent again alone."""
-        ids = [int(t) for t in prompt_ids.tolist()]
-        payload = self._payload(ids, urls, params, sampling_seed(params.seed, i, 0, params.n), n=params.n)
-        generations: list[Generation] = []
-        for j, body in enumerate(self.client.generate_n(payload, params.n)):
-            try:
-                generation = self._parse(body, ids, params, i)
-            except GenerationAbortedError as e:
-                log.warning("%s (sample %d of %d); sending that sample again alone", e, j, params.n)
-                generation = self._generate_one(prompt_ids, urls, params, i, j)
-            generations.append(generation)
-        return generations
+    def _generate_groups(
+        self, prompts: Sequence[SGLangPrompt], urls: list[list[str]], params: SamplingParams, indices: range
+    ) -> list[tuple[int, list[Generation]]]:
+        """The `params.n` samples of each prompt in `indices`, as one request; a sample SGLang aborted is sent again
+        alone. Returns (prompt index, its samples) in prompt order."""
+        n = params.n
+        ids = {i: [int(t) for t in prompts[i].prompt_ids.tolist()] for i in indices}
+        payloads = [self._payload(ids[i], urls[i], params, sampling_seed(params.seed, i, 0, n), n=n) for i in indices]
+        bodies = self.client.generate_n(
+            payloads[0] if len(payloads) == 1 else batch_payload(payloads), n * len(indices)
+        )
+        out = []
+        for k, i in enumerate(indices):
+            generations: list[Generation] = []
+            for j, body in enumerate(bodies[k * n : (k + 1) * n]):  # SGLang answers prompt by prompt, n each
+                try:
+                    generation = self._parse(body, ids[i], params, i)
+                except GenerationAbortedError as e:
+                    log.warning("%s (sample %d of %d); sending that sample again alone", e, j, n)
+                    generation = self._generate_one(prompts[i].prompt_ids, urls[i], params, i, j)
+                generations.append(generation)
+            out.append((i, generations))
+        return out
 
     def _generate_one(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int, j: int) -> Generation:
         ids = [int(t) for t in prompt_ids.tolist()]

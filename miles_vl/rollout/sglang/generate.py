@@ -45,7 +45,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -258,6 +258,29 @@ def build_generate_payload(
             raise ValueError(f"{len(image_hashes)} image hashes for {len(image_urls)} images")
         payload["mm_hashes"] = list(image_hashes)
     return payload
+
+
+def batch_payload(payloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One batched `GenerateReqInput` body from single-prompt bodies of `build_generate_payload` (same settings, each
+    with its own ids, images, hashes and sampling parameters): SGLang answers `len(payloads) x n` bodies, prompt by
+    prompt. Every body must ask for the same `n` (SGLang refuses a batch that mixes them)."""
+    if not payloads:
+        raise ValueError("batch_payload of no requests")
+    ns = {p["sampling_params"].get("n", 1) for p in payloads}
+    if len(ns) > 1:
+        raise ValueError(f"the requests of one batch must ask for the same n, found {sorted(ns)}")
+    per_prompt = ("input_ids", "sampling_params", "image_data", "mm_hashes")
+    shared = [{k: v for k, v in p.items() if k not in per_prompt} for p in payloads]
+    if any(s != shared[0] for s in shared):
+        raise ValueError("the requests of one batch differ in more than their prompts and sampling parameters")
+    batch = dict(shared[0])
+    batch["input_ids"] = [list(p["input_ids"]) for p in payloads]
+    batch["sampling_params"] = [dict(p["sampling_params"]) for p in payloads]
+    if any("image_data" in p for p in payloads):  # a prompt without images: [] (SGLang: no modality)
+        batch["image_data"] = [list(p.get("image_data", ())) for p in payloads]
+    if any("mm_hashes" in p for p in payloads):  # 0.5.16 ignores these for a batch; miles_vl's launcher reads them
+        batch["mm_hashes"] = [list(p.get("mm_hashes", ())) for p in payloads]
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (
     LOOPBACK_HOSTS,
     MILES_VL_LAUNCH_MODULE,
+    SGLANG_LAUNCH_MODULE,
     ServerProcess,
     ServerSpec,
     build_server_argv,
@@ -48,6 +49,25 @@ from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, EngineAddress, Sy
 log = logging.getLogger(__name__)
 
 DYING_GRACE_S = 5.0  # how long an unreachable server's process may take to exit and count as dead
+# Prompts per request with miles_vl's launcher: a GRPO rollout batch of up to 16 prompts goes as one request; larger
+# rollouts go as several, in flight together, so the first ones decode while the tokenizer works on the next.
+LAUNCHER_PROMPTS_PER_REQUEST = 16
+
+
+def default_prompts_per_request(launch_module: str, prompts_per_request: int | None) -> int:
+    """`prompts_per_request` for a server run by `launch_module` (None: the module's default). SGLang's own
+    launch_server prefills the prompts of a batched request one after another (miles_vl/sglang_launch.py), so more
+    than 1 there is slower than one request per prompt: allowed, with a warning."""
+    if prompts_per_request is None:
+        return LAUNCHER_PROMPTS_PER_REQUEST if launch_module == MILES_VL_LAUNCH_MODULE else 1
+    if prompts_per_request > 1 and launch_module == SGLANG_LAUNCH_MODULE:
+        log.warning(
+            "prompts_per_request=%d with SGLang's own launch_server: 0.5.16 prefills the prompts of a batch one after "
+            "another and sends every sample alone; miles_vl's launcher (rollout.sglang.share_copy_pixels) sends them "
+            "together",
+            prompts_per_request,
+        )
+    return prompts_per_request
 
 
 class SGLangRolloutHost(RolloutEngine):
@@ -75,6 +95,8 @@ class SGLangRolloutHost(RolloutEngine):
             names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
         one_request_per_prompt: send a prompt's n samples as one request (`SGLangRolloutEngine`); None: unless the
             server's flags make it deterministic.
+        prompts_per_request: prompts (each with its n samples) in one request (`SGLangRolloutEngine`); None:
+            `LAUNCHER_PROMPTS_PER_REQUEST` with miles_vl's launcher, 1 with any other launch module.
         cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
             (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
     """
@@ -99,6 +121,7 @@ class SGLangRolloutHost(RolloutEngine):
         health_poll_s: float = 1.0,
         verify_weights: bool = True,
         one_request_per_prompt: bool | None = None,
+        prompts_per_request: int | None = None,
         cpu_tensors_by_name: bool = False,
     ):
         if cpu_tensors_by_name and not torch.cuda.is_available():
@@ -142,6 +165,7 @@ class SGLangRolloutHost(RolloutEngine):
             known_names=checkpoint_names(spec.model_path),
             verify_weights=verify_weights,
             one_request_per_prompt=one_request_per_prompt,
+            prompts_per_request=default_prompts_per_request(launch_module, prompts_per_request),
         )
         try:
             self._launch()

@@ -594,45 +594,50 @@ class Handler(BaseHTTPRequestHandler):
             sys.stderr.flush()
             os._exit(1)
         _require_fields(body, GENERATE_FIELDS, "GenerateReqInput")
-        input_ids = body.get("input_ids")
-        if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
-            raise BadRequest("this stand-in takes one request with input_ids: a non-empty list of ints")
-        sampling = body.get("sampling_params") or {}
-        unknown = set(sampling) - SAMPLING_FIELDS
-        if unknown:
-            raise BadRequest(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-        _verify_sampling(sampling)
-        if s.deterministic and float(sampling.get("min_p", 0.0)) > 0:  # sampler.py:570, in the scheduler
-            raise SchedulerCrash("AssertionError: With sampling seed, multinomial_with_seed will provide wrong results")
-        images = body.get("image_data") or []
-        if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
-            raise BadRequest("image_data must be a list of strings (data URLs) here")
-        pngs = []
-        for u in images:
-            raw = base64.b64decode(u.split(",", 1)[1] if u.startswith("data:") else u, validate=True)
-            if not raw.startswith(b"\x89PNG"):
-                raise BadRequest("an image is not a PNG")
-            pngs.append(raw)
+        prompts = _batch_prompts(body)  # [(input_ids, image urls, sampling params)], one per prompt
+        batched = isinstance(body["input_ids"][0], list)
+        n = {int((sampling or {}).get("n", 1)) for _, _, sampling in prompts}
+        if len(n) > 1:  # GenerateReqInput._handle_parallel_sampling (io_struct.py:411)
+            raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
+        [n] = n
+        work = []
+        for input_ids, images, sampling in prompts:
+            sampling = sampling or {}
+            unknown = set(sampling) - SAMPLING_FIELDS
+            if unknown:
+                raise BadRequest(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+            _verify_sampling(sampling)
+            if s.deterministic and float(sampling.get("min_p", 0.0)) > 0:  # sampler.py:570, in the scheduler
+                raise SchedulerCrash(
+                    "AssertionError: With sampling seed, multinomial_with_seed will provide wrong results"
+                )
+            pngs = []
+            for u in images:
+                raw = base64.b64decode(u.split(",", 1)[1] if u.startswith("data:") else u, validate=True)
+                if not raw.startswith(b"\x89PNG"):
+                    raise BadRequest("an image is not a PNG")
+                pngs.append(raw)
+            work.append((input_ids, pngs, sampling))
 
         version = s.weight_version
         if (f := s.take_fault("/generate", ("weight_version",))) is not None:
             version = str(f.value)
         if (f := s.take_fault("/generate", ("abort_status",))) is not None:
             return self._abort_with_status(int(f.value))
-        n = int(sampling.get("n", 1))
         if self.server.model is not None and s.released:
             raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
-        if self.server.model is None:  # the images are processed once per request, whatever n is
-            counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
-            prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
         responses = []
-        for _ in range(n):  # 0.5.16 sends n copies of the tokenized request, sampling_seed included
-            if self.server.model is not None:
-                out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
-            else:
-                out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
-            responses.append(self._response(body, list(prompt_ids), out, logprobs, finish, version))
-        self._json(200, responses if n > 1 else responses[0])
+        for input_ids, pngs, sampling in work:  # 0.5.16 answers prompt by prompt, the n samples of each together
+            if self.server.model is None:  # the images are processed once per prompt, whatever n is
+                counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
+                prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
+            for _ in range(n):  # 0.5.16 sends n copies of the tokenized request, sampling_seed included
+                if self.server.model is not None:
+                    out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
+                else:
+                    out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
+                responses.append(self._response(body, list(prompt_ids), out, logprobs, finish, version))
+        self._json(200, responses if n > 1 or batched else responses[0])
 
     def _response(self, body, prompt_ids, out, logprobs, finish, version) -> dict:
         s = self.server.state
@@ -954,6 +959,42 @@ def error_response(message: str, kind: str, code: int) -> dict[str, Any]:
     """0.5.16's `ErrorResponse` (srt/entrypoints/openai/protocol.py:88), the body of its HTTPException and validation
     error handlers."""
     return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
+
+
+def _batch_prompts(body: dict[str, Any]) -> list[tuple[list[int], list[str], dict[str, Any] | None]]:
+    """The prompts of one `/generate` body, as 0.5.16's `GenerateReqInput` normalizes them (io_struct.py:380-560):
+    `input_ids` is one prompt (a list of ints) or a batch (a list of such lists); a batch's `image_data` holds one
+    list of images per prompt (its length must be the batch size) and its `sampling_params` one dict for all or one
+    per prompt. Text is not taken here (miles_vl sends ids)."""
+    input_ids = body.get("input_ids")
+    if not isinstance(input_ids, list) or not input_ids:
+        raise BadRequest("this stand-in takes input_ids: a non-empty list of ints, or a list of such lists")
+    batched = isinstance(input_ids[0], list)
+    rows = input_ids if batched else [input_ids]
+    if not all(isinstance(r, list) and r and all(isinstance(t, int) for t in r) for r in rows):
+        raise BadRequest("input_ids should be a list of lists for batch processing.")
+    images = body.get("image_data")
+    sampling = body.get("sampling_params")
+    if not batched:
+        images = images or []
+        if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
+            raise BadRequest("image_data must be a list of strings (data URLs) here")
+        return [(input_ids, images, sampling)]
+    if images is None or images == []:
+        images = [[] for _ in rows]
+    if not isinstance(images, list) or len(images) != len(rows):
+        raise BadRequest("The length of image_data should be equal to the batch size.")
+    if not all(im is None or (isinstance(im, list) and all(isinstance(u, str) for u in im)) for im in images):
+        raise BadRequest("a batch's image_data must hold a list of strings (data URLs) per prompt here")
+    if isinstance(sampling, list):
+        if len(sampling) != len(rows):
+            raise BadRequest("The length of sampling_params should be equal to the batch size.")
+    else:
+        sampling = [sampling] * len(rows)
+    hashes = body.get("mm_hashes")
+    if hashes is not None and (not isinstance(hashes, list) or len(hashes) != len(rows)):
+        raise BadRequest("this stand-in takes a batch's mm_hashes as one list per prompt")
+    return [(r, list(im or []), sp) for r, im, sp in zip(rows, images, sampling, strict=True)]
 
 
 def _require_fields(body: Any, allowed: frozenset[str] | set[str], cls: str) -> None:

@@ -22,7 +22,7 @@ from miles_vl.rollout.sglang import (
     SGLangRolloutEngine,
     WeightVersionError,
 )
-from miles_vl.rollout.sglang.generate import image_hash
+from miles_vl.rollout.sglang.generate import image_hash, sampling_seed
 from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
 from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
@@ -125,6 +125,72 @@ def test_an_aborted_sample_of_a_group_is_sent_again_alone(fake):
     assert len(group) == 3
     bodies = generate_bodies(fake)
     assert [b["sampling_params"].get("n", 1) for b in bodies] == [3, 1]
+
+
+def test_prompts_per_request_batches_prompts_with_their_n_samples(fake):
+    """With prompts_per_request = 2, five prompts go as three batched requests (2 + 2 + 1 prompts, each body with its
+    own ids, images, hashes and seed); the answers, prompt by prompt, land with their own prompts (each body checked
+    against its prompt's ids), and the result equals what one request per prompt gives on a deterministic server."""
+    ps = [*prompts(), make_prompt([41, 42], 1, color=3), make_prompt([51])]
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=5)
+    groups = engine(fake, prompts_per_request=2, max_concurrency=1).generate(ps, params)  # requests in order
+    bodies = generate_bodies(fake)
+    assert [len(b["input_ids"]) for b in bodies[:2]] == [2, 2] and isinstance(bodies[2]["input_ids"][0], int)
+    first = bodies[0]
+    assert [sp["sampling_seed"] for sp in first["sampling_params"]] == [
+        sampling_seed(params.seed, i, 0, params.n) for i in (0, 1)
+    ]
+    assert all(sp["n"] == 3 for b in bodies[:2] for sp in b["sampling_params"])
+    assert first["image_data"][1] == [] and len(first["image_data"][0]) == 1  # prompt 1 has no image
+    assert first["mm_hashes"] == [[image_hash(u) for u in urls] for urls in first["image_data"]]
+    assert [len(g) for g in groups] == [3] * 5  # each body was checked against its own prompt's ids
+
+    fake.inject("/generate", "prompt_ids", {"position": 2, "token": 7})  # one body of a batch: still an error
+    with pytest.raises(PromptMismatchError, match="position 2"):
+        engine(fake, prompts_per_request=4).generate(ps[:2], params)
+
+
+def test_a_batch_gives_what_one_request_per_prompt_gives(deterministic_fake):
+    """On a stand-in whose answers are a function of the request (prompt, seed), a batch of prompts gets exactly the
+    samples that one request per prompt gets: the bodies are matched to the right prompts, in order."""
+    ps = [*prompts(), make_prompt([41, 42], 1, color=3)]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=8)
+    kw = dict(deterministic=True, one_request_per_prompt=False)
+    per_sample = engine(deterministic_fake, **kw).generate(ps, params)
+    eng = engine(deterministic_fake, deterministic=False, one_request_per_prompt=True, prompts_per_request=3)
+    batched = eng.generate(ps, params)  # seeds per prompt: sample j of prompt i shares prompt i's seed here
+    per_prompt = engine(deterministic_fake, deterministic=False, one_request_per_prompt=True).generate(ps, params)
+    assert [[g.response_ids.tolist() for g in group] for group in batched] == [
+        [g.response_ids.tolist() for g in group] for group in per_prompt
+    ]
+    assert [[g.response_ids.tolist() for g in group] for group in per_sample] != [
+        [g.response_ids.tolist() for g in group] for group in batched
+    ]  # a control: per-sample seeds give other samples, so the equality above is not vacuous
+
+
+def test_an_aborted_sample_of_a_batch_is_sent_again_alone(fake):
+    eng = engine(fake, max_abort_retries=1, prompts_per_request=8)
+    fake.inject("/generate", "abort", times=1)  # the first body of the batch
+    groups = eng.generate(prompts(), SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
+    assert [len(g) for g in groups] == [2, 2, 2]
+    bodies = generate_bodies(fake)
+    assert len(bodies) == 2 and len(bodies[0]["input_ids"]) == 3
+    assert bodies[1]["input_ids"] == bodies[0]["input_ids"][0] and "n" not in bodies[1]["sampling_params"]
+
+
+def test_mixed_n_in_one_batch_is_refused_by_the_server_and_by_us(fake):
+    from miles_vl.rollout.sglang.generate import batch_payload
+
+    body = {"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 2, "n": 2}, {"max_new_tokens": 2}]}
+    with pytest.raises(SGLangRequestError, match="parallel_sample_num should be the same"):
+        quick_client(fake.url).generate_n(body, 3)
+    one = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "n": 2}, "return_logprob": True}
+    with pytest.raises(ValueError, match="same n"):
+        batch_payload([one, {**one, "sampling_params": {"max_new_tokens": 2}}])
+    with pytest.raises(ValueError, match="differ in more than"):
+        batch_payload([one, {**one, "return_logprob": False}])
+    with pytest.raises(ValueError, match=">= 1"):
+        engine(fake, prompts_per_request=0)
 
 
 def test_deterministic_servers_get_one_request_per_sample(deterministic_fake):

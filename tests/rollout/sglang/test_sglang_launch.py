@@ -4,6 +4,10 @@
   prompt's own request (max_new_tokens 0), unhashed items and requests without `n > 1` keep theirs;
 - scheduler side: a copy gets back the very tensor its prompt's request carried, by image hash; least recently used
   tensors leave above the byte budget; a copy whose tensor is gone is counted and left without it;
+- a batch of prompts with `n > 1` (grouped handler): each prompt's prefix request leaves as soon as that prompt is
+  tokenized, the copies of all prompts leave after every prefix has answered, in one batch message, prompt by prompt,
+  each with sampling parameters of its own and without the pixels the scheduler gives back; the prompts get the
+  client's `mm_hashes` back; the answers come prompt by prompt;
 - the patches reach processes started with the `spawn` start method (how SGLang 0.5.16 starts its scheduler and
   tokenizer workers): a stand-in SGLang package whose `run_server` spawns a child that imports the two patched modules.
 The real server with this launcher: tests/gpu/test_sglang_real.py and the GPU runs in docs/gpu-runs (docs/sglang.md).
@@ -89,10 +93,11 @@ def test_batch_requests_and_precomputed_embeddings():
     assert embedded.feature is None  # an item that brings its embeddings needs no pixels
 
 
-def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies():
+def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(monkeypatch):
     """The two patches together on stand-in classes with 0.5.16's method names: the parallel-sampling handler sends
     the prompt, then its copies (copies of the items, as 0.5.16 makes them); the objects cross a process boundary
-    (deep copies); the receiver hands them to the scheduler."""
+    (deep copies); the receiver hands them to the scheduler. (0.5.16's own handler: the grouped one is off.)"""
+    monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
     sent = []
 
     class TokenizerManager:
@@ -228,9 +233,10 @@ def test_only_plain_tensors_are_remembered():
     assert memory.tensors == {} and memory.bytes == 0
 
 
-def test_the_parallel_sampling_flag_ends_with_its_request():
+def test_the_parallel_sampling_flag_ends_with_its_request(monkeypatch):
     """An in-process caller (Engine.async_generate) may send n > 1 and then n = 1 in one task: the second request's
-    pixels must travel."""
+    pixels must travel. (0.5.16's own handler; the grouped one runs in the same context, below.)"""
+    monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
 
     class TokenizerManager:
         async def _handle_batch_request(self, obj, request=None):
@@ -264,3 +270,141 @@ def test_two_import_hooks_on_one_module_both_patch_it(tmp_path, monkeypatch):
 
     assert sorted(hooked_mod.calls) == ["first", "second"]
     assert first.patches == {} and second.patches == {}
+
+
+class _Prompt:
+    """0.5.16's GenerateReqInput of one prompt of a batch, the fields the grouped handler reads."""
+
+    rids = 0
+
+    def __init__(self, rid, ids, pixels):
+        self.rid, self.ids, self.pixels = rid, ids, pixels
+        self.return_prompt_token_ids = True
+        self.mm_hashes = None  # 0.5.16's __getitem__ leaves it out
+
+    def regenerate_rid(self):  # called on a copy of the prompt: each copy gets a new rid (0.5.16: a uuid)
+        _Prompt.rids += 1
+        self.rid = f"{self.rid.split('+')[0]}+{_Prompt.rids}"
+        return self.rid
+
+
+class _Batch:
+    def __init__(self, prompts, n, hashes, stream=False):
+        self.prompts, self.parallel_sample_num, self.mm_hashes, self.stream = prompts, n, hashes, stream
+        self.batch_size = len(prompts)
+
+    def __getitem__(self, i):
+        return self.prompts[i]
+
+
+class _StandInTokenizer:
+    """0.5.16's TokenizerManager methods the grouped handler calls; `log` records the order of events; what is sent
+    is deep-copied per message (pickled to the scheduler)."""
+
+    def __init__(self, delays):
+        self.delays, self.log, self.messages, self.seen_hashes = delays, [], [], {}
+        self.rid_to_state = {}
+
+    async def _tokenize_one_request(self, sub):
+        await asyncio.sleep(self.delays[sub.rid])
+        self.log.append(("tokenized", sub.rid))
+        self.seen_hashes[sub.rid] = sub.mm_hashes
+        item = types.SimpleNamespace(hash=int(sub.mm_hashes[0], 16), feature=sub.pixels, precomputed_embeddings=None)
+        return types.SimpleNamespace(
+            rid=sub.rid,
+            input_ids=list(sub.ids),
+            mm_inputs=types.SimpleNamespace(mm_items=[item]),
+            sampling_params=types.SimpleNamespace(max_new_tokens=16, stop={"x"}),
+            stream=False,
+            time_stats=None,
+        )
+
+    def _init_req_state(self, sub):
+        self.rid_to_state[sub.rid] = types.SimpleNamespace(
+            time_stats=types.SimpleNamespace(set_finished_time=lambda: None), prompt_token_ids=None
+        )
+
+    def _send_one_request(self, tok):
+        self.log.append(("prefix" if tok.sampling_params.max_new_tokens == 0 else "one", tok.rid))
+        self.messages.append(copy.deepcopy(tok))
+
+    def _send_batch_request(self, toks):
+        self.log.append(("batch", len(toks)))
+        self.messages.append(copy.deepcopy(types.SimpleNamespace(batch=toks)))
+
+    async def _wait_one_response(self, sub, request=None):
+        sent = {m.rid for m in self.messages if not hasattr(m, "batch")}
+        sent |= {t.rid for m in self.messages if hasattr(m, "batch") for t in m.batch}
+        assert sub.rid in sent, "awaited before it was sent"
+        self.log.append(("answered", sub.rid))
+        yield {"rid": sub.rid}
+
+
+def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
+    class TokenizerManager(_StandInTokenizer):
+        async def _handle_batch_request(self, obj, request=None):  # 0.5.16's path: must not run here
+            raise AssertionError("the grouped handler should take a non-streaming batch with n > 1")
+            yield
+
+    class SchedulerRequestReceiver:
+        def recv_requests(self):
+            return list(manager.messages)
+
+    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
+    pixels = [torch.randn(4, 6) for _ in range(3)]
+    prompts = [_Prompt(f"p{i}", [i, i + 1], pixels[i]) for i in range(3)]
+    hashes = [["a1"], ["b2"], ["c3"]]
+    manager = TokenizerManager({"p0": 0.0, "p1": 0.02, "p2": 0.04})
+    for p in prompts:
+        manager._init_req_state(p)
+
+    async def run():
+        return [x async for x in manager._handle_batch_request(_Batch(prompts, 2, hashes))]
+
+    [answers] = asyncio.run(run())
+    log = manager.log
+    # pipelined: prompt 0's prefix is sent (and answered) before prompt 2 is tokenized
+    prefix0 = next(e for e in log if e[0] == "prefix" and e[1].startswith("p0+"))
+    assert log.index(prefix0) < log.index(("tokenized", "p2"))
+    # the copies leave once, after every prefix has answered, and nothing leaves on its own afterwards
+    batch_at = log.index(("batch", 6))
+    prefixes = [rid for kind, rid in log if kind == "prefix"]
+    assert len(prefixes) == 3 and all(log.index(("answered", rid)) < batch_at for rid in prefixes)
+    assert [e for e in log if e[0] in ("one", "batch")] == [("batch", 6)]
+    copies = manager.messages[-1].batch
+    assert [c.input_ids for c in copies] == [[0, 1], [0, 1], [1, 2], [1, 2], [2, 3], [2, 3]]  # prompt by prompt
+    assert len({c.rid for c in copies}) == 6 and all(c.sampling_params.max_new_tokens == 16 for c in copies)
+    assert len({id(c.sampling_params) for c in copies}) == 6  # not shared after the message is unpickled
+    assert len({id(c.sampling_params.stop) for c in copies}) == 6
+    assert all(c.mm_inputs.mm_items[0].feature is None for c in copies)  # what travels
+    assert [a["rid"] for a in answers] == [c.rid for c in copies]
+    assert manager.seen_hashes == {"p0": ["a1"], "p1": ["b2"], "p2": ["c3"]}  # the client's hashes, per prompt
+    assert not {"p0", "p1", "p2"} & set(manager.rid_to_state)  # the prompts' own entries are done
+    received = SchedulerRequestReceiver().recv_requests()
+    restored = [c.mm_inputs.mm_items[0].feature for c in received[-1].batch]
+    prefix_tensors = [m.mm_inputs.mm_items[0].feature for m in received[:3]]
+    by_hash = {m.mm_inputs.mm_items[0].hash: m.mm_inputs.mm_items[0].feature for m in received[:3]}
+    assert all(f is by_hash[c.mm_inputs.mm_items[0].hash] for f, c in zip(restored, received[-1].batch, strict=True))
+    assert all(torch.equal(t, pixels[i]) for i, t in enumerate(prefix_tensors))
+
+
+def test_which_requests_the_grouped_handler_takes(monkeypatch):
+    prompts = [_Prompt("p0", [1], None)]
+    assert sglang_launch.groups_batch(_Batch(prompts, 2, None))
+    assert not sglang_launch.groups_batch(_Batch(prompts, 1, None))  # no parallel sampling: 0.5.16's path
+    assert not sglang_launch.groups_batch(_Batch(prompts, 2, None, stream=True))
+    monkeypatch.setenv(sglang_launch.ENABLED_ENV, "0")  # a sharing blocker (--dp-size > 1, ...): 0.5.16's path
+    assert not sglang_launch.groups_batch(_Batch(prompts, 2, None))
+    monkeypatch.delenv(sglang_launch.ENABLED_ENV)
+    monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
+    assert not sglang_launch.groups_batch(_Batch(prompts, 2, None))
+
+
+def test_a_single_prompts_flat_hashes_and_odd_shapes():
+    one = [_Prompt("p0", [1], None)]
+    sglang_launch._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), one)
+    assert one[0].mm_hashes == ["ab", "cd"]  # a single prompt with n > 1: the client's flat list
+    two = [_Prompt("p0", [1], None), _Prompt("p1", [2], None)]
+    sglang_launch._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), two)  # not one list per prompt
+    assert [p.mm_hashes for p in two] == [None, None]
