@@ -102,7 +102,7 @@ def _synced(fn, what, describe=None):
     def wrapper(*args, **kwargs):
         import torch
 
-        extra = describe(args) if describe else {}
+        extra = describe(args, kwargs) if describe else {}
         if extra is None:
             return fn(*args, **kwargs)
         torch.cuda.synchronize()
@@ -115,18 +115,29 @@ def _synced(fn, what, describe=None):
     return wrapper
 
 
-def _extend(args):
-    batch = args[3] if len(args) > 3 else None  # forward(self, input_ids, positions, forward_batch, ...)
+def _extend(args, kwargs):
+    batch = args[3] if len(args) > 3 else kwargs.get("forward_batch")  # forward(self, input_ids, positions, fb, ...)
     mode = getattr(batch, "forward_mode", None)
     if mode is None or not mode.is_extend():
         return None  # decode runs as a CUDA graph replay, not through here
-    return {"n": getattr(batch, "batch_size", None), "tokens": int(args[1].numel())}
+    return {"n": getattr(batch, "batch_size", None), "tokens": int(getattr(batch, "extend_num_tokens", 0) or 0)}
 
 
 def _patch_model(module) -> None:
     cls = module.Qwen3VLForConditionalGeneration
-    cls.get_image_feature = _synced(cls.get_image_feature, "gpu.vision", lambda a: {"images": len(a[1])})
+    cls.get_image_feature = _synced(cls.get_image_feature, "gpu.vision", lambda a, k: {"images": len(a[1])})
     cls.forward = _synced(cls.forward, "gpu.extend", _extend)
+    # inside the vision tower (what of its time is fixed cost) and the language model of an extend
+    tower = module.Qwen3VLMoeVisionModel
+    tower.forward = _synced(tower.forward, "gpu.vision.tower", lambda a, k: {})
+    tower.fast_pos_embed_interpolate = _synced(
+        tower.fast_pos_embed_interpolate, "gpu.vision.pos_embed", lambda a, k: {}
+    )
+    tower.rot_pos_emb = _synced(tower.rot_pos_emb, "gpu.vision.rot_pos", lambda a, k: {})
+    block = module.Qwen3_VisionBlock
+    block.forward = _synced(block.forward, "gpu.vision.block", lambda a, k: {})
+    lm = module.Qwen3LLMModel
+    lm.forward = _synced(lm.forward, "gpu.lm", _extend)
 
 
 def _patch_receiver(module) -> None:

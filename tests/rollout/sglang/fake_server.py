@@ -13,7 +13,9 @@ Images are taken as 0.5.16 takes them for Qwen3-VL (`expand_image_pads`): `input
 `<|vision_start|><|image_pad|>+<|vision_end|>` block per image; more `<|image_pad|>` tokens than images is 0.5.16's
 HTTP 500 (its processor raises StopIteration: "Internal Server Error", the reason in the server log); one pad per image
 is expanded to that image's token count, from the PNG's size through Qwen's smart_resize (patch 16, merge 2, the
-min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids.
+min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids. A batch (`input_ids` a list
+of lists, `image_data` one list per prompt, `sampling_params` one dict or one per prompt, the same `n` for all) is
+answered as 0.5.16 answers it: `prompts x n` bodies, prompt by prompt (`_batch_prompts`).
 
 Weights as 0.5.16's Qwen3-VL takes them: a name the server does not know (the model's names with hf_server.py;
 `FakeState.param_names` here, None = every name) is skipped without an error and only reported (log, journal,
