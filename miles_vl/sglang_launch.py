@@ -32,8 +32,11 @@ scheduler starts on the copies while the rest still trickle in, one extend batch
 - then every copy of every prompt goes to the scheduler in one message (`BatchTokenizedGenerateReqInput`, which the
   scheduler takes in one receive: one extend batch), each with its own sampling parameters and ids;
 - the prompts' `mm_hashes`, which 0.5.16 drops from the prompts of a batch (`GenerateReqInput.__getitem__`), are
-  given back to them, so the tokenizer does not hash the pixel values again.
-Streaming requests, and the settings that would break the pixel sharing (`sharing_blockers`), keep 0.5.16's path.
+  given back to them, so the tokenizer does not hash the pixel values again;
+- the request states 0.5.16 creates for every normalized rid but never uses (all but the first `batch`) are dropped
+  (0.5.16 keeps them, and the request's image URLs with them, for the server's life).
+Under the settings that would break the pixel sharing (`sharing_blockers`) the copies keep their pixels and are sent
+one by one, as 0.5.16 sends them (the prefixes are still pipelined). Streaming requests keep 0.5.16's path.
 
 How the patches reach every server process: this module is the server's `__main__`, and SGLang starts its
 scheduler, detokenizer and tokenizer workers with the `spawn` start method, which imports the parent's main module
@@ -191,7 +194,6 @@ def groups_batch(obj) -> bool:
         getattr(obj, "parallel_sample_num", 1) > 1
         and not getattr(obj, "stream", False)
         and os.environ.get(GROUP_ENV, "1") != "0"
-        and os.environ.get(ENABLED_ENV, "1") != "0"
     )
 
 
@@ -214,7 +216,13 @@ async def handle_grouped(manager, obj, request=None):
         await manager._wait_one_response(head, request).__anext__()
         return tokenized
 
-    tokenized = await asyncio.gather(*(tokenize_and_prefill(sub) for sub in prompts))
+    tasks = [asyncio.ensure_future(tokenize_and_prefill(sub)) for sub in prompts]
+    try:
+        tokenized = await asyncio.gather(*tasks)
+    except BaseException:  # one prompt failed (or the request was cancelled): the others stop too
+        for task in tasks:
+            task.cancel()
+        raise
 
     copies, waiters = [], []
     for sub, tok in zip(prompts, tokenized, strict=True):
@@ -232,7 +240,20 @@ async def handle_grouped(manager, obj, request=None):
         state = manager.rid_to_state.pop(sub.rid, None)  # the prompt's own entry: its samples answer for it
         if state is not None:
             state.time_stats.set_finished_time()
-    manager._send_batch_request(copies)
+    # generate_request made an entry for each of the batch x n rids it normalized; 0.5.16 uses (and removes) only the
+    # first batch_size of them (its copies get new rids), so the others would stay for the server's life
+    for rid in list(getattr(obj, "rid", None) or ())[obj.batch_size :]:
+        manager.rid_to_state.pop(rid, None)
+    try:
+        if os.environ.get(ENABLED_ENV, "1") != "0":
+            manager._send_batch_request(copies)  # one message: one receive, one prefill batch
+        else:  # a sharing blocker (--dp-size > 1, ...): the copies keep their pixels and go as 0.5.16 sends them
+            for one in copies:
+                manager._send_one_request(one)
+    except BaseException:
+        for one in copies:
+            manager.rid_to_state.pop(one.rid, None)
+        raise
     yield list(await asyncio.gather(*(w.__anext__() for w in waiters)))
 
 

@@ -107,7 +107,8 @@ class SGLangRolloutEngine:
         tokens: special token ids; EOS ids become `stop_token_ids`, vision ids are banned when asked.
         ban_vision_tokens: give `<|image_pad|>` and friends a -1e9 logit bias (as the hf engine does).
         tp_size: the server's TP size (one weight payload per rank).
-        max_concurrency: requests in flight at once.
+        max_concurrency: requests in flight at once; with `prompts_per_request` > 1, prompts (one request carries
+            up to that many: a prompt's pixels wait in the server's memory until its samples are sent).
         weight_bucket_bytes: bound of one `/update_weights_from_tensor` bucket.
         weight_device: where `load_weights` moves tensors before sharing them with the server ("cuda" needs this
             process to see the engine's GPU); "auto": "cuda" when available, else the tensors stay where they are.
@@ -219,13 +220,16 @@ class SGLangRolloutEngine:
         if self.one_request_per_prompt and params.n > 1:
             step = self.prompts_per_request
             jobs = [(range(s, min(s + step, len(prompts))), None) for s in range(0, len(prompts), step)]
+            in_flight = max(1, self.max_concurrency // step)  # about max_concurrency prompts at once, as with step 1
         else:
             jobs = [(range(i, i + 1), j) for i in range(len(prompts)) for j in range(params.n)]
+            in_flight = self.max_concurrency
         results: dict[int, list[Generation]] = {i: [] for i in range(len(prompts))}
         with ThreadPoolExecutor(
-            max_workers=min(self.max_concurrency, len(jobs)), thread_name_prefix="sglang-gen"
-        ) as pool:
-            urls = list(pool.map(lambda ims: [image_data_url(im) for im in ims], images))
+            max_workers=min(self.max_concurrency, len(prompts)), thread_name_prefix="sglang-png"
+        ) as encoder:
+            urls = list(encoder.map(lambda ims: [image_data_url(im) for im in ims], images))
+        with ThreadPoolExecutor(max_workers=min(in_flight, len(jobs)), thread_name_prefix="sglang-gen") as pool:
 
             def run(indices: range, j: int | None) -> list[tuple[int, list[Generation]]]:
                 if j is None:

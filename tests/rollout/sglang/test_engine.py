@@ -168,6 +168,29 @@ def test_a_batch_gives_what_one_request_per_prompt_gives(deterministic_fake):
     ]  # a control: per-sample seeds give other samples, so the equality above is not vacuous
 
 
+def test_batched_requests_keep_about_max_concurrency_prompts_in_flight(fake):
+    """max_concurrency counts prompts when a request carries several: 8 prompts, 2 per request, max_concurrency 4 ->
+    at most 2 requests (4 prompts) at once; a prompt's pixels wait in the server until its samples are sent."""
+    eng = engine(fake, prompts_per_request=2, max_concurrency=4)
+    original, lock, state = eng.client.generate_n, threading.Lock(), {"now": 0, "most": 0}
+
+    def counted(payload, n):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            time.sleep(0.05)  # long enough for every request the pool would allow to overlap
+            return original(payload, n)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    eng.client.generate_n = counted
+    ps = [make_prompt([60 + k, 61], 1, color=k % 3) for k in range(8)]
+    groups = eng.generate(ps, SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
+    assert [len(g) for g in groups] == [2] * 8 and state["most"] == 2
+
+
 def test_an_aborted_sample_of_a_batch_is_sent_again_alone(fake):
     eng = engine(fake, max_abort_retries=1, prompts_per_request=8)
     fake.inject("/generate", "abort", times=1)  # the first body of the batch

@@ -25,6 +25,7 @@ import textwrap
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 from miles_vl import sglang_launch
@@ -292,6 +293,8 @@ class _Batch:
     def __init__(self, prompts, n, hashes, stream=False):
         self.prompts, self.parallel_sample_num, self.mm_hashes, self.stream = prompts, n, hashes, stream
         self.batch_size = len(prompts)
+        # 0.5.16 normalizes batch x n rids (io_struct.py:564), the prompts' own first
+        self.rid = [p.rid for p in prompts] + [f"unused{k}" for k in range(len(prompts) * (n - 1))]
 
     def __getitem__(self, i):
         return self.prompts[i]
@@ -307,6 +310,8 @@ class _StandInTokenizer:
 
     async def _tokenize_one_request(self, sub):
         await asyncio.sleep(self.delays[sub.rid])
+        if sub.ids is None:
+            raise ValueError(f"prompt {sub.rid} cannot be tokenized")
         self.log.append(("tokenized", sub.rid))
         self.seen_hashes[sub.rid] = sub.mm_hashes
         item = types.SimpleNamespace(hash=int(sub.mm_hashes[0], 16), feature=sub.pixels, precomputed_embeddings=None)
@@ -329,6 +334,8 @@ class _StandInTokenizer:
         self.messages.append(copy.deepcopy(tok))
 
     def _send_batch_request(self, toks):
+        if getattr(self, "fail_batch_send", False):
+            raise ConnectionError("zmq send failed")
         self.log.append(("batch", len(toks)))
         self.messages.append(copy.deepcopy(types.SimpleNamespace(batch=toks)))
 
@@ -337,6 +344,7 @@ class _StandInTokenizer:
         sent |= {t.rid for m in self.messages if hasattr(m, "batch") for t in m.batch}
         assert sub.rid in sent, "awaited before it was sent"
         self.log.append(("answered", sub.rid))
+        self.rid_to_state.pop(sub.rid)  # 0.5.16 drops a finished request's state (_handle_batch_output)
         yield {"rid": sub.rid}
 
 
@@ -356,11 +364,12 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
     prompts = [_Prompt(f"p{i}", [i, i + 1], pixels[i]) for i in range(3)]
     hashes = [["a1"], ["b2"], ["c3"]]
     manager = TokenizerManager({"p0": 0.0, "p1": 0.02, "p2": 0.04})
-    for p in prompts:
-        manager._init_req_state(p)
+    batch = _Batch(prompts, 2, hashes)
+    for rid in batch.rid:  # generate_request's _init_req_state: one entry per normalized rid
+        manager._init_req_state(types.SimpleNamespace(rid=rid))
 
     async def run():
-        return [x async for x in manager._handle_batch_request(_Batch(prompts, 2, hashes))]
+        return [x async for x in manager._handle_batch_request(batch)]
 
     [answers] = asyncio.run(run())
     log = manager.log
@@ -380,7 +389,8 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
     assert all(c.mm_inputs.mm_items[0].feature is None for c in copies)  # what travels
     assert [a["rid"] for a in answers] == [c.rid for c in copies]
     assert manager.seen_hashes == {"p0": ["a1"], "p1": ["b2"], "p2": ["c3"]}  # the client's hashes, per prompt
-    assert not {"p0", "p1", "p2"} & set(manager.rid_to_state)  # the prompts' own entries are done
+    # the prompts' own entries are done, and the n - 1 further rids 0.5.16 normalizes but never uses are dropped
+    assert manager.rid_to_state == {}
     received = SchedulerRequestReceiver().recv_requests()
     restored = [c.mm_inputs.mm_items[0].feature for c in received[-1].batch]
     prefix_tensors = [m.mm_inputs.mm_items[0].feature for m in received[:3]]
@@ -394,11 +404,54 @@ def test_which_requests_the_grouped_handler_takes(monkeypatch):
     assert sglang_launch.groups_batch(_Batch(prompts, 2, None))
     assert not sglang_launch.groups_batch(_Batch(prompts, 1, None))  # no parallel sampling: 0.5.16's path
     assert not sglang_launch.groups_batch(_Batch(prompts, 2, None, stream=True))
-    monkeypatch.setenv(sglang_launch.ENABLED_ENV, "0")  # a sharing blocker (--dp-size > 1, ...): 0.5.16's path
-    assert not sglang_launch.groups_batch(_Batch(prompts, 2, None))
-    monkeypatch.delenv(sglang_launch.ENABLED_ENV)
     monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
     assert not sglang_launch.groups_batch(_Batch(prompts, 2, None))
+
+
+def _grouped(manager, batch):
+    async def run():
+        return [x async for x in sglang_launch.handle_grouped(manager, batch)]
+
+    return asyncio.run(run())
+
+
+def test_under_a_sharing_blocker_the_copies_keep_their_pixels_and_go_one_by_one(monkeypatch):
+    """--dp-size > 1 and the like (sharing_blockers): the prefixes are still pipelined, but every copy carries its
+    prompt's pixels and is sent on its own, as 0.5.16 sends it."""
+    monkeypatch.setenv(sglang_launch.ENABLED_ENV, "0")
+    pixels = torch.randn(4, 6)
+    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.0})
+    batch = _Batch([_Prompt("p0", [1], pixels), _Prompt("p1", [2], pixels)], 2, [["a1"], ["b2"]])
+    [answers] = _grouped(manager, batch)
+    assert len(answers) == 4
+    kinds = [kind for kind, _ in manager.log if kind in ("prefix", "one", "batch")]
+    assert kinds == ["prefix", "prefix", "one", "one", "one", "one"]
+    assert all(torch.equal(m.mm_inputs.mm_items[0].feature, pixels) for m in manager.messages)
+
+
+def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state():
+    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.05, "bad": 0.01})
+    batch = _Batch([_Prompt("p0", [1], None), _Prompt("p1", [2], None), _Prompt("bad", None, None)], 2, None)
+    for p in batch.prompts[:2]:
+        p.mm_hashes = None
+    batch.mm_hashes = [["a1"], ["b2"], ["c3"]]
+
+    async def fail_then_wait():
+        with pytest.raises(ValueError, match="cannot be tokenized"):
+            [x async for x in sglang_launch.handle_grouped(manager, batch)]
+        await asyncio.sleep(0.1)  # the server goes on: a prompt still running would finish now
+
+    asyncio.run(fail_then_wait())
+    assert ("tokenized", "p1") not in manager.log  # cancelled, never sent its prefix
+    assert [rid for kind, rid in manager.log if kind == "prefix"] == [
+        rid for kind, rid in manager.log if kind == "prefix" and rid.startswith("p0+")
+    ]
+
+    manager = _StandInTokenizer({"p0": 0.0})
+    manager.fail_batch_send = True
+    with pytest.raises(ConnectionError):
+        _grouped(manager, _Batch([_Prompt("p0", [1], None)], 3, [["a1"]]))
+    assert manager.rid_to_state == {}  # neither the copies' entries nor the prefix's stay behind
 
 
 def test_a_single_prompts_flat_hashes_and_odd_shapes():
