@@ -86,6 +86,11 @@ def sharing_blockers(server_args) -> list[str]:
     return blockers
 
 
+def sharing_enabled() -> bool:
+    """Whether the copies travel without their pixels (off where `sharing_blockers` found a blocker)."""
+    return os.environ.get(ENABLED_ENV, "1") != "0"
+
+
 def drop_copy_pixels(tokenized_obj, parallel_sampling: bool) -> int:
     """Tokenizer side: a copy of a parallel-sampling request (not its prefix request, `max_new_tokens == 0`) loses
     the pixel values of every image item that has a hash. Returns how many items lost them.
@@ -94,7 +99,7 @@ def drop_copy_pixels(tokenized_obj, parallel_sampling: bool) -> int:
     pixels."""
     if not parallel_sampling or tokenized_obj.sampling_params.max_new_tokens == 0:
         return 0
-    if os.environ.get(ENABLED_ENV, "1") == "0":
+    if not sharing_enabled():
         return 0
     dropped = 0
     for item in _mm_items(tokenized_obj):
@@ -245,7 +250,7 @@ async def handle_grouped(manager, obj, request=None):
     for rid in list(getattr(obj, "rid", None) or ())[obj.batch_size :]:
         manager.rid_to_state.pop(rid, None)
     try:
-        if os.environ.get(ENABLED_ENV, "1") != "0":
+        if sharing_enabled():
             manager._send_batch_request(copies)  # one message: one receive, one prefill batch
         else:  # a sharing blocker (--dp-size > 1, ...): the copies keep their pixels and go as 0.5.16 sends them
             for one in copies:

@@ -15,9 +15,11 @@ nothing is imported early; it needs miles_vl on the server's path, as the `share
   (scheduling, prefix matching), `run_batch` (launch; with the overlap scheduler the GPU work is waited for in the
   next `process_batch_result`), `process_batch_result`; `_send_batch_request` (a batch's copies in one message,
   miles_vl's launcher);
-- model (`srt/models/qwen3_vl.py`), with the GPU work waited for: `get_image_feature` (the vision tower) and
-  `forward` of extend batches (vision tower + language model; decode replays a CUDA graph and is not timed). These
-  two add CUDA syncs, so a `timed` run's own t(1) is not comparable with the other variants'.
+- model (`srt/models/qwen3_vl.py`), with the GPU work waited for: `forward` of extend batches (vision tower +
+  language model; decode replays a CUDA graph and is not timed), `get_image_feature` (the pixel values' concatenation
+  and cast, then the vision tower), inside it the tower's `forward`, `rot_pos_emb`, `fast_pos_embed_interpolate` and
+  every block's `forward`, and the language model's `forward` of extend batches. These add CUDA syncs, so a `timed`
+  run's own t(1) is not comparable with the other variants'.
 The benchmark writes its own markers (`bench.call`) to the same file. Not used by miles_vl; measurement only.
 """
 

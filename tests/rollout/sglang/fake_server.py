@@ -596,8 +596,7 @@ class Handler(BaseHTTPRequestHandler):
             sys.stderr.flush()
             os._exit(1)
         _require_fields(body, GENERATE_FIELDS, "GenerateReqInput")
-        prompts = _batch_prompts(body)  # [(input_ids, image urls, sampling params)], one per prompt
-        batched = isinstance(body["input_ids"][0], list)
+        prompts, batched = _batch_prompts(body)  # [(input_ids, image urls, sampling params)], one per prompt
         n = {int((sampling or {}).get("n", 1)) for _, _, sampling in prompts}
         if len(n) > 1:  # GenerateReqInput._handle_parallel_sampling (io_struct.py:411)
             raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
@@ -963,11 +962,11 @@ def error_response(message: str, kind: str, code: int) -> dict[str, Any]:
     return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
-def _batch_prompts(body: dict[str, Any]) -> list[tuple[list[int], list[str], dict[str, Any] | None]]:
-    """The prompts of one `/generate` body, as 0.5.16's `GenerateReqInput` normalizes them (io_struct.py:380-560):
-    `input_ids` is one prompt (a list of ints) or a batch (a list of such lists); a batch's `image_data` holds one
-    list of images per prompt (its length must be the batch size) and its `sampling_params` one dict for all or one
-    per prompt. Text is not taken here (miles_vl sends ids)."""
+def _batch_prompts(body: dict[str, Any]) -> tuple[list[tuple[list[int], list[str], dict[str, Any] | None]], bool]:
+    """The prompts of one `/generate` body, as 0.5.16's `GenerateReqInput` normalizes them (io_struct.py:380-560),
+    and whether it is a batch: `input_ids` is one prompt (a list of ints) or a batch (a list of such lists); a batch's
+    `image_data` holds one list of images per prompt (its length must be the batch size) and its `sampling_params` one
+    dict for all or one per prompt. Text is not taken here (miles_vl sends ids)."""
     input_ids = body.get("input_ids")
     if not isinstance(input_ids, list) or not input_ids:
         raise BadRequest("this stand-in takes input_ids: a non-empty list of ints, or a list of such lists")
@@ -981,7 +980,7 @@ def _batch_prompts(body: dict[str, Any]) -> list[tuple[list[int], list[str], dic
         images = images or []
         if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
             raise BadRequest("image_data must be a list of strings (data URLs) here")
-        return [(input_ids, images, sampling)]
+        return [(input_ids, images, sampling)], False
     if images is None or images == []:
         images = [[] for _ in rows]
     if not isinstance(images, list) or len(images) != len(rows):
@@ -996,7 +995,7 @@ def _batch_prompts(body: dict[str, Any]) -> list[tuple[list[int], list[str], dic
     hashes = body.get("mm_hashes")
     if hashes is not None and (not isinstance(hashes, list) or len(hashes) != len(rows)):
         raise BadRequest("this stand-in takes a batch's mm_hashes as one list per prompt")
-    return [(r, list(im or []), sp) for r, im, sp in zip(rows, images, sampling, strict=True)]
+    return [(r, list(im or []), sp) for r, im, sp in zip(rows, images, sampling, strict=True)], True
 
 
 def _require_fields(body: Any, allowed: frozenset[str] | set[str], cls: str) -> None:
