@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -66,12 +66,10 @@ from miles_vl.rollout.sglang import (  # noqa: E402
     SGLangRolloutHost,
 )
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
+    PromptMedia,
     batch_payload,
     build_generate_payload,
-    image_data_url,
-    image_hash,
     parse_generate_response,
-    request_input_ids,
 )
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
@@ -103,41 +101,45 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   tok4, tok8  default + `--tokenizer-worker-num 4` / `8`: that many tokenizer processes (uvicorn workers) share the
 #               per-request work (PNG decode, image processor, hash, the `n` copies' transfer to the scheduler);
 #               connections are spread over them by the kernel
-#   timed_share  timed, launched through miles_vl.sglang_launch: the breakdown of the engine's default server
+#   timed_share  timed, launched through miles_vl.sglang_launch: the breakdown of share
+#   pixels      share, with each prompt sent as its canonical ids and its own pixel values (processor_output items whose
+#               pixels are files of the host's directory, in the model's dtype): no PNG decoding, no second run of the
+#               image processor, no re-tokenization in the server; the engine's default since 2026-11-25
+#   timed_pixels  timed, the launcher, pixel values: the breakdown of pixels
+# (PNG data URLs, hashes and pixel files are made once per server before its calls, outside the timed calls.)
 BENCH_DIR = str(Path(__file__).resolve().parent)
 REQUESTS = {
     "single": "one per sample",
     "n": "one per prompt (sampling_params.n)",
     "batch": "one for all prompts (sampling_params.n each)",
 }
+
+
+@dataclass(frozen=True)
+class Variant:
+    flags: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+    hashes: bool = True  # requests carry mm_hashes (PNG images only)
+    launch_module: str = SGLANG_LAUNCH_MODULE
+    pixels: bool = False  # prompts as ids + pixel values (miles_vl's launcher reads them)
+
+
+TIMED_ENV = {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"}
 VARIANTS = {
-    "v0516": ((), {"SGLANG_MM_PRECOMPUTE_HASH": "0"}, False, SGLANG_LAUNCH_MODULE),
-    "default": ((), {}, True, SGLANG_LAUNCH_MODULE),
-    "nopix": ((), {}, True, "sglang_copies_without_pixels"),
-    "cuda_ipc": (("--mm-feature-transport", "cuda_ipc"), {}, True, SGLANG_LAUNCH_MODULE),
-    "cuda_ipc_big": (
-        ("--mm-feature-transport", "cuda_ipc"),
-        {"SGLANG_MM_FEATURE_CACHE_MB": "8192"},
-        True,
-        SGLANG_LAUNCH_MODULE,
-    ),
-    "skip_hash": ((), {"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, False, SGLANG_LAUNCH_MODULE),
-    "timed": (
-        (),
-        {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"},
-        True,
-        SGLANG_LAUNCH_MODULE,
-    ),
-    "share": ((), {}, True, MILES_VL_LAUNCH_MODULE),
-    "share_nogroup": ((), {"MILES_VL_SGLANG_GROUP_COPIES": "0"}, True, MILES_VL_LAUNCH_MODULE),
-    "timed_share": (
-        (),
-        {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"},
-        True,
-        MILES_VL_LAUNCH_MODULE,
-    ),
-    "tok4": (("--tokenizer-worker-num", "4"), {}, True, SGLANG_LAUNCH_MODULE),
-    "tok8": (("--tokenizer-worker-num", "8"), {}, True, SGLANG_LAUNCH_MODULE),
+    "v0516": Variant(env={"SGLANG_MM_PRECOMPUTE_HASH": "0"}, hashes=False),
+    "default": Variant(),
+    "nopix": Variant(launch_module="sglang_copies_without_pixels"),
+    "cuda_ipc": Variant(flags=("--mm-feature-transport", "cuda_ipc")),
+    "cuda_ipc_big": Variant(flags=("--mm-feature-transport", "cuda_ipc"), env={"SGLANG_MM_FEATURE_CACHE_MB": "8192"}),
+    "skip_hash": Variant(env={"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, hashes=False),
+    "timed": Variant(env=TIMED_ENV),
+    "share": Variant(launch_module=MILES_VL_LAUNCH_MODULE),
+    "share_nogroup": Variant(env={"MILES_VL_SGLANG_GROUP_COPIES": "0"}, launch_module=MILES_VL_LAUNCH_MODULE),
+    "timed_share": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE),
+    "pixels": Variant(launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
+    "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
+    "tok4": Variant(flags=("--tokenizer-worker-num", "4")),
+    "tok8": Variant(flags=("--tokenizer-worker-num", "8")),
 }
 
 
@@ -194,7 +196,7 @@ def build_prompts(processor, n: int, seed: int) -> list[Prompt]:
 def sglang_call(
     host: SGLangRolloutHost,
     prompts,
-    urls,
+    media: list[PromptMedia],
     tokens: SpecialTokens,
     n: int,
     temperature: float,
@@ -210,16 +212,17 @@ def sglang_call(
     per_request = 1 if shape.mode == "single" else shape.group
     payloads = []
     for i in range(k):
-        p = prompts[i]
+        m = media[i]  # the engine's own request form: PNG data URLs and hashes, or pixel values (generate.py)
         body = build_generate_payload(
-            request_input_ids(p.prompt_ids.tolist(), tokens.image_token_id, len(urls[i])),
-            urls[i],
+            m.input_ids,
+            m.image_data,
             SamplingParams(max_new_tokens=n, temperature=temperature),
             seed=seed + i,
             stop_token_ids=tokens.eos_token_ids,
             banned_token_ids=host.engine.banned_token_ids,
             n=per_request,
-            image_hashes=[image_hash(u) for u in urls[i]] if hashes else (),
+            image_hashes=m.mm_hashes if hashes else (),
+            video_data=m.video_data,
         )
         body["sampling_params"]["ignore_eos"] = True  # 0.5.16: no token-based stop at all (EOS nor stop_token_ids)
         payloads += [((i,), body)] * (shape.group // per_request)
@@ -261,7 +264,8 @@ def sglang_call(
 def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default") -> list[dict]:
     """One server of this variant; a row per `--shapes` entry."""
     b, n = len(prompts), args.max_new_tokens
-    flags, env, hashes, launch_module = VARIANTS[variant]
+    v = VARIANTS[variant]
+    flags, env, hashes, launch_module = v.flags, v.env, v.hashes, v.launch_module
     if launch_module not in (SGLANG_LAUNCH_MODULE, MILES_VL_LAUNCH_MODULE):  # a prototype launcher in benchmarks/
         env = env | {"PYTHONPATH": os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)}
     elif "PYTHONPATH" in env:  # a directory of benchmarks/ first on the server's path (the timing sitecustomize)
@@ -302,6 +306,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
         log_path=Path(log_dir) / f"sglang_bench_{variant}.log" if log_dir else None,
         env=SERVER_ENV | env,
         launch_module=launch_module,
+        send_pixel_values=v.pixels,
         health_poll_s=0.5,
     )
     startup_s = time.perf_counter() - t0
@@ -310,13 +315,13 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
             f.write(f"{host.server.pid}\n")
     rows = []
     try:
-        urls = [[image_data_url(im) for im in p.images] for p in prompts]
+        media = host.engine.prompt_media(prompts)  # the pixel files live as long as the server (its host removes them)
         for shape in args.shapes:
             call = partial(
                 sglang_call,
                 host,
                 prompts,
-                urls,
+                media,
                 tokens,
                 temperature=args.temperature,
                 shape=shape,
@@ -334,6 +339,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
             rows.append(
                 dict(
                     variant=variant,
+                    request_form="pixel values" if v.pixels else "PNG images",
                     prompts=b // shape.group,
                     group=shape.group,
                     requests=REQUESTS[shape.mode],

@@ -28,7 +28,9 @@ The tokenizer also sends a batch of prompts with `n > 1` (one HTTP request: `SGL
 prompt's prefix request is sent and awaited before the next prompt's, then every copy is sent on its own, and the
 scheduler starts on the copies while the rest still trickle in, one extend batch per trickle):
 - each prompt's prefix request goes out as soon as that prompt is tokenized (the scheduler prefills the first prompts
-  while the tokenizer processes the next images), and the prefix answers are awaited together;
+  while the tokenizer processes the next images); prefixes ready in the same turn of the event loop go in one message
+  (one receive, one prefill batch), which is every prompt of the request when tokenizing does not wait (pixel values
+  from the engine: no image to load); the prefix answers are awaited together;
 - then every copy of every prompt goes to the scheduler in one message (`BatchTokenizedGenerateReqInput`, which the
   scheduler takes in one receive: one extend batch), each with its own sampling parameters and ids;
 - the prompts' `mm_hashes`, which 0.5.16 drops from the prompts of a batch (`GenerateReqInput.__getitem__`), are
@@ -37,6 +39,20 @@ scheduler starts on the copies while the rest still trickle in, one extend batch
   (0.5.16 keeps them, and the request's image URLs with them, for the server's life).
 Under the settings that would break the pixel sharing (`sharing_blockers`) the copies keep their pixels and are sent
 one by one, as 0.5.16 sends them (the prefixes are still pipelined). Streaming requests keep 0.5.16's path.
+
+Pixel values from the engine (`write_tensor` / `resolve_media`): the engine and its server always run on one node (the
+engine's host starts the server as its own child), so instead of images for SGLang to decode and process again, the
+engine writes each prompt's own `pixel_values` (and `pixel_values_videos`) as raw bytes into a private directory
+(`MILES_VL_SGLANG_PIXEL_DIR`, set by the host in the server's environment) and sends, in 0.5.16's `processor_output`
+image format, a small reference to the file with its dtype and shape, the grids, and the expanded prompt ids. The
+tokenizer process reads the file before 0.5.16 tokenizes the request (`TokenizerManager._tokenize_one_request`), so
+0.5.16 takes its fast path for preprocessed input (`BaseMultimodalProcessor.load_mm_data`,
+`srt/multimodal/processors/base_processor.py:823`): no decode of the ids to text, no image decoding, no second run of
+the image processor, no re-tokenization; the model runs on exactly the pixels and ids the trainer uses. Pixel values
+arrive in the dtype the model casts them to (`Qwen3VLForConditionalGeneration.get_image_feature`,
+`srt/models/qwen3_vl.py:1334`) or in float32, which is cast here, as the model would; any other dtype is refused (a
+lossy cast the model would not make). Only files directly in that directory are read; the engine deletes them when
+the request is answered.
 
 How the patches reach every server process: this module is the server's `__main__`, and SGLang starts its
 scheduler, detokenizer and tokenizer workers with the `spawn` start method, which imports the parent's main module
@@ -52,13 +68,19 @@ import contextvars
 import copy
 import importlib.abc
 import logging
+import math
 import os
 import sys
+import uuid
 
 CACHE_ENV = "MILES_VL_SGLANG_PIXEL_CACHE_MB"
 DEFAULT_CACHE_MB = 4096
 ENABLED_ENV = "MILES_VL_SGLANG_SHARE_COPY_PIXELS"  # "0": the copies keep their pixels (set below for the blockers)
 GROUP_ENV = "MILES_VL_SGLANG_GROUP_COPIES"  # "0": a batch's prefixes and copies go as in 0.5.16 (the bench's baseline)
+PIXEL_DIR_ENV = "MILES_VL_SGLANG_PIXEL_DIR"  # where the engine writes pixel values for this server (set by its host)
+FILE_KEY = "miles_vl_file"  # a processor_output value given as {FILE_KEY: name, "dtype": ..., "shape": [...]}
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+FEATURE_GRIDS = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
 TOKENIZER_MODULE = "sglang.srt.managers.tokenizer_manager"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
 
@@ -166,6 +188,122 @@ class PixelMemory:
                         self.restored += 1
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# pixel values handed over as files (module docstring)
+
+
+def write_tensor(directory: str, tensor) -> dict:
+    """Engine side: `tensor`'s raw bytes as a new file in `directory`; returns the reference that stands for it in a
+    `processor_output` item (`resolve_media` reads it back). The caller deletes the file (`os.path.join(directory,
+    ref[FILE_KEY])`) once the request is answered."""
+    import torch
+
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"pixel values go to the server as one of {WIRE_DTYPES}, found {tensor.dtype}")
+    data = tensor.detach().to("cpu").contiguous()
+    name = f"{uuid.uuid4().hex}.bin"
+    with open(os.path.join(directory, name), "xb") as f:
+        f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+    return {FILE_KEY: name, "dtype": dtype, "shape": list(data.shape)}
+
+
+def read_tensor(ref: dict, directory: str | None):
+    """Server side: the tensor of a `write_tensor` reference.
+
+    Raises:
+        ValueError: no pixel directory, a name that is not a plain file name in it, a missing file, an unknown dtype
+            or a shape that does not match the file's size (SGLang answers a ValueError with HTTP 400).
+    """
+    import torch
+
+    name, dtype, shape = ref.get(FILE_KEY), ref.get("dtype"), ref.get("shape")
+    if not directory:
+        raise ValueError(
+            f"a request refers to pixel values in a file, but this server has no {PIXEL_DIR_ENV}: start it through "
+            "miles_vl's SGLang host (rollout.sglang.send_pixel_values), which sets it"
+        )
+    if not isinstance(name, str) or not name or name != os.path.basename(name) or name.startswith("."):
+        raise ValueError(f"{FILE_KEY}={name!r} is not a file name in {PIXEL_DIR_ENV}")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"pixel values of dtype {dtype!r}: expected one of {WIRE_DTYPES}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"pixel values of shape {shape!r}: expected a list of non-negative ints")
+    path = os.path.join(directory, name)
+    numel = math.prod(shape)
+    nbytes = numel * getattr(torch, dtype).itemsize
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ValueError(f"pixel values {name} not found in {directory}: {e}") from e
+    if size != nbytes:
+        raise ValueError(f"pixel values {name}: {size} bytes for shape {shape} of {dtype} ({nbytes} expected)")
+    if numel == 0:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.from_file(path, shared=False, size=numel, dtype=getattr(torch, dtype)).reshape(shape)
+
+
+def _is_file_ref(value) -> bool:
+    return isinstance(value, dict) and FILE_KEY in value
+
+
+def resolve_item(item: dict, model_dtype, directory: str | None) -> dict:
+    """One `processor_output` item with its file references read: pixel values as tensors in `model_dtype` (from
+    float32 or that dtype; anything else is a ValueError), grids as int64 tensors [n, 3] whose patches add up to the
+    pixel rows."""
+    import torch
+
+    out = dict(item)
+    for key, value in item.items():
+        if _is_file_ref(value):
+            out[key] = read_tensor(value, directory)
+    for key, grid_key in FEATURE_GRIDS.items():
+        if key not in out:
+            continue
+        pixels = out[key]
+        if not isinstance(pixels, torch.Tensor) or pixels.ndim != 2:
+            raise ValueError(f"{key} must be a 2-D tensor [patches, dim], found {type(pixels).__name__}")
+        if pixels.dtype != model_dtype:
+            if pixels.dtype != torch.float32:
+                raise ValueError(
+                    f"{key} arrived as {pixels.dtype} but the model runs {model_dtype}: casting would lose precision "
+                    "the model's own cast keeps; send float32 or the model's dtype"
+                )
+            pixels = out[key] = pixels.to(model_dtype)  # what get_image_feature's .type(visual.dtype) would do
+        grid = torch.as_tensor(out.get(grid_key), dtype=torch.long) if out.get(grid_key) is not None else None
+        if grid is None or grid.ndim != 2 or grid.shape[-1] != 3:
+            raise ValueError(f"{key} needs {grid_key} as rows [t, h, w], found {out.get(grid_key)!r}")
+        if int(grid.prod(dim=-1).sum()) != pixels.shape[0]:
+            raise ValueError(
+                f"{grid_key} {grid.tolist()} covers {int(grid.prod(dim=-1).sum())} patches but {key} has "
+                f"{pixels.shape[0]} rows"
+            )
+        out[grid_key] = grid
+    return out
+
+
+def resolve_media(obj, model_dtype, directory: str | None = None) -> int:
+    """Read the file references of a request's `processor_output` items in place (`image_data`, `video_data`);
+    returns how many items were read. `directory`: default `$MILES_VL_SGLANG_PIXEL_DIR`."""
+    if directory is None:
+        directory = os.environ.get(PIXEL_DIR_ENV)
+    resolved = 0
+    for field in ("image_data", "video_data"):
+        items = getattr(obj, field, None)
+        if isinstance(items, dict):  # 0.5.16 hands a prompt of a batch its one video item unwrapped
+            if any(_is_file_ref(v) for v in items.values()):
+                setattr(obj, field, resolve_item(items, model_dtype, directory))
+                resolved += 1
+            continue
+        if not isinstance(items, list):
+            continue
+        for k, item in enumerate(items):  # lists shared with the request's other prompts: read once, in place
+            if isinstance(item, dict) and any(_is_file_ref(v) for v in item.values()):
+                items[k] = resolve_item(item, model_dtype, directory)
+                resolved += 1
+    return resolved
+
+
 def _own_mm_hashes(obj, sub_requests: list) -> None:
     """Give each prompt of a batch request the `mm_hashes` entry the client sent for it (0.5.16's `__getitem__`
     leaves the field out); anything not shaped one list per prompt is left alone (SGLang then hashes the pixels)."""
@@ -209,6 +347,7 @@ async def handle_grouped(manager, obj, request=None):
     n = obj.parallel_sample_num
     prompts = [obj[i] for i in range(obj.batch_size)]
     _own_mm_hashes(obj, prompts)
+    send_prefix = _coalesced(manager)
 
     async def tokenize_and_prefill(sub):
         tokenized = await manager._tokenize_one_request(sub)
@@ -217,7 +356,11 @@ async def handle_grouped(manager, obj, request=None):
         prefix.sampling_params.max_new_tokens = 0  # prefill only: the prompt enters the prefix cache
         prefix.stream = False
         manager._init_req_state(head)
-        manager._send_one_request(prefix)
+        try:
+            await send_prefix(prefix)
+        except BaseException:  # never sent: no answer will remove its state
+            manager.rid_to_state.pop(head.rid, None)
+            raise
         await manager._wait_one_response(head, request).__anext__()
         return tokenized
 
@@ -262,9 +405,42 @@ async def handle_grouped(manager, obj, request=None):
     yield list(await asyncio.gather(*(w.__anext__() for w in waiters)))
 
 
+def _coalesced(manager):
+    """`send(tokenized)`, awaitable: the requests given to it in one turn of the event loop leave together, in one
+    message (`_send_batch_request`; one alone: `_send_one_request`), at the end of that turn. The tasks of a batch's
+    prompts are all queued before the first runs, so the prompts that tokenize without waiting are all sent at once;
+    a send failure is raised in every task whose request it carried."""
+    loop = asyncio.get_running_loop()
+    pending: list = []
+    sent: list[asyncio.Future] = []
+
+    def flush() -> None:
+        batch, done = list(pending), sent.pop()
+        pending.clear()
+        try:
+            manager._send_one_request(batch[0]) if len(batch) == 1 else manager._send_batch_request(batch)
+        except BaseException as e:  # noqa: BLE001 (handed to the waiting tasks)
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    async def send(tokenized) -> None:
+        if not pending:
+            sent.append(loop.create_future())
+            loop.call_soon(flush)
+        pending.append(tokenized)
+        await asyncio.shield(sent[-1])  # a task cancelled while waiting leaves the message to the others
+
+    return send
+
+
 def _patch_tokenizer(module) -> None:
     cls = module.TokenizerManager
-    handle, send = cls._handle_batch_request, cls._send_one_request
+    handle, send, tokenize = cls._handle_batch_request, cls._send_one_request, cls._tokenize_one_request
+
+    async def tokenize_one_request(self, obj):
+        resolve_media(obj, self.model_config.dtype)  # every request is tokenized here, whatever its path
+        return await tokenize(self, obj)
 
     async def handle_batch_request(self, obj, request=None):
         token = _PARALLEL_SAMPLING.set(getattr(obj, "parallel_sample_num", 1) > 1)  # this request's task
@@ -282,6 +458,7 @@ def _patch_tokenizer(module) -> None:
         return send(self, tokenized_obj)
 
     cls._handle_batch_request, cls._send_one_request = handle_batch_request, send_one_request
+    cls._tokenize_one_request = tokenize_one_request
 
 
 def _patch_receiver(module) -> None:

@@ -232,6 +232,13 @@ class SGLangConfig(_Section):
         "samples at once. null = 16 with miles_vl's launcher (share_copy_pixels), 1 with SGLang's own, which "
         "prefills a batch's prompts one after another.",
     )
+    send_pixel_values: bool | None = Field(
+        None,
+        description="send each prompt as the trainer sees it: its ids and its own pixel values (images and videos), "
+        "handed to the server through a private shared-memory directory; SGLang then runs neither its image "
+        "processor nor its tokenizer on it. Needs miles_vl's launcher (share_copy_pixels). null = with the launcher. "
+        "false = one pad per image and PNG images, which SGLang decodes and processes again (no videos).",
+    )
 
     @model_validator(mode="after")
     def _open_needs_key(self) -> SGLangConfig:
@@ -572,6 +579,12 @@ class JobConfig(_Section):
         return self
 
 
+def sends_pixel_values(s: SGLangConfig) -> bool:
+    """Whether sglang engines send prompts as ids + pixel values (`rollout.sglang.send_pixel_values`; null: with
+    miles_vl's launcher)."""
+    return s.share_copy_pixels if s.send_pixel_values is None else s.send_pixel_values
+
+
 def cross_field_errors(cfg: JobConfig) -> list[str]:
     """Every inconsistency between sections, as one message each (key, found, expected, fix)."""
     t, r, a = cfg.train, cfg.rollout, cfg.algo
@@ -639,6 +652,18 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.sglang.vision_cache_mb={r.sglang.vision_cache_mb} keeps vision embeddings across weight syncs, "
             "which is only right when the vision tower does not train; set train.freeze_vision=true or "
             "rollout.sglang.vision_cache_mb=0"
+        )
+    if r.sglang.send_pixel_values and not r.sglang.share_copy_pixels:
+        errors.append(
+            "rollout.sglang.send_pixel_values=true needs miles_vl's launcher, which reads the pixel values, but "
+            "rollout.sglang.share_copy_pixels=false starts SGLang's own launch_server; set share_copy_pixels=true or "
+            "send_pixel_values=false (or null)"
+        )
+    if r.backend == "sglang" and cfg.data.synthetic_task == "motion" and not sends_pixel_values(r.sglang):
+        errors.append(
+            "data.synthetic_task=motion makes video prompts, which rollout.backend=sglang sends only as pixel values "
+            "(SGLang 0.5.16 re-samples and re-times videos it processes itself: docs/sglang.md, section 4); set "
+            "rollout.sglang.send_pixel_values to null or true (with share_copy_pixels=true), or rollout.backend=hf"
         )
     if r.backend == "sglang" and r.gpus_per_engine == 0:
         errors.append(

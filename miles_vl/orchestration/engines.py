@@ -93,7 +93,7 @@ class RolloutEngines:
         Raises:
             RuntimeError: one engine failed more than `rollout.max_restarts` times in this call.
         """
-        if not self.kind.sends_pixels:
+        if not self.kind.sends_pixels(self.cfg):
             prompts = strip_pixels(prompts)
         chunks = _split(list(prompts), len(self.engines))
         results: dict[int, list[list[Generation]]] = {}

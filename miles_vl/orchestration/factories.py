@@ -23,7 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from miles_vl.config import ConfigError, JobConfig
+from miles_vl.config import ConfigError, JobConfig, sends_pixel_values
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
@@ -59,14 +59,15 @@ class EngineKind:
     Args:
         launch: (cfg, tokens, slot) -> the engine's Ray actor.
         config_problems: what this build cannot do with the config (checked before Ray starts).
-        sends_pixels: False when the engine processes the prompts' `images` itself: `pixel_values` stay home.
+        sends_pixels: whether the engine needs the prompts' `pixel_values` (else they stay home: it processes their
+            `images` itself).
         nccl_when_disaggregated: with `ray.placement=disaggregate` trainer rank 0 broadcasts the weights to the
             engine over NCCL (it implements `endpoint` and `expect_weight_version`); else they go through the driver.
     """
 
     launch: Callable[[JobConfig, SpecialTokens, EngineSlot], Any]
     config_problems: Callable[[JobConfig], list[str]] = no_problems
-    sends_pixels: bool = True
+    sends_pixels: Callable[[JobConfig], bool] = lambda cfg: True
     nccl_when_disaggregated: bool = False
 
 
@@ -183,6 +184,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
             launch_module=launch_module,
             one_request_per_prompt=s.one_request_per_prompt,
             prompts_per_request=s.prompts_per_request,
+            send_pixel_values=sends_pixel_values(s),
             env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
             cpu_tensors_by_name=True,
         )
@@ -191,7 +193,12 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
 
 ENGINES: Mapping[str, EngineKind] = {
     "hf": EngineKind(launch_hf),
-    "sglang": EngineKind(launch_sglang, sglang_problems, sends_pixels=False, nccl_when_disaggregated=True),
+    "sglang": EngineKind(
+        launch_sglang,
+        sglang_problems,
+        sends_pixels=lambda cfg: sends_pixel_values(cfg.rollout.sglang),
+        nccl_when_disaggregated=True,
+    ),
 }
 
 

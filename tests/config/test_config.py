@@ -239,6 +239,16 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "`algo.tis.enabled` refuses greedy rollouts",
         ),
         (
+            ["rollout.sglang.send_pixel_values=true", "rollout.sglang.share_copy_pixels=false"],
+            "rollout.sglang.send_pixel_values=true needs miles_vl's launcher",
+            "`rollout.sglang.send_pixel_values: true` needs `rollout.sglang.share_copy_pixels: true`",
+        ),
+        (
+            ["rollout.backend=sglang", "data.synthetic_task=motion", "rollout.sglang.send_pixel_values=false"],
+            "data.synthetic_task=motion makes video prompts, which rollout.backend=sglang sends only as pixel values",
+            "video prompts (`data.synthetic_task: motion`) through `rollout.backend: sglang` need pixel values",
+        ),
+        (
             ["data.train_path=rows.parquet"],
             "data.train_path='rows.parquet' and data.synthetic_n=8 are both set",
             "`data.train_path` or `data.synthetic_n > 0`, not both",

@@ -4,8 +4,16 @@ Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP con
 - `/generate` with `input_ids` (one `<|image_pad|>` per image block) + `image_data` + `return_logprob`: SGLang's
   `prompt_token_ids` equal our canonical ids (decode -> re-process with the checkpoint's processor -> each pad expanded
   gives back our ids), one logprob per output token; the expanded ids are an HTTP 500 (StopIteration in the processor);
+- the engine's default request with miles_vl's launcher: the canonical ids and each prompt's own pixel values
+  (processor_output items whose pixels are files the launcher reads, generate.py `pixel_media`): our ids come back, a
+  batch's prompts are prefilled in one batch and their copies in another, the files are gone after the call, pixel
+  values in a dtype the model would not cast from are a 400, and stock `sglang.launch_server` cannot read them (500);
+  video prompts go the same way (our frames, grids and timestamps);
 - train/rollout consistency: the torch train backend (transformers Qwen3-VL, bf16, packed THD) scores SGLang's
-  sampled responses; the mean |difference| is `train_rollout_logprob_abs_diff` (printed; ~0.01 is healthy in bf16);
+  sampled responses; the mean |difference| is `train_rollout_logprob_abs_diff` (printed; ~0.01 is healthy in bf16),
+  for both request forms, and for video prompts;
+- a single prompt with two images and `n > 1` is a batch of one for 0.5.16: the flat image list is a 400, the batch
+  form the engine sends works;
 - `/update_weights_from_tensor` over CUDA IPC: a zero `lm_head` makes every logit 0, so every sampled token's
   logprob is -log(V - 4) (uniform over the vocabulary minus the 4 vision tokens the engine bans with a -1e9 bias);
   restoring the weights brings back the greedy generation of before;
@@ -34,6 +42,7 @@ import json
 import math
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,8 +50,22 @@ import pytest
 import torch
 
 from miles_vl.rollout import SamplingParams
-from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRequestError, SGLangRolloutHost
-from miles_vl.rollout.sglang.generate import build_generate_payload, image_data_url, image_hash, request_input_ids
+from miles_vl.rollout.sglang import (
+    SGLANG_LAUNCH_MODULE,
+    EngineStateError,
+    ServerSpec,
+    SGLangRequestError,
+    SGLangRolloutHost,
+)
+from miles_vl.rollout.sglang.generate import (
+    batch_payload,
+    build_generate_payload,
+    image_data_url,
+    image_hash,
+    pixel_media,
+    remove_files,
+    request_input_ids,
+)
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +154,16 @@ def ckpt_weights(ckpt) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-def _start_host(ckpt, tokens, *, extra_args=EXTRA_ARGS, mem_fraction=0.3, colocated=True, log_name="sglang_server"):
+def _start_host(
+    ckpt,
+    tokens,
+    *,
+    extra_args=EXTRA_ARGS,
+    mem_fraction=0.3,
+    colocated=True,
+    log_name="sglang_server",
+    launch_module=None,
+):
     out = os.environ.get("OUT")
     spec = ServerSpec(
         model_path=str(ckpt),
@@ -153,6 +185,7 @@ def _start_host(ckpt, tokens, *, extra_args=EXTRA_ARGS, mem_fraction=0.3, coloca
         log_path=Path(out) / f"{log_name}.log" if out else None,
         env=SERVER_ENV,
         health_poll_s=0.5,
+        **({} if launch_module is None else {"launch_module": launch_module}),
     )
     _note_pid(host)
     return host
@@ -212,8 +245,10 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     assert body["meta_info"]["prompt_tokens"] == len(ids)
     assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"]) >= 1
 
+    assert host.engine.pixel_dir is not None  # miles_vl's launcher: the engine sends ids + pixel values
     params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=1)
     groups = host.generate(prompts, params)  # the engine checks every response's prompt ids against ours
+    assert list(Path(host.engine.pixel_dir).iterdir()) == []  # the pixel files went with the answers
     assert [len(g) for g in groups] == [2] * len(prompts)
     for group in groups:
         for gen in group:
@@ -286,6 +321,83 @@ def test_a_batch_of_prompts_with_n_in_one_request(host, prompts, tokens):
         host.client.generate_n(mixed, 6)
 
 
+def _prefill_batches(host, since: int) -> list[int]:
+    """#new-seq of each prefill batch the server logged after byte `since` of its log."""
+    import re
+
+    time.sleep(1.0)  # the scheduler's log lines of the last request
+    with open(host.log_path, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    return [int(m) for m in re.findall(r"Prefill batch, #new-seq: (\d+),", text)]
+
+
+def test_pixel_values_of_a_batch_in_one_request(host, prompts, tokens):
+    """The engine's default request form with miles_vl's launcher, on the real server: k prompts with n samples each
+    as ids + pixel values (files the launcher reads): `k x n` bodies with our ids; the k prefixes are ready together
+    (nothing to decode or process) and prefilled in one batch, the copies in another; every copy got its prompt's
+    pixels back; pixel values in a dtype the model does not cast from are refused with 400, naming both."""
+    k, n = 3, 4
+    media = host.engine.prompt_media(prompts[:k])
+    payloads = [
+        build_generate_payload(
+            media[i].input_ids,
+            media[i].image_data,
+            SamplingParams(max_new_tokens=8, temperature=1.0),
+            seed=i,
+            stop_token_ids=tokens.eos_token_ids,
+            banned_token_ids=host.engine.banned_token_ids,
+            n=n,
+        )
+        for i in range(k)
+    ]
+    assert all(m.input_ids == p.prompt_ids.tolist() for m, p in zip(media, prompts, strict=False))
+    assert media[0].image_data[0]["format"] == "processor_output"
+    wrong_dtype = pixel_media(prompts[0], 0, tokens, directory=host.engine.pixel_dir, dtype=torch.float16,
+                              spatial_merge_size=2)  # fmt: skip
+    host.client.flush_cache(timeout_s=60)
+    since = host.log_path.stat().st_size
+    try:
+        bodies = host.client.generate_n(batch_payload(payloads), k * n)
+        with pytest.raises(SGLangRequestError, match="arrived as torch.float16 but the model runs torch.bfloat16"):
+            host.client.generate(build_generate_payload(wrong_dtype.input_ids, wrong_dtype.image_data,
+                                                        SamplingParams(max_new_tokens=2), seed=0,
+                                                        stop_token_ids=tokens.eos_token_ids))  # fmt: skip
+    finally:
+        remove_files(host.engine.pixel_dir, [f for m in [*media, wrong_dtype] for f in m.files])
+    for i in range(k):
+        assert all(b["prompt_token_ids"] == prompts[i].prompt_ids.tolist() for b in bodies[i * n : (i + 1) * n])
+    batches = _prefill_batches(host, since)
+    print(f"SGLANG-REAL pixel values, {k} prompts x {n}: prefill batches (#new-seq) {batches}")
+    assert batches[:2] == [k, k * n], batches
+    assert "no pixel values remembered" not in host.server.log_tail(max_lines=400, max_bytes=1 << 17)
+
+
+def test_a_prompt_with_two_images_and_n_samples(host, processor, tokens):
+    """0.5.16 makes a batch of one of a single prompt with n > 1, whose `image_data` must then hold one entry: the flat
+    list of two images is a 400 (the stand-in's answer too); the batch form the engine sends works, as PNGs and as
+    pixel values."""
+    from miles_vl.data import PromptEncoder, generate_problems
+
+    a, b = (p.image for p in generate_problems(2, seed=3))
+    text = PromptEncoder(processor, instruction="Answer.").render("Compare <image> with <image>.")
+    enc = processor(text=[text], images=[a, b], return_tensors="pt")
+    prompt = Prompt(enc["input_ids"][0].long(), enc["pixel_values"], enc["image_grid_thw"].long(), [a, b])
+    urls = [image_data_url(a), image_data_url(b)]
+    flat = build_generate_payload(request_input_ids(prompt.prompt_ids.tolist(), tokens.image_token_id, 2), urls,
+                                  SamplingParams(max_new_tokens=4), seed=0, stop_token_ids=tokens.eos_token_ids,
+                                  n=2)  # fmt: skip
+    with pytest.raises(SGLangRequestError, match="length of image_data should be equal to the batch size"):
+        host.client.generate_n(flat, 2)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=6)
+    assert [len(g) for g in host.generate([prompt], params)] == [2]  # pixel values
+    directory, host.engine.pixel_dir = host.engine.pixel_dir, None
+    try:
+        assert [len(g) for g in host.generate([prompt], params)] == [2]  # PNGs, one pad per image
+    finally:
+        host.engine.pixel_dir = directory
+
+
 def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, tokens):
     """What `image_hash` (generate.py) assumes of the real server: with n = 1 the `mm_hashes` we send, not the pixels,
     key an image's prefix: the same text with another image but the first image's hash reuses the cached prompt past
@@ -346,6 +458,9 @@ def _scored(model, tokens, prompts, groups, banned_token_ids) -> tuple[torch.Ten
     """(the torch train backend's logprobs of every generated response under `model` in bf16, the rollout's)."""
     from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
 
+    def gpu(t):
+        return None if t is None else t.to("cuda", torch.bfloat16)
+
     loss = LossOptions(suppress_token_ids=tuple(banned_token_ids))
     backend = TorchTrainBackend(model.to("cuda", torch.bfloat16), tokens, TrainOptions(OptimizerOptions(lr=0.0), loss))
     samples = [
@@ -355,7 +470,9 @@ def _scored(model, tokens, prompts, groups, banned_token_ids) -> tuple[torch.Ten
             advantage=0.0,
             rollout_logprobs=gen.logprobs,
             image_grid_thw=prompt.image_grid_thw,
-            pixel_values=prompt.pixel_values.to("cuda", torch.bfloat16),
+            pixel_values=gpu(prompt.pixel_values),
+            video_grid_thw=getattr(prompt, "video_grid_thw", None),
+            pixel_values_videos=gpu(getattr(prompt, "pixel_values_videos", None)),
         )
         for prompt, group in zip(prompts, groups, strict=True)
         for gen in group
@@ -364,26 +481,69 @@ def _scored(model, tokens, prompts, groups, banned_token_ids) -> tuple[torch.Ten
 
 
 def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
+    """Both request forms on one server (pixel values, the default; PNG images, which SGLang processes again)."""
     from miles_vl.models.qwen3_vl.model import build_model
 
     params = SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=2)
-    groups = host.generate(prompts, params)
+    model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
+    directory = host.engine.pixel_dir
+    results = {}
+    for form in ("pixel values", "PNG images"):
+        host.engine.pixel_dir = directory if form == "pixel values" else None
+        try:
+            groups = host.generate(prompts, params)
+        finally:
+            host.engine.pixel_dir = directory
+        train, rollout = _scored(model, tokens, prompts, groups, host.engine.banned_token_ids)
+        diff = (train - rollout).abs()
+        results[form] = {
+            "request_form": form,
+            "train_rollout_logprob_abs_diff": round(float(diff.mean()), 5),
+            "train_rollout_logprob_abs_diff_max": round(float(diff.max()), 5),
+            "tokens": int(diff.numel()),
+            "mean_rollout_logprob": round(float(rollout.mean()), 4),
+            "model": "tiny Qwen3-VL, random init (std 0.1), bf16",
+        }
+        print("SGLANG-REAL " + json.dumps(results[form]))
+        # The distribution is far from uniform (mean logprob above -log V), so agreement is informative.
+        assert float(rollout.mean()) > -math.log(tokens.vocab_size) + 0.5
+        assert float(diff.mean()) < 0.1, results[form]
+    record["consistency"] = results["pixel values"]
+    del model
+    torch.cuda.empty_cache()
+
+
+def test_video_prompts_go_as_pixel_values(host, tokens, ckpt):
+    """Issue 18, item 3, on the real server: synthetic motion videos (alone, and after an image) built by miles_vl's
+    data path go as our ids, frames and grids; SGLang answers with our ids (the engine checks each), computes its
+    MRoPE positions from them (`MRotaryEmbedding.get_rope_index`, frame groups split by time) and its responses score
+    under the trainer as for images."""
+    from miles_vl.data import PromptEncoder, VideoSettings, load_processor, load_prompt_records, synth_records
+    from miles_vl.models.qwen3_vl.model import build_model
+
+    video = VideoSettings(fps=2.0, min_frames=2, max_frames=8, min_pixels=64 * 64, max_pixels=4 * 128 * 128)
+    processor = load_processor("offline", MIN_PIXELS, MAX_PIXELS, video)
+    encoder = PromptEncoder(processor, instruction="Answer with one word.")
+    motions, images = synth_records(2, seed=1, task="motion"), synth_records(1, seed=1)
+    both = dict(motions[1], problem="<image>" + motions[1]["problem"], images=images[0]["images"])
+    rows, report = load_prompt_records([motions[0], both], encoder, max_prompt_len=4096, source="video",
+                                       layout="generic")  # fmt: skip
+    assert report.n_kept == 2, report.summary()
+    prompts = [encoder.encode(r) for r in rows]
+    assert all(p.video_grid_thw is not None and int(p.video_grid_thw[0, 0]) >= 2 for p in prompts)
+    groups = host.generate(prompts, SamplingParams(n=2, max_new_tokens=32, temperature=1.0, seed=9))
     model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
     train, rollout = _scored(model, tokens, prompts, groups, host.engine.banned_token_ids)
+    del model
+    torch.cuda.empty_cache()
     diff = (train - rollout).abs()
     result = {
+        "videos": "synthetic motion, grids " + str([p.video_grid_thw.tolist()[0] for p in prompts]),
         "train_rollout_logprob_abs_diff": round(float(diff.mean()), 5),
         "train_rollout_logprob_abs_diff_max": round(float(diff.max()), 5),
         "tokens": int(diff.numel()),
-        "mean_rollout_logprob": round(float(rollout.mean()), 4),
-        "model": "tiny Qwen3-VL, random init (std 0.1), bf16",
     }
-    print("SGLANG-REAL " + json.dumps(result))
-    record["consistency"] = result
-    del model
-    torch.cuda.empty_cache()
-    # The distribution is far from uniform (mean logprob above -log V), so agreement is informative.
-    assert float(rollout.mean()) > -math.log(tokens.vocab_size) + 0.5
+    print("SGLANG-REAL video " + json.dumps(result))
     assert float(diff.mean()) < 0.1, result
 
 
@@ -510,9 +670,10 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
         mem_fraction=0.2,
         colocated=False,
         log_name="sglang_server_deterministic",
+        launch_module=SGLANG_LAUNCH_MODULE,  # stock 0.5.16: also checks that it cannot read pixel files
     )
     try:
-        assert not det.engine.one_request_per_prompt
+        assert not det.engine.one_request_per_prompt and det.engine.pixel_dir is None
         ids = prompts[0].prompt_ids.tolist()
 
         def sample(seed: int, n: int) -> list[tuple[int, ...]]:
@@ -534,6 +695,28 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
         assert sample(7, 1) == same[:1] and sample(8, 1) != same[:1]
         groups = det.generate(prompts[:1], SamplingParams(n=3, max_new_tokens=16, temperature=1.0, seed=1))
         assert len({tuple(g.response_ids.tolist()) for g in groups[0]}) == 3  # one request (one seed) per sample
+
+        # stock 0.5.16 takes a pixel file reference for the pixel values and cannot hash it (the stand-in's answer
+        # without the launcher): why send_pixel_values needs miles_vl's launcher
+        from miles_vl.rollout.sglang import SGLangUnavailableError
+
+        directory = tempfile.mkdtemp(prefix="pixels_")  # stock 0.5.16 reads no file: the reference is enough
+        media = pixel_media(prompts[0], 0, tokens, directory=directory, dtype=torch.bfloat16, spatial_merge_size=2)
+        body = build_generate_payload(media.input_ids, media.image_data, SamplingParams(max_new_tokens=2), seed=0,
+                                      stop_token_ids=tokens.eos_token_ids)  # fmt: skip
+        try:
+            with pytest.raises(SGLangUnavailableError, match=r"HTTP 500"):
+                det.client.request("POST", "/generate", json=body, retry=False)
+        finally:
+            remove_files(directory, media.files)
+        deadline = time.monotonic() + 15
+        while "TypeError" not in det.server.log_tail(max_lines=400, max_bytes=1 << 17) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        tail = det.server.log_tail(max_lines=400, max_bytes=1 << 17)
+        print(
+            "SGLANG-REAL stock 0.5.16 with a pixel file: " + next((ln for ln in tail.splitlines() if "Error" in ln), "")
+        )
+        assert "TypeError" in tail and det.health()
     finally:
         det.shutdown()
 

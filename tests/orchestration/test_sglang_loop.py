@@ -11,6 +11,9 @@ Colocated (`/update_weights_from_tensor`):
   by the driver (counted) and its prompts are retried: no sample is lost.
 Disaggregated (`/update_weights_from_distributed`, gloo in place of NCCL): the group is formed once, then per sync
 one POST per bucket while the trainer broadcasts, the version label, the flush; the weights arrive exactly.
+Prompts reach the servers as pixel values by default (`rollout.sglang.send_pixel_values`: their ids and own pixel
+values, through a directory the host owns); video prompts go that way too, and their packed training logprobs equal
+the server's.
 """
 
 from __future__ import annotations
@@ -150,6 +153,30 @@ def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, hooks, local_ra
     second = [r for r in records if r["pid"] == pids[1]]
     first_generate = next(k for k, r in enumerate(second) if r.get("path") == "/generate")
     assert [r["version"] for r in second[:first_generate] if r.get("event") == "weights"] == ["step-1"]
+
+
+def test_video_prompts_through_sglang_score_as_the_server_sampled_them(tmp_path, checkpoint, hooks, local_ray):
+    """The motion video task with rollout.backend=sglang (issue 18, item 3): each video prompt goes as its ids, its
+    own frames' pixel values and its grid (no PNGs, no re-sampling of frames), the server generates from them, and
+    the trainer's packed video samples score the responses as the server did (fp32 on both sides)."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    small_videos = ("data.video_min_pixels=1024", "data.video_max_pixels=16384", "data.video_min_frames=2")
+    extra = f"rollout.sglang.extra_args=[--fake-journal,{journal_dir}]"
+    run = run_job(
+        config(tmp_path, checkpoint, "video", "data.synthetic_task=motion", "eval.interval=0", extra, *small_videos),
+        hooks=hooks,
+    )
+    rows = metrics(run)
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
+    print(f"video through the SGLang stand-in: train_rollout_logprob_abs_diff per step {diffs}")
+    assert len(rows) == 2 and max(diffs) < 1e-4, diffs
+    [records] = read_journal(journal_dir).values()
+    prompts = [p for r in records if r.get("event") == "generate" for p in r["prompts"]]
+    assert len(prompts) >= 4  # two steps of two prompts
+    for prompt in prompts:  # one processor_output item per prompt: a grid of >= 2 frame groups, and no image
+        [item] = prompt["videos"]
+        assert prompt["images"] == [] and item["format"] == "processor_output" and item["video_grid_thw"][0][0] >= 2
 
 
 def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, hooks, local_ray):

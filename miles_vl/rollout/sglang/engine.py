@@ -3,10 +3,12 @@
     engine = SGLangRolloutEngine(SGLangClient("http://127.0.0.1:30000"), tokens, weight_version="base")
     groups = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))   # prompts carry `.images`
 
-Prompts: besides `prompt_ids`, `image_grid_thw` (and `pixel_values`, unused here) of `PromptLike`, every prompt with
-images needs `images`: the decoded images (PIL, or encoded bytes) in the order their blocks appear in `prompt_ids`,
-because SGLang runs its own image processor and takes no pixel values over HTTP (see generate.py). Every response
-is checked to have used exactly our prompt ids (`PromptMismatchError` names the first differing position).
+Prompts (`PromptLike`): with `pixel_dir` (a server started by miles_vl's launcher, which reads pixel values from that
+directory) the engine sends each prompt's canonical ids, `pixel_values` / `pixel_values_videos` and grids, as the
+trainer sees them (generate.py, `pixel_media`); videos go too. Without it (SGLang's own launch_server), every prompt
+with images needs `images`: the decoded images (PIL, or encoded bytes) in the order their blocks appear in
+`prompt_ids`, which SGLang processes again (`png_media`); videos are refused there. Every response is checked to
+have used exactly our prompt ids (`PromptMismatchError` names the first differing position).
 
 `n` samples per prompt go out as one request with `sampling_params.n = n` (`one_request_per_prompt`, the default
 unless the server samples deterministically): SGLang then decodes the prompt's images, runs its image processor and
@@ -54,14 +56,16 @@ from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
+    PromptMedia,
     batch_payload,
     build_generate_payload,
-    image_data_url,
-    image_hash,
     parse_generate_response,
+    pixel_media,
+    png_media,
     prompt_images,
-    request_input_ids,
+    remove_files,
     sampling_seed,
+    vision_inputs,
 )
 from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
 from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
@@ -77,7 +81,8 @@ log = logging.getLogger(__name__)
 
 
 class SGLangPrompt(PromptLike, Protocol):
-    """A canonical prompt plus the images the sglang engine sends (PIL images or encoded bytes, prompt order)."""
+    """A canonical prompt plus its images (PIL images or encoded bytes, prompt order), which the sglang engine sends
+    to a server without a pixel directory."""
 
     images: Sequence[Image.Image | bytes]
 
@@ -129,6 +134,11 @@ class SGLangRolloutEngine:
             `deterministic` (where it is refused: the samples would be identical).
         prompts_per_request: with `one_request_per_prompt`, how many prompts (each with its `n` samples) one request
             carries; more than 1 only for a server started by miles_vl's launcher (module docstring).
+        pixel_dir: the server's pixel directory (`MILES_VL_SGLANG_PIXEL_DIR` of a server started by miles_vl's
+            launcher): prompts go as their own ids and pixel values; None: as one pad per image and PNG images.
+        pixel_dtype: the dtype pixel values are written in: the server model's dtype (the model casts them to it),
+            or float32.
+        spatial_merge_size: the vision tower's merge (vision_config.spatial_merge_size): checks ids against grids.
     """
 
     def __init__(
@@ -151,6 +161,9 @@ class SGLangRolloutEngine:
         deterministic: bool = False,
         one_request_per_prompt: bool | None = None,
         prompts_per_request: int = 1,
+        pixel_dir: str | None = None,
+        pixel_dtype: torch.dtype = torch.float32,
+        spatial_merge_size: int = 2,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
@@ -179,6 +192,9 @@ class SGLangRolloutEngine:
         self.deterministic = deterministic
         self.one_request_per_prompt = not deterministic if one_request_per_prompt is None else one_request_per_prompt
         self.prompts_per_request = prompts_per_request
+        self.pixel_dir = pixel_dir
+        self.pixel_dtype = pixel_dtype
+        self.spatial_merge_size = spatial_merge_size
         self.verifier = SyncVerifier(client, known_names, check_values=verify_weights)
         self._warned_seed = False
         self.initial_weight_version = weight_version
@@ -214,8 +230,8 @@ class SGLangRolloutEngine:
             )
         if not prompts:
             return []
-        # fail on a bad prompt before any request
-        images = [prompt_images(p, i, self.tokens.video_token_id) for i, p in enumerate(prompts)]
+        for i, prompt in enumerate(prompts):  # a bad prompt fails here, before any request
+            self._check_prompt(prompt, i)
         # a job: (prompt indices, sample index); None: all `n` samples of those prompts in one request
         if self.one_request_per_prompt and params.n > 1:
             step = self.prompts_per_request
@@ -225,17 +241,17 @@ class SGLangRolloutEngine:
             jobs = [(range(i, i + 1), j) for i in range(len(prompts)) for j in range(params.n)]
             in_flight = self.max_concurrency
         results: dict[int, list[Generation]] = {i: [] for i in range(len(prompts))}
-        with ThreadPoolExecutor(
-            max_workers=min(self.max_concurrency, len(prompts)), thread_name_prefix="sglang-png"
-        ) as encoder:
-            urls = list(encoder.map(lambda ims: [image_data_url(im) for im in ims], images))
         with ThreadPoolExecutor(max_workers=min(in_flight, len(jobs)), thread_name_prefix="sglang-gen") as pool:
 
             def run(indices: range, j: int | None) -> list[tuple[int, list[Generation]]]:
-                if j is None:
-                    return self._generate_groups(prompts, urls, params, indices)
-                i = indices[0]
-                return [(i, [self._generate_one(prompts[i].prompt_ids, urls[i], params, i, j)])]
+                media = dict(zip(indices, self.prompt_media(prompts, indices), strict=True))  # this job's files
+                try:
+                    if j is None:
+                        return self._generate_groups(prompts, media, params, indices)
+                    i = indices[0]
+                    return [(i, [self._generate_one(prompts[i].prompt_ids, media[i], params, i, j)])]
+                finally:
+                    self.release_media(media.values())
 
             futures = [pool.submit(run, indices, j) for indices, j in jobs]
             try:
@@ -248,17 +264,67 @@ class SGLangRolloutEngine:
                 raise
         return [results[i] for i in range(len(prompts))]
 
+    def _check_prompt(self, prompt: SGLangPrompt, i: int) -> None:
+        """What `prompt_media` would refuse of prompt `i`, checked without encoding or writing anything."""
+        if self.pixel_dir is None:
+            prompt_images(prompt, i, self.tokens.video_token_id)
+        else:
+            vision_inputs(prompt, i, self.tokens, self.spatial_merge_size)
+
+    def prompt_media(self, prompts: Sequence[SGLangPrompt], indices: Sequence[int] | None = None) -> list[PromptMedia]:
+        """Prompts `indices` (default: all) as they go into a request (generate.py): PNG data URLs, or pixel values
+        written into the pixel directory, built in a pool. If one fails, the files written for the others are
+        removed and the first failure (in order) is raised. The caller hands what it gets to `release_media` once its
+        requests are answered: the files of the prompts in flight are all the pixel directory holds."""
+        indices = range(len(prompts)) if indices is None else indices
+
+        def build(i: int) -> PromptMedia:
+            if self.pixel_dir is None:
+                return png_media(prompts[i], i, self.tokens)
+            return pixel_media(
+                prompts[i],
+                i,
+                self.tokens,
+                directory=self.pixel_dir,
+                dtype=self.pixel_dtype,
+                spatial_merge_size=self.spatial_merge_size,
+            )
+
+        if len(indices) == 1:
+            return [build(indices[0])]
+        with ThreadPoolExecutor(
+            max_workers=min(self.max_concurrency, len(indices)), thread_name_prefix="media"
+        ) as pool:
+            futures = [pool.submit(build, i) for i in indices]
+        built, errors = [], []
+        for future in futures:
+            try:
+                built.append(future.result())
+            except Exception as e:  # noqa: BLE001 (re-raised below, after the clean-up)
+                errors.append(e)
+        if errors:
+            self.release_media(built)
+            raise errors[0]
+        return built
+
+    def release_media(self, media: Iterable[PromptMedia]) -> None:
+        """Delete the pixel files of `media` (from `prompt_media`)."""
+        if self.pixel_dir is not None:
+            remove_files(self.pixel_dir, [f for m in media for f in m.files])
+
     def _generate_groups(
-        self, prompts: Sequence[SGLangPrompt], urls: list[list[str]], params: SamplingParams, indices: range
+        self, prompts: Sequence[SGLangPrompt], media: dict[int, PromptMedia], params: SamplingParams, indices: range
     ) -> list[tuple[int, list[Generation]]]:
         """The `params.n` samples of each prompt in `indices`, as one request; a sample SGLang aborted is sent again
-        alone. Returns (prompt index, its samples) in prompt order."""
+        alone. Returns (prompt index, its samples) in prompt order.
+
+        Sent in the batch form even for one prompt: 0.5.16 turns a single prompt with `n > 1` into a batch of one
+        whose `image_data` must then be one entry per prompt (`GenerateReqInput._normalize_image_data`,
+        `srt/managers/io_struct.py:509`), so a flat list of two images would be refused."""
         n = params.n
         ids = {i: [int(t) for t in prompts[i].prompt_ids.tolist()] for i in indices}
-        payloads = [self._payload(ids[i], urls[i], params, sampling_seed(params.seed, i, 0, n), n=n) for i in indices]
-        bodies = self.client.generate_n(
-            payloads[0] if len(payloads) == 1 else batch_payload(payloads), n * len(indices)
-        )
+        payloads = [self._payload(media[i], params, sampling_seed(params.seed, i, 0, n), n=n) for i in indices]
+        bodies = self.client.generate_n(batch_payload(payloads), n * len(indices))
         out = []
         for k, i in enumerate(indices):
             generations: list[Generation] = []
@@ -267,14 +333,16 @@ class SGLangRolloutEngine:
                     generation = self._parse(body, ids[i], params, i)
                 except GenerationAbortedError as e:
                     log.warning("%s (sample %d of %d); sending that sample again alone", e, j, n)
-                    generation = self._generate_one(prompts[i].prompt_ids, urls[i], params, i, j)
+                    generation = self._generate_one(prompts[i].prompt_ids, media[i], params, i, j)
                 generations.append(generation)
             out.append((i, generations))
         return out
 
-    def _generate_one(self, prompt_ids: Tensor, urls: list[str], params: SamplingParams, i: int, j: int) -> Generation:
+    def _generate_one(
+        self, prompt_ids: Tensor, media: PromptMedia, params: SamplingParams, i: int, j: int
+    ) -> Generation:
         ids = [int(t) for t in prompt_ids.tolist()]
-        payload = self._payload(ids, urls, params, sampling_seed(params.seed, i, j, params.n))
+        payload = self._payload(media, params, sampling_seed(params.seed, i, j, params.n))
         for attempt in range(self.max_abort_retries + 1):
             body = self.client.generate(payload)
             try:
@@ -297,16 +365,17 @@ class SGLangRolloutEngine:
         self._check_version(version, i)
         return generation
 
-    def _payload(self, ids: list[int], urls: list[str], params: SamplingParams, seed: int, n: int = 1) -> dict:
+    def _payload(self, media: PromptMedia, params: SamplingParams, seed: int, n: int = 1) -> dict:
         return build_generate_payload(
-            request_input_ids(ids, self.tokens.image_token_id, len(urls)) if urls else ids,
-            urls,
+            media.input_ids,
+            media.image_data,
             params,
             seed=seed,
             stop_token_ids=self.stop_token_ids,
             banned_token_ids=self.banned_token_ids,
             n=n,
-            image_hashes=[image_hash(u) for u in urls],
+            image_hashes=media.mm_hashes,
+            video_data=media.video_data,
         )
 
     def _check_version(self, version: str | None, prompt_index: int) -> None:

@@ -38,6 +38,14 @@ bodies, each as for one request, in order; an abort with a status code fails the
 
 Images are sent as PNG data URLs of the decoded pixels: lossless, and the server never decodes a JPEG with nvJPEG
 (0.5.16 does so on the GPU in `python/sglang/srt/utils/common.py:_load_image`), whose output can differ from PIL's.
+
+With miles_vl's launcher (`miles_vl/sglang_launch.py`) a prompt goes as what the trainer sees instead (`pixel_media`):
+its canonical ids (image and video tokens expanded), and one `processor_output` item per modality holding its grids
+and a reference to its pixel values, which the engine writes into the server's pixel directory (`write_tensor`) in
+the server model's dtype. SGLang then runs neither its image processor nor its tokenizer on the prompt; its MRoPE
+positions come from our ids and grids (`QwenVLImageProcessor.process_mm_data_async`, `qwen_vl.py:770-810`), and
+videos keep our frames and timestamps. The ids are checked here against the grids (`vision_inputs`), since the server
+no longer re-derives them.
 """
 
 from __future__ import annotations
@@ -45,14 +53,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import os
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
+from torch import Tensor
 
+from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang.client import SGLangResponseError
 from miles_vl.rollout.types import Generation, SamplingParams
+from miles_vl.sglang_launch import FEATURE_GRIDS, FILE_KEY, write_tensor
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BANNED_LOGIT_BIAS = -1.0e9  # JSON has no -inf; exp(-1e9) is exactly 0 in fp32
@@ -156,6 +169,142 @@ def prompt_images(prompt: Any, index: int, video_token_id: int | None = None) ->
     return images
 
 
+@dataclass(frozen=True)
+class PromptMedia:
+    """What one prompt puts into a `/generate` body besides its sampling parameters.
+
+    Attributes:
+        input_ids: the ids sent: `request_input_ids` of the canonical ids with PNG images, the canonical ids themselves
+            with pixel values.
+        image_data: PNG data URLs, one per image; or one `processor_output` item holding all the prompt's images.
+        video_data: one `processor_output` item holding all the prompt's videos, or none.
+        mm_hashes: `image_hash` of each data URL (PNG images only).
+        files: names written into the server's pixel directory for this prompt (the engine deletes them).
+    """
+
+    input_ids: list[int]
+    image_data: list = field(default_factory=list)
+    video_data: list = field(default_factory=list)
+    mm_hashes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def png_media(prompt: Any, index: int, tokens: SpecialTokens) -> PromptMedia:
+    """A prompt for SGLang's own launch_server: one pad per image block and the images as PNG data URLs (module
+    docstring). Raises what `prompt_images` raises."""
+    urls = [image_data_url(im) for im in prompt_images(prompt, index, tokens.video_token_id)]
+    ids = [int(t) for t in prompt.prompt_ids.tolist()]
+    return PromptMedia(
+        input_ids=request_input_ids(ids, tokens.image_token_id, len(urls)) if urls else ids,
+        image_data=urls,
+        mm_hashes=[image_hash(u) for u in urls],
+    )
+
+
+def _runs(ids: list[int], token: int) -> list[int]:
+    """Lengths of the maximal runs of `token` in `ids`, in order."""
+    runs: list[int] = []
+    previous = None
+    for t in ids:
+        if t == token:
+            if previous == token:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = t
+    return runs
+
+
+def vision_inputs(
+    prompt: Any, index: int, tokens: SpecialTokens, spatial_merge_size: int
+) -> list[tuple[str, Tensor, Tensor]]:
+    """The prompt's pixel values with their grids, checked against its canonical ids, as (processor_output key,
+    pixels [patches, dim], grid [n, 3]) for its images, then its videos (only the modalities it has).
+
+    An image of grid (t, h, w) is one run of t*h*w / merge^2 `<|image_pad|>` tokens; a video is t runs of
+    h*w / merge^2 `<|video_pad|>` tokens (Qwen3-VL gives every frame group its own block and timestamp); the pixel
+    rows of a modality add up to its grids' t*h*w.
+
+    Raises:
+        ValueError: pads without grids or pixel values, or counts that disagree (named).
+    """
+    ids = [int(t) for t in prompt.prompt_ids.tolist()]
+    merge2 = spatial_merge_size**2
+    out = []
+    for key, token, name in (
+        ("pixel_values", tokens.image_token_id, "image"),
+        ("pixel_values_videos", tokens.video_token_id, "video"),
+    ):
+        grid_key = FEATURE_GRIDS[key]
+        grid, pixels, runs = getattr(prompt, grid_key, None), getattr(prompt, key, None), _runs(ids, token)
+        rows = [] if grid is None else [[int(x) for x in row] for row in torch.as_tensor(grid).reshape(-1, 3).tolist()]
+        if not rows and not runs:
+            continue
+        where = f"prompt {index}"
+        if name == "image":
+            expected = [t * h * w // merge2 for t, h, w in rows]
+        else:  # one block per frame group
+            expected = [h * w // merge2 for t, h, w in rows for _ in range(t)]
+        if runs != expected:
+            raise ValueError(
+                f"{where}: its {name} blocks in prompt_ids hold {runs} tokens, but {grid_key} {rows} asks for "
+                f"{expected} (spatial merge {spatial_merge_size}); the ids and grids must come from one processor call"
+            )
+        if pixels is None:
+            raise ValueError(f"{where} has {len(rows)} {name} grid row(s) but no {key}")
+        patches = sum(t * h * w for t, h, w in rows)
+        if pixels.ndim != 2 or pixels.shape[0] != patches:
+            raise ValueError(f"{where}: {key} has shape {tuple(pixels.shape)}, {grid_key} {rows} needs {patches} rows")
+        out.append((key, pixels, torch.tensor(rows, dtype=torch.long)))
+    return out
+
+
+def pixel_media(
+    prompt: Any,
+    index: int,
+    tokens: SpecialTokens,
+    *,
+    directory: str,
+    dtype: torch.dtype,
+    spatial_merge_size: int,
+) -> PromptMedia:
+    """A prompt for miles_vl's launcher: its canonical ids and its own pixel values, written into the server's pixel
+    directory as `dtype` (module docstring). Raises what `vision_inputs` raises."""
+    items: dict[str, dict] = {}
+    files: list[str] = []
+    try:
+        for key, pixels, grid in vision_inputs(prompt, index, tokens, spatial_merge_size):
+            try:
+                ref = write_tensor(directory, pixels.to(dtype))
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"writing prompt {index}'s {key} into {directory} failed: {e.strerror or e}. It is shared memory: "
+                    "a container's /dev/shm holds 64 MiB unless started with a larger --shm-size (SGLang itself needs "
+                    "a large one); make it larger, or set rollout.sglang.send_pixel_values=false",
+                ) from e
+            files.append(ref[FILE_KEY])
+            items[key] = {"format": "processor_output", key: ref, FEATURE_GRIDS[key]: grid.tolist()}
+    except BaseException:
+        remove_files(directory, files)
+        raise
+    return PromptMedia(
+        input_ids=[int(t) for t in prompt.prompt_ids.tolist()],
+        image_data=[items["pixel_values"]] if "pixel_values" in items else [],
+        video_data=[items["pixel_values_videos"]] if "pixel_values_videos" in items else [],
+        files=files,
+    )
+
+
+def remove_files(directory: str, names: Sequence[str]) -> None:
+    """Delete the named files of the pixel directory (those already gone are skipped)."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # request
 
@@ -204,7 +353,7 @@ def request_input_ids(prompt_ids: Sequence[int], image_token_id: int, n_images: 
 
 def build_generate_payload(
     prompt_ids: Sequence[int],
-    image_urls: Sequence[str],
+    image_data: Sequence[str | Mapping[str, Any]],
     params: SamplingParams,
     *,
     seed: int,
@@ -212,20 +361,22 @@ def build_generate_payload(
     banned_token_ids: Sequence[int] = (),
     n: int = 1,
     image_hashes: Sequence[str] = (),
+    video_data: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """One `GenerateReqInput` body: one prompt, `n` samples (engine.py decides how a call's samples are split into
     requests; `params.n` is not read here).
 
     Args:
-        prompt_ids: the ids to send: `request_input_ids` of the canonical ids when images go with them.
-        image_urls: `image_data_url` of each image, in prompt order.
+        prompt_ids: the ids to send (`PromptMedia.input_ids`).
+        image_data: `image_data_url` of each image, in prompt order; or one `processor_output` item (`pixel_media`).
         params: sampling parameters.
         seed: this request's `sampling_seed` (SGLang gives it to all `n` samples).
         stop_token_ids: EOS ids; generation stops after emitting one (it stays in `output_ids`).
         banned_token_ids: ids given a -1e9 logit bias (e.g. vision tokens, as the hf engine bans them).
         n: samples of this prompt in this request (`sampling_params.n`); the server answers a list of `n` bodies
             when n > 1.
-        image_hashes: `image_hash` of each image (sent as `mm_hashes`), or none.
+        image_hashes: `image_hash` of each image URL (sent as `mm_hashes`), or none.
+        video_data: one `processor_output` item of the prompt's videos (`pixel_media`), or none.
 
     Returns:
         The JSON body.
@@ -251,11 +402,13 @@ def build_generate_payload(
         "return_prompt_token_ids": True,
         "stream": False,
     }
-    if image_urls:
-        payload["image_data"] = list(image_urls)
+    if image_data:
+        payload["image_data"] = list(image_data)
+    if video_data:
+        payload["video_data"] = list(video_data)
     if image_hashes:
-        if len(image_hashes) != len(image_urls):
-            raise ValueError(f"{len(image_hashes)} image hashes for {len(image_urls)} images")
+        if len(image_hashes) != len(image_data):
+            raise ValueError(f"{len(image_hashes)} image hashes for {len(image_data)} images")
         payload["mm_hashes"] = list(image_hashes)
     return payload
 
@@ -269,15 +422,16 @@ def batch_payload(payloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ns = {p["sampling_params"].get("n", 1) for p in payloads}
     if len(ns) > 1:
         raise ValueError(f"the requests of one batch must ask for the same n, found {sorted(ns)}")
-    per_prompt = ("input_ids", "sampling_params", "image_data", "mm_hashes")
+    per_prompt = ("input_ids", "sampling_params", "image_data", "video_data", "mm_hashes")
     shared = [{k: v for k, v in p.items() if k not in per_prompt} for p in payloads]
     if any(s != shared[0] for s in shared):
         raise ValueError("the requests of one batch differ in more than their prompts and sampling parameters")
     batch = dict(shared[0])
     batch["input_ids"] = [list(p["input_ids"]) for p in payloads]
     batch["sampling_params"] = [dict(p["sampling_params"]) for p in payloads]
-    if any("image_data" in p for p in payloads):  # a prompt without images: [] (SGLang: no modality)
-        batch["image_data"] = [list(p.get("image_data", ())) for p in payloads]
+    for key in ("image_data", "video_data"):  # a prompt without this modality: [] (SGLang: none)
+        if any(key in p for p in payloads):
+            batch[key] = [list(p.get(key, ())) for p in payloads]
     if any("mm_hashes" in p for p in payloads):  # 0.5.16 ignores these for a batch; miles_vl's launcher reads them
         batch["mm_hashes"] = [list(p.get("mm_hashes", ())) for p in payloads]
     return batch

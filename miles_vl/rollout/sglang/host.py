@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,12 +40,16 @@ from miles_vl.rollout.sglang.server import (
     build_server_argv,
     build_server_env,
     check_port_free,
+    pixel_directory,
+    pixel_wire_dtype,
+    spatial_merge_size,
     wait_until_healthy,
     write_server_config,
 )
 from miles_vl.rollout.sglang.verify import checkpoint_names
 from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
 from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, EngineAddress, SyncReport
+from miles_vl.sglang_launch import PIXEL_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,9 @@ class SGLangRolloutHost(RolloutEngine):
             server's flags make it deterministic.
         prompts_per_request: prompts (each with its n samples) in one request (`SGLangRolloutEngine`); None:
             `LAUNCHER_PROMPTS_PER_REQUEST` with miles_vl's launcher, 1 with any other launch module.
+        send_pixel_values: send prompts as their ids and pixel values through a private directory the server reads
+            (`SGLangRolloutEngine.pixel_dir`; the server must be miles_vl's launcher, or a stand-in of it); None: with
+            miles_vl's launcher. False: PNG images, which SGLang processes again.
         cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
             (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
     """
@@ -122,6 +130,7 @@ class SGLangRolloutHost(RolloutEngine):
         verify_weights: bool = True,
         one_request_per_prompt: bool | None = None,
         prompts_per_request: int | None = None,
+        send_pixel_values: bool | None = None,
         cpu_tensors_by_name: bool = False,
     ):
         if cpu_tensors_by_name and not torch.cuda.is_available():
@@ -134,13 +143,19 @@ class SGLangRolloutHost(RolloutEngine):
         self.health_poll_s = health_poll_s
         self.restarts = 0
         self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
+        if send_pixel_values is None:
+            send_pixel_values = launch_module == MILES_VL_LAUNCH_MODULE
+        self.pixel_dir = pixel_directory() if send_pixel_values else None
         config_file = write_server_config(spec, self._dir)
         argv = build_server_argv(
             spec, python=python, module=launch_module, config_file=None if config_file is None else str(config_file)
         )
+        server_env = {**build_server_env(spec), **(env or {})}
+        if self.pixel_dir is not None:
+            server_env[PIXEL_DIR_ENV] = str(self.pixel_dir)
         self.server = ServerProcess(
             argv,
-            env={**build_server_env(spec), **(env or {})},
+            env=server_env,
             log_path=log_path if log_path is not None else self._dir / f"sglang_{spec.port}.log",
         )
         self.client = SGLangClient(
@@ -166,6 +181,9 @@ class SGLangRolloutHost(RolloutEngine):
             verify_weights=verify_weights,
             one_request_per_prompt=one_request_per_prompt,
             prompts_per_request=default_prompts_per_request(launch_module, prompts_per_request),
+            pixel_dir=None if self.pixel_dir is None else str(self.pixel_dir),
+            pixel_dtype=pixel_wire_dtype(spec),
+            spatial_merge_size=spatial_merge_size(spec.model_path),
         )
         try:
             self._launch()
@@ -292,10 +310,12 @@ class SGLangRolloutHost(RolloutEngine):
         return self.server.is_alive() and self.client.is_healthy()
 
     def shutdown(self) -> None:
-        """Stop the server (its whole process group) and delete the API-key file; the log stays for post-mortems
-        (the private directory is removed when it holds nothing else)."""
+        """Stop the server (its whole process group) and delete the API-key file and the pixel directory; the log
+        stays for post-mortems (the private directory is removed when it holds nothing else)."""
         self.server.stop()
         self.client.close()
+        if self.pixel_dir is not None:
+            shutil.rmtree(self.pixel_dir, ignore_errors=True)
         for path in self._dir.glob("*.yaml"):
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):

@@ -23,6 +23,9 @@ Decisions (each one is also in docs/sglang.md):
   `MultimodalDataItem.set_pad_value`, `srt/managers/schedule_batch.py:299`, `:576`); with it the tokenizer hashes once
   per request before the copies are made (`srt/managers/tokenizer_manager.py:966-974`) and the copies carry the hash.
 - Colocated engines get `--enable-memory-saver` so that `/release_memory_occupation` frees the GPU for the trainer.
+- Pixel values for a server run by miles_vl's launcher go through a private directory (`pixel_directory`, in
+  /dev/shm: memory, not disk), named to the server in `MILES_VL_SGLANG_PIXEL_DIR`; they are written in the server
+  model's dtype when it is bf16 or fp16 (`pixel_wire_dtype`), as the model casts them to it anyway, else in fp32.
 
 `ServerProcess` runs the command in its own session (process group), so stopping it also stops the scheduler and
 detokenizer processes SGLang forks; its log goes to a file whose tail is quoted when the server dies.
@@ -43,6 +46,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
 
@@ -208,6 +213,64 @@ def build_server_argv(
     if spec.mm_process_config is not None:
         argv += ["--mm-process-config", json.dumps(spec.mm_process_config, separators=(",", ":"))]
     return argv + list(spec.extra_args)
+
+
+# SGLang 0.5.16's names for --dtype (`_STR_DTYPE_TO_TORCH_DTYPE`, srt/configs/model_config.py)
+SGLANG_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for k, arg in enumerate(args):
+        if arg == flag and k + 1 < len(args):
+            return args[k + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _checkpoint_config(model_path: str) -> dict | None:
+    path = Path(model_path) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pixel_wire_dtype(spec: ServerSpec) -> torch.dtype:
+    """The dtype the engine writes pixel values in for this server: bfloat16 or float16 when SGLang 0.5.16 will run
+    the model in that dtype, as it decides it (`_get_and_verify_dtype`, srt/configs/model_config.py:1600): `--dtype` in
+    `extra_args`, else the checkpoint's text config's `dtype` (the top level's when it has none, `get_hf_text_config`,
+    srt/utils/hf_transformers/common.py:345). The model casts pixel values to its dtype, so sending them in it changes
+    nothing it sees and halves the bytes. Float32 otherwise (a float32 checkpoint, which `auto` runs in float16, or a
+    config that cannot be read): the launcher casts those as the model would."""
+    flag = _flag_value(spec.extra_args, "--dtype")
+    if flag is not None and flag != "auto":
+        dtype = SGLANG_DTYPES.get(flag, torch.float32)
+    else:
+        config = _checkpoint_config(spec.model_path) or {}
+        text = config.get("text_config") or {}
+        name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+        dtype = SGLANG_DTYPES.get(name, torch.float32) if isinstance(name, str) else torch.float32
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def spatial_merge_size(model_path: str) -> int:
+    """The checkpoint's `vision_config.spatial_merge_size` (2, Qwen3-VL's, when unreadable)."""
+    config = _checkpoint_config(model_path) or {}
+    return int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
+
+
+def pixel_directory() -> Path:
+    """A new private (0700) directory for pixel values handed to a server: in /dev/shm when there is one."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="miles_vl_pixels_", dir=base))
 
 
 def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -24,25 +24,39 @@ TOKENS = SpecialTokens(IMAGE_TOKEN_ID, VIDEO, VISION_START_TOKEN_ID, VEND, PAD, 
 
 @dataclass
 class Prompt:
-    """A canonical prompt as miles_vl.data builds it, plus the `images` the sglang engine needs."""
+    """A canonical prompt as miles_vl.data builds it, plus the `images` the sglang engine sends to a server without a
+    pixel directory."""
 
     prompt_ids: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     images: list | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
 
 def make_prompt(text: list[int], n_images: int = 0, *, color: int = 0, with_images: bool = True) -> Prompt:
     """`text` followed by `n_images` vision blocks of 64x64-pixel images: with patch 16 and merge 2 (Qwen3-VL), an
     image of 64 * 64 = 4096 pixels in [MIN_PIXELS, MAX_PIXELS] keeps its size, so its grid is 1x4x4 and its block
-    holds 4x4 / 2^2 = 4 merged tokens."""
+    holds 4x4 / 2^2 = 4 merged tokens. Its pixel values are random (seeded by `color`): 16 patches of 1536 per image."""
     ids = list(text)
     for _ in range(n_images):
         ids += [VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * 4 + [VEND]
     grid = torch.tensor([[1, 4, 4]] * n_images) if n_images else None
-    pixels = torch.zeros(16 * n_images, 1536) if n_images else None
+    pixels = torch.randn(16 * n_images, 1536, generator=torch.Generator().manual_seed(color)) if n_images else None
     images = [Image.new("RGB", (64, 64), (color, 10 * k, 200)) for k in range(n_images)]
     return Prompt(torch.tensor(ids), pixels, grid, images if with_images else None)
+
+
+def make_video_prompt(text: list[int], frames: int = 2, *, seed: int = 0) -> Prompt:
+    """`text` followed by a video of `frames` frame groups of 64x64 pixels, as Qwen3-VL lays it out: each frame group
+    its own `<|vision_start|>` + 4 `<|video_pad|>` + `<|vision_end|>` block behind a timestamp token (here one id,
+    7); grid (frames, 4, 4), 16 random patches of 1536 per frame group."""
+    ids = list(text)
+    for _ in range(frames):
+        ids += [7, VISION_START_TOKEN_ID] + [VIDEO] * 4 + [VEND]
+    pixels = torch.randn(16 * frames, 1536, generator=torch.Generator().manual_seed(seed))
+    return Prompt(torch.tensor(ids), None, None, None, pixels, torch.tensor([[frames, 4, 4]]))
 
 
 def free_port() -> int:

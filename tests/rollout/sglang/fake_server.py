@@ -15,7 +15,18 @@ HTTP 500 (its processor raises StopIteration: "Internal Server Error", the reaso
 is expanded to that image's token count, from the PNG's size through Qwen's smart_resize (patch 16, merge 2, the
 min/max pixels of `--mm-process-config`), and `prompt_token_ids` echoes the expanded ids. A batch (`input_ids` a list
 of lists, `image_data` one list per prompt, `sampling_params` one dict or one per prompt, the same `n` for all) is
-answered as 0.5.16 answers it: `prompts x n` bodies, prompt by prompt (`_batch_prompts`).
+answered as 0.5.16 answers it: `prompts x n` bodies, prompt by prompt (`_batch_prompts`); a single prompt with
+`n > 1` is a batch of one there, so its `image_data` must be one entry (0.5.16's ValueError, HTTP 400, otherwise).
+
+Pixel values as miles_vl's launcher takes them (`miles_vl/sglang_launch.py`, the default server): a prompt's
+`image_data` / `video_data` may be one `processor_output` item (0.5.16 refuses more than one item per modality then,
+400) whose pixel values are files in `$MILES_VL_SGLANG_PIXEL_DIR`; they are read with the launcher's own
+`resolve_item` (the launcher is the server here; its reading is tested on its own, and the real server confirms the
+pair), against the model dtype of `--dtype` (float32 without it: the stand-in's models run in float32, where 0.5.16
+would run a float32 checkpoint in float16), and the ids are used as sent (0.5.16's fast path for preprocessed
+input). Without the launcher (`FakeState(launcher=False)`, `--fake-stock`) such an item is what stock 0.5.16 makes
+of it: the file reference becomes the item's feature, which its hashing cannot read (TypeError in the tokenizer:
+HTTP 500).
 
 Weights as 0.5.16's Qwen3-VL takes them: a name the server does not know (the model's names with hf_server.py;
 `FakeState.param_names` here, None = every name) is skipped without an error and only reported (log, journal,
@@ -194,6 +205,9 @@ class FakeState:
     initial_weight_version: str = "default"
     startup_delay_s: float = 0.0
     exit_file: str | None = None  # see --fake-exit-file
+    launcher: bool = True  # run by miles_vl's launcher: processor_output items with pixel files are read
+    pixel_dir: str | None = None  # $MILES_VL_SGLANG_PIXEL_DIR
+    model_dtype: str = "float32"  # --dtype (the stand-in's models run in float32)
     allow_exit: bool = False  # os._exit on an "exit" fault: only when this is its own process
     started_at: float = field(default_factory=time.monotonic)
     released: set[str] = field(default_factory=set)
@@ -596,13 +610,16 @@ class Handler(BaseHTTPRequestHandler):
             sys.stderr.flush()
             os._exit(1)
         _require_fields(body, GENERATE_FIELDS, "GenerateReqInput")
-        prompts, batched = _batch_prompts(body)  # [(input_ids, image urls, sampling params)], one per prompt
-        n = {int((sampling or {}).get("n", 1)) for _, _, sampling in prompts}
+        prompts, batched = _batch_prompts(body)  # [(input_ids, images, videos, sampling params)], one per prompt
+        n = {int((sampling or {}).get("n", 1)) for *_, sampling in prompts}
         if len(n) > 1:  # GenerateReqInput._handle_parallel_sampling (io_struct.py:411)
             raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
         [n] = n
+        # what each prompt brought, for the journal: data URLs or processor_output items (with their grids)
+        media = [{"images": [_kind(u) for u in im], "videos": [_kind(v) for v in vid]} for _, im, vid, _ in prompts]
+        self.server.journal({"event": "generate", "prompts": media})
         work = []
-        for input_ids, images, sampling in prompts:
+        for input_ids, images, videos, sampling in prompts:
             sampling = sampling or {}
             unknown = set(sampling) - SAMPLING_FIELDS
             if unknown:
@@ -612,13 +629,18 @@ class Handler(BaseHTTPRequestHandler):
                 raise SchedulerCrash(
                     "AssertionError: With sampling seed, multinomial_with_seed will provide wrong results"
                 )
+            if any(isinstance(item, dict) for item in [*images, *videos]):
+                work.append((input_ids, [], sampling, self._pixels(images, videos)))
+                continue
+            if videos:
+                raise BadRequest("this stand-in takes videos only as processor_output items (all miles_vl sends)")
             pngs = []
             for u in images:
                 raw = base64.b64decode(u.split(",", 1)[1] if u.startswith("data:") else u, validate=True)
                 if not raw.startswith(b"\x89PNG"):
                     raise BadRequest("an image is not a PNG")
                 pngs.append(raw)
-            work.append((input_ids, pngs, sampling))
+            work.append((input_ids, pngs, sampling, None))
 
         version = s.weight_version
         if (f := s.take_fault("/generate", ("weight_version",))) is not None:
@@ -628,17 +650,52 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.model is not None and s.released:
             raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
         responses = []
-        for input_ids, pngs, sampling in work:  # 0.5.16 answers prompt by prompt, the n samples of each together
+        for input_ids, pngs, sampling, pixels in work:  # 0.5.16 answers prompt by prompt, its n samples together
             if self.server.model is None:  # the images are processed once per prompt, whatever n is
                 counts = [image_token_count(*png_size(raw), s.image_min_pixels, s.image_max_pixels) for raw in pngs]
                 prompt_ids = expand_image_pads(input_ids, counts) if pngs else list(input_ids)
             for _ in range(n):  # 0.5.16 sends n copies of the tokenized request, sampling_seed included
                 if self.server.model is not None:
-                    out, logprobs, finish, prompt_ids = self.server.model.generate(input_ids, pngs, sampling)
+                    out, logprobs, finish, prompt_ids = self.server.model.generate(
+                        input_ids, pngs, sampling, pixels=pixels
+                    )
                 else:
                     out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
                 responses.append(self._response(body, list(prompt_ids), out, logprobs, finish, version))
         self._json(200, responses if n > 1 or batched else responses[0])
+
+    def _pixels(self, images: list, videos: list) -> dict[str, Any]:
+        """One prompt's processor_output items (images, videos) as 0.5.16 with miles_vl's launcher takes them: at most
+        one item per modality (`BaseMultimodalProcessor.validate_mm_data`), its pixel files read by the launcher's
+        `resolve_item`; returns {pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw} (those present)."""
+        s = self.server.state
+        out: dict[str, Any] = {}
+        for modality, items in (("image", images), ("video", videos)):
+            if not items:
+                continue
+            if len(items) != 1 or not isinstance(items[0], dict) or items[0].get("format") != "processor_output":
+                raise BadRequest(
+                    f"Modality.{modality.upper()}: when providing a 'processor_output' or 'precomputed_embedding', "
+                    f"you must pass exactly one item; received {len(items)} items"
+                )
+            if not s.launcher:
+                raise ServerError(
+                    "TypeError: object supporting the buffer API required (MultimodalDataItem.set_pad_value -> "
+                    "hash_feature of a processor_output feature that is a file reference: stock 0.5.16 does not "
+                    "read miles_vl's pixel files; start the server with python -m miles_vl.sglang_launch)"
+                )
+            import torch
+
+            from miles_vl.sglang_launch import resolve_item
+
+            try:
+                item = resolve_item(items[0], getattr(torch, s.model_dtype), s.pixel_dir)
+            except ValueError as e:  # what the launcher raises in _tokenize_one_request: 0.5.16's 400
+                raise BadRequest(str(e)) from e
+            for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+                if key in item:
+                    out[key] = item[key]
+        return out
 
     def _response(self, body, prompt_ids, out, logprobs, finish, version) -> dict:
         s = self.server.state
@@ -962,11 +1019,14 @@ def error_response(message: str, kind: str, code: int) -> dict[str, Any]:
     return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
-def _batch_prompts(body: dict[str, Any]) -> tuple[list[tuple[list[int], list[str], dict[str, Any] | None]], bool]:
-    """The prompts of one `/generate` body, as 0.5.16's `GenerateReqInput` normalizes them (io_struct.py:380-560),
-    and whether it is a batch: `input_ids` is one prompt (a list of ints) or a batch (a list of such lists); a batch's
-    `image_data` holds one list of images per prompt (its length must be the batch size) and its `sampling_params` one
-    dict for all or one per prompt. Text is not taken here (miles_vl sends ids)."""
+def _batch_prompts(body: dict[str, Any]) -> tuple[list[tuple[list[int], list, list, dict[str, Any] | None]], bool]:
+    """The prompts of one `/generate` body as (input_ids, images, videos, sampling params), as 0.5.16's
+    `GenerateReqInput` normalizes them (io_struct.py:380-560), and whether it is a batch: `input_ids` is one prompt (a
+    list of ints) or a batch (a list of such lists). A single prompt with `n > 1` becomes a batch of one
+    (`_handle_parallel_sampling`), whose `image_data` must then hold one entry: a list of that prompt's images, or one
+    image (`_normalize_image_data`: "The length of image_data should be equal to the batch size."). A batch's
+    `image_data` / `video_data` hold one list per prompt (an image or video item: data URLs or processor_output
+    dicts); its `sampling_params` one dict for all or one per prompt. Text is not taken here (miles_vl sends ids)."""
     input_ids = body.get("input_ids")
     if not isinstance(input_ids, list) or not input_ids:
         raise BadRequest("this stand-in takes input_ids: a non-empty list of ints, or a list of such lists")
@@ -974,28 +1034,44 @@ def _batch_prompts(body: dict[str, Any]) -> tuple[list[tuple[list[int], list[str
     rows = input_ids if batched else [input_ids]
     if not all(isinstance(r, list) and r and all(isinstance(t, int) for t in r) for r in rows):
         raise BadRequest("input_ids should be a list of lists for batch processing.")
-    images = body.get("image_data")
+    images, videos = body.get("image_data"), body.get("video_data")
     sampling = body.get("sampling_params")
-    if not batched:
-        images = images or []
-        if not isinstance(images, list) or not all(isinstance(u, str) for u in images):
-            raise BadRequest("image_data must be a list of strings (data URLs) here")
-        return [(input_ids, images, sampling)], False
-    if images is None or images == []:
-        images = [[] for _ in rows]
-    if not isinstance(images, list) or len(images) != len(rows):
-        raise BadRequest("The length of image_data should be equal to the batch size.")
-    if not all(im is None or (isinstance(im, list) and all(isinstance(u, str) for u in im)) for im in images):
-        raise BadRequest("a batch's image_data must hold a list of strings (data URLs) per prompt here")
+    n = int((sampling[0] if isinstance(sampling, list) and sampling else sampling or {}).get("n", 1))
+    is_item = lambda x: isinstance(x, str | dict)  # noqa: E731
+    if not batched and n == 1:  # a single request: its lists are the prompt's own
+        for name, items in (("image_data", images), ("video_data", videos)):
+            if items is not None and not (isinstance(items, list) and all(is_item(u) for u in items)):
+                raise BadRequest(f"{name} must be a list of images or items here")
+        return [(input_ids, list(images or []), list(videos or []), sampling)], False
+    per_prompt = []
+    for name, items in (("image_data", images), ("video_data", videos)):
+        if items is None or items == []:
+            per_prompt.append([[] for _ in rows])
+            continue
+        if not isinstance(items, list) or len(items) != len(rows):
+            kind = "image" if name == "image_data" else "video"
+            raise BadRequest(f"The length of {kind}_data should be equal to the batch size.")
+        entries = [[] if e is None else e if isinstance(e, list) else [e] for e in items]
+        if not all(all(is_item(u) for u in e) for e in entries):
+            raise BadRequest(f"a batch's {name} must hold a list of images or items per prompt here")
+        per_prompt.append(entries)
     if isinstance(sampling, list):
         if len(sampling) != len(rows):
             raise BadRequest("The length of sampling_params should be equal to the batch size.")
     else:
         sampling = [sampling] * len(rows)
     hashes = body.get("mm_hashes")
-    if hashes is not None and (not isinstance(hashes, list) or len(hashes) != len(rows)):
+    if batched and hashes is not None and (not isinstance(hashes, list) or len(hashes) != len(rows)):
         raise BadRequest("this stand-in takes a batch's mm_hashes as one list per prompt")
-    return [(r, list(im or []), sp) for r, im, sp in zip(rows, images, sampling, strict=True)], True
+    prompts = zip(rows, per_prompt[0], per_prompt[1], sampling, strict=True)
+    return [(r, list(im), list(vid), sp) for r, im, vid, sp in prompts], batched
+
+
+def _kind(item: Any) -> Any:
+    """A journal's view of one image or video item: "url", or a processor_output item's format and grids."""
+    if isinstance(item, dict):
+        return {k: v for k, v in item.items() if k in ("format", "image_grid_thw", "video_grid_thw")}
+    return "url"
 
 
 def _require_fields(body: Any, allowed: frozenset[str] | set[str], cls: str) -> None:
@@ -1025,8 +1101,11 @@ def _verify_sampling(p: dict[str, Any]) -> None:
 class ServerModel(Protocol):
     """A real model behind the stand-in's routes (hf_server.py); without one the deterministic fake answers."""
 
-    def generate(self, input_ids: list[int], pngs: list[bytes], sampling: dict) -> tuple[list, list, dict, list]:
-        """(output ids, their logprobs, finish_reason, the prompt ids the server used); BadRequest on bad input."""
+    def generate(
+        self, input_ids: list[int], pngs: list[bytes], sampling: dict, *, pixels: dict | None = None
+    ) -> tuple[list, list, dict, list]:
+        """(output ids, their logprobs, finish_reason, the prompt ids the server used); BadRequest on bad input.
+        `pixels`: the prompt's read processor_output items (`Handler._pixels`), in place of PNG images."""
         ...
 
     def names(self) -> set[str]:
@@ -1169,6 +1248,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     parser.add_argument("--mm-process-config", default=None, help="JSON; its image min/max pixels are used")
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--rl-on-policy-target", default=None, help="0.5.16 turns deterministic inference on with it")
+    parser.add_argument("--dtype", default="auto", help="the model dtype pixel values are read in (auto: float32)")
+    parser.add_argument("--fake-stock", action="store_true", help="0.5.16 without miles_vl's launcher")
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
@@ -1198,6 +1279,9 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
         startup_delay_s=args.fake_startup_delay,
         exit_file=args.fake_exit_file,
         allow_exit=True,
+        launcher=not args.fake_stock,
+        pixel_dir=os.environ.get("MILES_VL_SGLANG_PIXEL_DIR"),
+        model_dtype={"auto": "float32", "half": "float16", "float": "float32"}.get(args.dtype, args.dtype),
     )
     if args.host not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"fake-sglang binds loopback only, got --host {args.host}")

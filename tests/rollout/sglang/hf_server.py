@@ -10,6 +10,8 @@ What it does as SGLang 0.5.16 does, so that the driver's wiring is exercised for
   checkpoint's processor on the text and the images with `--mm-process-config`'s min/max pixels (the expanded form
   raises StopIteration there: HTTP 500), and expands each single `<|image_pad|>` to its image's token count: the
   prompt ids it answers with are its own, so images that do not match the prompt show up as a prompt-id mismatch;
+- takes `input_ids` + `processor_output` items (images and videos) as 0.5.16 run by miles_vl's launcher does
+  (fake_server.py): the ids as sent, the pixel values read from the pixel directory;
 - samples with the request's temperature/top-p/top-k (and its `sampling_seed` only with
   `--enable-deterministic-inference`, as 0.5.16), bans the tokens given a -1e9 `logit_bias`, stops on
   `stop_token_ids`, and reports the sampled tokens' logprobs;
@@ -83,13 +85,16 @@ class HFServerModel:
         self.cpu_backup = cpu_backup
         self.lock = threading.Lock()  # one generation at a time: the engine seeds torch's global generator
 
-    def generate(self, input_ids, pngs, sampling):
+    def generate(self, input_ids, pngs, sampling, *, pixels=None):
         t = self.tokens
         images = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in pngs]
         pixel_values = grid = None
         prompt_ids = list(input_ids)
+        pixels = pixels or {}
         if images:
             prompt_ids, pixel_values, grid = sglang_prompt(self.processor, input_ids, images, self.image_kwargs)
+        elif pixels:  # processor_output items, read by the launcher: the ids as sent (0.5.16's fast path)
+            pixel_values, grid = pixels.get("pixel_values"), pixels.get("image_grid_thw")
         banned = {int(k) for k, v in (sampling.get("logit_bias") or {}).items() if v <= -1e8}
         if banned and banned != self.vision_ids:
             raise BadRequest(f"this stand-in bans either the vision tokens or nothing, got logit_bias on {banned}")
@@ -107,7 +112,8 @@ class HFServerModel:
             # else from the global generator: a fresh seed per request here.
             seed=int(sampling.get("sampling_seed", 42)) if self.deterministic else random.getrandbits(63),
         )
-        prompt = _Prompt(torch.tensor(prompt_ids), pixel_values, grid)
+        videos, video_grid = pixels.get("pixel_values_videos"), pixels.get("video_grid_thw")
+        prompt = _Prompt(torch.tensor(prompt_ids), pixel_values, grid, videos, video_grid)
         with self.lock:
             [[gen]] = self.engines[bool(banned)].generate([prompt], params)
         out_ids = gen.response_ids.tolist()

@@ -101,8 +101,10 @@ def test_a_prompts_n_samples_go_as_one_request_by_default(fake):
     ps = prompts()
     groups = eng.generate(ps, SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=3))
     bodies = generate_bodies(fake)
-    assert len(bodies) == len(ps) and all(b["sampling_params"]["n"] == 4 for b in bodies)
-    assert sorted(len(b.get("image_data", [])) for b in bodies) == sorted(len(p.images) for p in ps)
+    # a batch of one prompt each (0.5.16 makes one of a single prompt with n > 1 anyway, generate.py)
+    assert len(bodies) == len(ps) and all(len(b["input_ids"]) == 1 for b in bodies)
+    assert all([sp["n"] for sp in b["sampling_params"]] == [4] for b in bodies)
+    assert sorted(len(b.get("image_data", [[]])[0]) for b in bodies) == sorted(len(p.images) for p in ps)
     assert [len(g) for g in groups] == [4, 4, 4]
     for group in groups:
         assert len({tuple(g.response_ids.tolist()) for g in group}) > 1  # sampled without a shared seed: they differ
@@ -124,7 +126,19 @@ def test_an_aborted_sample_of_a_group_is_sent_again_alone(fake):
     [group] = eng.generate([make_prompt([5, 6], 1)], SamplingParams(n=3, max_new_tokens=4, temperature=1.0))
     assert len(group) == 3
     bodies = generate_bodies(fake)
-    assert [b["sampling_params"].get("n", 1) for b in bodies] == [3, 1]
+    assert [b["sampling_params"][0]["n"] for b in bodies[:1]] == [3] and "n" not in bodies[1]["sampling_params"]
+
+
+def test_a_prompt_with_two_images_and_n_samples(fake):
+    """0.5.16 turns a single prompt with n > 1 into a batch of one, whose image_data must then hold one entry: the
+    flat list of a prompt's two images is its HTTP 400 (the stand-in's too); the engine sends the batch form."""
+    with pytest.raises(SGLangRequestError, match="length of image_data should be equal to the batch size"):
+        quick_client(fake.url).generate_n(
+            {"input_ids": [1], "image_data": ["a", "b"], "sampling_params": {"max_new_tokens": 2, "n": 2}}, 2
+        )
+    [group] = engine(fake).generate([make_prompt([5, 6], 2)], SamplingParams(n=2, max_new_tokens=4))
+    assert len(group) == 2
+    assert len(generate_bodies(fake)[-1]["image_data"]) == 1 and len(generate_bodies(fake)[-1]["image_data"][0]) == 2
 
 
 def test_prompts_per_request_batches_prompts_with_their_n_samples(fake):
@@ -135,7 +149,7 @@ def test_prompts_per_request_batches_prompts_with_their_n_samples(fake):
     params = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=5)
     groups = engine(fake, prompts_per_request=2, max_concurrency=1).generate(ps, params)  # requests in order
     bodies = generate_bodies(fake)
-    assert [len(b["input_ids"]) for b in bodies[:2]] == [2, 2] and isinstance(bodies[2]["input_ids"][0], int)
+    assert [len(b["input_ids"]) for b in bodies] == [2, 2, 1]  # the last prompt alone, in the batch form too
     first = bodies[0]
     assert [sp["sampling_seed"] for sp in first["sampling_params"]] == [
         sampling_seed(params.seed, i, 0, params.n) for i in (0, 1)
@@ -470,3 +484,89 @@ def test_min_p_with_a_seed_kills_a_deterministic_server_and_the_engine_never_sen
 
 def responses(groups) -> list[list[list[int]]]:
     return [[g.response_ids.tolist() for g in gs] for gs in groups]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pixel values (a server started by miles_vl's launcher: pixel_dir)
+
+
+@pytest.fixture
+def pixel_fake(tmp_path):
+    """The stand-in as miles_vl's launcher runs 0.5.16: it reads processor_output items' pixel files in tmp_path."""
+    with FakeSGLang(weight_version="base", image_min_pixels=MIN_PIXELS, image_max_pixels=MAX_PIXELS,
+                    pixel_dir=str(tmp_path)) as server:  # fmt: skip
+        yield server
+
+
+def test_with_a_pixel_directory_prompts_go_as_their_ids_and_pixel_values(pixel_fake, tmp_path):
+    """Images, several images, no image and a video, batched and single: every body carries the canonical ids and the
+    prompt's own pixel values (read back by the stand-in with the launcher's reader, which refuses anything else),
+    prompts need no `images`, the server ran those ids, and the directory is empty afterwards."""
+    from miles_vl.sglang_launch import FILE_KEY
+    from tests.rollout.sglang.conftest import make_video_prompt
+
+    ps = [make_prompt([11, 12], 1, color=1, with_images=False), make_prompt([21, 22, 23]),
+          make_prompt([31], 2, color=2, with_images=False), make_video_prompt([41], 3, seed=4)]  # fmt: skip
+    eng = engine(pixel_fake, pixel_dir=str(tmp_path), prompts_per_request=2)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=2)
+    groups = eng.generate(ps, params)
+    assert [len(g) for g in groups] == [2] * 4
+    bodies = generate_bodies(pixel_fake)
+    assert [ids for b in bodies for ids in b["input_ids"]] == [p.prompt_ids.tolist() for p in ps]
+    items = [(b.get("image_data") or [[]] * 2, b.get("video_data") or [[]] * 2) for b in bodies]
+    images = [im for ims, _ in items for im in ims]
+    videos = [v for _, vids in items for v in vids]
+    assert [len(im) for im in images] == [1, 0, 1, 0] and [len(v) for v in videos] == [0, 0, 0, 1]
+    assert images[2][0]["image_grid_thw"] == [[1, 4, 4], [1, 4, 4]] and FILE_KEY in images[2][0]["pixel_values"]
+    assert videos[3][0]["video_grid_thw"] == [[3, 4, 4]]
+    assert all("mm_hashes" not in b for b in bodies)
+    # (each answer's prompt ids, the ids the server ran, were checked against ours by the engine)
+    assert list(tmp_path.iterdir()) == []
+    [[one]] = eng.generate(ps[3:], SamplingParams(n=1, max_new_tokens=4))  # a single request: same form
+    assert generate_bodies(pixel_fake)[-1]["video_data"][0]["video_grid_thw"] == [[3, 4, 4]]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_the_prompts_in_flight_have_pixel_files(pixel_fake, tmp_path):
+    """Each request's prompts are written just before it leaves and deleted when it is answered, so the directory
+    (shared memory) holds the pixels of the prompts in flight only: one request at a time here, one prompt each."""
+    eng = engine(pixel_fake, pixel_dir=str(tmp_path), max_concurrency=1)
+    seen, original = [], eng.client.generate_n
+
+    def counted(payload, n):
+        seen.append(len(list(tmp_path.iterdir())))
+        return original(payload, n)
+
+    eng.client.generate_n = counted
+    groups = eng.generate([make_prompt([60 + k], 2, color=k) for k in range(4)], SamplingParams(n=2, max_new_tokens=3))
+    assert [len(g) for g in groups] == [2] * 4 and seen == [1, 1, 1, 1]  # one file per prompt: its two images
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_pixel_files_go_whatever_happens(pixel_fake, tmp_path):
+    """A bad prompt fails before any request, a server error after the files were written: either way no file is
+    left (the engine owns them until the request is answered)."""
+    eng = engine(pixel_fake, pixel_dir=str(tmp_path))
+    bad = make_prompt([1], 1)
+    bad.pixel_values = bad.pixel_values[:3]
+    with pytest.raises(ValueError, match="prompt 1: pixel_values has shape"):
+        eng.generate([make_prompt([5], 1), bad, make_prompt([6], 2)], SamplingParams(n=2, max_new_tokens=4))
+    assert generate_bodies(pixel_fake) == [] and list(tmp_path.iterdir()) == []
+    pixel_fake.inject("/generate", "status", 500, times=10)
+    with pytest.raises(SGLangError):
+        eng.generate([make_prompt([5], 1)], SamplingParams(n=2, max_new_tokens=4))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stock_sglang_cannot_read_pixel_files(tmp_path):
+    """Without miles_vl's launcher, 0.5.16 takes the file reference for the pixel values and fails hashing it
+    (TypeError in its tokenizer: HTTP 500); the config therefore refuses send_pixel_values without the launcher."""
+    from miles_vl.rollout.sglang.generate import build_generate_payload, pixel_media
+
+    with FakeSGLang(weight_version="base", pixel_dir=str(tmp_path), launcher=False) as stock:
+        media = pixel_media(make_prompt([1], 1), 0, TOKENS, directory=str(tmp_path), dtype=torch.float32,
+                            spatial_merge_size=2)  # fmt: skip
+        body = build_generate_payload(media.input_ids, media.image_data, SamplingParams(), seed=0, stop_token_ids=[EOS])
+        with pytest.raises(SGLangError, match="HTTP 500"):
+            quick_client(stock.url, max_retries=0).generate(body)
+        assert any("TypeError" in line for line in stock.state.log)

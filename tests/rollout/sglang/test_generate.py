@@ -1,11 +1,14 @@
-"""Contract: the `/generate` body is exactly the SGLang 0.5.16 `GenerateReqInput` we intend (canonical input_ids,
-PNG data URLs of the decoded pixels, EOS as stop ids, banned vision tokens, logprobs and prompt ids requested); a
-response becomes a `Generation` only if it scores every output token, stops on one of our EOS ids, and SGLang's
-prompt ids equal ours; otherwise the error names what differs (for prompts, the first differing position)."""
+"""Contract: the `/generate` body is exactly the SGLang 0.5.16 `GenerateReqInput` we intend (one pad per image block
+and PNG data URLs of the decoded pixels for SGLang's own server; the canonical ids and one `processor_output` item per
+modality, whose pixel values are files of the server's pixel directory, for miles_vl's launcher; EOS as stop ids,
+banned vision tokens, logprobs and prompt ids requested); ids that disagree with the grids never leave; a response
+becomes a `Generation` only if it scores every output token, stops on one of our EOS ids, and SGLang's prompt ids
+equal ours; otherwise the error names what differs (for prompts, the first differing position)."""
 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import io
 
@@ -16,17 +19,21 @@ from PIL import Image
 from miles_vl.rollout.sglang import PromptMismatchError, SGLangResponseError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
+    batch_payload,
     build_generate_payload,
     check_prompt_tokens,
     image_data_url,
     image_hash,
     parse_generate_response,
+    pixel_media,
     prompt_images,
     request_input_ids,
     sampling_seed,
+    vision_inputs,
 )
 from miles_vl.rollout.types import SamplingParams
-from tests.rollout.sglang.conftest import EOS, VIDEO, make_prompt
+from miles_vl.sglang_launch import FILE_KEY, read_tensor
+from tests.rollout.sglang.conftest import EOS, TOKENS, VIDEO, Prompt, make_prompt, make_video_prompt
 
 
 def decode_url(url: str) -> Image.Image:
@@ -138,6 +145,92 @@ def test_video_prompts_are_refused_before_any_request():
     pads_only = make_prompt([1, VIDEO, 2])  # video tokens without a grid: still a video prompt
     with pytest.raises(ValueError, match="holds a video"):
         prompt_images(pads_only, 0, VIDEO)
+
+
+def _with_video(prompt: Prompt, frames: int = 3) -> Prompt:
+    video = make_video_prompt([], frames, seed=5)
+    prompt.prompt_ids = torch.cat([prompt.prompt_ids, video.prompt_ids])
+    prompt.pixel_values_videos, prompt.video_grid_thw = video.pixel_values_videos, video.video_grid_thw
+    return prompt
+
+
+def test_pixel_media_is_the_canonical_ids_and_the_prompts_own_pixels(tmp_path):
+    """For miles_vl's launcher a prompt goes as the trainer sees it: its canonical ids (expanded), one
+    processor_output item per modality with the grids and a reference to a file holding exactly the prompt's pixel
+    values in the wire dtype (0.5.16 takes one such item per modality; `get_new_expanded_mm_items` splits it by image);
+    no PNGs, no hashes."""
+    prompt = _with_video(make_prompt([11, 12], 2, color=4, with_images=False))
+    media = pixel_media(prompt, 0, TOKENS, directory=str(tmp_path), dtype=torch.bfloat16, spatial_merge_size=2)
+    assert media.input_ids == prompt.prompt_ids.tolist() and media.mm_hashes == []
+    [image], [video] = media.image_data, media.video_data
+    assert image["format"] == video["format"] == "processor_output"
+    assert image["image_grid_thw"] == [[1, 4, 4], [1, 4, 4]] and video["video_grid_thw"] == [[3, 4, 4]]
+    pixels = read_tensor(image["pixel_values"], str(tmp_path))
+    frames = read_tensor(video["pixel_values_videos"], str(tmp_path))
+    assert torch.equal(pixels, prompt.pixel_values.to(torch.bfloat16))
+    assert torch.equal(frames, prompt.pixel_values_videos.to(torch.bfloat16))
+    assert sorted(media.files) == sorted(p.name for p in tmp_path.iterdir())
+    assert sorted(media.files) == sorted([image["pixel_values"][FILE_KEY], video["pixel_values_videos"][FILE_KEY]])
+    body = build_generate_payload(media.input_ids, media.image_data, SamplingParams(), seed=0, stop_token_ids=[EOS],
+                                  video_data=media.video_data)  # fmt: skip
+    assert body["image_data"] == [image] and body["video_data"] == [video] and "mm_hashes" not in body
+    text = pixel_media(make_prompt([1, 2]), 1, TOKENS, directory=str(tmp_path), dtype=torch.float32,
+                       spatial_merge_size=2)  # fmt: skip
+    assert (text.image_data, text.video_data, text.files) == ([], [], [])
+    batch = batch_payload([body, build_generate_payload(text.input_ids, [], SamplingParams(), seed=1,
+                                                        stop_token_ids=[EOS])])  # fmt: skip
+    assert batch["image_data"] == [[image], []] and batch["video_data"] == [[video], []]
+
+
+def test_ids_that_disagree_with_the_grids_never_leave(tmp_path):
+    """The server uses the ids as sent now (0.5.16's fast path for preprocessed input re-derives nothing), so the
+    engine checks them: each image one run of t*h*w/4 pads, each video frame group one run of h*w/4, the pixel rows
+    those of the grids; a failure names the prompt, writes nothing and leaves no file."""
+    ok = _with_video(make_prompt([1], 1))
+    assert [k for k, _, _ in vision_inputs(ok, 0, TOKENS, 2)] == ["pixel_values", "pixel_values_videos"]
+    short = make_prompt([1], 2)
+    short.prompt_ids = short.prompt_ids[:-2]  # the second image's block lost a pad
+    wide = make_prompt([1], 1)
+    wide.image_grid_thw = torch.tensor([[1, 4, 8]])
+    no_pixels = make_prompt([1], 1)
+    no_pixels.pixel_values = None
+    rows = make_prompt([1], 1)
+    rows.pixel_values = rows.pixel_values[:15]
+    orphan = make_prompt([1, TOKENS.image_token_id, 2])  # pads without a grid
+    frames = _with_video(make_prompt([1]), frames=2)
+    frames.video_grid_thw = torch.tensor([[3, 4, 4]])  # three frame groups for two blocks
+    cases = {
+        "prompt 3: its image blocks in prompt_ids hold \[4, 3\] tokens": short,
+        "image_grid_thw \[\[1, 4, 8\]\] asks for \[8\]": wide,
+        "no pixel_values": no_pixels,
+        "pixel_values has shape \(15, 1536\)": rows,
+        "image blocks in prompt_ids hold \[1\] tokens, but image_grid_thw \[\] asks for \[\]": orphan,
+        "video blocks in prompt_ids hold \[4, 4\] tokens, but video_grid_thw \[\[3, 4, 4\]\]": frames,
+    }
+    for message, prompt in cases.items():
+        with pytest.raises(ValueError, match=message):
+            pixel_media(prompt, 3, TOKENS, directory=str(tmp_path), dtype=torch.float32, spatial_merge_size=2)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="spatial merge 4"):  # another merge size reads the same ids otherwise
+        vision_inputs(ok, 0, TOKENS, 4)
+
+
+def test_a_failed_write_removes_the_prompts_other_files(tmp_path, monkeypatch):
+    from miles_vl.rollout.sglang import generate
+
+    real, calls = generate.write_tensor, []
+
+    def write_once(directory, tensor):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(directory, tensor)
+
+    monkeypatch.setattr(generate, "write_tensor", write_once)
+    with pytest.raises(OSError, match="prompt 0's pixel_values_videos .* No space.* --shm-size.*send_pixel_values=false"):
+        pixel_media(_with_video(make_prompt([1], 1)), 0, TOKENS, directory=str(tmp_path), dtype=torch.float32,
+                    spatial_merge_size=2)  # fmt: skip
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
 
 
 def response(output_ids, logprobs, finish, *, prompt_ids=None, prompt_tokens=None, version="v1"):

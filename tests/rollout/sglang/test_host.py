@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
 from miles_vl.rollout.sglang.host import deterministic_inference
@@ -159,3 +160,28 @@ def test_which_server_flags_make_the_seed_count():
         ("--rl-on-policy-target=fsdp",)
     )
     assert not deterministic_inference(("--log-level", "info")) and not deterministic_inference(())
+
+
+def test_a_host_that_sends_pixel_values_owns_their_directory(tmp_path):
+    """With send_pixel_values the host makes a private directory (0700, in /dev/shm where there is one), names it to
+    the server (MILES_VL_SGLANG_PIXEL_DIR: the stand-in process reads the engine's files there, video included) and
+    removes it with the server; by default only miles_vl's launcher gets pixel values."""
+    from tests.rollout.sglang.conftest import make_video_prompt
+
+    png = host(tmp_path / "png")  # a stand-in module, not miles_vl's launcher
+    try:
+        assert png.pixel_dir is None and png.engine.pixel_dir is None
+    finally:
+        png.shutdown()
+    h = host(tmp_path, send_pixel_values=True)
+    try:
+        directory = h.pixel_dir
+        assert directory is not None and directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
+        if Path("/dev/shm").is_dir():
+            assert directory.parent == Path("/dev/shm")
+        assert h.engine.pixel_dir == str(directory) and h.engine.pixel_dtype == torch.float32  # /ckpt/m: unreadable
+        groups = h.generate([make_prompt([1, 2], 1, with_images=False), make_video_prompt([3], 2)], PARAMS)
+        assert [len(g) for g in groups] == [2, 2] and list(directory.iterdir()) == []
+    finally:
+        h.shutdown()
+    assert not directory.exists()

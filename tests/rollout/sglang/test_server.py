@@ -156,6 +156,37 @@ def test_env_disables_the_vision_embedding_cache_by_default():
     assert build_server_env(spec, base={"SGLANG_MM_PRECOMPUTE_HASH": "0"})["SGLANG_MM_PRECOMPUTE_HASH"] == "0"
 
 
+def test_pixel_values_travel_in_the_dtype_sglang_will_run_the_model_in(tmp_path):
+    """0.5.16 runs the model in `--dtype`, else in its text config's dtype (the top level's when the text config has
+    none), a float32 checkpoint in float16 (`_get_and_verify_dtype`, `get_hf_text_config`); pixel values go in that
+    dtype when it is bf16 or fp16 (the model casts them to it), else in float32, which the launcher casts (written out
+    here from the 0.5.16 source, independently of server.py)."""
+    import json
+
+    import torch
+
+    from miles_vl.rollout.sglang.server import pixel_wire_dtype, spatial_merge_size
+
+    def dtype_for(config: dict | None, *args: str) -> torch.dtype:
+        path = tmp_path / str(len(list(tmp_path.iterdir())))
+        path.mkdir()
+        if config is not None:
+            (path / "config.json").write_text(json.dumps(config))
+        return pixel_wire_dtype(ServerSpec(model_path=str(path), port=1, extra_args=args))
+
+    assert dtype_for({"text_config": {"dtype": "bfloat16"}, "dtype": "float32"}) == torch.bfloat16
+    assert dtype_for({"text_config": {}, "dtype": "bfloat16"}) == torch.bfloat16  # the top level's
+    assert dtype_for({"torch_dtype": "float16"}) == torch.float16
+    assert dtype_for({"dtype": "float32"}) == torch.float32  # auto runs it in fp16: the launcher casts fp32
+    assert dtype_for(None) == torch.float32  # a hub id or no config: fp32, always exact
+    assert dtype_for({"dtype": "bfloat16"}, "--dtype", "float32") == torch.float32
+    assert dtype_for({"dtype": "float32"}, "--dtype=half") == torch.float16
+    assert dtype_for({"dtype": "bfloat16"}, "--dtype", "auto") == torch.bfloat16
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({"vision_config": {"spatial_merge_size": 3}}))
+    assert spatial_merge_size(str(tmp_path / "vl")) == 3 and spatial_merge_size(str(tmp_path / "none")) == 2
+
+
 def test_check_port_free_names_the_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -102,6 +102,9 @@ def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(m
     sent = []
 
     class TokenizerManager:
+        async def _tokenize_one_request(self, obj):
+            return obj
+
         async def _handle_batch_request(self, obj, request=None):
             prefix = _req([_item(7, obj.pixels)], 0, rid="prefix")
             self._send_one_request(prefix)
@@ -240,6 +243,9 @@ def test_the_parallel_sampling_flag_ends_with_its_request(monkeypatch):
     monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
 
     class TokenizerManager:
+        async def _tokenize_one_request(self, obj):
+            return obj
+
         async def _handle_batch_request(self, obj, request=None):
             yield "ok"
 
@@ -303,6 +309,8 @@ class _Batch:
 class _StandInTokenizer:
     """0.5.16's TokenizerManager methods the grouped handler calls; `log` records the order of events; what is sent
     is deep-copied per message (pickled to the scheduler)."""
+
+    model_config = types.SimpleNamespace(dtype=torch.bfloat16)  # what the launcher casts pixel values to
 
     def __init__(self, delays):
         self.delays, self.log, self.messages, self.seen_hashes = delays, [], [], {}
@@ -425,8 +433,9 @@ def test_under_a_sharing_blocker_the_copies_keep_their_pixels_and_go_one_by_one(
     [answers] = _grouped(manager, batch)
     assert len(answers) == 4
     kinds = [kind for kind, _ in manager.log if kind in ("prefix", "one", "batch")]
-    assert kinds == ["prefix", "prefix", "one", "one", "one", "one"]
-    assert all(torch.equal(m.mm_inputs.mm_items[0].feature, pixels) for m in manager.messages)
+    assert kinds == ["batch", "one", "one", "one", "one"]  # the two prefixes were ready together
+    sent = [r for m in manager.messages for r in getattr(m, "batch", [m])]
+    assert len(sent) == 6 and all(torch.equal(r.mm_inputs.mm_items[0].feature, pixels) for r in sent)
 
 
 def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state():
@@ -461,3 +470,149 @@ def test_a_single_prompts_flat_hashes_and_odd_shapes():
     two = [_Prompt("p0", [1], None), _Prompt("p1", [2], None)]
     sglang_launch._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), two)  # not one list per prompt
     assert [p.mm_hashes for p in two] == [None, None]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pixel values handed over as files (the engine writes them, the launcher reads them in the tokenizer process)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_tensor_written_by_the_engine_is_read_back_bit_for_bit(tmp_path, dtype):
+    from miles_vl.sglang_launch import FILE_KEY, read_tensor, write_tensor
+
+    t = (torch.randn(37, 1536) * 3).to(dtype)
+    ref = write_tensor(str(tmp_path), t)
+    assert ref["dtype"] == str(dtype).removeprefix("torch.") and ref["shape"] == [37, 1536]
+    path = tmp_path / ref[FILE_KEY]
+    assert path.stat().st_size == t.numel() * t.element_size()  # raw bytes, nothing else
+    back = read_tensor(ref, str(tmp_path))
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))  # bits, NaN-safe
+    assert read_tensor(write_tensor(str(tmp_path), torch.empty(0, 4)), str(tmp_path)).shape == (0, 4)
+    with pytest.raises(ValueError, match="one of"):
+        write_tensor(str(tmp_path), torch.zeros(2, dtype=torch.int64))  # not pixel values
+
+
+def test_reading_refuses_anything_but_a_pixel_file_of_its_own_directory(tmp_path):
+    from miles_vl.sglang_launch import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
+
+    ref = write_tensor(str(tmp_path / ""), torch.ones(2, 3))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.bin").write_bytes(bytes(24))
+    bad = {
+        "no directory": (ref, None, PIXEL_DIR_ENV),
+        "a path": ({**ref, FILE_KEY: "sub/x.bin"}, str(tmp_path), "not a file name"),
+        "a parent": ({**ref, FILE_KEY: "../x.bin"}, str(tmp_path / "sub"), "not a file name"),
+        "an absolute path": ({**ref, FILE_KEY: str(tmp_path / "sub" / "x.bin")}, str(tmp_path), "not a file name"),
+        "hidden": ({**ref, FILE_KEY: ".x.bin"}, str(tmp_path), "not a file name"),
+        "missing": ({**ref, FILE_KEY: "gone.bin"}, str(tmp_path), "not found"),
+        "wrong size": ({**ref, "shape": [2, 4]}, str(tmp_path), "24 bytes for shape"),
+        "unknown dtype": ({**ref, "dtype": "uint8"}, str(tmp_path), "dtype"),
+        "bad shape": ({**ref, "shape": [2, -3]}, str(tmp_path), "shape"),
+    }
+    for case, (r, directory, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            read_tensor(r, directory)
+            pytest.fail(case)
+    assert torch.equal(read_tensor(ref, str(tmp_path)), torch.ones(2, 3))
+
+
+def test_pixel_values_are_cast_as_the_model_casts_them_or_refused(tmp_path):
+    """The model casts pixel values to its dtype (qwen3_vl.py:1334 `.type(self.visual.dtype)`): float32 is cast the
+    same way here, the model's own dtype passes, a third dtype would lose precision and is refused; the grids become
+    int64 [n, 3] and must cover the pixel rows."""
+    from miles_vl.sglang_launch import resolve_item, write_tensor
+
+    d = str(tmp_path)
+    pixels = torch.randn(8 + 4, 6)
+    item = {
+        "format": "processor_output",
+        "pixel_values": write_tensor(d, pixels),
+        "image_grid_thw": [[1, 2, 4], [1, 2, 2]],
+    }
+    out = resolve_item(item, torch.bfloat16, d)
+    assert out["pixel_values"].dtype == torch.bfloat16 and torch.equal(out["pixel_values"], pixels.type(torch.bfloat16))
+    assert out["image_grid_thw"].dtype == torch.long and out["image_grid_thw"].tolist() == [[1, 2, 4], [1, 2, 2]]
+    assert out["format"] == "processor_output" and item["pixel_values"] != out["pixel_values"]  # a new dict
+    assert torch.equal(resolve_item(item, torch.float32, d)["pixel_values"], pixels)
+    half = {**item, "pixel_values": write_tensor(d, pixels.to(torch.bfloat16))}
+    assert resolve_item(half, torch.bfloat16, d)["pixel_values"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="lose precision"):
+        resolve_item(half, torch.float16, d)
+    with pytest.raises(ValueError, match="covers 10 patches but pixel_values has 12 rows"):
+        resolve_item({**item, "image_grid_thw": [[1, 2, 4], [1, 1, 2]]}, torch.float32, d)
+    with pytest.raises(ValueError, match="needs image_grid_thw"):
+        resolve_item({"format": "processor_output", "pixel_values": item["pixel_values"]}, torch.float32, d)
+    videos = {"format": "processor_output", "pixel_values_videos": write_tensor(d, torch.randn(16, 6)),
+              "video_grid_thw": [[2, 2, 4]]}  # fmt: skip
+    assert resolve_item(videos, torch.float32, d)["video_grid_thw"].tolist() == [[2, 2, 4]]
+
+
+def test_the_tokenizer_reads_a_requests_pixel_files_before_sglang_tokenizes_it(tmp_path, monkeypatch):
+    """The patched `_tokenize_one_request` of a stand-in TokenizerManager sees tensors in the model's dtype where the
+    request held file references: in a prompt's image list (shared by its n copies in 0.5.16's normalized request:
+    read once, in place), in the unwrapped video item 0.5.16 hands a prompt of a batch; data URLs are left alone."""
+    from miles_vl.sglang_launch import PIXEL_DIR_ENV, write_tensor
+
+    monkeypatch.setenv(PIXEL_DIR_ENV, str(tmp_path))
+    seen = []
+
+    class TokenizerManager:
+        model_config = types.SimpleNamespace(dtype=torch.bfloat16)
+
+        async def _tokenize_one_request(self, obj):
+            seen.append((obj.image_data, obj.video_data))
+            return obj
+
+        async def _handle_batch_request(self, obj, request=None):
+            yield None
+
+        def _send_one_request(self, tokenized_obj):
+            pass
+
+    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    pixels, frames = torch.randn(4, 6), torch.randn(8, 6)
+    images = [{"format": "processor_output", "pixel_values": write_tensor(str(tmp_path), pixels),
+               "image_grid_thw": [[1, 2, 2]]}]  # fmt: skip
+    video = {"format": "processor_output", "pixel_values_videos": write_tensor(str(tmp_path), frames),
+             "video_grid_thw": [[2, 2, 2]]}  # fmt: skip
+    first = types.SimpleNamespace(image_data=images, video_data=video)
+    second = types.SimpleNamespace(image_data=images, video_data=None)  # another copy of the same prompt
+    urls = types.SimpleNamespace(image_data=["data:image/png;base64,AAAA"], video_data=None)
+
+    async def run():
+        for obj in (first, second, urls):
+            await TokenizerManager()._tokenize_one_request(obj)
+
+    asyncio.run(run())
+    (im1, vid1), (im2, _), (url_images, _) = seen
+    assert im1 is im2 and torch.equal(im1[0]["pixel_values"], pixels.to(torch.bfloat16))
+    assert im1[0]["pixel_values"].dtype == torch.bfloat16 and im1[0]["image_grid_thw"].tolist() == [[1, 2, 2]]
+    assert torch.equal(vid1["pixel_values_videos"], frames.to(torch.bfloat16))
+    assert url_images == ["data:image/png;base64,AAAA"]
+    assert sglang_launch.resolve_media(second, torch.bfloat16) == 0  # already read: nothing left to read
+
+
+def test_prefixes_ready_together_leave_in_one_message():
+    """Prompts that tokenize without waiting (pixel values from the engine: no image to load) have their prefixes
+    sent together, in one message (one prefill batch), then the copies in another; a prompt that waits (here a
+    delay, as an image load) still leaves as soon as it is ready. A failed prefix message fails its prompts and
+    leaves no state."""
+    pixels = torch.randn(4, 6)
+    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.0, "p2": 0.0, "late": 0.05})
+    batch = _Batch([_Prompt(r, [k], pixels) for k, r in enumerate(("p0", "p1", "p2", "late"))], 2,
+                   [["a1"], ["b2"], ["c3"], ["d4"]])  # fmt: skip
+    [answers] = _grouped(manager, batch)
+    sends = [e for e in manager.log if e[0] in ("prefix", "one", "batch")]
+    assert sends == [("batch", 3), ("prefix", sends[1][1]), ("batch", 8)] and sends[1][1].startswith("late+")
+    prefixes = manager.messages[0].batch
+    assert [p.input_ids for p in prefixes] == [[0], [1], [2]] and all(
+        p.sampling_params.max_new_tokens == 0 for p in prefixes
+    )
+    assert all(p.mm_inputs.mm_items[0].feature is not None for p in prefixes)  # the prompts bring their pixels
+    assert len(answers) == 8 and manager.rid_to_state == {}
+
+    failing = _StandInTokenizer({"p0": 0.0, "p1": 0.0})
+    failing.fail_batch_send = True
+    with pytest.raises(ConnectionError):
+        _grouped(failing, _Batch([_Prompt("p0", [1], pixels), _Prompt("p1", [2], pixels)], 2, [["a1"], ["b2"]]))
+    assert failing.rid_to_state == {} and not any(hasattr(m, "batch") for m in failing.messages)
