@@ -227,7 +227,9 @@ def test_a_failed_write_removes_the_prompts_other_files(tmp_path, monkeypatch):
         return real(directory, tensor)
 
     monkeypatch.setattr(generate, "write_tensor", write_once)
-    with pytest.raises(OSError, match="prompt 0's pixel_values_videos .* No space.* --shm-size.*send_pixel_values=false"):
+    with pytest.raises(
+        OSError, match="prompt 0's pixel_values_videos .* No space.* --shm-size.*send_pixel_values=false"
+    ):
         pixel_media(_with_video(make_prompt([1], 1)), 0, TOKENS, directory=str(tmp_path), dtype=torch.float32,
                     spatial_merge_size=2)  # fmt: skip
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
