@@ -143,7 +143,8 @@ class PixelMemory:
 
     @staticmethod
     def _size(tensor) -> int:
-        return tensor.numel() * tensor.element_size()
+        # what keeping it holds: a view (one image of a prompt's pixel tensor, pickled inline) keeps its whole storage
+        return tensor.untyped_storage().nbytes()
 
     def remember(self, key: int, tensor) -> None:
         """Keep `tensor` (a plain torch tensor; anything else, e.g. a CUDA IPC proxy or a list, is not kept)."""
@@ -356,11 +357,14 @@ async def handle_grouped(manager, obj, request=None):
         prefix.sampling_params.max_new_tokens = 0  # prefill only: the prompt enters the prefix cache
         prefix.stream = False
         manager._init_req_state(head)
-        try:
-            await send_prefix(prefix)
-        except BaseException:  # never sent: no answer will remove its state
-            manager.rid_to_state.pop(head.rid, None)
-            raise
+
+        def forget_if_unsent(sending: asyncio.Future) -> None:  # no answer will remove the state of a failed send
+            if sending.cancelled() or sending.exception() is not None:
+                manager.rid_to_state.pop(head.rid, None)
+
+        sending = send_prefix(prefix)
+        sending.add_done_callback(forget_if_unsent)
+        await asyncio.shield(sending)  # a task cancelled while it waits leaves the message to the others
         await manager._wait_one_response(head, request).__anext__()
         return tokenized
 
@@ -406,10 +410,10 @@ async def handle_grouped(manager, obj, request=None):
 
 
 def _coalesced(manager):
-    """`send(tokenized)`, awaitable: the requests given to it in one turn of the event loop leave together, in one
-    message (`_send_batch_request`; one alone: `_send_one_request`), at the end of that turn. The tasks of a batch's
-    prompts are all queued before the first runs, so the prompts that tokenize without waiting are all sent at once;
-    a send failure is raised in every task whose request it carried."""
+    """`send(tokenized) -> asyncio.Future`: the requests given to it in one turn of the event loop leave together, in
+    one message (`_send_batch_request`; one alone: `_send_one_request`), at the end of that turn; the future is that
+    message's, done when it has left, with the send's exception if it failed. The tasks of a batch's prompts are all
+    queued before the first runs, so the prompts that tokenize without waiting are all sent at once."""
     loop = asyncio.get_running_loop()
     pending: list = []
     sent: list[asyncio.Future] = []
@@ -424,12 +428,12 @@ def _coalesced(manager):
         else:
             done.set_result(None)
 
-    async def send(tokenized) -> None:
+    def send(tokenized) -> asyncio.Future:
         if not pending:
             sent.append(loop.create_future())
             loop.call_soon(flush)
         pending.append(tokenized)
-        await asyncio.shield(sent[-1])  # a task cancelled while waiting leaves the message to the others
+        return sent[-1]
 
     return send
 
@@ -437,6 +441,7 @@ def _coalesced(manager):
 def _patch_tokenizer(module) -> None:
     cls = module.TokenizerManager
     handle, send, tokenize = cls._handle_batch_request, cls._send_one_request, cls._tokenize_one_request
+    send_batch, wrap_shm = cls._send_batch_request, module.wrap_shm_features
 
     async def tokenize_one_request(self, obj):
         resolve_media(obj, self.model_config.dtype)  # every request is tokenized here, whatever its path
@@ -457,7 +462,16 @@ def _patch_tokenizer(module) -> None:
         drop_copy_pixels(tokenized_obj, _PARALLEL_SAMPLING.get())
         return send(self, tokenized_obj)
 
+    def send_batch_request(self, tokenized_objs):
+        # 0.5.16's batch send pickles pixel tensors into the message (only `_send_one_request` moves them into shared
+        # memory), a view of a multi-image prompt's tensor with its whole storage, once per image: move them as one
+        # request's send does (a tensor already moved is left as it is)
+        for tokenized_obj in tokenized_objs:
+            wrap_shm(tokenized_obj)
+        return send_batch(self, tokenized_objs)
+
     cls._handle_batch_request, cls._send_one_request = handle_batch_request, send_one_request
+    cls._send_batch_request = send_batch_request
     cls._tokenize_one_request = tokenize_one_request
 
 

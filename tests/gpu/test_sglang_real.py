@@ -247,7 +247,9 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
 
     assert host.engine.pixel_dir is not None  # miles_vl's launcher: the engine sends ids + pixel values
     params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=1)
-    groups = host.generate(prompts, params)  # the engine checks every response's prompt ids against ours
+    # the engine checks every response's prompt ids against ours (with pixel values 0.5.16 keeps the ids it is sent, so
+    # that check is the request's shape; what shows the server used our image tokens is the logprob agreement below)
+    groups = host.generate(prompts, params)
     assert list(Path(host.engine.pixel_dir).iterdir()) == []  # the pixel files went with the answers
     assert [len(g) for g in groups] == [2] * len(prompts)
     for group in groups:
@@ -305,7 +307,7 @@ def test_a_batch_of_prompts_with_n_in_one_request(host, prompts, tokens):
     ]
     host.client.flush_cache(timeout_s=60)
     bodies = host.client.generate_n(batch_payload(payloads), k * n)
-    for i in range(k):
+    for i in range(k):  # answers in prompt order (0.5.16 keeps the ids of a preprocessed request as sent)
         assert all(b["prompt_token_ids"] == prompts[i].prompt_ids.tolist() for b in bodies[i * n : (i + 1) * n])
     time.sleep(1.0)  # the scheduler's log lines of this request
     log = host.server.log_tail(max_lines=400, max_bytes=1 << 17)
@@ -365,7 +367,7 @@ def test_pixel_values_of_a_batch_in_one_request(host, prompts, tokens):
                                                         stop_token_ids=tokens.eos_token_ids))  # fmt: skip
     finally:
         remove_files(host.engine.pixel_dir, [f for m in [*media, wrong_dtype] for f in m.files])
-    for i in range(k):
+    for i in range(k):  # answers in prompt order (0.5.16 keeps the ids of a preprocessed request as sent)
         assert all(b["prompt_token_ids"] == prompts[i].prompt_ids.tolist() for b in bodies[i * n : (i + 1) * n])
     batches = _prefill_batches(host, since)
     print(f"SGLANG-REAL pixel values, {k} prompts x {n}: prefill batches (#new-seq) {batches}")
@@ -373,29 +375,49 @@ def test_pixel_values_of_a_batch_in_one_request(host, prompts, tokens):
     assert "no pixel values remembered" not in host.server.log_tail(max_lines=400, max_bytes=1 << 17)
 
 
-def test_a_prompt_with_two_images_and_n_samples(host, processor, tokens):
+def test_a_prompt_with_two_images_and_n_samples(host, processor, tokens, ckpt):
     """0.5.16 makes a batch of one of a single prompt with n > 1, whose `image_data` must then hold one entry: the flat
-    list of two images is a 400 (the stand-in's answer too); the batch form the engine sends works, as PNGs and as
-    pixel values."""
+    list of two images is a 400 (the stand-in's answer too); the batch form the engine sends works, as pixel values
+    (with a text-only prompt beside it: an empty entry in the batch's `image_data`) and as PNGs, and its responses
+    score under the trainer as the server sampled them (two images' pixel rows split by their grids)."""
     from miles_vl.data import PromptEncoder, generate_problems
+    from miles_vl.models.qwen3_vl.model import build_model
 
     a, b = (p.image for p in generate_problems(2, seed=3))
-    text = PromptEncoder(processor, instruction="Answer.").render("Compare <image> with <image>.")
-    enc = processor(text=[text], images=[a, b], return_tensors="pt")
+    encoder = PromptEncoder(processor, instruction="Answer.")
+    enc = processor(text=[encoder.render("Compare <image> with <image>.")], images=[a, b], return_tensors="pt")
     prompt = Prompt(enc["input_ids"][0].long(), enc["pixel_values"], enc["image_grid_thw"].long(), [a, b])
+    plain = Prompt(processor(text=[encoder.render("What is 2 + 3?")], return_tensors="pt")["input_ids"][0].long(),
+                   None, None, [])  # fmt: skip
     urls = [image_data_url(a), image_data_url(b)]
     flat = build_generate_payload(request_input_ids(prompt.prompt_ids.tolist(), tokens.image_token_id, 2), urls,
                                   SamplingParams(max_new_tokens=4), seed=0, stop_token_ids=tokens.eos_token_ids,
                                   n=2)  # fmt: skip
     with pytest.raises(SGLangRequestError, match="length of image_data should be equal to the batch size"):
         host.client.generate_n(flat, 2)
-    params = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=6)
-    assert [len(g) for g in host.generate([prompt], params)] == [2]  # pixel values
+    params = SamplingParams(n=2, max_new_tokens=24, temperature=1.0, seed=6)
+    forms = {"pixel values": ([prompt, plain], host.generate([prompt, plain], params))}
     directory, host.engine.pixel_dir = host.engine.pixel_dir, None
     try:
-        assert [len(g) for g in host.generate([prompt], params)] == [2]  # PNGs, one pad per image
+        forms["PNG images"] = ([prompt], host.generate([prompt], params))  # one pad per image
     finally:
         host.engine.pixel_dir = directory
+    model = build_model(tokens, path=str(ckpt), dtype=torch.bfloat16, device="cuda")
+    for form, (batch, groups) in forms.items():
+        assert [len(g) for g in groups] == [2] * len(batch)
+        train, rollout = _scored(model, tokens, batch, groups, host.engine.banned_token_ids)
+        diff = (train - rollout).abs()
+        result = {
+            "request_form": form,
+            "prompts": "two images" + (" + text only" if len(batch) > 1 else ""),
+            "train_rollout_logprob_abs_diff": round(float(diff.mean()), 5),
+            "train_rollout_logprob_abs_diff_max": round(float(diff.max()), 5),
+            "tokens": int(diff.numel()),
+        }
+        print("SGLANG-REAL two images " + json.dumps(result))  # fmt: skip
+        assert float(diff.mean()) < 0.1, result
+    del model
+    torch.cuda.empty_cache()
 
 
 def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, tokens):

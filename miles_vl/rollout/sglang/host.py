@@ -142,49 +142,54 @@ class SGLangRolloutHost(RolloutEngine):
         self.max_restarts = max_restarts
         self.health_poll_s = health_poll_s
         self.restarts = 0
-        self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
         if send_pixel_values is None:
             send_pixel_values = launch_module == MILES_VL_LAUNCH_MODULE
-        self.pixel_dir = pixel_directory() if send_pixel_values else None
-        config_file = write_server_config(spec, self._dir)
-        argv = build_server_argv(
-            spec, python=python, module=launch_module, config_file=None if config_file is None else str(config_file)
-        )
-        server_env = {**build_server_env(spec), **(env or {})}
-        if self.pixel_dir is not None:
-            server_env[PIXEL_DIR_ENV] = str(self.pixel_dir)
-        self.server = ServerProcess(
-            argv,
-            env=server_env,
-            log_path=log_path if log_path is not None else self._dir / f"sglang_{spec.port}.log",
-        )
-        self.client = SGLangClient(
-            spec.url,
-            api_key=spec.api_key,
-            timeout_s=request_timeout_s,
-            max_retries=max_retries,
-            backoff_s=retry_backoff_s,
-            liveness=self.server.death_reason,
-        )
-        self.engine = SGLangRolloutEngine(
-            self.client,
-            tokens,
-            ban_vision_tokens=ban_vision_tokens,
-            tp_size=spec.tp_size,
-            max_concurrency=max_concurrency,
-            weight_bucket_bytes=weight_bucket_bytes,
-            weight_version=spec.weight_version,
-            memory_saver=spec.colocated,
-            weights_cpu_backup=spec.weights_cpu_backup,
-            deterministic=deterministic_inference(spec.extra_args),
-            known_names=checkpoint_names(spec.model_path),
-            verify_weights=verify_weights,
-            one_request_per_prompt=one_request_per_prompt,
-            prompts_per_request=default_prompts_per_request(launch_module, prompts_per_request),
-            pixel_dir=None if self.pixel_dir is None else str(self.pixel_dir),
-            pixel_dtype=pixel_wire_dtype(spec),
-            spatial_merge_size=spatial_merge_size(spec.model_path),
-        )
+        self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
+        self.pixel_dir: Path | None = None
+        try:
+            self.pixel_dir = pixel_directory() if send_pixel_values else None
+            config_file = write_server_config(spec, self._dir)
+            argv = build_server_argv(
+                spec, python=python, module=launch_module, config_file=None if config_file is None else str(config_file)
+            )
+            server_env = {**build_server_env(spec), **(env or {})}
+            if self.pixel_dir is not None:
+                server_env[PIXEL_DIR_ENV] = str(self.pixel_dir)
+            self.server = ServerProcess(
+                argv,
+                env=server_env,
+                log_path=log_path if log_path is not None else self._dir / f"sglang_{spec.port}.log",
+            )
+            self.client = SGLangClient(
+                spec.url,
+                api_key=spec.api_key,
+                timeout_s=request_timeout_s,
+                max_retries=max_retries,
+                backoff_s=retry_backoff_s,
+                liveness=self.server.death_reason,
+            )
+            self.engine = SGLangRolloutEngine(
+                self.client,
+                tokens,
+                ban_vision_tokens=ban_vision_tokens,
+                tp_size=spec.tp_size,
+                max_concurrency=max_concurrency,
+                weight_bucket_bytes=weight_bucket_bytes,
+                weight_version=spec.weight_version,
+                memory_saver=spec.colocated,
+                weights_cpu_backup=spec.weights_cpu_backup,
+                deterministic=deterministic_inference(spec.extra_args),
+                known_names=checkpoint_names(spec.model_path),
+                verify_weights=verify_weights,
+                one_request_per_prompt=one_request_per_prompt,
+                prompts_per_request=default_prompts_per_request(launch_module, prompts_per_request),
+                pixel_dir=None if self.pixel_dir is None else str(self.pixel_dir),
+                pixel_dtype=pixel_wire_dtype(spec),
+                spatial_merge_size=spatial_merge_size(spec.model_path),
+            )
+        except BaseException:  # nothing started yet: only the private files to remove
+            self._remove_private_files()
+            raise
         try:
             self._launch()
         except BaseException:
@@ -314,6 +319,9 @@ class SGLangRolloutHost(RolloutEngine):
         stays for post-mortems (the private directory is removed when it holds nothing else)."""
         self.server.stop()
         self.client.close()
+        self._remove_private_files()
+
+    def _remove_private_files(self) -> None:
         if self.pixel_dir is not None:
             shutil.rmtree(self.pixel_dir, ignore_errors=True)
         for path in self._dir.glob("*.yaml"):

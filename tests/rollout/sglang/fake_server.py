@@ -1026,7 +1026,9 @@ def _batch_prompts(body: dict[str, Any]) -> tuple[list[tuple[list[int], list, li
     (`_handle_parallel_sampling`), whose `image_data` must then hold one entry: a list of that prompt's images, or one
     image (`_normalize_image_data`: "The length of image_data should be equal to the batch size."). A batch's
     `image_data` / `video_data` hold one list per prompt (an image or video item: data URLs or processor_output
-    dicts); its `sampling_params` one dict for all or one per prompt. Text is not taken here (miles_vl sends ids)."""
+    dicts); 0.5.16 checks the length of a batch's `image_data` but not of its `video_data` (prompt i takes entry i: an
+    IndexError, HTTP 500, when there is none; entries past the batch are unused); its `sampling_params` one dict for
+    all or one per prompt. Text is not taken here (miles_vl sends ids)."""
     input_ids = body.get("input_ids")
     if not isinstance(input_ids, list) or not input_ids:
         raise BadRequest("this stand-in takes input_ids: a non-empty list of ints, or a list of such lists")
@@ -1048,10 +1050,13 @@ def _batch_prompts(body: dict[str, Any]) -> tuple[list[tuple[list[int], list, li
         if items is None or items == []:
             per_prompt.append([[] for _ in rows])
             continue
-        if not isinstance(items, list) or len(items) != len(rows):
-            kind = "image" if name == "image_data" else "video"
-            raise BadRequest(f"The length of {kind}_data should be equal to the batch size.")
-        entries = [[] if e is None else e if isinstance(e, list) else [e] for e in items]
+        if name == "image_data" and (not isinstance(items, list) or len(items) != len(rows)):
+            raise BadRequest("The length of image_data should be equal to the batch size.")
+        if not isinstance(items, list):  # one video for every prompt (`_normalize_video_data`, io_struct.py:537)
+            items = [items] * len(rows)
+        if len(items) < len(rows):  # 0.5.16 does not check a batch's video_data: prompt i takes entry i, or fails
+            raise ServerError("IndexError: list index out of range (GenerateReqInput.__getitem__, video_data)")
+        entries = [[] if e is None else e if isinstance(e, list) else [e] for e in items[: len(rows)]]  # rest unused
         if not all(all(is_item(u) for u in e) for e in entries):
             raise BadRequest(f"a batch's {name} must hold a list of images or items per prompt here")
         per_prompt.append(entries)

@@ -185,3 +185,28 @@ def test_a_host_that_sends_pixel_values_owns_their_directory(tmp_path):
     finally:
         h.shutdown()
     assert not directory.exists()
+
+
+def test_a_host_that_fails_before_its_server_starts_leaves_no_directories(tmp_path, monkeypatch):
+    """The pixel directory and the private one are made before the engine; an engine that cannot be built (here: it
+    raises) removes both, as a server that cannot start does (shutdown)."""
+    from miles_vl.rollout.sglang import host as host_module
+
+    made = []
+
+    def pixel_directory():
+        made.append(Path(host_module.tempfile.mkdtemp(prefix="pixels_", dir=tmp_path)))
+        return made[-1]
+
+    def broken_engine(*args, **kwargs):
+        raise ValueError("bad engine settings")
+
+    private = []
+    mkdtemp = host_module.tempfile.mkdtemp
+    monkeypatch.setattr(host_module, "pixel_directory", pixel_directory)
+    monkeypatch.setattr(host_module, "SGLangRolloutEngine", broken_engine)
+    monkeypatch.setattr(host_module.tempfile, "mkdtemp", lambda **kw: private.append(mkdtemp(**kw)) or private[-1])
+    with pytest.raises(ValueError, match="bad engine settings"):
+        host(tmp_path, send_pixel_values=True)
+    assert len(made) == 1 and not made[0].exists()
+    assert private and not any(Path(p).exists() for p in private)

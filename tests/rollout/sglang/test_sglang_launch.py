@@ -38,6 +38,15 @@ def _item(h, feature):
     return types.SimpleNamespace(hash=h, feature=feature, precomputed_embeddings=None)
 
 
+def _tokenizer_module(cls, wrap_shm_features=lambda obj: obj) -> types.SimpleNamespace:
+    """A stand-in of 0.5.16's tokenizer_manager module: the class and the shared-memory wrapper it imports by name
+    (`wrap_shm_features`; identity here: the stand-ins' messages are deep copies, not pickles)."""
+    for name in ("_send_one_request", "_send_batch_request"):  # 0.5.16's send methods the patch wraps
+        if not hasattr(cls, name):
+            setattr(cls, name, lambda self, obj: None)
+    return types.SimpleNamespace(TokenizerManager=cls, wrap_shm_features=wrap_shm_features)
+
+
 def _req(items, max_new_tokens, rid="r"):
     return types.SimpleNamespace(
         rid=rid,
@@ -120,7 +129,7 @@ def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(m
         def recv_requests(self):
             return list(sent)
 
-    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
     sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
     pixels = torch.randn(8, 4)
 
@@ -154,6 +163,11 @@ STAND_IN = {
                 yield None
             def _send_one_request(self, tokenized_obj):
                 pass
+            def _send_batch_request(self, tokenized_objs):
+                pass
+
+        def wrap_shm_features(obj):
+            return obj
     """,
     "sglang/srt/managers/scheduler_components/request_receiver.py": """
         class SchedulerRequestReceiver:
@@ -252,7 +266,7 @@ def test_the_parallel_sampling_flag_ends_with_its_request(monkeypatch):
         def _send_one_request(self, tokenized_obj):
             pass
 
-    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
 
     async def run():
         async for _ in TokenizerManager()._handle_batch_request(types.SimpleNamespace(parallel_sample_num=4)):
@@ -366,7 +380,7 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
         def recv_requests(self):
             return list(manager.messages)
 
-    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
     sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
     pixels = [torch.randn(4, 6) for _ in range(3)]
     prompts = [_Prompt(f"p{i}", [i, i + 1], pixels[i]) for i in range(3)]
@@ -416,11 +430,12 @@ def test_which_requests_the_grouped_handler_takes(monkeypatch):
     assert not sglang_launch.groups_batch(_Batch(prompts, 2, None))
 
 
-def _grouped(manager, batch):
-    async def run():
-        return [x async for x in sglang_launch.handle_grouped(manager, batch)]
+async def _collect(manager, batch) -> list:
+    return [x async for x in sglang_launch.handle_grouped(manager, batch)]
 
-    return asyncio.run(run())
+
+def _grouped(manager, batch):
+    return asyncio.run(_collect(manager, batch))
 
 
 def test_under_a_sharing_blocker_the_copies_keep_their_pixels_and_go_one_by_one(monkeypatch):
@@ -569,7 +584,7 @@ def test_the_tokenizer_reads_a_requests_pixel_files_before_sglang_tokenizes_it(t
         def _send_one_request(self, tokenized_obj):
             pass
 
-    sglang_launch._patch_tokenizer(types.SimpleNamespace(TokenizerManager=TokenizerManager))
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
     pixels, frames = torch.randn(4, 6), torch.randn(8, 6)
     images = [{"format": "processor_output", "pixel_values": write_tensor(str(tmp_path), pixels),
                "image_grid_thw": [[1, 2, 2]]}]  # fmt: skip
@@ -616,3 +631,70 @@ def test_prefixes_ready_together_leave_in_one_message():
     with pytest.raises(ConnectionError):
         _grouped(failing, _Batch([_Prompt("p0", [1], pixels), _Prompt("p1", [2], pixels)], 2, [["a1"], ["b2"]]))
     assert failing.rid_to_state == {} and not any(hasattr(m, "batch") for m in failing.messages)
+
+
+def test_a_batch_message_moves_pixels_into_shared_memory_as_a_single_send_does():
+    """0.5.16's `_send_batch_request` pickles pixel tensors into the message; the patched one first moves each
+    request's tensors as `_send_one_request` does (`wrap_shm_features`), so prefixes coalesced into one message do not
+    carry them inline (a multi-image prompt: once per image, each a view with the prompt's whole storage)."""
+
+    class Shm:  # 0.5.16's ShmPointerMMData, as far as this test needs
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    def wrap(obj):
+        for item in obj.mm_inputs.mm_items:
+            if isinstance(item.feature, torch.Tensor):
+                item.feature = Shm(item.feature)
+        return obj
+
+    class TokenizerManager(_StandInTokenizer):
+        async def _handle_batch_request(self, obj, request=None):  # 0.5.16's path: not taken here
+            raise AssertionError("the grouped handler should take a non-streaming batch with n > 1")
+            yield
+
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager, wrap))
+    pixels = torch.randn(4, 6)
+    manager = TokenizerManager({"p0": 0.0, "p1": 0.0})
+    [answers] = _grouped(manager, _Batch([_Prompt("p0", [1], pixels), _Prompt("p1", [2], pixels)], 2, [["a1"], ["b2"]]))
+    prefixes, copies = (m.batch for m in manager.messages)
+    assert len(prefixes) == 2 and all(isinstance(p.mm_inputs.mm_items[0].feature, Shm) for p in prefixes)
+    assert all(torch.equal(p.mm_inputs.mm_items[0].feature.tensor, pixels) for p in prefixes)
+    assert len(copies) == 4 and all(c.mm_inputs.mm_items[0].feature is None for c in copies)
+    assert len(answers) == 4
+
+
+@pytest.mark.parametrize("send_fails", [False, True])
+def test_a_request_cancelled_while_its_prefix_leaves(send_fails):
+    """A client that disconnects (its request's task is cancelled) as the prefix message leaves: a prefix that was
+    sent keeps its request state, which its answer removes (0.5.16 drops a finished request's state); one whose send
+    failed leaves none."""
+    manager = _StandInTokenizer({"p0": 0.0})
+
+    async def run():
+        task = asyncio.ensure_future(_collect(manager, _Batch([_Prompt("p0", [1], None)], 2, [["a1"]])))
+
+        def send(tokenized):
+            task.cancel()  # the disconnect arrives as the message leaves
+            if send_fails:
+                raise ConnectionError("zmq send failed")
+            manager.messages.append(tokenized)
+
+        manager._send_one_request = send
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    sent = [m.rid for m in manager.messages]
+    assert len(sent) == (0 if send_fails else 1)
+    assert list(manager.rid_to_state) == sent
+
+
+def test_a_remembered_view_counts_the_storage_it_keeps():
+    """A tensor that arrived inline as a view (one image of a multi-image prompt) keeps its whole storage alive."""
+    whole = torch.randn(100, 10)
+    memory = sglang_launch.PixelMemory(max_bytes=whole.untyped_storage().nbytes() + 1)
+    memory.remember(1, whole[:10])
+    memory.remember(2, whole[10:20])
+    assert list(memory.tensors) == [2] and memory.bytes == whole.untyped_storage().nbytes()
