@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the offline GPU stack for the GPU machine (Python 3.12, torch 2.11.0+cu130, no package index): every wheel of
 # scripts/gpu/stack_requirements.txt (SGLang 0.5.16, Transformer Engine 2.20.2 + megatron-core 0.19.2 +
-# megatron-bridge 0.6.2, Ray 2.60.0 and what miles_vl imports), as parts of at most PART_MB MiB (default 58) that
-# travel one per device call.
+# megatron-bridge 0.6.2, Ray 2.60.0 and what miles_vl imports), as parts of at most PART_MB MiB (default 56) that
+# travel one per device call (a part and the working tree, about 7 MB on 2026-11-25, must fit in the call's 64 MiB;
+# 58 MiB parts stopped fitting then).
 #
 # usage: scripts/gpu/bundle_stack.sh OUT_DIR        (e.g. .bundle_stack: ignored by the repo's /.bundle*/ rule)
 #        then on the GPU machine: scripts/gpu/stack.sh (stages the parts, installs, runs a command)
@@ -13,11 +14,11 @@
 # split. Ray's Java jar and dashboard web client are dropped from its wheel (the driver starts Ray with the dashboard
 # off and runs no Java workers): 45 MB less to carry. The last part also holds MANIFEST (wheel, distribution,
 # policy) and SHA256SUMS (every part), which install_stack.py checks before it unpacks anything.
-# Environment: PART_MB (58), XZ_LEVEL (6), XZ_THREADS (2), PYTHON (python3), TE_WHEELS (the folder holding the
+# Environment: PART_MB (56), XZ_LEVEL (6), XZ_THREADS (2), PYTHON (python3), TE_WHEELS (the folder holding the
 # transformer_engine_torch 2.20.2 wheel built from its sdist against torch 2.11.0+cu130: docs/gpu.md says how).
 set -euo pipefail
 out=${1:?usage: bundle_stack.sh OUT_DIR}
-part_mb=${PART_MB:-58}
+part_mb=${PART_MB:-56}
 here=$(cd "$(dirname "$0")" && pwd)
 te_wheels=${TE_WHEELS:-$here/../../../shared/gpu/wheels}  # default: where this project's build machine keeps it
 py=${PYTHON:-python3}
