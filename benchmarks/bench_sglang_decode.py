@@ -106,6 +106,8 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #               pixels are files of the host's directory, in the model's dtype): no PNG decoding, no second run of the
 #               image processor, no re-tokenization in the server; the engine's default since 2026-11-25
 #   timed_pixels  timed, the launcher, pixel values: the breakdown of pixels
+#   pixels_inline  pixels through sglang_launch_inline_prefixes.py: a batch message's pixel tensors pickled into it
+#               (each its own tensor) instead of moved into shared memory one segment each
 # (PNG data URLs, hashes and pixel files are made once per server before its calls, outside the timed calls.)
 BENCH_DIR = str(Path(__file__).resolve().parent)
 REQUESTS = {
@@ -138,6 +140,7 @@ VARIANTS = {
     "timed_share": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE),
     "pixels": Variant(launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
+    "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", pixels=True),
     "tok4": Variant(flags=("--tokenizer-worker-num", "4")),
     "tok8": Variant(flags=("--tokenizer-worker-num", "8")),
 }

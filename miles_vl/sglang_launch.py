@@ -537,19 +537,15 @@ def install() -> None:
         sys.meta_path.insert(0, PatchOnImport(pending))
 
 
-# In the launching process (`__main__`) and in every process SGLang starts with `spawn`, which runs the parent's main
-# module as `__mp_main__` before the child's target; importing this module elsewhere (tests) installs nothing.
-if __name__ in ("__main__", "__mp_main__"):
-    install()
-
-if __name__ == "__main__":
-    from sglang.launch_server import run_server  # noqa: E402 (after the hook, so that SGLang's modules get patched)
+def main(argv: list[str]) -> None:
+    """`python -m sglang.launch_server ARGV` with the patches (installed before: `install()`)."""
+    from sglang.launch_server import run_server  # after the hook, so that SGLang's modules get patched
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
-    server_args = prepare_server_args(sys.argv[1:])
+    server_args = prepare_server_args(argv)
     if blockers := sharing_blockers(server_args):  # before SGLang starts any child: they inherit the environment
         os.environ[ENABLED_ENV] = "0"
         log.warning("miles_vl: the n copies of a prompt keep their own pixel values here: %s", "; ".join(blockers))
@@ -557,3 +553,12 @@ if __name__ == "__main__":
         run_server(server_args)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+
+
+# In the launching process (`__main__`) and in every process SGLang starts with `spawn`, which runs the parent's main
+# module as `__mp_main__` before the child's target; importing this module elsewhere (tests) installs nothing.
+if __name__ in ("__main__", "__mp_main__"):
+    install()
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

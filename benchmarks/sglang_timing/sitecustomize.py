@@ -89,11 +89,19 @@ def _send(args, _out):
     }
 
 
+def _wrapped(args, _out):
+    items = getattr(getattr(args[0], "mm_inputs", None), "mm_items", None) or []
+    return {"pixels": sum(1 for i in items if getattr(i, "feature", None) is not None)}
+
+
 def _patch_tokenizer(module) -> None:
     cls = module.TokenizerManager
     cls._tokenize_one_request = _timed_async(cls._tokenize_one_request, "tok.tokenize")
     cls._send_one_request = _timed(cls._send_one_request, "tok.send", _send)
     cls._send_batch_request = _timed(cls._send_batch_request, "tok.send_batch", lambda a, _o: {"n": len(a[1])})
+    # the move of a request's pixel tensors into shared memory (0.5.16's single send, and miles_vl's launcher's batch
+    # send, which looks it up here after this patch)
+    module.wrap_shm_features = _timed(module.wrap_shm_features, "tok.wrap_shm", _wrapped)
 
 
 def _synced(fn, what, describe=None):

@@ -133,20 +133,22 @@ def _png(image: Image.Image) -> bytes:
 def prompt_images(prompt: Any, index: int, video_token_id: int | None = None) -> list[Image.Image | bytes]:
     """The images of prompt `index`, checked against its `image_grid_thw` rows.
 
-    The sglang engine needs `prompt.images` (PIL images or encoded bytes, in the order their blocks appear in
-    `prompt_ids`): SGLang re-runs the image processor on the original images and cannot take `pixel_values`.
+    Without pixel values (SGLang's own `launch_server`, or `rollout.sglang.send_pixel_values: false`) the sglang
+    engine needs `prompt.images` (PIL images or encoded bytes, in the order their blocks appear in `prompt_ids`):
+    SGLang runs its image processor again on the original images.
 
     Raises:
-        ValueError: images missing or not one per `image_grid_thw` row; a prompt with video tokens (the engine sends
-            no `video_data` yet: such a prompt would reach SGLang with pads and no frames).
+        ValueError: images missing or not one per `image_grid_thw` row; a prompt with video tokens (in this form
+            SGLang would re-sample our video its own way: videos go as pixel values only).
     """
     grid_v = getattr(prompt, "video_grid_thw", None)
     has_video_tokens = video_token_id is not None and bool((torch.as_tensor(prompt.prompt_ids) == video_token_id).any())
     if (grid_v is not None and int(grid_v.shape[0])) or has_video_tokens:
         raise ValueError(
-            f"prompt {index} holds a video; the sglang engine sends images only (SGLang 0.5.16 re-samples and re-sizes "
+            f"prompt {index} holds a video, and this engine sends PNG images (SGLang 0.5.16 re-samples and re-sizes "
             "`video_data` its own way and writes other frame timestamps, so its prompt ids would not be ours: "
-            "docs/sglang.md, section 4, Videos). Use rollout.backend=hf for video prompts"
+            "docs/sglang.md, section 4, Pixel values). Send pixel values (rollout.sglang.send_pixel_values: true or "
+            "null, with share_copy_pixels: true, miles_vl's launcher), or use rollout.backend=hf for video prompts"
         )
     grid = getattr(prompt, "image_grid_thw", None)
     n_grid = 0 if grid is None else int(grid.shape[0])
