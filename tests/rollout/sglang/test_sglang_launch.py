@@ -698,3 +698,29 @@ def test_a_remembered_view_counts_the_storage_it_keeps():
     memory.remember(1, whole[:10])
     memory.remember(2, whole[10:20])
     assert list(memory.tensors) == [2] and memory.bytes == whole.untyped_storage().nbytes()
+
+
+def test_a_batch_messages_pixels_move_to_shared_memory_side_by_side():
+    """The requests of a batch message that carry pixels are moved into shared memory in threads side by side (0.5.16's
+    copy of a 196-token image took 8-12 ms on an H100, serially 60-85 ms for 8 prefixes): two moves must be running at
+    once to pass the barrier; a request without pixels is not given to the threads; a failure reaches the caller."""
+    import threading
+
+    together = threading.Barrier(2, timeout=10)
+    moved = []
+
+    def wrap(obj):
+        together.wait()  # only returns once another request is being moved at the same time
+        moved.append(obj.rid)
+        return obj
+
+    with_pixels = [_req([_item(k, torch.randn(2, 2))], 0, rid=f"p{k}") for k in range(4)]
+    without = _req([_item(9, None)], 16, rid="copy")
+    sglang_launch.move_to_shared_memory(wrap, [*with_pixels, without])
+    assert sorted(moved) == ["p0", "p1", "p2", "p3"]
+
+    def broken(obj):
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        sglang_launch.move_to_shared_memory(broken, with_pixels[:2])
