@@ -71,6 +71,7 @@ from miles_vl.rollout.sglang.generate import (  # noqa: E402
     build_generate_payload,
     parse_generate_response,
 )
+from miles_vl.sglang_launch import VISION_GRAPHS_ENV  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
 SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -108,6 +109,9 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   timed_pixels  timed, the launcher, pixel values: the breakdown of pixels
 #   pixels_inline  pixels through sglang_launch_inline_prefixes.py: a batch message's pixel tensors pickled into it
 #               (each its own tensor) instead of moved into shared memory one segment each
+#   graphs      pixels with the vision tower's CUDA graphs (MILES_VL_SGLANG_VISION_GRAPHS=4: a layout of images is
+#               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs); the engine's
+#               default since 2026-11-25 (`pixels` is the same server with the tower eager)
 # (PNG data URLs, hashes and pixel files are made once per server before its calls, outside the timed calls.)
 BENCH_DIR = str(Path(__file__).resolve().parent)
 REQUESTS = {
@@ -141,6 +145,7 @@ VARIANTS = {
     "pixels": Variant(launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", pixels=True),
+    "graphs": Variant(env={VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "tok4": Variant(flags=("--tokenizer-worker-num", "4")),
     "tok8": Variant(flags=("--tokenizer-worker-num", "8")),
 }
@@ -264,8 +269,10 @@ def sglang_call(
     return wall, lengths
 
 
-def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default") -> list[dict]:
-    """One server of this variant; a row per `--shapes` entry."""
+def bench_sglang(
+    args, ckpt: str, prompts, tokens: SpecialTokens, variant: str = "default", log_name: str | None = None
+) -> list[dict]:
+    """One server of this variant (its log `sglang_bench_<log_name or variant>.log`); a row per `--shapes` entry."""
     b, n = len(prompts), args.max_new_tokens
     v = VARIANTS[variant]
     flags, env, hashes, launch_module = v.flags, v.env, v.hashes, v.launch_module
@@ -306,7 +313,7 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
         request_timeout_s=300.0,
         max_retries=0,
         max_restarts=0,
-        log_path=Path(log_dir) / f"sglang_bench_{variant}.log" if log_dir else None,
+        log_path=Path(log_dir) / f"sglang_bench_{log_name or variant}.log" if log_dir else None,
         env=SERVER_ENV | env,
         launch_module=launch_module,
         send_pixel_values=v.pixels,
@@ -331,7 +338,8 @@ def bench_sglang(args, ckpt: str, prompts, tokens: SpecialTokens, variant: str =
                 hashes=hashes,
                 timing=timing,
             )
-            call(4, seed=args.seed)  # warm-up
+            for _ in range(2):  # warm-up: twice, as the vision graphs capture a layout of images at its second sighting
+                call(4, seed=args.seed)
             short = [call(1, seed=args.seed)[0] for _ in range(args.repeats)]
             runs = [call(n, seed=args.seed + k) for k in range(args.repeats)]
             lengths = {length for _, ls in runs for length in ls}
@@ -461,9 +469,10 @@ def main() -> None:
     for name in engines:
         t0 = time.perf_counter()
         if name == "sglang":
-            for v in variants:  # each row printed as it finishes; a variant that fails is recorded, the rest run
+            for i, v in enumerate(variants):  # each row printed as it finishes; a failed variant is recorded
+                log_name = v if variants.index(v) == i else f"{v}_{variants[:i].count(v) + 1}"  # a variant again
                 try:
-                    sglang_rows += bench_sglang(args, ckpt, prompts, tokens, v)
+                    sglang_rows += bench_sglang(args, ckpt, prompts, tokens, v, log_name)
                 except Exception as e:  # noqa: BLE001 (the server's log says why; the JSON line says which)
                     sglang_rows.append(dict(variant=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
                     print(f"[sglang {v}] {json.dumps(sglang_rows[-1])}", flush=True)

@@ -84,6 +84,10 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16")
 FEATURE_GRIDS = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
 TOKENIZER_MODULE = "sglang.srt.managers.tokenizer_manager"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
+VISION_MODULE = "sglang.srt.models.qwen3_vl"
+VISION_GRAPHS_ENV = "MILES_VL_SGLANG_VISION_GRAPHS"  # image layouts whose vision-tower CUDA graphs are kept; 0: eager
+VISION_GRAPH_MAX_PATCHES = 32768  # larger batches of images run eagerly (a graph's memory grows with its patches)
+SGLANG_VIT_GRAPH_ENV = "SGLANG_VIT_ENABLE_CUDA_GRAPH"  # 0.5.16's own vision graphs: unsafe (VisionGraphs), kept off
 
 log = logging.getLogger("miles_vl.sglang_launch")
 
@@ -515,7 +519,142 @@ def _patch_receiver(module) -> None:
     cls.miles_vl_pixel_memory = memory
 
 
-PATCHES = {TOKENIZER_MODULE: _patch_tokenizer, RECEIVER_MODULE: _patch_receiver}
+# ---------------------------------------------------------------------------------------------------------------------
+# the vision tower's CUDA graphs (module docstring)
+
+
+def image_layout(grid_thw) -> tuple[tuple[int, int, int], ...]:
+    """The (t, h, w) patch grids of a vision batch's images, in order: everything a captured graph bakes in (the
+    attention's segment boundaries and longest segment) follows from it."""
+    rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
+    return tuple((int(t), int(h), int(w)) for t, h, w in rows)
+
+
+class VisionGraphs:
+    """Scheduler side: which vision batches replay a CUDA graph, one 0.5.16 `ViTCudaGraphRunner` per image layout.
+
+    0.5.16's runner keeps its graphs by the batch's total patch count only: a batch with the same total but other
+    image boundaries replays the boundaries captured first, and a larger batch replaces the rotary workspace every
+    earlier graph still reads (sglang issue #29216; fixed upstream after 0.5.16 by sglang PR #37043). One runner per
+    layout avoids both: it only ever sees one total and one set of boundaries. A layout is run eagerly the first time
+    it is seen and captured the second time (a layout seen once, common with images of many sizes, costs no capture
+    and no graph memory); at most `max_graphs` are kept, the least recently used dropped first, and batches of more
+    than `max_patches` patches always run eagerly. The decisions depend only on the sequence of layouts, which every
+    tensor-parallel rank sees alike, so the ranks capture together."""
+
+    def __init__(self, max_graphs: int, max_patches: int = VISION_GRAPH_MAX_PATCHES):
+        self.max_graphs, self.max_patches = max_graphs, max_patches
+        self.runners: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # layout -> runner; LRU first
+        self.seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # layouts run once, eagerly
+        self.captured = self.replayed = self.eager = self.dropped = 0
+
+    def runner(self, layout: tuple, make_runner):
+        """The runner that replays `layout` (made with `make_runner()` when this is its second sighting), or None: run
+        it eagerly."""
+        runner = self.runners.get(layout)
+        if runner is not None:
+            self.runners.move_to_end(layout)
+            self.replayed += 1
+            return runner
+        if sum(t * h * w for t, h, w in layout) > self.max_patches or layout not in self.seen:
+            if layout not in self.seen:
+                self.seen[layout] = None
+                while len(self.seen) > 4 * self.max_graphs:
+                    self.seen.popitem(last=False)
+            self.eager += 1
+            return None
+        del self.seen[layout]
+        if len(self.runners) >= self.max_graphs:
+            self.runners.popitem(last=False)  # its graph and buffers are freed with it
+            self.dropped += 1
+        runner = self.runners[layout] = make_runner()
+        self.captured += 1
+        return runner
+
+
+def _patch_vision(module) -> None:
+    max_graphs = int(os.environ.get(VISION_GRAPHS_ENV, "0"))
+    if max_graphs <= 0:
+        return
+    cls = module.Qwen3VLMoeVisionModel
+    eager_forward = cls.forward
+
+    def forward(self, x, grid_thw):
+        graphs = self.__dict__.get("miles_vl_graphs")
+        if graphs is None:
+            graphs = self.miles_vl_graphs = VisionGraphs(max_graphs)
+        layout = image_layout(grid_thw)
+        captured = graphs.captured
+        runner = graphs.runner(layout, lambda: module.graph_runners_dict[self.device.type](self))
+        if runner is None:
+            return eager_forward(self, x, grid_thw)
+        self.graph_runners = runner
+        # 0.5.16's vision attention backends read SGLANG_VIT_ENABLE_CUDA_GRAPH at every call to take the runner's form
+        # of the segment boundaries (`VisionFlash3Attention.forward`, srt/layers/attention/vision.py:516): on for this
+        # call only, so that the first, eager batch of a layout runs as stock 0.5.16 does. The runner returns its own
+        # output buffer, which its next replay overwrites: SGLang's embedding cache may keep views of what we return,
+        # so it gets a tensor of its own (a copy of the merged tokens, microseconds).
+        os.environ[SGLANG_VIT_GRAPH_ENV] = "1"
+        try:
+            out = self.forward_with_cuda_graph(x, grid_thw).clone()
+        finally:
+            os.environ[SGLANG_VIT_GRAPH_ENV] = "0"
+        if graphs.captured != captured:
+            log.info(
+                "miles_vl: vision tower CUDA graph captured for %d images of %d patches (%d kept, %d dropped)",
+                len(layout),
+                sum(t * h * w for t, h, w in layout),
+                len(graphs.runners),
+                graphs.dropped,
+            )
+        return out
+
+    cls.forward = forward
+
+
+def vision_graph_backend(mm_attention_backend: str | None, capability: tuple[int, int]) -> str | None:
+    """The `--mm-attention-backend` under which the vision graphs run, or None where they cannot: 0.5.16's runner
+    needs the flag set (it reads the server argument, not the backend the vision model chose) and supports fa3 and
+    triton_attn. Unset, it is set to what 0.5.16 would choose on this GPU anyway (`VisionAttention.
+    _determine_attention_backend`: fa3 on SM 9.x, fa4 on SM 10.x but 10.3, triton_attn otherwise), so the numerics
+    do not change."""
+    if mm_attention_backend is None:
+        major, minor = capability
+        mm_attention_backend = "fa3" if major == 9 else "fa4" if major == 10 and minor != 3 else "triton_attn"
+    return mm_attention_backend if mm_attention_backend in ("fa3", "triton_attn") else None
+
+
+def _configure_vision_graphs(server_args) -> None:
+    """In the launching process, before SGLang starts a child (they inherit the environment and the arguments)."""
+    if os.environ.get(SGLANG_VIT_GRAPH_ENV, "0").lower() not in ("0", "false", ""):
+        os.environ[SGLANG_VIT_GRAPH_ENV] = "0"
+        log.warning(
+            "miles_vl: %s=1 ignored: 0.5.16's vision graphs replay wrong image boundaries and rotary tables "
+            "(miles_vl.sglang_launch.VisionGraphs); %s sets miles_vl's",
+            SGLANG_VIT_GRAPH_ENV,
+            VISION_GRAPHS_ENV,
+        )
+    if int(os.environ.get(VISION_GRAPHS_ENV, "0")) <= 0:
+        return
+    why_not = None
+    if getattr(server_args, "enable_deterministic_inference", False):
+        why_not = "--enable-deterministic-inference (a layout's first, eager batch and its replays may round apart)"
+    else:
+        import torch
+
+        capability = torch.cuda.get_device_capability(getattr(server_args, "base_gpu_id", 0) or 0)
+        backend = vision_graph_backend(server_args.mm_attention_backend, capability)
+        if backend is None:
+            name = server_args.mm_attention_backend or "this GPU's"
+            why_not = f"--mm-attention-backend {name} (0.5.16's graph runner takes fa3 or triton_attn)"
+        else:
+            server_args.mm_attention_backend = backend
+    if why_not:
+        os.environ[VISION_GRAPHS_ENV] = "0"
+        log.warning("miles_vl: the vision tower runs without CUDA graphs here: %s", why_not)
+
+
+PATCHES = {TOKENIZER_MODULE: _patch_tokenizer, RECEIVER_MODULE: _patch_receiver, VISION_MODULE: _patch_vision}
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
@@ -575,6 +714,7 @@ def main(argv: list[str]) -> None:
     if blockers := sharing_blockers(server_args):  # before SGLang starts any child: they inherit the environment
         os.environ[ENABLED_ENV] = "0"
         log.warning("miles_vl: the n copies of a prompt keep their own pixel values here: %s", "; ".join(blockers))
+    _configure_vision_graphs(server_args)
     try:
         run_server(server_args)
     finally:

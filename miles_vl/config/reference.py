@@ -43,6 +43,8 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 - `rollout.backend: sglang` needs `rollout.gpus_per_engine >= 1`.
 - `rollout.sglang.send_pixel_values: true` needs `rollout.sglang.share_copy_pixels: true` (miles_vl's launcher reads
   them); video prompts (`data.synthetic_task: motion`) through `rollout.backend: sglang` need pixel values.
+- `rollout.sglang.vision_cuda_graphs > 0` needs `rollout.sglang.share_copy_pixels: true` (miles_vl's launcher makes
+  the graphs).
 - `algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`): TIS reweights by a sampling distribution.
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
 

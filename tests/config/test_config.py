@@ -244,6 +244,11 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "`rollout.sglang.send_pixel_values: true` needs `rollout.sglang.share_copy_pixels: true`",
         ),
         (
+            ["rollout.sglang.vision_cuda_graphs=2", "rollout.sglang.share_copy_pixels=false"],
+            "rollout.sglang.vision_cuda_graphs=2 needs miles_vl's launcher",
+            "`rollout.sglang.vision_cuda_graphs > 0` needs `rollout.sglang.share_copy_pixels: true`",
+        ),
+        (
             ["rollout.backend=sglang", "data.synthetic_task=motion", "rollout.sglang.send_pixel_values=false"],
             "data.synthetic_task=motion makes video prompts, which rollout.backend=sglang sends only as pixel values",
             "video prompts (`data.synthetic_task: motion`) through `rollout.backend: sglang` need pixel values",

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
+from miles_vl.sglang_launch import VISION_GRAPHS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class ServerSpec:
         image_max_pixels: likewise `max_pixels`.
         vision_cache_mb: `SGLANG_VLM_CACHE_SIZE_MB`; 0 (default) disables the vision-embedding cache that weight
             syncs do not invalidate (see the module docstring). Only > 0 when the vision tower is frozen.
+        vision_cuda_graphs: image layouts whose vision-tower CUDA graphs a server run by miles_vl's launcher keeps
+            (`MILES_VL_SGLANG_VISION_GRAPHS`, `miles_vl.sglang_launch.VisionGraphs`); 0: the vision tower runs eagerly.
+            SGLang's own launch_server ignores it.
         extra_args: passed verbatim after ours; may not repeat a flag of `OWNED_FLAGS`.
     """
 
@@ -122,6 +126,7 @@ class ServerSpec:
     image_min_pixels: int | None = None
     image_max_pixels: int | None = None
     vision_cache_mb: int = 0
+    vision_cuda_graphs: int = 0
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -138,6 +143,8 @@ class ServerSpec:
             raise ValueError(f"ServerSpec.tp_size={self.tp_size}; an engine needs >= 1 GPU (rollout.gpus_per_engine)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"ServerSpec.mem_fraction_static={self.mem_fraction_static} is outside (0, 1]")
+        if self.vision_cuda_graphs < 0:
+            raise ValueError(f"ServerSpec.vision_cuda_graphs={self.vision_cuda_graphs}; 0 turns them off")
         if self.vision_cache_mb < 0:
             raise ValueError(f"ServerSpec.vision_cache_mb={self.vision_cache_mb} < 0; use 0 to disable the cache")
         if isinstance(self.extra_args, str):
@@ -277,11 +284,13 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
     """The server's environment: `base` (default: ours) plus the settings miles_vl needs (pure).
 
     Returns:
-        A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0), and
-        `SGLANG_MM_PRECOMPUTE_HASH` is 1 unless `base` sets it.
+        A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0),
+        `MILES_VL_SGLANG_VISION_GRAPHS` is `spec.vision_cuda_graphs`, and `SGLANG_MM_PRECOMPUTE_HASH` is 1 unless
+        `base` sets it.
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
+    env[VISION_GRAPHS_ENV] = str(spec.vision_cuda_graphs)
     env.setdefault("SGLANG_MM_PRECOMPUTE_HASH", "1")  # hash once per request, not once per `n` copy (docstring)
     for key, value in NO_MULTICAST_ENV.items():  # NVLink multicast off unless the caller decided otherwise
         env.setdefault(key, value)

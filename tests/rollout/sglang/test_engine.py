@@ -511,7 +511,7 @@ def test_with_a_pixel_directory_prompts_go_as_their_ids_and_pixel_values(pixel_f
     params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=2)
     groups = eng.generate(ps, params)
     assert [len(g) for g in groups] == [2] * 4
-    bodies = generate_bodies(pixel_fake)
+    bodies = sorted(generate_bodies(pixel_fake), key=lambda b: b["input_ids"][0][0])  # the 2 requests run side by side
     assert [ids for b in bodies for ids in b["input_ids"]] == [p.prompt_ids.tolist() for p in ps]
     items = [(b.get("image_data") or [[]] * 2, b.get("video_data") or [[]] * 2) for b in bodies]
     images = [im for ims, _ in items for im in ims]

@@ -16,7 +16,9 @@ The real server with this launcher: tests/gpu/test_sglang_real.py and the GPU ru
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -724,3 +726,138 @@ def test_a_batch_messages_pixels_move_to_shared_memory_side_by_side():
 
     with pytest.raises(OSError, match="No space"):
         sglang_launch.move_to_shared_memory(broken, with_pixels[:2])
+
+
+# -- the vision tower's CUDA graphs -----------------------------------------------------------------------------------
+
+
+class _RunnerOf0516:
+    """0.5.16's `ViTCudaGraphRunner` as far as these tests need it: graphs keyed by the total patch count only, each
+    baking in the segment boundaries it was captured with, and one output buffer that every replay overwrites. Its
+    "graph" sums the patches of each segment (what attention within segments depends on)."""
+
+    made = 0
+
+    def __init__(self, vit):
+        type(self).made += 1
+        self.captured: dict[int, list[int]] = {}
+        self.out: dict[int, torch.Tensor] = {}
+
+    def run(self, x, cu_seqlens):
+        key = x.shape[0]
+        if key not in self.captured:
+            self.captured[key], self.out[key] = list(cu_seqlens), torch.empty_like(x)
+        cu = self.captured[key]
+        for a, b in itertools.pairwise(cu):
+            self.out[key][a:b] = x[a:b].sum(0)
+        return self.out[key]
+
+
+def _segment_sums(x, grid):
+    cu = [0]
+    for t, h, w in grid:
+        cu += [cu[-1] + h * w * (i + 1) for i in range(t)]
+    return cu, torch.cat([x[a:b].sum(0, keepdim=True).expand(b - a, -1) for a, b in itertools.pairwise(cu)])
+
+
+def _vision_module():
+    class Qwen3VLMoeVisionModel:  # the two forwards of srt/models/qwen3_vl.py, 0.5.16
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.graph_runners = _RunnerOf0516(self)
+            self.eager_calls = 0
+
+        def forward(self, x, grid_thw):  # 0.5.16 goes to forward_with_cuda_graph when the variable is on
+            assert os.environ.get(sglang_launch.SGLANG_VIT_GRAPH_ENV, "0") == "0"
+            self.eager_calls += 1
+            return _segment_sums(x, grid_thw.tolist())[1]
+
+        def forward_with_cuda_graph(self, x, grid_thw):  # the attention backends need the variable on here
+            assert os.environ.get(sglang_launch.SGLANG_VIT_GRAPH_ENV) == "1"
+            return self.graph_runners.run(x, _segment_sums(x, grid_thw.tolist())[0])
+
+    return types.SimpleNamespace(
+        Qwen3VLMoeVisionModel=Qwen3VLMoeVisionModel,
+        graph_runners_dict=collections.defaultdict(lambda: _RunnerOf0516),
+    )
+
+
+def test_vision_graphs_replay_each_layout_with_its_own_boundaries(monkeypatch):
+    """Two batches with the same patch count but other image boundaries (one image of 2x4 patches; two of 2x2), and a
+    larger one between them: with 0.5.16's runner the second layout replays the first one's boundaries (sglang issue
+    #29216 is the same class: a graph reading what another capture left). Through the patch every call equals the
+    eager forward, a layout's first call runs eagerly, its second captures, and what a call returned stays as it was
+    after later replays."""
+    monkeypatch.setenv(sglang_launch.VISION_GRAPHS_ENV, "2")
+    module = _vision_module()
+    stock = module.Qwen3VLMoeVisionModel()
+    one, two, big = torch.tensor([[1, 2, 4]]), torch.tensor([[1, 2, 2], [1, 2, 2]]), torch.tensor([[2, 2, 4]])
+    x8, x16 = torch.randn(8, 3), torch.randn(16, 3)
+    monkeypatch.setenv(sglang_launch.SGLANG_VIT_GRAPH_ENV, "1")  # 0.5.16's own graphs
+    stock.forward_with_cuda_graph(x8, one)
+    assert not torch.equal(stock.forward_with_cuda_graph(x8, two), _segment_sums(x8, [[1, 2, 2], [1, 2, 2]])[1])
+    monkeypatch.setenv(sglang_launch.SGLANG_VIT_GRAPH_ENV, "0")  # as the launcher leaves it
+
+    sglang_launch._patch_vision(module)
+    vit = module.Qwen3VLMoeVisionModel()
+    outputs = []
+    for grid, x in ((one, x8), (one, x8), (two, x8), (two, x8), (big, x16), (big, x16), (one, x8), (two, x8)):
+        x = x + torch.randn_like(x)  # new pixels every call: a graph must not return an earlier call's result
+        outputs.append((x, grid, vit.forward(x, grid)))
+    for x, grid, out in outputs:
+        assert torch.equal(out, _segment_sums(x, grid.tolist())[1])
+    graphs = vit.miles_vl_graphs
+    assert vit.eager_calls == 4  # each layout's first sighting, and `one`'s first again after its graph was dropped
+    assert (graphs.captured, graphs.dropped, graphs.replayed) == (3, 1, 1)  # `one`, least recently used, left for `big`
+    assert graphs.runners.keys() == {((1, 2, 2), (1, 2, 2)), ((2, 2, 4),)}
+
+
+def test_vision_graphs_keep_the_recent_layouts_and_leave_large_batches_eager():
+    graphs = sglang_launch.VisionGraphs(max_graphs=2, max_patches=100)
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    a, b, c, huge = ((1, 2, 2),), ((1, 2, 4),), ((1, 4, 4),), ((1, 10, 12),)
+    assert [graphs.runner(a, make), graphs.runner(a, make), graphs.runner(a, make)] == [None, made[0], made[0]]
+    assert graphs.runner(huge, make) is graphs.runner(huge, make) is None  # 120 patches > 100: never captured
+    for layout in (b, b, c, c):
+        graphs.runner(layout, make)
+    assert list(graphs.runners) == [b, c] and graphs.dropped == 1  # a, least recently used, went first
+    assert (graphs.captured, graphs.replayed, graphs.eager) == (3, 1, 5)
+    for i in range(20):  # layouts seen once are forgotten beyond 4 x max_graphs
+        graphs.runner(((1, 2, 2 * i + 100),), make)
+    assert len(graphs.seen) == 8
+
+
+def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(monkeypatch):
+    """0.5.16's runner reads --mm-attention-backend (fa3 or triton_attn) instead of the backend the model chose; unset,
+    the launcher sets it to what 0.5.16 chooses on the GPU (fa3 on SM 9.x, fa4 on SM 10.x but 10.3, else
+    triton_attn), so the numerics stay; where that is another backend, or the server is deterministic, the tower
+    stays eager. SGLang's own graphs are turned off (they replay wrong boundaries)."""
+    from miles_vl.sglang_launch import SGLANG_VIT_GRAPH_ENV, VISION_GRAPHS_ENV, vision_graph_backend
+
+    assert vision_graph_backend(None, (9, 0)) == "fa3"
+    assert vision_graph_backend(None, (8, 0)) == vision_graph_backend(None, (10, 3)) == "triton_attn"
+    assert vision_graph_backend(None, (10, 0)) is None  # fa4
+    assert vision_graph_backend("triton_attn", (9, 0)) == "triton_attn" and vision_graph_backend("sdpa", (9, 0)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cases = (
+        ({}, "4", "fa3"),
+        ({"mm_attention_backend": "sdpa"}, "0", "sdpa"),
+        ({"enable_deterministic_inference": True}, "0", None),
+    )
+    for fields, graphs, backend in cases:
+        monkeypatch.setenv(VISION_GRAPHS_ENV, "4")
+        monkeypatch.setenv(SGLANG_VIT_GRAPH_ENV, "1")
+        args = types.SimpleNamespace(**({"mm_attention_backend": None} | fields))
+        sglang_launch._configure_vision_graphs(args)
+        assert (os.environ[VISION_GRAPHS_ENV], args.mm_attention_backend) == (graphs, backend)
+        assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"
+    monkeypatch.setenv(VISION_GRAPHS_ENV, "0")
+    args = types.SimpleNamespace(mm_attention_backend=None)
+    sglang_launch._configure_vision_graphs(args)  # off: the arguments are left as they are
+    assert args.mm_attention_backend is None
