@@ -93,7 +93,7 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #               `CUDA error: invalid device context` rebuilding the IPC tensor in the tokenizer to hash it)
 #   skip_hash   SGLANG_MM_SKIP_COMPUTE_HASH=1: a random id instead of the content hash (no prefix sharing of images)
 #   timed       default, with benchmarks/sglang_timing/sitecustomize.py timing the tokenizer's and the scheduler's
-#               steps into $OUT/sglang_timing.jsonl (with this script's call markers): where t(1) goes
+#               steps into $OUT/sglang_timing_<variant>.jsonl (with this script's call markers): where t(1) goes
 #   share       default, launched through miles_vl.sglang_launch (the engine's default): the `n` copies reach the
 #               scheduler without pixel values and get their prompt's tensor back there; a request's prefixes go out
 #               as they are tokenized and all its copies in one message (shape `batch`: all prompts in one request)
@@ -112,6 +112,7 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   graphs      pixels with the vision tower's CUDA graphs (MILES_VL_SGLANG_VISION_GRAPHS=4: a layout of images is
 #               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs); the engine's
 #               default since 2026-11-25 (`pixels` is the same server with the tower eager)
+#   timed_graphs  timed, graphs: the breakdown of graphs (the timing hook's syncs skip a graph's capture)
 # (PNG data URLs, hashes and pixel files are made once per server before its calls, outside the timed calls.)
 BENCH_DIR = str(Path(__file__).resolve().parent)
 REQUESTS = {
@@ -146,6 +147,9 @@ VARIANTS = {
     "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", pixels=True),
     "graphs": Variant(env={VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
+    "timed_graphs": Variant(
+        env=TIMED_ENV | {VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True
+    ),
     "tok4": Variant(flags=("--tokenizer-worker-num", "4")),
     "tok8": Variant(flags=("--tokenizer-worker-num", "8")),
 }
@@ -282,8 +286,9 @@ def bench_sglang(
         first = os.path.join(BENCH_DIR, env["PYTHONPATH"])
         env = env | {"PYTHONPATH": os.pathsep.join(p for p in (first, os.environ.get("PYTHONPATH")) if p)}
     timing = None
-    if "MILES_VL_SGLANG_TIMING" in env:  # the timing file, in $OUT when there is one
-        timing = os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), env["MILES_VL_SGLANG_TIMING"])
+    if "MILES_VL_SGLANG_TIMING" in env:  # the timing file, in $OUT when there is one, one per server
+        name = env["MILES_VL_SGLANG_TIMING"].replace(".jsonl", f"_{log_name or variant}.jsonl")
+        timing = os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), name)
         env = env | {"MILES_VL_SGLANG_TIMING": timing}
     spec = ServerSpec(
         model_path=ckpt,

@@ -113,7 +113,7 @@ def _synced(fn, what, describe=None):
         import torch
 
         extra = describe(args, kwargs) if describe else {}
-        if extra is None:
+        if extra is None or torch.cuda.is_current_stream_capturing():  # no syncs inside a CUDA graph's capture
             return fn(*args, **kwargs)
         torch.cuda.synchronize()
         t0 = time.perf_counter()

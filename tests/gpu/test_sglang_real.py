@@ -427,67 +427,58 @@ def _prompt_logprobs(body) -> torch.Tensor:
 
 
 def test_vision_graphs_replay_what_the_eager_tower_computes(host, processor, tokens):
-    """miles_vl.sglang_launch.VisionGraphs on the real server (the engine's default, 4 layouts): one image of 8x16
-    patches, and its two halves as two prompts of one request (2 x 8x8 patches in one vision batch), have the same
-    patch count and other image boundaries, which 0.5.16's own runner confuses (it would replay the first layout's
-    boundaries for the second). Each layout runs eagerly at its first sighting, is captured at its second and replayed
-    after, the two interleaved; the prompt tokens' logprobs of every call equal those of the layout's eager call, far
-    closer than the same text gets with another image (what mixing the boundaries is like)."""
+    """miles_vl.sglang_launch.VisionGraphs on the real server (4 layouts): a prompt with one image of 8x16 patches and
+    a prompt with its two halves (2 x 8x8 patches, one vision batch: one request's images go through the tower
+    together) have the same patch count and other image boundaries, which 0.5.16's own runner confuses (it would
+    replay the first layout's boundaries for the second). Each layout runs eagerly at its first sighting, is captured
+    at its second and replayed after, the two interleaved; the prompt tokens' logprobs of every call equal those of
+    the layout's eager call, far closer than the same text gets with another image of that size (replayed by the
+    one-image graph: a replay reads its new pixels)."""
     from PIL import Image
 
     from miles_vl.data import PromptEncoder, generate_problems
 
     encoder = PromptEncoder(processor, instruction="Answer.")
-    wide = generate_problems(1, seed=11)[0].image.convert("RGB").resize((256, 128))
-    other = generate_problems(1, seed=12)[0].image.convert("RGB").resize((128, 128))
+    wide, other = (p.image.convert("RGB").resize((256, 128)) for p in generate_problems(2, seed=11))
 
-    def prompt(image: Image.Image) -> Prompt:
-        enc = processor(text=[encoder.render("Describe <image> in one word.")], images=[image], return_tensors="pt")
-        return Prompt(enc["input_ids"][0].long(), enc["pixel_values"], enc["image_grid_thw"].long(), [image])
+    def prompt(text: str, images: list[Image.Image]) -> Prompt:
+        enc = processor(text=[encoder.render(text)], images=images, return_tensors="pt")
+        return Prompt(enc["input_ids"][0].long(), enc["pixel_values"], enc["image_grid_thw"].long(), images)
 
+    halves = [wide.crop((0, 0, 128, 128)), wide.crop((128, 0, 256, 128))]
     layouts = {
-        "one": [prompt(wide)],
-        "two": [prompt(wide.crop((0, 0, 128, 128))), prompt(wide.crop((128, 0, 256, 128)))],
-        "other": [prompt(other)],
+        "one": prompt("Describe <image> in one word.", [wide]),
+        "two": prompt("Describe <image> and <image> in one word.", halves),
+        "other": prompt("Describe <image> in one word.", [other]),
     }
-    patches = {name: int(sum(p.image_grid_thw.prod(-1).sum() for p in batch)) for name, batch in layouts.items()}
-    assert patches["one"] == patches["two"], patches
-    media = {name: host.engine.prompt_media(batch) for name, batch in layouts.items()}
+    patches = {name: int(p.image_grid_thw.prod(-1).sum()) for name, p in layouts.items()}
+    assert patches["one"] == patches["two"] == patches["other"], patches
+    media = dict(zip(layouts, host.engine.prompt_media(list(layouts.values())), strict=True))
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
 
-    def call(name: str) -> list[torch.Tensor]:
-        payloads = []
-        for m in media[name]:
-            payload = build_generate_payload(m.input_ids, m.image_data, params, seed=0,
-                                             stop_token_ids=tokens.eos_token_ids)  # fmt: skip
-            payloads.append(payload | {"logprob_start_len": 0})
+    def call(name: str) -> torch.Tensor:
+        m = media[name]
+        payload = build_generate_payload(m.input_ids, m.image_data, params, seed=0, stop_token_ids=tokens.eos_token_ids)
         host.client.flush_cache(timeout_s=60)  # the prompt is prefilled again: the vision tower runs
-        if len(payloads) == 1:
-            return [_prompt_logprobs(host.client.generate(payloads[0]))]
-        return [_prompt_logprobs(b) for b in host.client.generate_n(batch_payload(payloads), len(payloads))]
+        return _prompt_logprobs(host.client.generate(payload | {"logprob_start_len": 0}))
 
     since = host.log_path.stat().st_size
-    calls: dict[str, list[list[torch.Tensor]]] = {"one": [], "two": []}
+    calls: dict[str, list[torch.Tensor]] = {"one": [], "two": []}
     try:
         for name in ("two", "two", "one", "one", "two", "one", "two", "one"):
             calls[name].append(call(name))
-        with_other = call("other")[0]
+        with_other = call("other")
     finally:
-        remove_files(host.engine.pixel_dir, [f for ms in media.values() for m in ms for f in m.files])
+        remove_files(host.engine.pixel_dir, [f for m in media.values() for f in m.files])
     with open(host.log_path, "rb") as f:
         f.seek(since)
         log_text = f.read().decode(errors="replace")
     captured = [line for line in log_text.splitlines() if "vision tower CUDA graph captured" in line]
-    assert len(captured) == 2, captured  # one graph for each layout
+    assert len(captured) == 2, captured  # one graph for each layout, "other" replays the one-image graph
     assert f"for 2 images of {patches['two']} patches" in captured[0], captured
     assert f"for 1 images of {patches['one']} patches" in captured[1], captured
-    worst = 0.0
-    for runs in calls.values():
-        eager = runs[0]
-        for later in runs[1:]:
-            for a, b in zip(eager, later, strict=True):
-                worst = max(worst, float((a - b).abs().max()))
-    image_effect = float((calls["two"][0][0] - with_other).abs().max())  # same text, same image size, another image
+    worst = max(float((runs[0] - later).abs().max()) for runs in calls.values() for later in runs[1:])
+    image_effect = float((calls["one"][0] - with_other).abs().max())  # same text and image size, another image
     print(f"SGLANG-REAL vision graphs: replays vs eager max |d logprob| {worst:.2e}; another image {image_effect:.2e}")
     assert worst < 0.02 and worst * 5 < image_effect, (worst, image_effect)
 
