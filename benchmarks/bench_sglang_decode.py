@@ -110,8 +110,8 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   pixels_inline  pixels through sglang_launch_inline_prefixes.py: a batch message's pixel tensors pickled into it
 #               (each its own tensor) instead of moved into shared memory one segment each
 #   graphs      pixels with the vision tower's CUDA graphs (MILES_VL_SGLANG_VISION_GRAPHS=4: a layout of images is
-#               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs); the engine's
-#               default since 2026-11-25 (`pixels` is the same server with the tower eager)
+#               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs), opt-in through
+#               rollout.sglang.vision_cuda_graphs (`pixels` is the same server with the tower eager)
 #   timed_graphs  timed, graphs: the breakdown of graphs (the timing hook's syncs skip a graph's capture)
 # (PNG data URLs, hashes and pixel files are made once per server before its calls, outside the timed calls.)
 BENCH_DIR = str(Path(__file__).resolve().parent)

@@ -54,9 +54,16 @@ arrive in the dtype the model casts them to (`Qwen3VLForConditionalGeneration.ge
 lossy cast the model would not make). Only files directly in that directory are read; the engine deletes them when
 the request is answered.
 
+The vision tower's CUDA graphs (`MILES_VL_SGLANG_VISION_GRAPHS`, from `rollout.sglang.vision_cuda_graphs`; 0, off, by
+default): 0.5.16 runs the tower eagerly (its own `SGLANG_VIT_ENABLE_CUDA_GRAPH` replays wrong image boundaries and a
+freed rotary table, so it is forced off here). `VisionGraphs` keeps one 0.5.16 graph runner per image layout (the
+patch grids of one vision batch), captured at a layout's second sighting and replayed after; it pays off when
+layouts repeat (images of one size in batches of one size: the vision step 43-51 -> 26-27 ms for 8 images of 784
+patches on an H200, docs/benchmarks.md) and costs nothing where they do not.
+
 How the patches reach every server process: this module is the server's `__main__`, and SGLang starts its
 scheduler, detokenizer and tokenizer workers with the `spawn` start method, which imports the parent's main module
-(as `__mp_main__`) in each child; running it installs a meta-path hook that patches the two SGLang classes when
+(as `__mp_main__`) in each child; running it installs a meta-path hook that patches the SGLang classes above when
 SGLang imports their modules. Nothing else of miles_vl is imported in the server.
 """
 
@@ -576,8 +583,13 @@ def _patch_vision(module) -> None:
     max_graphs = int(os.environ.get(VISION_GRAPHS_ENV, "0"))
     if max_graphs <= 0:
         return
+    import torch  # the scheduler has it loaded
+
     cls = module.Qwen3VLMoeVisionModel
     eager_forward = cls.forward
+
+    def reserved_mib(device) -> float:
+        return torch.cuda.memory_reserved(device) / 2**20 if device.type == "cuda" else 0.0
 
     def forward(self, x, grid_thw):
         graphs = self.__dict__.get("miles_vl_graphs")
@@ -594,18 +606,22 @@ def _patch_vision(module) -> None:
         # call only, so that the first, eager batch of a layout runs as stock 0.5.16 does. The runner returns its own
         # output buffer, which its next replay overwrites: SGLang's embedding cache may keep views of what we return,
         # so it gets a tensor of its own (a copy of the merged tokens, microseconds).
+        capturing = graphs.captured != captured
+        reserved = reserved_mib(self.device) if capturing else 0.0
         os.environ[SGLANG_VIT_GRAPH_ENV] = "1"
         try:
             out = self.forward_with_cuda_graph(x, grid_thw).clone()
         finally:
             os.environ[SGLANG_VIT_GRAPH_ENV] = "0"
-        if graphs.captured != captured:
+        if capturing:  # the memory the graph keeps: its pool and buffers (what a dropped graph gives back)
             log.info(
-                "miles_vl: vision tower CUDA graph captured for %d images of %d patches (%d kept, %d dropped)",
+                "miles_vl: vision tower CUDA graph captured for %d images of %d patches (%d kept, %d dropped; "
+                "+%.0f MiB reserved)",
                 len(layout),
                 sum(t * h * w for t, h, w in layout),
                 len(graphs.runners),
                 graphs.dropped,
+                reserved_mib(self.device) - reserved,
             )
         return out
 

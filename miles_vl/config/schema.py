@@ -232,13 +232,14 @@ class SGLangConfig(_Section):
         "samples at once. null = 16 with miles_vl's launcher (share_copy_pixels), 1 with SGLang's own, which "
         "prefills a batch's prompts one after another.",
     )
-    vision_cuda_graphs: int | None = Field(
-        None,
+    vision_cuda_graphs: int = Field(
+        0,
         ge=0,
-        description="image layouts (the patch grids of a batch of images) whose vision-tower CUDA graphs the server "
-        "keeps: a layout is captured the second time it is seen and replayed after that (images of one size, in "
-        "batches of one size); 0 = the vision tower runs eagerly. Needs miles_vl's launcher (share_copy_pixels). "
-        "null = 4 with the launcher.",
+        description="image layouts (the patch grids of one vision batch: a request's prompts' images) whose "
+        "vision-tower CUDA graphs the server keeps: a layout is captured the second time it is seen and replayed "
+        "after that. Pays off only when layouts repeat (images of one size in batches of one size: 40 % less vision "
+        "time in docs/benchmarks.md); their memory is not released while the trainer runs. 0 = the vision tower runs "
+        "eagerly. Needs miles_vl's launcher (share_copy_pixels).",
     )
     send_pixel_values: bool | None = Field(
         None,
@@ -593,17 +594,6 @@ def sends_pixel_values(s: SGLangConfig) -> bool:
     return s.share_copy_pixels if s.send_pixel_values is None else s.send_pixel_values
 
 
-DEFAULT_VISION_CUDA_GRAPHS = 4
-
-
-def vision_cuda_graphs(s: SGLangConfig) -> int:
-    """Image layouts whose vision-tower CUDA graphs each server keeps (`rollout.sglang.vision_cuda_graphs`; null: 4
-    with miles_vl's launcher, which makes them, 0 with SGLang's own)."""
-    if s.vision_cuda_graphs is None:
-        return DEFAULT_VISION_CUDA_GRAPHS if s.share_copy_pixels else 0
-    return s.vision_cuda_graphs
-
-
 def cross_field_errors(cfg: JobConfig) -> list[str]:
     """Every inconsistency between sections, as one message each (key, found, expected, fix)."""
     t, r, a = cfg.train, cfg.rollout, cfg.algo
@@ -682,7 +672,7 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"rollout.sglang.vision_cuda_graphs={r.sglang.vision_cuda_graphs} needs miles_vl's launcher, which makes "
             "the vision tower's graphs, but rollout.sglang.share_copy_pixels=false starts SGLang's own launch_server; "
-            "set share_copy_pixels=true or vision_cuda_graphs=0 (or null)"
+            "set share_copy_pixels=true or vision_cuda_graphs=0"
         )
     if r.backend == "sglang" and cfg.data.synthetic_task == "motion" and not sends_pixel_values(r.sglang):
         errors.append(

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from miles_vl.config import ConfigError, JobConfig, sends_pixel_values, vision_cuda_graphs
+from miles_vl.config import ConfigError, JobConfig, sends_pixel_values
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
@@ -142,7 +142,7 @@ def server_spec(cfg: JobConfig, index: int) -> ServerSpec:
         image_min_pixels=cfg.data.min_pixels,
         image_max_pixels=cfg.data.max_pixels,
         vision_cache_mb=s.vision_cache_mb,
-        vision_cuda_graphs=vision_cuda_graphs(s),
+        vision_cuda_graphs=s.vision_cuda_graphs,
         extra_args=tuple(s.extra_args),
     )
 

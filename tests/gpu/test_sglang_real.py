@@ -163,6 +163,7 @@ def _start_host(
     colocated=True,
     log_name="sglang_server",
     launch_module=None,
+    vision_cuda_graphs=0,
 ):
     out = os.environ.get("OUT")
     spec = ServerSpec(
@@ -173,7 +174,7 @@ def _start_host(
         random_seed=0,
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
-        vision_cuda_graphs=4,  # the engine's default (rollout.sglang.vision_cuda_graphs); SGLang's own ignores it
+        vision_cuda_graphs=vision_cuda_graphs,
         extra_args=extra_args,
     )
     host = SGLangRolloutHost(
@@ -426,14 +427,16 @@ def _prompt_logprobs(body) -> torch.Tensor:
     return torch.tensor([lp for lp, *_ in body["meta_info"]["input_token_logprobs"] if lp is not None])
 
 
-def test_vision_graphs_replay_what_the_eager_tower_computes(host, processor, tokens):
-    """miles_vl.sglang_launch.VisionGraphs on the real server (4 layouts): a prompt with one image of 8x16 patches and
-    a prompt with its two halves (2 x 8x8 patches, one vision batch: one request's images go through the tower
-    together) have the same patch count and other image boundaries, which 0.5.16's own runner confuses (it would
-    replay the first layout's boundaries for the second). Each layout runs eagerly at its first sighting, is captured
-    at its second and replayed after, the two interleaved; the prompt tokens' logprobs of every call equal those of
-    the layout's eager call, far closer than the same text gets with another image of that size (replayed by the
-    one-image graph: a replay reads its new pixels)."""
+def test_vision_graphs_replay_what_the_eager_tower_computes(ckpt, processor, tokens):
+    """miles_vl.sglang_launch.VisionGraphs on a real server of its own (`rollout.sglang.vision_cuda_graphs: 4`; off by
+    default): a prompt with one image of 8x16 patches and a prompt with its two halves (2 x 8x8 patches, one vision
+    batch: one request's images go through the tower together) have the same patch count and other image
+    boundaries, which 0.5.16's own runner confuses (it would replay the first layout's boundaries for the second).
+    Each layout runs eagerly at its first sighting, is captured at its second and replayed after, the two
+    interleaved; the prompt tokens' logprobs of every call equal those of the layout's eager call, far closer than
+    the same text gets with another image of that size (replayed by the one-image graph: a replay reads its new
+    pixels). Replays are not bitwise the eager tower (0.5.16's runner runs
+    its own rotary and attention-boundary code): they must agree within this file's bf16 logprob tolerance, 0.1."""
     from PIL import Image
 
     from miles_vl.data import PromptEncoder, generate_problems
@@ -453,6 +456,8 @@ def test_vision_graphs_replay_what_the_eager_tower_computes(host, processor, tok
     }
     patches = {name: int(p.image_grid_thw.prod(-1).sum()) for name, p in layouts.items()}
     assert patches["one"] == patches["two"] == patches["other"], patches
+    host = _start_host(ckpt, tokens, mem_fraction=0.2, colocated=False, log_name="sglang_server_vision_graphs",
+                       vision_cuda_graphs=4)  # fmt: skip
     media = dict(zip(layouts, host.engine.prompt_media(list(layouts.values())), strict=True))
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
 
@@ -462,7 +467,6 @@ def test_vision_graphs_replay_what_the_eager_tower_computes(host, processor, tok
         host.client.flush_cache(timeout_s=60)  # the prompt is prefilled again: the vision tower runs
         return _prompt_logprobs(host.client.generate(payload | {"logprob_start_len": 0}))
 
-    since = host.log_path.stat().st_size
     calls: dict[str, list[torch.Tensor]] = {"one": [], "two": []}
     try:
         for name in ("two", "two", "one", "one", "two", "one", "two", "one"):
@@ -470,17 +474,18 @@ def test_vision_graphs_replay_what_the_eager_tower_computes(host, processor, tok
         with_other = call("other")
     finally:
         remove_files(host.engine.pixel_dir, [f for m in media.values() for f in m.files])
-    with open(host.log_path, "rb") as f:
-        f.seek(since)
-        log_text = f.read().decode(errors="replace")
+        log_text = host.log_path.read_text(errors="replace")  # before the host's private directory goes
+        host.shutdown()
     captured = [line for line in log_text.splitlines() if "vision tower CUDA graph captured" in line]
     assert len(captured) == 2, captured  # one graph for each layout, "other" replays the one-image graph
     assert f"for 2 images of {patches['two']} patches" in captured[0], captured
     assert f"for 1 images of {patches['one']} patches" in captured[1], captured
-    worst = max(float((runs[0] - later).abs().max()) for runs in calls.values() for later in runs[1:])
+    diffs = torch.cat([(runs[0] - later).abs() for runs in calls.values() for later in runs[1:]])
+    worst, mean = float(diffs.max()), float(diffs.mean())
     image_effect = float((calls["one"][0] - with_other).abs().max())  # same text and image size, another image
-    print(f"SGLANG-REAL vision graphs: replays vs eager max |d logprob| {worst:.2e}; another image {image_effect:.2e}")
-    assert worst < 0.02 and worst * 5 < image_effect, (worst, image_effect)
+    print(f"SGLANG-REAL vision graphs: replays vs eager |d logprob| max {worst:.2e} mean {mean:.2e}; another image "
+          f"{image_effect:.2e}; {captured}")  # fmt: skip
+    assert worst < 0.1 and worst * 20 < image_effect, (worst, image_effect)
 
 
 def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, tokens):
