@@ -73,8 +73,11 @@ say "train exited $status"
 run_dir=$runs/$name
 cp -f "$run_dir/metrics.jsonl" "$run_dir/config.yaml" "$out/$name/" 2> /dev/null
 server_log=$(ls "$run_dir"/logs/sglang_0.log 2> /dev/null | head -1)
-[ -n "$server_log" ] && { head -c 200000 "$server_log"; echo; echo "[... trimmed ...]"; tail -c 200000 "$server_log"; } \
-  > "$out/$name/sglang_0.log"
+if [ -n "$server_log" ] && [ "$(stat -c %s "$server_log")" -le 400000 ]; then  # whole (head + tail would repeat it)
+  cp "$server_log" "$out/$name/sglang_0.log"
+elif [ -n "$server_log" ]; then
+  { head -c 200000 "$server_log"; echo; echo "[... trimmed ...]"; tail -c 200000 "$server_log"; } > "$out/$name/sglang_0.log"
+fi
 "$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" > "$out/$name/summary.json" 2>> "$log" \
   && say "summary: $(cat "$out/$name/summary.json")"
 # one file per run comes back (the device tool returns at most 8 files a call)
