@@ -472,8 +472,32 @@ def move_to_shared_memory(wrap, tokenized_objs: list) -> None:
         return
     if _shm_pool is None:
         _shm_pool = concurrent.futures.ThreadPoolExecutor(_SHM_THREADS, thread_name_prefix="miles_vl_shm")
-    for _ in _shm_pool.map(wrap, with_pixels):  # re-raises the first failure
-        pass
+    moves = [_shm_pool.submit(wrap, obj) for obj in with_pixels]
+    # `exception()` waits for its move: every thread is done before any segment is removed
+    if failed := [e for m in moves if (e := m.exception()) is not None]:
+        unlink_segments(with_pixels)  # only the scheduler removes a segment, when it reads it: none will
+        raise failed[0]
+
+
+def unlink_segments(tokenized_objs: list) -> None:
+    """Remove the shared-memory segments of requests that will not reach the scheduler (`move_to_shared_memory` failed
+    for one of them); 0.5.16's own stale-segment clean-up only takes those of processes that died."""
+    from multiprocessing import shared_memory
+
+    for obj in tokenized_objs:
+        for item in _mm_items(obj):
+            for field in ("feature", "precomputed_embeddings"):
+                value = getattr(item, field, None)
+                for pointer in value if isinstance(value, (list, tuple)) else [value]:
+                    name = getattr(pointer, "shm_name", None)
+                    if name is None:
+                        continue
+                    try:
+                        segment = shared_memory.SharedMemory(name=name)
+                    except FileNotFoundError:
+                        continue
+                    segment.close()
+                    segment.unlink()
 
 
 def _patch_tokenizer(module) -> None:
@@ -505,7 +529,7 @@ def _patch_tokenizer(module) -> None:
         # memory), a view of a multi-image prompt's tensor with its whole storage, once per image: move them as one
         # request's send does (a tensor already moved is left as it is), the requests side by side
         move_to_shared_memory(wrap_shm, tokenized_objs)
-        return send_batch(self, tokenized_objs)
+        return send_batch(self, tokenized_objs)  # (a failed send leaves its segments, as 0.5.16's own send does)
 
     cls._handle_batch_request, cls._send_one_request = handle_batch_request, send_one_request
     cls._send_batch_request = send_batch_request
@@ -643,18 +667,25 @@ def vision_graph_backend(mm_attention_backend: str | None, capability: tuple[int
 def _configure_vision_graphs(server_args) -> None:
     """In the launching process, before SGLang starts a child (they inherit the environment and the arguments)."""
     if os.environ.get(SGLANG_VIT_GRAPH_ENV, "0").lower() not in ("0", "false", ""):
-        os.environ[SGLANG_VIT_GRAPH_ENV] = "0"
         log.warning(
             "miles_vl: %s=1 ignored: 0.5.16's vision graphs replay wrong image boundaries and rotary tables "
             "(miles_vl.sglang_launch.VisionGraphs); %s sets miles_vl's",
             SGLANG_VIT_GRAPH_ENV,
             VISION_GRAPHS_ENV,
         )
+    # set here, so that the scheduler only ever changes the value of a variable that exists (native threads may read
+    # the environment while `forward` sets it: a new variable can move glibc's environ array under them)
+    os.environ[SGLANG_VIT_GRAPH_ENV] = "0"
     if int(os.environ.get(VISION_GRAPHS_ENV, "0")) <= 0:
         return
     why_not = None
     if getattr(server_args, "enable_deterministic_inference", False):
         why_not = "--enable-deterministic-inference (a layout's first, eager batch and its replays may round apart)"
+    elif (getattr(server_args, "tp_size", 1) or 1) > 1:
+        why_not = (
+            f"--tp-size {server_args.tp_size} (each capture registers its buffers with the custom all-reduce of every "
+            "rank, and a dropped graph's registrations are never undone; not measured)"
+        )
     else:
         import torch
 
@@ -665,6 +696,11 @@ def _configure_vision_graphs(server_args) -> None:
             why_not = f"--mm-attention-backend {name} (0.5.16's graph runner takes fa3 or triton_attn)"
         else:
             server_args.mm_attention_backend = backend
+            # The graph path's position embeddings (`Qwen3VLMoeVisionModel._prepare_graph_inputs` ->
+            # `fast_pos_embed_interpolate`) sample the table at half-pixel centres unless this flag is on, while the
+            # eager tower (and transformers, which the trainer runs) samples it with `linspace` (align corners); the
+            # flag is read nowhere else in 0.5.16 (`srt/models/qwen3_vl.py:329`, `:464`).
+            server_args.enable_precise_embedding_interpolation = True
     if why_not:
         os.environ[VISION_GRAPHS_ENV] = "0"
         log.warning("miles_vl: the vision tower runs without CUDA graphs here: %s", why_not)

@@ -435,8 +435,12 @@ def test_vision_graphs_replay_what_the_eager_tower_computes(ckpt, processor, tok
     Each layout runs eagerly at its first sighting, is captured at its second and replayed after, the two
     interleaved; the prompt tokens' logprobs of every call equal those of the layout's eager call, far closer than
     the same text gets with another image of that size (replayed by the one-image graph: a replay reads its new
-    pixels). Replays are not bitwise the eager tower (0.5.16's runner runs
-    its own rotary and attention-boundary code): they must agree within this file's bf16 logprob tolerance, 0.1."""
+    pixels). Replays are not bitwise the eager tower: 0.5.16's graph path runs the rotary embedding uncompiled
+    (`apply_rotary_pos_emb_native_eager`, srt/layers/attention/vision.py:1345) and computes the bilinear position
+    weights in numpy; measured max 0.024, mean 0.008 (H200, 2026-11-26). The bound sits between that and what a real
+    difference gave: with 0.5.16's default `enable_precise_embedding_interpolation` off, the graph path samples the
+    position-embedding table at half-pixel centres where the eager tower (and transformers) use linspace, and this
+    test measured max 0.069, mean 0.014; the launcher turns the flag on with the graphs."""
     from PIL import Image
 
     from miles_vl.data import PromptEncoder, generate_problems
@@ -485,7 +489,7 @@ def test_vision_graphs_replay_what_the_eager_tower_computes(ckpt, processor, tok
     image_effect = float((calls["one"][0] - with_other).abs().max())  # same text and image size, another image
     print(f"SGLANG-REAL vision graphs: replays vs eager |d logprob| max {worst:.2e} mean {mean:.2e}; another image "
           f"{image_effect:.2e}; {captured}")  # fmt: skip
-    assert worst < 0.1 and worst * 20 < image_effect, (worst, image_effect)
+    assert worst < 0.04 and worst * 20 < image_effect, (worst, mean, image_effect)
 
 
 def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, tokens):

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -722,10 +723,38 @@ def test_a_batch_messages_pixels_move_to_shared_memory_side_by_side():
     assert sorted(moved) == ["p0", "p1", "p2", "p3"]
 
     def broken(obj):
-        raise OSError("No space left on device")
+        raise MemoryError("no memory for the copy")
 
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(MemoryError, match="no memory"):
         sglang_launch.move_to_shared_memory(broken, with_pixels[:2])
+
+
+def test_a_failed_move_leaves_no_shared_memory_segment():
+    """When one request's move fails, the others' segments are removed after every thread has finished: nothing will
+    send them, and only the scheduler's read (or the death of this process) would remove them otherwise."""
+    import threading
+    from multiprocessing import shared_memory
+
+    made, started = [], threading.Barrier(3, timeout=10)
+
+    def wrap(obj):  # as 0.5.16's wrap_shm_features: the tensor becomes a pointer to a new segment
+        started.wait()
+        if obj.rid == "bad":
+            raise MemoryError("no memory for the copy")
+        time.sleep(0.2)  # still copying when the failure is known
+        item = obj.mm_inputs.mm_items[0]
+        segment = shared_memory.SharedMemory(create=True, size=item.feature.numel() * 4)
+        segment.close()
+        made.append(segment.name)
+        item.feature = types.SimpleNamespace(shm_name=segment.name)
+
+    reqs = [_req([_item(k, torch.randn(4, 4))], 0, rid=rid) for k, rid in enumerate(("a", "bad", "b"))]
+    with pytest.raises(MemoryError):
+        sglang_launch.move_to_shared_memory(wrap, reqs)
+    assert len(made) == 2
+    for name in made:
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=name)
 
 
 # -- the vision tower's CUDA graphs -----------------------------------------------------------------------------------
@@ -837,7 +866,10 @@ def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(m
     """0.5.16's runner reads --mm-attention-backend (fa3 or triton_attn) instead of the backend the model chose; unset,
     the launcher sets it to what 0.5.16 chooses on the GPU (fa3 on SM 9.x, fa4 on SM 10.x but 10.3, else
     triton_attn), so the numerics stay; where that is another backend, or the server is deterministic, the tower
-    stays eager. SGLang's own graphs are turned off (they replay wrong boundaries)."""
+    stays eager, as it does with tensor parallelism. With the graphs on, the graph path's position embeddings are
+    made to sample the table as the eager tower does (`enable_precise_embedding_interpolation`: linspace, not
+    half-pixel centres). SGLang's own graphs are turned off (they replay wrong boundaries), and the variable the
+    scheduler toggles exists before any child starts."""
     from miles_vl.sglang_launch import SGLANG_VIT_GRAPH_ENV, VISION_GRAPHS_ENV, vision_graph_backend
 
     assert vision_graph_backend(None, (9, 0)) == "fa3"
@@ -846,18 +878,23 @@ def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(m
     assert vision_graph_backend("triton_attn", (9, 0)) == "triton_attn" and vision_graph_backend("sdpa", (9, 0)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cases = (
-        ({}, "4", "fa3"),
-        ({"mm_attention_backend": "sdpa"}, "0", "sdpa"),
-        ({"enable_deterministic_inference": True}, "0", None),
+        ({}, "4", "fa3", True),
+        ({"mm_attention_backend": "sdpa"}, "0", "sdpa", False),
+        ({"enable_deterministic_inference": True}, "0", None, False),
+        ({"tp_size": 2}, "0", None, False),
     )
-    for fields, graphs, backend in cases:
+    for fields, graphs, backend, precise in cases:
         monkeypatch.setenv(VISION_GRAPHS_ENV, "4")
         monkeypatch.setenv(SGLANG_VIT_GRAPH_ENV, "1")
-        args = types.SimpleNamespace(**({"mm_attention_backend": None} | fields))
+        base = {"mm_attention_backend": None, "tp_size": 1, "enable_precise_embedding_interpolation": False}
+        args = types.SimpleNamespace(**(base | fields))
         sglang_launch._configure_vision_graphs(args)
-        assert (os.environ[VISION_GRAPHS_ENV], args.mm_attention_backend) == (graphs, backend)
+        assert (os.environ[VISION_GRAPHS_ENV], args.mm_attention_backend) == (graphs, backend), fields
+        assert args.enable_precise_embedding_interpolation is precise, fields
         assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"
     monkeypatch.setenv(VISION_GRAPHS_ENV, "0")
-    args = types.SimpleNamespace(mm_attention_backend=None)
+    monkeypatch.delenv(SGLANG_VIT_GRAPH_ENV)
+    args = types.SimpleNamespace(mm_attention_backend=None, enable_precise_embedding_interpolation=False)
     sglang_launch._configure_vision_graphs(args)  # off: the arguments are left as they are
-    assert args.mm_attention_backend is None
+    assert args.mm_attention_backend is None and not args.enable_precise_embedding_interpolation
+    assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"  # set all the same
