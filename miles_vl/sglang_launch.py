@@ -570,8 +570,8 @@ class VisionGraphs:
     layout avoids both: it only ever sees one total and one set of boundaries. A layout is run eagerly the first time
     it is seen and captured the second time (a layout seen once, common with images of many sizes, costs no capture
     and no graph memory); at most `max_graphs` are kept, the least recently used dropped first, and batches of more
-    than `max_patches` patches always run eagerly. The decisions depend only on the sequence of layouts, which every
-    tensor-parallel rank sees alike, so the ranks capture together."""
+    than `max_patches` patches always run eagerly. The decisions depend only on the sequence of layouts; with tensor
+    parallelism the graphs stay off (`_configure_vision_graphs`)."""
 
     def __init__(self, max_graphs: int, max_patches: int = VISION_GRAPH_MAX_PATCHES):
         self.max_graphs, self.max_patches = max_graphs, max_patches
