@@ -59,7 +59,8 @@ def test_packed_video_image_text_logprobs_equal_the_hf_engines():
     flat = [g for gs in groups for g in gs]
     diffs = []
     for ours, g in zip(trainer, flat, strict=True):
-        torch.testing.assert_close(ours, g.logprobs, rtol=1e-6, atol=1e-6)  # fp32 sums in another order
+        # fp32 sums in another order: up to 4.8e-6 apart on the CPUs measured (1e-6 failed one); no frames: > 1e-3
+        torch.testing.assert_close(ours, g.logprobs, rtol=1e-5, atol=1e-5)
         diffs.append((ours - g.logprobs).abs())
     diffs = torch.cat(diffs)
     print(f"train_rollout_logprob_abs_diff {float(diffs.mean()):.2e} (max {float(diffs.max()):.2e})")
