@@ -109,6 +109,8 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   timed_pixels  timed, the launcher, pixel values: the breakdown of pixels
 #   pixels_inline  pixels through sglang_launch_inline_prefixes.py: a batch message's pixel tensors pickled into it
 #               (each its own tensor) instead of moved into shared memory one segment each
+#   pixels_recv  pixels through sglang_launch_threaded_receive.py: the scheduler takes a receive's pixel tensors out
+#               of shared memory in threads side by side instead of one request after another
 #   graphs      pixels with the vision tower's CUDA graphs (MILES_VL_SGLANG_VISION_GRAPHS=4: a layout of images is
 #               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs), opt-in through
 #               rollout.sglang.vision_cuda_graphs (`pixels` is the same server with the tower eager)
@@ -146,6 +148,7 @@ VARIANTS = {
     "pixels": Variant(launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", pixels=True),
+    "pixels_recv": Variant(launch_module="sglang_launch_threaded_receive", pixels=True),
     "graphs": Variant(env={VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "timed_graphs": Variant(
         env=TIMED_ENV | {VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True
