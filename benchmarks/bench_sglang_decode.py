@@ -478,7 +478,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if name == "sglang":
             for i, v in enumerate(variants):  # each row printed as it finishes; a failed variant is recorded
-                log_name = v if variants.index(v) == i else f"{v}_{variants[:i].count(v) + 1}"  # a variant again
+                before = variants[:i].count(v)
+                log_name = f"{v}_{before + 1}" if before else v  # a variant again: its own log
                 try:
                     sglang_rows += bench_sglang(args, ckpt, prompts, tokens, v, log_name)
                 except Exception as e:  # noqa: BLE001 (the server's log says why; the JSON line says which)

@@ -561,6 +561,10 @@ def image_layout(grid_thw) -> tuple[tuple[int, int, int], ...]:
     return tuple((int(t), int(h), int(w)) for t, h, w in rows)
 
 
+def layout_patches(layout: tuple) -> int:
+    return sum(t * h * w for t, h, w in layout)
+
+
 class VisionGraphs:
     """Scheduler side: which vision batches replay a CUDA graph, one 0.5.16 `ViTCudaGraphRunner` per image layout.
 
@@ -587,11 +591,13 @@ class VisionGraphs:
             self.runners.move_to_end(layout)
             self.replayed += 1
             return runner
-        if sum(t * h * w for t, h, w in layout) > self.max_patches or layout not in self.seen:
-            if layout not in self.seen:
-                self.seen[layout] = None
-                while len(self.seen) > 4 * self.max_graphs:
-                    self.seen.popitem(last=False)
+        if layout not in self.seen:  # its first sighting (or forgotten since): remembered, run eagerly
+            self.seen[layout] = None
+            while len(self.seen) > 4 * self.max_graphs:
+                self.seen.popitem(last=False)
+            self.eager += 1
+            return None
+        if layout_patches(layout) > self.max_patches:
             self.eager += 1
             return None
         del self.seen[layout]
@@ -642,7 +648,7 @@ def _patch_vision(module) -> None:
                 "miles_vl: vision tower CUDA graph captured for %d images of %d patches (%d kept, %d dropped; "
                 "+%.0f MiB reserved)",
                 len(layout),
-                sum(t * h * w for t, h, w in layout),
+                layout_patches(layout),
                 len(graphs.runners),
                 graphs.dropped,
                 reserved_mib(self.device) - reserved,
