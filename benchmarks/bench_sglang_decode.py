@@ -71,7 +71,7 @@ from miles_vl.rollout.sglang.generate import (  # noqa: E402
     build_generate_payload,
     parse_generate_response,
 )
-from miles_vl.sglang_launch import VISION_GRAPHS_ENV  # noqa: E402
+from miles_vl.sglang_launch import LINK_ENV, RECEIVE_THREADS_ENV, VISION_GRAPHS_ENV  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
 SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -109,8 +109,11 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   timed_pixels  timed, the launcher, pixel values: the breakdown of pixels
 #   pixels_inline  pixels through sglang_launch_inline_prefixes.py: a batch message's pixel tensors pickled into it
 #               (each its own tensor) instead of moved into shared memory one segment each
-#   pixels_recv  pixels through sglang_launch_threaded_receive.py: the scheduler takes a receive's pixel tensors out
-#               of shared memory in threads side by side instead of one request after another
+#               (since 2026-11-26 with the hand-over below: one-image items carry the engine's hash, pixel files
+#               reach the scheduler by a second name, the scheduler copies a receive's pixels out in threads)
+#   pixels_prev  pixels as before that hand-over: no item hash (SGLang's tokenizer SHA-256es each image), pixel files
+#               copied into new segments (MILES_VL_SGLANG_LINK_PIXELS=0), one request's copy out after another
+#               (MILES_VL_SGLANG_RECEIVE_THREADS=1); its `n` copies are built while the prefixes prefill, as in pixels
 #   graphs      pixels with the vision tower's CUDA graphs (MILES_VL_SGLANG_VISION_GRAPHS=4: a layout of images is
 #               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs), opt-in through
 #               rollout.sglang.vision_cuda_graphs (`pixels` is the same server with the tower eager)
@@ -131,6 +134,7 @@ class Variant:
     hashes: bool = True  # requests carry mm_hashes (PNG images only)
     launch_module: str = SGLANG_LAUNCH_MODULE
     pixels: bool = False  # prompts as ids + pixel values (miles_vl's launcher reads them)
+    item_hash: bool = True  # one-image processor_output items keep the engine's `hash` (pixels only)
 
 
 TIMED_ENV = {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"}
@@ -148,7 +152,12 @@ VARIANTS = {
     "pixels": Variant(launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", pixels=True),
-    "pixels_recv": Variant(launch_module="sglang_launch_threaded_receive", pixels=True),
+    "pixels_prev": Variant(
+        env={LINK_ENV: "0", RECEIVE_THREADS_ENV: "1"},
+        launch_module=MILES_VL_LAUNCH_MODULE,
+        pixels=True,
+        item_hash=False,
+    ),
     "graphs": Variant(env={VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
     "timed_graphs": Variant(
         env=TIMED_ENV | {VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True
@@ -333,7 +342,14 @@ def bench_sglang(
             f.write(f"{host.server.pid}\n")
     rows = []
     try:
+        t0 = time.perf_counter()
         media = host.engine.prompt_media(prompts)  # the pixel files live as long as the server (its host removes them)
+        media_s = time.perf_counter() - t0  # the engine's part before a call (its hashes included), outside t(1)
+        if not v.item_hash:
+            for m in media:
+                for item in m.image_data:
+                    if isinstance(item, dict):
+                        item.pop("hash", None)
         for shape in args.shapes:
             call = partial(
                 sglang_call,
@@ -363,6 +379,7 @@ def bench_sglang(
                     group=shape.group,
                     requests=REQUESTS[shape.mode],
                     startup_s=round(startup_s, 1),
+                    media_ms=round(media_s * 1e3, 1),
                     wall_s=round(wall, 3),
                     prefill_s=round(t1, 3),
                     **decode_rates(b, n, wall_s=wall, generate_s=wall, prefill_s=t1),

@@ -92,6 +92,13 @@ FEATURE_GRIDS = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video
 TOKENIZER_MODULE = "sglang.srt.managers.tokenizer_manager"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
 VISION_MODULE = "sglang.srt.models.qwen3_vl"
+LINK_ENV = (
+    "MILES_VL_SGLANG_LINK_PIXELS"  # "0": pixel files are copied into new segments as 0.5.16 copies (bench baseline)
+)
+RECEIVE_THREADS_ENV = "MILES_VL_SGLANG_RECEIVE_THREADS"  # threads taking a receive's pixels out of shared memory
+DEFAULT_RECEIVE_THREADS = 8  # 1: one request after another, as 0.5.16 does (the bench's baseline)
+LINKED_FILE = "_miles_vl_file"  # set on a tensor that `read_tensor` mapped from a pixel file: that file's path
+SHM_DIR = "/dev/shm"  # where POSIX shared-memory segments live on Linux (`shm_open`)
 VISION_GRAPHS_ENV = "MILES_VL_SGLANG_VISION_GRAPHS"  # image layouts whose vision-tower CUDA graphs are kept; 0: eager
 VISION_GRAPH_MAX_PATCHES = 32768  # larger batches of images run eagerly (a graph's memory grows with its patches)
 SGLANG_VIT_GRAPH_ENV = "SGLANG_VIT_ENABLE_CUDA_GRAPH"  # 0.5.16's own vision graphs: unsafe (VisionGraphs), kept off
@@ -222,7 +229,9 @@ def write_tensor(directory: str, tensor) -> dict:
 
 
 def read_tensor(ref: dict, directory: str | None):
-    """Server side: the tensor of a `write_tensor` reference.
+    """Server side: the tensor of a `write_tensor` reference, mapping the file (its pages, not a copy of them; the
+    engine never writes a file again, and its deleting the name leaves the mapping whole), tagged with the file's path
+    for `link_pixel_files`.
 
     Raises:
         ValueError: no pixel directory, a name that is not a plain file name in it, a missing file, an unknown dtype
@@ -253,7 +262,10 @@ def read_tensor(ref: dict, directory: str | None):
         raise ValueError(f"pixel values {name}: {size} bytes for shape {shape} of {dtype} ({nbytes} expected)")
     if numel == 0:
         return torch.empty(shape, dtype=getattr(torch, dtype))
-    return torch.from_file(path, shared=False, size=numel, dtype=getattr(torch, dtype)).reshape(shape)
+    # mapped, not read: the tensor is the file's pages (tmpfs), which `link_pixel_files` hands on without a copy
+    tensor = torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype)).reshape(shape)
+    setattr(tensor, LINKED_FILE, path)
+    return tensor
 
 
 def _is_file_ref(value) -> bool:
@@ -362,6 +374,25 @@ async def handle_grouped(manager, obj, request=None):
     _own_mm_hashes(obj, prompts)
     send_prefix = _coalesced(manager)
 
+    made: list[str] = []  # the rids of the copies built so far (their states go if the request fails)
+
+    def make_copies(sub, tok) -> tuple[list, list]:
+        """A prompt's `n` copies, ready to send, with their request states and the answers' waiters."""
+        copies, waiters = [], []
+        for _ in range(n):
+            sample = copy.copy(sub)
+            one = _copy_request(tok, sample.regenerate_rid())
+            manager._init_req_state(sample)
+            made.append(sample.rid)
+            state = manager.rid_to_state[sample.rid]
+            one.time_stats = state.time_stats
+            if sample.return_prompt_token_ids:
+                state.prompt_token_ids = list(tok.input_ids)
+            drop_copy_pixels(one, parallel_sampling=True)
+            copies.append(one)
+            waiters.append(manager._wait_one_response(sample, request))
+        return copies, waiters
+
     async def tokenize_and_prefill(sub):
         tokenized = await manager._tokenize_one_request(sub)
         head = copy.copy(sub)
@@ -377,30 +408,24 @@ async def handle_grouped(manager, obj, request=None):
         sending = send_prefix(prefix)
         sending.add_done_callback(forget_if_unsent)
         await asyncio.shield(sending)  # a task cancelled while it waits leaves the message to the others
+        # built while the scheduler prefills the prefix, not after its answer: 64 copies are several ms of this loop
+        built = make_copies(sub, tokenized)
         await manager._wait_one_response(head, request).__anext__()
-        return tokenized
+        return built
 
     tasks = [asyncio.ensure_future(tokenize_and_prefill(sub)) for sub in prompts]
     try:
-        tokenized = await asyncio.gather(*tasks)
+        built = await asyncio.gather(*tasks)
     except BaseException:  # one prompt failed (or the request was cancelled): the others stop too
         for task in tasks:
             task.cancel()
+        for rid in made:
+            manager.rid_to_state.pop(rid, None)
         raise
 
-    copies, waiters = [], []
-    for sub, tok in zip(prompts, tokenized, strict=True):
-        for _ in range(n):
-            sample = copy.copy(sub)
-            one = _copy_request(tok, sample.regenerate_rid())
-            manager._init_req_state(sample)
-            state = manager.rid_to_state[sample.rid]
-            one.time_stats = state.time_stats
-            if sample.return_prompt_token_ids:
-                state.prompt_token_ids = list(tok.input_ids)
-            drop_copy_pixels(one, parallel_sampling=True)
-            copies.append(one)
-            waiters.append(manager._wait_one_response(sample, request))
+    copies = [one for prompt_copies, _ in built for one in prompt_copies]
+    waiters = [w for _, prompt_waiters in built for w in prompt_waiters]
+    for sub in prompts:
         state = manager.rid_to_state.pop(sub.rid, None)  # the prompt's own entry: its samples answer for it
         if state is not None:
             state.time_stats.set_finished_time()
@@ -500,10 +525,76 @@ def unlink_segments(tokenized_objs: list) -> None:
                     segment.unlink()
 
 
+def linked_segment(tensor, pointer_cls, make_name, precomputed_hash=None):
+    """A `pointer_cls` (0.5.16's `ShmPointerMMData`) for `tensor`, a whole pixel file mapped by `read_tensor`, made
+    without copying: the file gets a second name in `SHM_DIR`, `make_name("mm")` (0.5.16's `make_shm_name`, which its
+    stale-segment clean-up knows), and the scheduler opens, copies out and unlinks that name exactly as it does a
+    segment 0.5.16 filled (`ShmPointerMMData.__setstate__` / `materialize`, `srt/managers/mm_utils.py:1890-1911`).
+    None where that cannot be: a tensor that is not a whole mapped file (a view of one image of several, a cast), a
+    pixel directory on another file system than `SHM_DIR`, a file already deleted; 0.5.16 then copies the tensor."""
+    path = getattr(tensor, LINKED_FILE, None)
+    if path is None:
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != nbytes:
+        return None
+    name = make_name("mm")
+    try:
+        os.link(path, os.path.join(SHM_DIR, name))
+    except OSError as e:
+        log.debug("miles_vl: pixel file %s copied, not linked: %s", path, e)
+        return None
+    pointer = pointer_cls.__new__(pointer_cls)  # the fields of 0.5.16's __init__, without its copy
+    pointer.shape, pointer.dtype, pointer.precomputed_hash = tensor.shape, tensor.dtype, precomputed_hash
+    pointer.shm_name, pointer._shm_handle, pointer.tensor = name, None, tensor
+    return pointer
+
+
+def link_pixel_files(obj, pointer_cls, make_name) -> int:
+    """Tokenizer side, before 0.5.16's `wrap_shm_features` copies a request's pixel tensors into new segments: the
+    items whose pixels are a whole mapped pixel file go as a `linked_segment` instead (measured on an H100, 0.5.16's
+    copy of one 196-token image took 8-12 ms; docs/benchmarks.md). Returns how many items were linked; off with
+    `MILES_VL_SGLANG_LINK_PIXELS=0`."""
+    global _linked_any
+    if os.environ.get(LINK_ENV, "1") == "0":
+        return 0
+    linked = 0
+    for item in _mm_items(obj):
+        if (pointer := linked_segment(item.feature, pointer_cls, make_name, item.hash)) is not None:
+            item.feature = pointer
+            linked += 1
+            if not _linked_any:  # once per process: what tests/gpu/test_sglang_real.py looks for in the log
+                _linked_any = True
+                log.info("miles_vl: pixel files reach the scheduler by a second name, not a copy (first: %s)",
+                         pointer.shm_name)  # fmt: skip
+    return linked
+
+
+_linked_any = False
+
+
+def _stock_wraps(mm_utils) -> bool:
+    """Whether 0.5.16's `wrap_shm_features` moves pixel tensors into segments in this server (it leaves them inline
+    in its "default" transport, chosen with `--dist-init-addr`, and with `--skip-tokenizer-init`,
+    `srt/managers/mm_utils.py:1970`); False for anything that is not 0.5.16's module."""
+    try:
+        return not (mm_utils._get_is_default_transport() or mm_utils.get_server_args().skip_tokenizer_init) and all(
+            hasattr(mm_utils, name) for name in ("ShmPointerMMData", "make_shm_name")
+        )
+    except AttributeError:
+        return False
+
+
 def _patch_tokenizer(module) -> None:
     cls = module.TokenizerManager
     handle, send, tokenize = cls._handle_batch_request, cls._send_one_request, cls._tokenize_one_request
-    send_batch, wrap_shm = cls._send_batch_request, module.wrap_shm_features
+    send_batch, stock_wrap = cls._send_batch_request, module.wrap_shm_features
+    mm_utils = sys.modules.get(getattr(stock_wrap, "__module__", ""))  # 0.5.16's srt/managers/mm_utils.py
+
+    def wrap_shm(obj):
+        if _stock_wraps(mm_utils):  # only where 0.5.16 itself would hand the tensors over in segments
+            link_pixel_files(obj, mm_utils.ShmPointerMMData, mm_utils.make_shm_name)
+        return stock_wrap(obj)  # copies what was not linked (it leaves a pointer as it is)
 
     async def tokenize_one_request(self, obj):
         resolve_media(obj, self.model_config.dtype)  # every request is tokenized here, whatever its path
@@ -534,19 +625,68 @@ def _patch_tokenizer(module) -> None:
     cls._handle_batch_request, cls._send_one_request = handle_batch_request, send_one_request
     cls._send_batch_request = send_batch_request
     cls._tokenize_one_request = tokenize_one_request
+    module.wrap_shm_features = wrap_shm  # what 0.5.16's `_send_one_request` calls by this module's global name
+
+
+_receive_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _single_requests(recv_reqs) -> list:
+    """The requests of a receive, those inside batch messages (`.batch`) included, in order."""
+    return [sub for req in recv_reqs for sub in getattr(req, "batch", None) or (req,)]
+
+
+def _pointer_ids(req) -> list[int]:
+    ids = []
+    for item in _mm_items(req):
+        for value in (item.feature, getattr(item, "precomputed_embeddings", None)):
+            ids.extend(id(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
+    return ids
+
+
+def materialize_side_by_side(unwrap, requests: list, threads: int) -> bool:
+    """Scheduler side: `unwrap` (0.5.16's `unwrap_shm_features`: each pixel tensor copied out of its segment, which is
+    then unlinked) on `requests` (the single requests of one receive that hold segments) in `threads` threads side by
+    side instead of one after another (timed on an H200, 22 ms for the 8 prefixes of a GRPO batch;
+    docs/benchmarks.md). Returns False, having done nothing, where that does not apply: fewer than two requests, one
+    thread, or a pointer object shared by two requests (materializing it twice at once would race on its handle); the
+    caller then runs 0.5.16's loop. Raises the first request's failure, in order, after every thread is done."""
+    global _receive_pool
+    if threads < 2 or len(requests) < 2:
+        return False
+    ids = [i for req in requests for i in set(_pointer_ids(req))]
+    if len(ids) != len(set(ids)):
+        return False
+    if _receive_pool is None:
+        _receive_pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="miles_vl_unwrap")
+    done = [_receive_pool.submit(unwrap, req) for req in requests]
+    if failed := [e for d in done if (e := d.exception()) is not None]:
+        raise failed[0]
+    return True
 
 
 def _patch_receiver(module) -> None:
     cls = module.SchedulerRequestReceiver
-    recv = cls.recv_requests
+    recv, finalize = cls.recv_requests, cls._finalize_shm_features
     memory = PixelMemory(int(os.environ.get(CACHE_ENV, DEFAULT_CACHE_MB)) << 20)
+    threads = int(os.environ.get(RECEIVE_THREADS_ENV, DEFAULT_RECEIVE_THREADS))
 
     def recv_requests(self, *args, **kwargs):
         reqs = recv(self, *args, **kwargs)
         memory.fill(reqs)
         return reqs
 
-    cls.recv_requests = recv_requests
+    def finalize_shm_features(self, recv_reqs):
+        # one scheduler rank: no other rank reads these segments, so 0.5.16's barrier before the unlinks
+        # (`request_receiver.py:238-256`) has nothing to order; with more ranks, 0.5.16's own loop
+        single_rank = not self.server_args.enable_dp_attention and self.ps.tp_size == 1
+        if not (recv_reqs and single_rank and self.model_config.is_multimodal and module.has_shm_features(recv_reqs)):
+            return finalize(self, recv_reqs)
+        with_segments = [req for req in _single_requests(recv_reqs) if module.has_shm_features([req])]
+        if not materialize_side_by_side(module.unwrap_shm_features, with_segments, threads):
+            return finalize(self, recv_reqs)
+
+    cls.recv_requests, cls._finalize_shm_features = recv_requests, finalize_shm_features
     cls.miles_vl_pixel_memory = memory
 
 

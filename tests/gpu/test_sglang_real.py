@@ -525,6 +525,39 @@ def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, token
     assert cached(1, hash_of=0) >= len(ids) - 1
 
 
+def test_a_one_image_items_hash_keys_its_prefix_and_its_file_reaches_the_scheduler_by_link(host, prompts, tokens):
+    """What `pixel_hash` and `link_pixel_files` assume of the real server (miles_vl's launcher, pixel values): the
+    `hash` of a one-image processor_output item is the image's hash in the prefix cache (another image's pixels under
+    the first image's hash reuse the cached prompt past the image; under their own hash the cache stops at the image),
+    so the tokenizer takes it instead of hashing the pixels; the pixel files reach the scheduler by a second name in
+    /dev/shm (the launcher's log line), which the scheduler removes once it has read it."""
+    ids = prompts[0].prompt_ids.tolist()
+    first_image_token = ids.index(tokens.image_token_id)
+    media = host.engine.prompt_media(prompts[:2])
+    hashes = [m.image_data[0]["hash"] for m in media]
+    assert hashes[0] != hashes[1] and all(len(m.image_data[0]["image_grid_thw"]) == 1 for m in media)
+
+    def cached(k: int, hash_of: int) -> int:
+        item = dict(media[k].image_data[0], hash=hashes[hash_of])
+        payload = build_generate_payload(ids, [item], SamplingParams(max_new_tokens=1, temperature=1.0), seed=0,
+                                         stop_token_ids=tokens.eos_token_ids)  # fmt: skip
+        return int(host.client.generate(payload)["meta_info"]["cached_tokens"])
+
+    def segments() -> set[str]:  # 0.5.16's segment names (`make_shm_name`): sgl_shm_mm_<pid>_<random>
+        return {n for n in os.listdir("/dev/shm") if n.startswith("sgl_shm_mm_")}
+
+    before = segments()
+    try:
+        host.client.flush_cache(timeout_s=60)
+        assert cached(0, hash_of=0) == 0
+        assert cached(1, hash_of=0) >= len(ids) - 1  # other pixels under the first image's hash: a hit past the image
+        assert cached(1, hash_of=1) <= first_image_token  # under their own hash the cache stops where the image starts
+    finally:
+        remove_files(host.engine.pixel_dir, [f for m in media for f in m.files])
+    assert segments() <= before  # every linked name was read and removed by the scheduler
+    assert "pixel files reach the scheduler by a second name" in host.log_path.read_text(errors="replace")
+
+
 def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     """What the stand-ins answer to the canonical (expanded) ids, on the real server: SGLang's processor runs out of
     images (StopIteration, not caught by the route: HTTP 500 "Internal Server Error", the reason in the log), and the
@@ -790,27 +823,40 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
         groups = det.generate(prompts[:1], SamplingParams(n=3, max_new_tokens=16, temperature=1.0, seed=1))
         assert len({tuple(g.response_ids.tolist()) for g in groups[0]}) == 3  # one request (one seed) per sample
 
-        # stock 0.5.16 takes a pixel file reference for the pixel values and cannot hash it (the stand-in's answer
-        # without the launcher): why send_pixel_values needs miles_vl's launcher
+        # stock 0.5.16 takes a pixel file reference for the pixel values (the stand-in's answers without the
+        # launcher): it cannot hash it (HTTP 500), and a one-image item that brings its hash reaches the vision tower
+        # as the reference, which kills the scheduler; why send_pixel_values needs miles_vl's launcher
         from miles_vl.rollout.sglang import SGLangUnavailableError
 
         directory = tempfile.mkdtemp(prefix="pixels_")  # stock 0.5.16 reads no file: the reference is enough
         media = pixel_media(prompts[0], 0, tokens, directory=directory, dtype=torch.bfloat16, spatial_merge_size=2)
-        body = build_generate_payload(media.input_ids, media.image_data, SamplingParams(max_new_tokens=2), seed=0,
-                                      stop_token_ids=tokens.eos_token_ids)  # fmt: skip
+        unhashed = [{k: v for k, v in media.image_data[0].items() if k != "hash"}]
+
+        def body(image_data):
+            return build_generate_payload(media.input_ids, image_data, SamplingParams(max_new_tokens=2), seed=0,
+                                          stop_token_ids=tokens.eos_token_ids)  # fmt: skip
+
+        def log_shows(text: str) -> str:
+            deadline = time.monotonic() + 15
+            while text not in (tail := det.server.log_tail(max_lines=400, max_bytes=1 << 17)):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            print(
+                "SGLANG-REAL stock 0.5.16 with a pixel file: "
+                + next((ln for ln in tail.splitlines() if text in ln), "")
+            )
+            return tail
+
         try:
             with pytest.raises(SGLangUnavailableError, match=r"HTTP 500"):
-                det.client.request("POST", "/generate", json=body, retry=False)
+                det.client.request("POST", "/generate", json=body(unhashed), retry=False)
+            assert "TypeError" in log_shows("TypeError") and det.health()
+            with pytest.raises(SGLangUnavailableError, match=r"disconnected"):
+                det.client.request("POST", "/generate", json=body(media.image_data), retry=False)
+            assert "expected Tensor as element 0 in argument 0, but got dict" in log_shows("but got dict")
         finally:
             remove_files(directory, media.files)
-        deadline = time.monotonic() + 15
-        while "TypeError" not in det.server.log_tail(max_lines=400, max_bytes=1 << 17) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        tail = det.server.log_tail(max_lines=400, max_bytes=1 << 17)
-        print(
-            "SGLANG-REAL stock 0.5.16 with a pixel file: " + next((ln for ln in tail.splitlines() if "Error" in ln), "")
-        )
-        assert "TypeError" in tail and det.health()
     finally:
         det.shutdown()
 

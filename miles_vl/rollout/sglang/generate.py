@@ -276,8 +276,9 @@ def pixel_media(
     files: list[str] = []
     try:
         for key, pixels, grid in vision_inputs(prompt, index, tokens, spatial_merge_size):
+            wire = pixels.to(dtype)
             try:
-                ref = write_tensor(directory, pixels.to(dtype))
+                ref = write_tensor(directory, wire)
             except OSError as e:
                 raise OSError(
                     e.errno,
@@ -287,6 +288,8 @@ def pixel_media(
                 ) from e
             files.append(ref[FILE_KEY])
             items[key] = {"format": "processor_output", key: ref, FEATURE_GRIDS[key]: grid.tolist()}
+            if key == "pixel_values" and len(grid) == 1:
+                items[key]["hash"] = pixel_hash(wire, grid)
     except BaseException:
         remove_files(directory, files)
         raise
@@ -296,6 +299,24 @@ def pixel_media(
         video_data=[items["pixel_values_videos"]] if "pixel_values_videos" in items else [],
         files=files,
     )
+
+
+def pixel_hash(pixels: Tensor, grid: Tensor) -> int:
+    """The content hash a one-image `processor_output` item carries as `"hash"` (63 bits of a SHA-256 of the pixel
+    values' dtype, shape, grid and bytes, as sent).
+
+    0.5.16 keys the image's prefix in the radix cache on it and takes it as the item's hash
+    (`collect_mm_items_from_processor_output`, `srt/multimodal/processors/base_processor.py:1201-1210`), so its
+    tokenizer does not hash the pixel values itself: it does so in the processor (`set_pad_value` in
+    `process_and_combine_mm_data`, `:1473-1478`, a SHA-256 of the 2.4 MB of a 196-token image, serially for every
+    prompt of a request) before it reads `mm_hashes`. Equal pixels give equal hashes, so equal images share a prefix
+    as with SGLang's own hash. Only for one image: 0.5.16 splits a multi-image item per image with
+    `copy.copy` (`get_new_expanded_mm_items`, `srt/managers/mm_utils.py:1734`), which would give every image the
+    item's one hash; those items go without, and SGLang hashes each image."""
+    digest = hashlib.sha256(f"{pixels.dtype} {list(pixels.shape)} {grid.tolist()}".encode())
+    data = pixels.detach().to("cpu").contiguous()
+    digest.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+    return int.from_bytes(digest.digest()[:8], "big") >> 1
 
 
 def remove_files(directory: str, names: Sequence[str]) -> None:

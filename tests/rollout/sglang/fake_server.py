@@ -678,6 +678,13 @@ class Handler(BaseHTTPRequestHandler):
                     f"Modality.{modality.upper()}: when providing a 'processor_output' or 'precomputed_embedding', "
                     f"you must pass exactly one item; received {len(items)} items"
                 )
+            if not s.launcher and "hash" in items[0]:  # nothing to hash: the reference reaches the vision tower
+                raise SchedulerCrash(
+                    "TypeError: expected Tensor as element 0 in argument 0, but got dict (get_image_feature: a "
+                    "processor_output item with its own hash keeps its file reference to the vision tower; stock "
+                    "0.5.16 does not read miles_vl's pixel files; start the server with "
+                    "python -m miles_vl.sglang_launch)"
+                )
             if not s.launcher:
                 raise ServerError(
                     "TypeError: object supporting the buffer API required (MultimodalDataItem.set_pad_value -> "

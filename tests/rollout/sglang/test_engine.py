@@ -559,14 +559,21 @@ def test_the_pixel_files_go_whatever_happens(pixel_fake, tmp_path):
 
 
 def test_stock_sglang_cannot_read_pixel_files(tmp_path):
-    """Without miles_vl's launcher, 0.5.16 takes the file reference for the pixel values and fails hashing it
-    (TypeError in its tokenizer: HTTP 500); the config therefore refuses send_pixel_values without the launcher."""
+    """Without miles_vl's launcher, 0.5.16 takes the file reference for the pixel values: it fails hashing it
+    (TypeError in its tokenizer: HTTP 500), or, for a one-image item that brings its hash, hands it to the vision
+    tower, whose TypeError kills the scheduler and the server; the config therefore refuses send_pixel_values without
+    the launcher."""
     from miles_vl.rollout.sglang.generate import build_generate_payload, pixel_media
 
     with FakeSGLang(weight_version="base", pixel_dir=str(tmp_path), launcher=False) as stock:
         media = pixel_media(make_prompt([1], 1), 0, TOKENS, directory=str(tmp_path), dtype=torch.float32,
                             spatial_merge_size=2)  # fmt: skip
-        body = build_generate_payload(media.input_ids, media.image_data, SamplingParams(), seed=0, stop_token_ids=[EOS])
+        unhashed = [{k: v for k, v in media.image_data[0].items() if k != "hash"}]
+        body = build_generate_payload(media.input_ids, unhashed, SamplingParams(), seed=0, stop_token_ids=[EOS])
         with pytest.raises(SGLangError, match="HTTP 500"):
             quick_client(stock.url, max_retries=0).generate(body)
         assert any("TypeError" in line for line in stock.state.log)
+        body = build_generate_payload(media.input_ids, media.image_data, SamplingParams(), seed=0, stop_token_ids=[EOS])
+        with pytest.raises(SGLangError, match="disconnected|Connection|reset|aborted"):
+            quick_client(stock.url, max_retries=0).generate(body)
+        assert any("Scheduler hit an exception: TypeError: expected Tensor" in line for line in stock.state.log)

@@ -33,7 +33,8 @@ from miles_vl.rollout.sglang.generate import (
 )
 from miles_vl.rollout.types import SamplingParams
 from miles_vl.sglang_launch import FILE_KEY, read_tensor
-from tests.rollout.sglang.conftest import EOS, TOKENS, VIDEO, Prompt, make_prompt, make_video_prompt
+from tests.rollout.sglang.conftest import EOS, TOKENS, VEND, VIDEO, Prompt, make_prompt, make_video_prompt
+from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID
 
 
 def decode_url(url: str) -> Image.Image:
@@ -158,13 +159,14 @@ def test_pixel_media_is_the_canonical_ids_and_the_prompts_own_pixels(tmp_path):
     """For miles_vl's launcher a prompt goes as the trainer sees it: its canonical ids (expanded), one
     processor_output item per modality with the grids and a reference to a file holding exactly the prompt's pixel
     values in the wire dtype (0.5.16 takes one such item per modality; `get_new_expanded_mm_items` splits it by image);
-    no PNGs, no hashes."""
+    no PNGs, no `mm_hashes`, and no item hash for two images (0.5.16 would give the split images the one hash)."""
     prompt = _with_video(make_prompt([11, 12], 2, color=4, with_images=False))
     media = pixel_media(prompt, 0, TOKENS, directory=str(tmp_path), dtype=torch.bfloat16, spatial_merge_size=2)
     assert media.input_ids == prompt.prompt_ids.tolist() and media.mm_hashes == []
     [image], [video] = media.image_data, media.video_data
     assert image["format"] == video["format"] == "processor_output"
     assert image["image_grid_thw"] == [[1, 4, 4], [1, 4, 4]] and video["video_grid_thw"] == [[3, 4, 4]]
+    assert "hash" not in image and "hash" not in video
     pixels = read_tensor(image["pixel_values"], str(tmp_path))
     frames = read_tensor(video["pixel_values_videos"], str(tmp_path))
     assert torch.equal(pixels, prompt.pixel_values.to(torch.bfloat16))
@@ -180,6 +182,33 @@ def test_pixel_media_is_the_canonical_ids_and_the_prompts_own_pixels(tmp_path):
     batch = batch_payload([body, build_generate_payload(text.input_ids, [], SamplingParams(), seed=1,
                                                         stop_token_ids=[EOS])])  # fmt: skip
     assert batch["image_data"] == [[image], []] and batch["video_data"] == [[video], []]
+
+
+def test_a_single_images_item_carries_the_hash_of_exactly_what_is_sent(tmp_path):
+    """A one-image item carries `hash`: 63 bits of a SHA-256 of the wire dtype, shape, grid and bytes (written out here
+    independently of the code); equal pixels in another file give the same hash (they may share a prefix), a change
+    of one value, of the wire dtype or of the grid a different one."""
+    media = pixel_media(make_prompt([11], 1, color=3), 0, TOKENS, directory=str(tmp_path), dtype=torch.bfloat16,
+                        spatial_merge_size=2)  # fmt: skip
+    [image] = media.image_data
+    sent = read_tensor(image["pixel_values"], str(tmp_path))
+    expected = hashlib.sha256(b"torch.bfloat16 [16, 1536] [[1, 4, 4]]" + sent.view(torch.uint8).numpy().tobytes())
+    assert image["hash"] == int.from_bytes(expected.digest()[:8], "big") >> 1 and 0 <= image["hash"] < 2**63
+
+    def hash_of(prompt, dtype=torch.bfloat16):
+        return pixel_media(prompt, 0, TOKENS, directory=str(tmp_path), dtype=dtype, spatial_merge_size=2).image_data[0][
+            "hash"
+        ]
+
+    assert hash_of(make_prompt([99, 98], 1, color=3)) == image["hash"]  # same pixels, other text and file
+    changed = make_prompt([11], 1, color=3)
+    changed.pixel_values[5, 7] += 1.0
+    assert hash_of(changed) != image["hash"]
+    assert hash_of(make_prompt([11], 1, color=3), torch.float32) != image["hash"]
+    regridded = make_prompt([11], 1, color=3)
+    regridded.prompt_ids = torch.tensor([11, VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * 4 + [VEND])  # 2x8 / 2^2
+    regridded.image_grid_thw = torch.tensor([[1, 2, 8]])
+    assert hash_of(regridded) != image["hash"]
 
 
 def test_ids_that_disagree_with_the_grids_never_leave(tmp_path):

@@ -132,6 +132,9 @@ def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(m
         def recv_requests(self):
             return list(sent)
 
+        def _finalize_shm_features(self, recv_reqs):  # 0.5.16's: segments to tensors (none here)
+            pass
+
     sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
     sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
     pixels = torch.randn(8, 4)
@@ -176,6 +179,8 @@ STAND_IN = {
         class SchedulerRequestReceiver:
             def recv_requests(self):
                 return []
+            def _finalize_shm_features(self, recv_reqs):
+                pass
     """,
     "sglang/srt/plugins.py": "def load_plugins():\n    pass\n",
     "sglang/srt/server_args.py": "def prepare_server_args(argv):\n    return argv\n",
@@ -350,6 +355,7 @@ class _StandInTokenizer:
         )
 
     def _init_req_state(self, sub):
+        self.log.append(("state", sub.rid))
         self.rid_to_state[sub.rid] = types.SimpleNamespace(
             time_stats=types.SimpleNamespace(set_finished_time=lambda: None), prompt_token_ids=None
         )
@@ -383,6 +389,9 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
         def recv_requests(self):
             return list(manager.messages)
 
+        def _finalize_shm_features(self, recv_reqs):
+            pass
+
     sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
     sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
     pixels = [torch.randn(4, 6) for _ in range(3)]
@@ -406,6 +415,10 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
     prefixes = [rid for kind, rid in log if kind == "prefix"]
     assert len(prefixes) == 3 and all(log.index(("answered", rid)) < batch_at for rid in prefixes)
     assert [e for e in log if e[0] in ("one", "batch")] == [("batch", 6)]
+    # each prompt's copies were made (their request states) while its prefix was being prefilled, not after
+    for i, rid in enumerate(prefixes):
+        made = [k for k, e in enumerate(log) if e[0] == "state" and e[1].startswith(f"p{rid[1]}+") and e[1] != rid]
+        assert len(made) == 2 and max(made) < log.index(("answered", rid)), (i, log)
     copies = manager.messages[-1].batch
     assert [c.input_ids for c in copies] == [[0, 1], [0, 1], [1, 2], [1, 2], [2, 3], [2, 3]]  # prompt by prompt
     assert len({c.rid for c in copies}) == 6 and all(c.sampling_params.max_new_tokens == 16 for c in copies)
@@ -470,6 +483,8 @@ def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state(
 
     asyncio.run(fail_then_wait())
     assert ("tokenized", "p1") not in manager.log  # cancelled, never sent its prefix
+    assert any(kind == "state" and rid.startswith("p0+") for kind, rid in manager.log[2:])  # p0's copies were made
+    assert manager.rid_to_state == {}  # and their request states went with the failed request
     assert [rid for kind, rid in manager.log if kind == "prefix"] == [
         rid for kind, rid in manager.log if kind == "prefix" and rid.startswith("p0+")
     ]
@@ -898,3 +913,214 @@ def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(m
     sglang_launch._configure_vision_graphs(args)  # off: the arguments are left as they are
     assert args.mm_attention_backend is None and not args.enable_precise_embedding_interpolation
     assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"  # set all the same
+
+
+# -- pixel files handed to the scheduler by a second name --------------------------------------------------------------
+
+
+class _Pointer:
+    """0.5.16's `ShmPointerMMData` as far as these tests need (`srt/managers/mm_utils.py:1847-1917`): pickled as
+    its segment's name, shape, dtype and hash; unpickled by opening the segment; `materialize()` copies the tensor out
+    and unlinks the segment. That the real scheduler reads a linked segment so: tests/gpu/test_sglang_real.py."""
+
+    def __getstate__(self):
+        return {"shm_name": self.shm_name, "shape": self.shape, "dtype": self.dtype, "hash": self.precomputed_hash}
+
+    def __setstate__(self, state):
+        from multiprocessing import shared_memory
+
+        self.shm_name, self.shape, self.dtype = state["shm_name"], state["shape"], state["dtype"]
+        self.precomputed_hash = state["hash"]
+        self._shm_handle = shared_memory.SharedMemory(name=self.shm_name)
+        self.tensor = torch.frombuffer(self._shm_handle.buf, dtype=self.dtype).reshape(self.shape)
+
+    def materialize(self):
+        out = self.tensor.clone()
+        del self.tensor
+        self._shm_handle.close()
+        self._shm_handle.unlink()
+        return out
+
+
+def _names():
+    count = itertools.count()
+    return lambda kind: f"miles_vl_test_{kind}_{os.getpid()}_{next(count)}_{time.time_ns()}"
+
+
+@pytest.fixture
+def shm_dir():
+    """A pixel directory in /dev/shm, as the engine's host makes it (`pixel_directory`)."""
+    if not os.path.isdir(sglang_launch.SHM_DIR):
+        pytest.skip("no /dev/shm")
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="miles_vl_test_pixels_", dir=sglang_launch.SHM_DIR)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_pixel_file_reaches_the_scheduler_by_a_second_name_not_a_copy(shm_dir):
+    """The tokenizer maps the engine's file (`read_tensor`); `link_pixel_files` gives it a second name in /dev/shm
+    instead of copying it into a new segment; the scheduler's pickled pointer opens that name, copies the pixels out
+    and unlinks it, as it does a segment 0.5.16 filled. The engine's own name stays until the engine removes it."""
+    from multiprocessing import shared_memory
+
+    from miles_vl.sglang_launch import read_tensor, write_tensor
+
+    pixels = torch.randn(16, 24).to(torch.bfloat16)
+    ref = write_tensor(shm_dir, pixels)
+    path = os.path.join(shm_dir, ref[sglang_launch.FILE_KEY])
+    mapped = read_tensor(ref, shm_dir)
+    assert torch.equal(mapped, pixels)
+    req = _req([_item(0xABC, mapped)], 0)
+    assert sglang_launch.link_pixel_files(req, _Pointer, _names()) == 1
+    pointer = req.mm_inputs.mm_items[0].feature
+    assert isinstance(pointer, _Pointer) and pointer.tensor is mapped and pointer.precomputed_hash == 0xABC
+    segment = os.path.join(sglang_launch.SHM_DIR, pointer.shm_name)
+    assert os.stat(segment).st_ino == os.stat(path).st_ino and os.stat(path).st_nlink == 2  # one file, two names
+    received = copy.deepcopy(req)  # pickled to the scheduler
+    restored = received.mm_inputs.mm_items[0].feature.materialize()
+    assert torch.equal(restored, pixels) and restored.dtype == torch.bfloat16
+    assert not os.path.exists(segment) and os.stat(path).st_nlink == 1
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=pointer.shm_name)
+
+
+def test_only_a_whole_mapped_file_is_linked_the_rest_is_left_to_sglangs_copy(shm_dir, tmp_path, monkeypatch):
+    """Left as they are (0.5.16's `wrap_shm_features` copies them): a view of one image of a mapped file, a tensor
+    that was cast (not the file), a file the engine already removed, a directory on another file system than
+    /dev/shm, and everything with MILES_VL_SGLANG_LINK_PIXELS=0."""
+    from miles_vl.sglang_launch import linked_segment, read_tensor, write_tensor
+
+    names = _names()
+    mapped = read_tensor(write_tensor(shm_dir, torch.randn(16, 24)), shm_dir)
+    assert linked_segment(mapped[:8], _Pointer, names) is None
+    assert linked_segment(mapped.to(torch.bfloat16), _Pointer, names) is None
+    assert linked_segment(torch.randn(4, 4), _Pointer, names) is None
+    gone = read_tensor(ref := write_tensor(shm_dir, torch.randn(4, 4)), shm_dir)
+    os.unlink(os.path.join(shm_dir, ref[sglang_launch.FILE_KEY]))
+    assert linked_segment(gone, _Pointer, names) is None
+    if os.stat(tmp_path).st_dev != os.stat(sglang_launch.SHM_DIR).st_dev:
+        on_disk = read_tensor(write_tensor(str(tmp_path), torch.randn(4, 4)), str(tmp_path))
+        assert linked_segment(on_disk, _Pointer, names) is None  # EXDEV: no link across file systems
+    monkeypatch.setenv(sglang_launch.LINK_ENV, "0")
+    req = _req([_item(1, mapped)], 0)
+    assert sglang_launch.link_pixel_files(req, _Pointer, names) == 0 and req.mm_inputs.mm_items[0].feature is mapped
+    left = [n for n in os.listdir(sglang_launch.SHM_DIR) if n.startswith(f"miles_vl_test_mm_{os.getpid()}_")]
+    assert left == []  # a refused link leaves no second name behind
+
+
+def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir, monkeypatch):
+    """The patched module's `wrap_shm_features` (what 0.5.16's `_send_one_request` calls) links first and then calls
+    0.5.16's, which copies what is left; where 0.5.16 keeps tensors inline ("default" transport with
+    --dist-init-addr, --skip-tokenizer-init) nothing is linked, since its scheduler would not read segments."""
+    from miles_vl.sglang_launch import read_tensor, write_tensor
+
+    calls = []
+    mm_utils = types.ModuleType("stand_in_mm_utils")
+    mm_utils.ShmPointerMMData, mm_utils.make_shm_name = _Pointer, _names()
+    default_transport = [False]
+    mm_utils._get_is_default_transport = lambda: default_transport[0]
+    mm_utils.get_server_args = lambda: types.SimpleNamespace(skip_tokenizer_init=False)
+
+    def wrap_shm_features(obj):  # 0.5.16's: copies the plain tensors left
+        calls.append([type(item.feature).__name__ for item in obj.mm_inputs.mm_items])
+        return obj
+
+    wrap_shm_features.__module__ = mm_utils.__name__
+    monkeypatch.setitem(sys.modules, mm_utils.__name__, mm_utils)
+
+    class TokenizerManager:
+        async def _handle_batch_request(self, obj, request=None):
+            yield None
+
+        async def _tokenize_one_request(self, obj):
+            return obj
+
+    module = _tokenizer_module(TokenizerManager, wrap_shm_features)
+    sglang_launch._patch_tokenizer(module)
+    for default in (False, True):
+        default_transport[0] = default
+        req = _req([_item(1, read_tensor(write_tensor(shm_dir, torch.randn(4, 4)), shm_dir)), _item(2, None)], 0)
+        module.wrap_shm_features(req)
+        if not default:
+            copy.deepcopy(req).mm_inputs.mm_items[0].feature.materialize()  # the scheduler's read removes the name
+    assert calls == [["_Pointer", "NoneType"], ["Tensor", "NoneType"]]
+
+
+def test_a_receives_pixels_are_copied_out_side_by_side():
+    """The scheduler materializes the requests of one receive that hold segments in threads side by side: two must
+    run at once to pass the barrier; a failure is raised after every thread is done. Left to 0.5.16's loop (False):
+    one request, one thread, or one pointer object in two requests."""
+    import threading
+
+    together = threading.Barrier(2, timeout=10)
+    done = []
+
+    def unwrap(req):
+        together.wait()
+        done.append(req.rid)
+
+    reqs = [_req([_item(k, object())], 0, rid=f"p{k}") for k in range(4)]
+    assert sglang_launch.materialize_side_by_side(unwrap, reqs, threads=8) and sorted(done) == ["p0", "p1", "p2", "p3"]
+    assert not sglang_launch.materialize_side_by_side(unwrap, reqs[:1], threads=8)
+    assert not sglang_launch.materialize_side_by_side(unwrap, reqs, threads=1)
+    shared = object()
+    assert not sglang_launch.materialize_side_by_side(
+        unwrap, [_req([_item(1, shared)], 0), _req([_item(1, [shared])], 0)], threads=8
+    )
+    finished = []
+
+    def broken(req):
+        if req.rid == "p0":
+            raise MemoryError("no memory for the copy")
+        time.sleep(0.1)
+        finished.append(req.rid)
+
+    with pytest.raises(MemoryError):
+        sglang_launch.materialize_side_by_side(broken, reqs, threads=8)
+    assert sorted(finished) == ["p1", "p2", "p3"]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_the_receiver_copies_out_in_threads_only_on_a_single_rank(tp_size, monkeypatch):
+    """On one scheduler rank the patched `_finalize_shm_features` copies a receive's segments out in threads (the
+    requests inside a batch message too); with tensor parallelism 0.5.16's own method runs (its barrier orders the
+    other ranks' reads before the unlinks)."""
+    seen = []
+
+    class Req:
+        def __init__(self, rid):
+            self.rid, self.mm_inputs = rid, types.SimpleNamespace(mm_items=[_item(1, object())])
+
+    class SchedulerRequestReceiver:
+        server_args = types.SimpleNamespace(enable_dp_attention=False)
+        ps = types.SimpleNamespace(tp_size=tp_size)
+        model_config = types.SimpleNamespace(is_multimodal=True)
+
+        def recv_requests(self):
+            reqs = [Req("a"), types.SimpleNamespace(batch=[Req("b"), Req("c")])]
+            self._finalize_shm_features(reqs)
+            return reqs
+
+        def _finalize_shm_features(self, recv_reqs):
+            seen.append("stock")
+
+    def unwrap_shm_features(req):
+        seen.append((req.rid, threading.current_thread().name.startswith("miles_vl_unwrap")))
+
+    import threading
+
+    module = types.SimpleNamespace(
+        SchedulerRequestReceiver=SchedulerRequestReceiver,
+        has_shm_features=lambda reqs: True,
+        unwrap_shm_features=unwrap_shm_features,
+    )
+    monkeypatch.setattr(sglang_launch, "_receive_pool", None)
+    sglang_launch._patch_receiver(module)
+    SchedulerRequestReceiver().recv_requests()
+    if tp_size == 1:
+        assert sorted(seen) == [("a", True), ("b", True), ("c", True)]
+    else:
+        assert seen == ["stock"]
