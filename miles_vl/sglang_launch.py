@@ -231,7 +231,7 @@ def write_tensor(directory: str, tensor) -> dict:
 def read_tensor(ref: dict, directory: str | None):
     """Server side: the tensor of a `write_tensor` reference, mapping the file (its pages, not a copy of them; the
     engine never writes a file again, and its deleting the name leaves the mapping whole), tagged with the file's path
-    for `link_pixel_files`.
+    and inode for `link_pixel_files`.
 
     Raises:
         ValueError: no pixel directory, a name that is not a plain file name in it, a missing file, an unknown dtype
@@ -255,16 +255,20 @@ def read_tensor(ref: dict, directory: str | None):
     numel = math.prod(shape)
     nbytes = numel * getattr(torch, dtype).itemsize
     try:
-        size = os.path.getsize(path)
+        stat = os.stat(path)
     except OSError as e:
         raise ValueError(f"pixel values {name} not found in {directory}: {e}") from e
-    if size != nbytes:
-        raise ValueError(f"pixel values {name}: {size} bytes for shape {shape} of {dtype} ({nbytes} expected)")
+    if stat.st_size != nbytes:
+        raise ValueError(f"pixel values {name}: {stat.st_size} bytes for shape {shape} of {dtype} ({nbytes} expected)")
     if numel == 0:
         return torch.empty(shape, dtype=getattr(torch, dtype))
-    # mapped, not read: the tensor is the file's pages (tmpfs), which `link_pixel_files` hands on without a copy
-    tensor = torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype)).reshape(shape)
-    setattr(tensor, LINKED_FILE, path)
+    # mapped, not read (the file's pages, which `link_pixel_files` hands on); private: opened read-only, and a file the
+    # engine removed meanwhile is an error (shared=True would open it read-write and make a new zero-filled one)
+    try:
+        tensor = torch.from_file(path, shared=False, size=numel, dtype=getattr(torch, dtype)).reshape(shape)
+    except RuntimeError as e:
+        raise ValueError(f"pixel values {name} could not be mapped from {directory}: {e}") from e
+    setattr(tensor, LINKED_FILE, (path, stat.st_ino))
     return tensor
 
 
@@ -532,15 +536,20 @@ def linked_segment(tensor, pointer_cls, make_name, precomputed_hash=None):
     segment 0.5.16 filled (`ShmPointerMMData.__setstate__` / `materialize`, `srt/managers/mm_utils.py:1890-1911`).
     None where that cannot be: a tensor that is not a whole mapped file (a view of one image of several, a cast), a
     pixel directory on another file system than `SHM_DIR`, a file already deleted; 0.5.16 then copies the tensor."""
-    path = getattr(tensor, LINKED_FILE, None)
-    if path is None:
+    tag = getattr(tensor, LINKED_FILE, None)
+    if tag is None:
         return None
+    path, inode = tag
     nbytes = tensor.numel() * tensor.element_size()
     if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != nbytes:
         return None
     name = make_name("mm")
+    segment = os.path.join(SHM_DIR, name)
     try:
-        os.link(path, os.path.join(SHM_DIR, name))
+        os.link(path, segment)
+        if os.stat(segment).st_ino != inode:  # not the file that was mapped (the engine never reuses a name)
+            os.unlink(segment)
+            return None
     except OSError as e:
         log.debug("miles_vl: pixel file %s copied, not linked: %s", path, e)
         return None
@@ -594,7 +603,11 @@ def _patch_tokenizer(module) -> None:
     def wrap_shm(obj):
         if _stock_wraps(mm_utils):  # only where 0.5.16 itself would hand the tensors over in segments
             link_pixel_files(obj, mm_utils.ShmPointerMMData, mm_utils.make_shm_name)
-        return stock_wrap(obj)  # copies what was not linked (it leaves a pointer as it is)
+        try:
+            return stock_wrap(obj)  # copies what was not linked (it leaves a pointer as it is)
+        except BaseException:  # nothing was sent: no scheduler will read (and remove) the names made so far
+            unlink_segments([obj])
+            raise
 
     async def tokenize_one_request(self, obj):
         resolve_media(obj, self.model_config.dtype)  # every request is tokenized here, whatever its path

@@ -530,7 +530,8 @@ def test_a_one_image_items_hash_keys_its_prefix_and_its_file_reaches_the_schedul
     `hash` of a one-image processor_output item is the image's hash in the prefix cache (another image's pixels under
     the first image's hash reuse the cached prompt past the image; under their own hash the cache stops at the image),
     so the tokenizer takes it instead of hashing the pixels; the pixel files reach the scheduler by a second name in
-    /dev/shm (the launcher's log line), which the scheduler removes once it has read it."""
+    /dev/shm, which the scheduler removes once it has read it (no 0.5.16 segment name is left; the launcher's log line
+    is written once per server process, so it shows that this server links, not which request did)."""
     ids = prompts[0].prompt_ids.tolist()
     first_image_token = ids.index(tokens.image_token_id)
     media = host.engine.prompt_media(prompts[:2])

@@ -310,9 +310,9 @@ def pixel_hash(pixels: Tensor, grid: Tensor) -> int:
     tokenizer does not hash the pixel values itself: it does so in the processor (`set_pad_value` in
     `process_and_combine_mm_data`, `:1473-1478`, a SHA-256 of the 2.4 MB of a 196-token image, serially for every
     prompt of a request) before it reads `mm_hashes`. Equal pixels give equal hashes, so equal images share a prefix
-    as with SGLang's own hash. Only for one image: 0.5.16 splits a multi-image item per image with
-    `copy.copy` (`get_new_expanded_mm_items`, `srt/managers/mm_utils.py:1734`), which would give every image the
-    item's one hash; those items go without, and SGLang hashes each image."""
+    as with SGLang's own hash (whose pad value, the prefix cache's key, keeps 30 bits of either). Only for one image:
+    0.5.16 splits an item of several images per image and drops the item's hash (`get_new_expanded_mm_items`,
+    `srt/managers/mm_utils.py:1750`), so it hashes each of those images itself."""
     digest = hashlib.sha256(f"{pixels.dtype} {list(pixels.shape)} {grid.tolist()}".encode())
     data = pixels.detach().to("cpu").contiguous()
     digest.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))

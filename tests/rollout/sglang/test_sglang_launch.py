@@ -958,6 +958,9 @@ def shm_dir():
     path = tempfile.mkdtemp(prefix="miles_vl_test_pixels_", dir=sglang_launch.SHM_DIR)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(sglang_launch.SHM_DIR):  # names a failed test left (`_names`)
+        if name.startswith(f"miles_vl_test_mm_{os.getpid()}_"):
+            os.unlink(os.path.join(sglang_launch.SHM_DIR, name))
 
 
 def test_a_pixel_file_reaches_the_scheduler_by_a_second_name_not_a_copy(shm_dir):
@@ -994,8 +997,15 @@ def test_only_a_whole_mapped_file_is_linked_the_rest_is_left_to_sglangs_copy(shm
     from miles_vl.sglang_launch import linked_segment, read_tensor, write_tensor
 
     names = _names()
-    mapped = read_tensor(write_tensor(shm_dir, torch.randn(16, 24)), shm_dir)
+    mapped = read_tensor(ref := write_tensor(shm_dir, torch.randn(16, 24)), shm_dir)
+    tag = getattr(mapped, sglang_launch.LINKED_FILE)
     assert linked_segment(mapped[:8], _Pointer, names) is None
+    for part in (mapped[:8], mapped[8:], mapped[:, :12]):  # even if a view carried the file's tag
+        setattr(part, sglang_launch.LINKED_FILE, tag)
+        assert linked_segment(part, _Pointer, names) is None
+    other = read_tensor(write_tensor(shm_dir, torch.randn(16, 24)), shm_dir)
+    setattr(other, sglang_launch.LINKED_FILE, (tag[0], tag[1] + 1))  # a name that is not the mapped file
+    assert linked_segment(other, _Pointer, names) is None
     assert linked_segment(mapped.to(torch.bfloat16), _Pointer, names) is None
     assert linked_segment(torch.randn(4, 4), _Pointer, names) is None
     gone = read_tensor(ref := write_tensor(shm_dir, torch.randn(4, 4)), shm_dir)
@@ -1009,6 +1019,64 @@ def test_only_a_whole_mapped_file_is_linked_the_rest_is_left_to_sglangs_copy(shm
     assert sglang_launch.link_pixel_files(req, _Pointer, names) == 0 and req.mm_inputs.mm_items[0].feature is mapped
     left = [n for n in os.listdir(sglang_launch.SHM_DIR) if n.startswith(f"miles_vl_test_mm_{os.getpid()}_")]
     assert left == []  # a refused link leaves no second name behind
+
+
+def test_a_pixel_file_removed_before_it_is_mapped_is_an_error_and_stays_removed(shm_dir, monkeypatch):
+    """The engine removes a request's files when it gives up on it: if that happens between the tokenizer's size check
+    and its mapping, the request fails (400) and no file comes back (a read-write mapping would make a zero-filled one,
+    whose pixels would then go under the engine's hash of the real image)."""
+    from miles_vl.sglang_launch import read_tensor, write_tensor
+
+    ref = write_tensor(shm_dir, torch.randn(4, 4))
+    path = os.path.join(shm_dir, ref[sglang_launch.FILE_KEY])
+    real_stat = os.stat
+
+    def stat_then_remove(p, *args, **kwargs):
+        out = real_stat(p, *args, **kwargs)
+        if p == path:
+            os.unlink(path)  # the engine, just after the size check
+        return out
+
+    monkeypatch.setattr(sglang_launch.os, "stat", stat_then_remove)
+    with pytest.raises(ValueError, match="could not be mapped"):
+        read_tensor(ref, shm_dir)
+    monkeypatch.undo()
+    assert not os.path.exists(path)
+
+
+def test_names_linked_for_a_request_that_is_not_sent_are_removed(shm_dir):
+    """0.5.16's copy of a request's other tensors fails after its pixel file was linked: the request is not sent, so
+    no scheduler will read (and remove) the linked name; the patched `wrap_shm_features` removes it."""
+    from miles_vl.sglang_launch import read_tensor, write_tensor
+
+    mm_utils = types.ModuleType("stand_in_mm_utils_failing")
+    mm_utils.ShmPointerMMData, mm_utils.make_shm_name = _Pointer, _names()
+    mm_utils._get_is_default_transport = lambda: False
+    mm_utils.get_server_args = lambda: types.SimpleNamespace(skip_tokenizer_init=False)
+
+    def wrap_shm_features(obj):
+        raise OSError(28, "No space left on device")
+
+    wrap_shm_features.__module__ = mm_utils.__name__
+    sys.modules[mm_utils.__name__] = mm_utils
+    try:
+
+        class TokenizerManager:
+            async def _handle_batch_request(self, obj, request=None):
+                yield None
+
+            async def _tokenize_one_request(self, obj):
+                return obj
+
+        module = _tokenizer_module(TokenizerManager, wrap_shm_features)
+        sglang_launch._patch_tokenizer(module)
+        req = _req([_item(1, read_tensor(write_tensor(shm_dir, torch.randn(4, 4)), shm_dir))], 0)
+        with pytest.raises(OSError, match="No space"):
+            module.wrap_shm_features(req)
+    finally:
+        del sys.modules[mm_utils.__name__]
+    pointer = req.mm_inputs.mm_items[0].feature
+    assert isinstance(pointer, _Pointer) and not os.path.exists(os.path.join(sglang_launch.SHM_DIR, pointer.shm_name))
 
 
 def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir, monkeypatch):
@@ -1083,24 +1151,29 @@ def test_a_receives_pixels_are_copied_out_side_by_side():
     assert sorted(finished) == ["p1", "p2", "p3"]
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_the_receiver_copies_out_in_threads_only_on_a_single_rank(tp_size, monkeypatch):
+@pytest.mark.parametrize("ranks", ["one", "tp2", "dp_attention"])
+def test_the_receiver_copies_out_in_threads_only_on_a_single_rank(ranks, monkeypatch):
     """On one scheduler rank the patched `_finalize_shm_features` copies a receive's segments out in threads (the
-    requests inside a batch message too); with tensor parallelism 0.5.16's own method runs (its barrier orders the
-    other ranks' reads before the unlinks)."""
+    requests inside a batch message too; a request without segments is left alone); with tensor parallelism or
+    attention data parallelism 0.5.16's own method runs (its barrier orders the other ranks' reads before the
+    unlinks)."""
     seen = []
 
+    class Segment:  # what has_shm_features looks for (0.5.16's ShmPointerMMData)
+        pass
+
     class Req:
-        def __init__(self, rid):
-            self.rid, self.mm_inputs = rid, types.SimpleNamespace(mm_items=[_item(1, object())])
+        def __init__(self, rid, feature):
+            self.rid, self.mm_inputs = rid, types.SimpleNamespace(mm_items=[_item(1, feature)])
 
     class SchedulerRequestReceiver:
-        server_args = types.SimpleNamespace(enable_dp_attention=False)
-        ps = types.SimpleNamespace(tp_size=tp_size)
+        server_args = types.SimpleNamespace(enable_dp_attention=ranks == "dp_attention")
+        ps = types.SimpleNamespace(tp_size=2 if ranks == "tp2" else 1)
         model_config = types.SimpleNamespace(is_multimodal=True)
 
         def recv_requests(self):
-            reqs = [Req("a"), types.SimpleNamespace(batch=[Req("b"), Req("c")])]
+            batch = types.SimpleNamespace(batch=[Req("b", Segment()), Req("copy", None), Req("c", Segment())])
+            reqs = [Req("a", Segment()), batch]
             self._finalize_shm_features(reqs)
             return reqs
 
@@ -1112,15 +1185,19 @@ def test_the_receiver_copies_out_in_threads_only_on_a_single_rank(tp_size, monke
 
     import threading
 
+    def has_shm_features(reqs):
+        subs = [s for r in reqs for s in getattr(r, "batch", None) or [r]]
+        return any(isinstance(item.feature, Segment) for s in subs for item in s.mm_inputs.mm_items)
+
     module = types.SimpleNamespace(
         SchedulerRequestReceiver=SchedulerRequestReceiver,
-        has_shm_features=lambda reqs: True,
+        has_shm_features=has_shm_features,
         unwrap_shm_features=unwrap_shm_features,
     )
     monkeypatch.setattr(sglang_launch, "_receive_pool", None)
     sglang_launch._patch_receiver(module)
     SchedulerRequestReceiver().recv_requests()
-    if tp_size == 1:
+    if ranks == "one":
         assert sorted(seen) == [("a", True), ("b", True), ("c", True)]
     else:
         assert seen == ["stock"]
