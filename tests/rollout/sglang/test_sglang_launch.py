@@ -1044,58 +1044,13 @@ def test_a_pixel_file_removed_before_it_is_mapped_is_an_error_and_stays_removed(
     assert not os.path.exists(path)
 
 
-def test_names_linked_for_a_request_that_is_not_sent_are_removed(shm_dir):
-    """0.5.16's copy of a request's other tensors fails after its pixel file was linked: the request is not sent, so
-    no scheduler will read (and remove) the linked name; the patched `wrap_shm_features` removes it."""
-    from miles_vl.sglang_launch import read_tensor, write_tensor
-
-    mm_utils = types.ModuleType("stand_in_mm_utils_failing")
+def _tokenizer_patched_over(monkeypatch, wrap_shm_features, default_transport=lambda: False) -> types.SimpleNamespace:
+    """A stand-in tokenizer_manager module, patched, whose `wrap_shm_features` (0.5.16's) lives in a stand-in of
+    0.5.16's mm_utils module: the `_Pointer` class, `_names()`, and the transport switch `_stock_wraps` reads."""
+    mm_utils = types.ModuleType(f"stand_in_mm_utils_{id(wrap_shm_features)}")
     mm_utils.ShmPointerMMData, mm_utils.make_shm_name = _Pointer, _names()
-    mm_utils._get_is_default_transport = lambda: False
+    mm_utils._get_is_default_transport = default_transport
     mm_utils.get_server_args = lambda: types.SimpleNamespace(skip_tokenizer_init=False)
-
-    def wrap_shm_features(obj):
-        raise OSError(28, "No space left on device")
-
-    wrap_shm_features.__module__ = mm_utils.__name__
-    sys.modules[mm_utils.__name__] = mm_utils
-    try:
-
-        class TokenizerManager:
-            async def _handle_batch_request(self, obj, request=None):
-                yield None
-
-            async def _tokenize_one_request(self, obj):
-                return obj
-
-        module = _tokenizer_module(TokenizerManager, wrap_shm_features)
-        sglang_launch._patch_tokenizer(module)
-        req = _req([_item(1, read_tensor(write_tensor(shm_dir, torch.randn(4, 4)), shm_dir))], 0)
-        with pytest.raises(OSError, match="No space"):
-            module.wrap_shm_features(req)
-    finally:
-        del sys.modules[mm_utils.__name__]
-    pointer = req.mm_inputs.mm_items[0].feature
-    assert isinstance(pointer, _Pointer) and not os.path.exists(os.path.join(sglang_launch.SHM_DIR, pointer.shm_name))
-
-
-def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir, monkeypatch):
-    """The patched module's `wrap_shm_features` (what 0.5.16's `_send_one_request` calls) links first and then calls
-    0.5.16's, which copies what is left; where 0.5.16 keeps tensors inline ("default" transport with
-    --dist-init-addr, --skip-tokenizer-init) nothing is linked, since its scheduler would not read segments."""
-    from miles_vl.sglang_launch import read_tensor, write_tensor
-
-    calls = []
-    mm_utils = types.ModuleType("stand_in_mm_utils")
-    mm_utils.ShmPointerMMData, mm_utils.make_shm_name = _Pointer, _names()
-    default_transport = [False]
-    mm_utils._get_is_default_transport = lambda: default_transport[0]
-    mm_utils.get_server_args = lambda: types.SimpleNamespace(skip_tokenizer_init=False)
-
-    def wrap_shm_features(obj):  # 0.5.16's: copies the plain tensors left
-        calls.append([type(item.feature).__name__ for item in obj.mm_inputs.mm_items])
-        return obj
-
     wrap_shm_features.__module__ = mm_utils.__name__
     monkeypatch.setitem(sys.modules, mm_utils.__name__, mm_utils)
 
@@ -1108,6 +1063,39 @@ def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir
 
     module = _tokenizer_module(TokenizerManager, wrap_shm_features)
     sglang_launch._patch_tokenizer(module)
+    return module
+
+
+def test_names_linked_for_a_request_that_is_not_sent_are_removed(shm_dir, monkeypatch):
+    """0.5.16's copy of a request's other tensors fails after its pixel file was linked: the request is not sent, so
+    no scheduler will read (and remove) the linked name; the patched `wrap_shm_features` removes it."""
+    from miles_vl.sglang_launch import read_tensor, write_tensor
+
+    def wrap_shm_features(obj):
+        raise OSError(28, "No space left on device")
+
+    module = _tokenizer_patched_over(monkeypatch, wrap_shm_features)
+    req = _req([_item(1, read_tensor(write_tensor(shm_dir, torch.randn(4, 4)), shm_dir))], 0)
+    with pytest.raises(OSError, match="No space"):
+        module.wrap_shm_features(req)
+    pointer = req.mm_inputs.mm_items[0].feature
+    assert isinstance(pointer, _Pointer) and not os.path.exists(os.path.join(sglang_launch.SHM_DIR, pointer.shm_name))
+
+
+def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir, monkeypatch):
+    """The patched module's `wrap_shm_features` (what 0.5.16's `_send_one_request` calls) links first and then calls
+    0.5.16's, which copies what is left; where 0.5.16 keeps tensors inline ("default" transport with
+    --dist-init-addr, --skip-tokenizer-init) nothing is linked, since its scheduler would not read segments."""
+    from miles_vl.sglang_launch import read_tensor, write_tensor
+
+    calls = []
+    default_transport = [False]
+
+    def wrap_shm_features(obj):  # 0.5.16's: copies the plain tensors left
+        calls.append([type(item.feature).__name__ for item in obj.mm_inputs.mm_items])
+        return obj
+
+    module = _tokenizer_patched_over(monkeypatch, wrap_shm_features, lambda: default_transport[0])
     for default in (False, True):
         default_transport[0] = default
         req = _req([_item(1, read_tensor(write_tensor(shm_dir, torch.randn(4, 4)), shm_dir)), _item(2, None)], 0)
