@@ -54,6 +54,13 @@ arrive in the dtype the model casts them to (`Qwen3VLForConditionalGeneration.ge
 lossy cast the model would not make). Only files directly in that directory are read; the engine deletes them when
 the request is answered.
 
+On their way to the scheduler (docs/sglang.md §4, "without copies"): the tokenizer maps a file rather than reading it
+(`read_tensor`); where 0.5.16 would copy a tensor into a new shared-memory segment, a whole mapped file gets a second
+name in /dev/shm instead, which the scheduler reads and removes as it does 0.5.16's segments (`link_pixel_files`);
+the scheduler copies the segments of one receive out in threads side by side (`materialize_side_by_side`); and a
+prompt's `n` copies are built while its prefix prefills. A one-image item comes with the engine's hash of its pixels
+(`generate.pixel_hash`), so 0.5.16's tokenizer does not hash them.
+
 The vision tower's CUDA graphs (`MILES_VL_SGLANG_VISION_GRAPHS`, from `rollout.sglang.vision_cuda_graphs`; 0, off, by
 default): 0.5.16 runs the tower eagerly (its own `SGLANG_VIT_ENABLE_CUDA_GRAPH` replays wrong image boundaries and a
 freed rotary table, so it is forced off here). `VisionGraphs` keeps one 0.5.16 graph runner per image layout (the

@@ -45,7 +45,8 @@ and a reference to its pixel values, which the engine writes into the server's p
 the server model's dtype. SGLang then runs neither its image processor nor its tokenizer on the prompt; its MRoPE
 positions come from our ids and grids (`QwenVLImageProcessor.process_mm_data_async`, `qwen_vl.py:770-810`), and
 videos keep our frames and timestamps. The ids are checked here against the grids (`vision_inputs`), since the server
-no longer re-derives them.
+no longer re-derives them. A one-image item also carries our hash of its pixels (`pixel_hash`), which SGLang takes as
+the image's hash instead of computing its own.
 """
 
 from __future__ import annotations
