@@ -99,9 +99,7 @@ FEATURE_GRIDS = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video
 TOKENIZER_MODULE = "sglang.srt.managers.tokenizer_manager"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
 VISION_MODULE = "sglang.srt.models.qwen3_vl"
-LINK_ENV = (
-    "MILES_VL_SGLANG_LINK_PIXELS"  # "0": pixel files are copied into new segments as 0.5.16 copies (bench baseline)
-)
+LINK_ENV = "MILES_VL_SGLANG_LINK_PIXELS"  # "0": pixel files copied into new segments, as 0.5.16 does (bench baseline)
 RECEIVE_THREADS_ENV = "MILES_VL_SGLANG_RECEIVE_THREADS"  # threads taking a receive's pixels out of shared memory
 DEFAULT_RECEIVE_THREADS = 8  # 1: one request after another, as 0.5.16 does (the bench's baseline)
 LINKED_FILE = "_miles_vl_file"  # set on a tensor that `read_tensor` mapped from a pixel file: that file's path
@@ -119,6 +117,21 @@ _PARALLEL_SAMPLING: contextvars.ContextVar[bool] = contextvars.ContextVar("miles
 def _mm_items(req) -> list:
     mm = getattr(req, "mm_inputs", None)
     return list(getattr(mm, "mm_items", None) or [])
+
+
+def _mm_values(req) -> list:
+    """Every pixel value a request's items hold (`feature`, `precomputed_embeddings`; the elements of a list): tensors,
+    or 0.5.16's shared-memory pointers once moved."""
+    values = []
+    for item in _mm_items(req):
+        for value in (item.feature, getattr(item, "precomputed_embeddings", None)):
+            values.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
+    return values
+
+
+def _single_requests(recv_reqs) -> list:
+    """The requests of a receive, those inside batch messages (`.batch`) included, in order."""
+    return [sub for req in recv_reqs for sub in getattr(req, "batch", None) or (req,)]
 
 
 def sharing_blockers(server_args) -> list[str]:
@@ -189,30 +202,29 @@ class PixelMemory:
 
     def fill(self, reqs) -> None:
         """Remember the pixels of every image item that has them; give them to the items that came without."""
-        for req in reqs or ():
-            for sub in getattr(req, "batch", None) or (req,):  # batch requests hold their requests in `.batch`
-                for item in _mm_items(sub):
-                    if item.hash is None:
+        for sub in _single_requests(reqs or ()):
+            for item in _mm_items(sub):
+                if item.hash is None:
+                    continue
+                if item.feature is not None:
+                    self.remember(item.hash, item.feature)
+                elif getattr(item, "precomputed_embeddings", None) is None:
+                    tensor = self.tensors.get(item.hash)
+                    if tensor is None:
+                        self.missing += 1
+                        log.error(
+                            "miles_vl: no pixel values remembered for image %x of request %s (%d missing so far): "
+                            "it runs only if its prompt is still in the prefix cache; raise %s (now %d MB)",
+                            item.hash,
+                            getattr(sub, "rid", "?"),
+                            self.missing,
+                            CACHE_ENV,
+                            self.max_bytes >> 20,
+                        )
                         continue
-                    if item.feature is not None:
-                        self.remember(item.hash, item.feature)
-                    elif getattr(item, "precomputed_embeddings", None) is None:
-                        tensor = self.tensors.get(item.hash)
-                        if tensor is None:
-                            self.missing += 1
-                            log.error(
-                                "miles_vl: no pixel values remembered for image %x of request %s (%d missing so far): "
-                                "it runs only if its prompt is still in the prefix cache; raise %s (now %d MB)",
-                                item.hash,
-                                getattr(sub, "rid", "?"),
-                                self.missing,
-                                CACHE_ENV,
-                                self.max_bytes >> 20,
-                            )
-                            continue
-                        self.tensors.move_to_end(item.hash)
-                        item.feature = tensor
-                        self.restored += 1
+                    self.tensors.move_to_end(item.hash)
+                    item.feature = tensor
+                    self.restored += 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -521,19 +533,16 @@ def unlink_segments(tokenized_objs: list) -> None:
     from multiprocessing import shared_memory
 
     for obj in tokenized_objs:
-        for item in _mm_items(obj):
-            for field in ("feature", "precomputed_embeddings"):
-                value = getattr(item, field, None)
-                for pointer in value if isinstance(value, (list, tuple)) else [value]:
-                    name = getattr(pointer, "shm_name", None)
-                    if name is None:
-                        continue
-                    try:
-                        segment = shared_memory.SharedMemory(name=name)
-                    except FileNotFoundError:
-                        continue
-                    segment.close()
-                    segment.unlink()
+        for pointer in _mm_values(obj):
+            name = getattr(pointer, "shm_name", None)
+            if name is None:
+                continue
+            try:
+                segment = shared_memory.SharedMemory(name=name)
+            except FileNotFoundError:
+                continue
+            segment.close()
+            segment.unlink()
 
 
 def linked_segment(tensor, pointer_cls, make_name, precomputed_hash=None):
@@ -651,19 +660,6 @@ def _patch_tokenizer(module) -> None:
 _receive_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _single_requests(recv_reqs) -> list:
-    """The requests of a receive, those inside batch messages (`.batch`) included, in order."""
-    return [sub for req in recv_reqs for sub in getattr(req, "batch", None) or (req,)]
-
-
-def _pointer_ids(req) -> list[int]:
-    ids = []
-    for item in _mm_items(req):
-        for value in (item.feature, getattr(item, "precomputed_embeddings", None)):
-            ids.extend(id(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
-    return ids
-
-
 def materialize_side_by_side(unwrap, requests: list, threads: int) -> bool:
     """Scheduler side: `unwrap` (0.5.16's `unwrap_shm_features`: each pixel tensor copied out of its segment, which is
     then unlinked) on `requests` (the single requests of one receive that hold segments) in `threads` threads side by
@@ -674,7 +670,7 @@ def materialize_side_by_side(unwrap, requests: list, threads: int) -> bool:
     global _receive_pool
     if threads < 2 or len(requests) < 2:
         return False
-    ids = [i for req in requests for i in set(_pointer_ids(req))]
+    ids = [i for req in requests for i in {id(v) for v in _mm_values(req)}]
     if len(ids) != len(set(ids)):
         return False
     if _receive_pool is None:
@@ -700,11 +696,11 @@ def _patch_receiver(module) -> None:
         # one scheduler rank: no other rank reads these segments, so 0.5.16's barrier before the unlinks
         # (`request_receiver.py:238-256`) has nothing to order; with more ranks, 0.5.16's own loop
         single_rank = not self.server_args.enable_dp_attention and self.ps.tp_size == 1
-        if not (recv_reqs and single_rank and self.model_config.is_multimodal and module.has_shm_features(recv_reqs)):
+        if not (recv_reqs and single_rank and self.model_config.is_multimodal):
             return finalize(self, recv_reqs)
         with_segments = [req for req in _single_requests(recv_reqs) if module.has_shm_features([req])]
         if not materialize_side_by_side(module.unwrap_shm_features, with_segments, threads):
-            return finalize(self, recv_reqs)
+            return finalize(self, recv_reqs)  # (none or one request with segments: 0.5.16's loop, as before)
 
     cls.recv_requests, cls._finalize_shm_features = recv_requests, finalize_shm_features
     cls.miles_vl_pixel_memory = memory
