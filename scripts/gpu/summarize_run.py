@@ -12,7 +12,11 @@ Last stdout line: one JSON object with
 - `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`;
 - `train_peak_mem_gib` (the train rank's peak allocated memory in the train phase) and `gpu_used_gib_rollout`
   (everything on the GPU while the engine and trainer are both resident): maxima over the steps;
-- `train_tflops`, `train_mfu`: useful FLOPs of the train phase over its median time and the dense bf16 peak.
+- `train_gpus` (`train.num_gpus`) and `job_gpus` (those plus the engines' own GPUs when `ray.placement=disaggregate`;
+  colocated engines share the train GPUs);
+- `train_tflops_per_gpu`, `train_mfu`: useful FLOPs of the train phase over its median time, per train GPU, and over
+  the dense bf16 peak of one GPU: flops / train_s / (train_gpus * peak). `step_mfu`: the same FLOPs over the median
+  step time and every GPU of the job, flops / step_s / (job_gpus * peak): what the whole job gets out of its GPUs.
   FLOPs per step = (2 * forward passes + 6 * forward-backward passes) * (N_text * T + N_vis * P)
   + the attention terms of bench_train_throughput.py with every sample at the step's mean length, where T is the
   trained tokens (`train/tokens`), P the image patches (4 per visual token), N_text / N_vis the text (lm_head once)
@@ -71,6 +75,13 @@ def step_flops(row: dict, cfg: dict, n_text: int, n_vis: int, arch: dict) -> flo
     return (2 * forwards + 6 * cfg["train"]["ppo_epochs"]) * per_pass
 
 
+def gpu_counts(cfg: dict) -> tuple[int, int]:
+    """(train GPUs, GPUs of the whole job) of a run's resolved config.yaml; a CPU run (num_gpus 0) counts as 1."""
+    train_gpus = max(cfg["train"]["num_gpus"], 1)
+    engine_gpus = cfg["rollout"]["num_engines"] * cfg["rollout"]["gpus_per_engine"]
+    return train_gpus, train_gpus + (engine_gpus if cfg["ray"]["placement"] == "disaggregate" else 0)
+
+
 def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
     rows = read_metrics(run_dir)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -84,6 +95,7 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
         values = [r[key] for r in rows if key in r]
         return round(max(values), 2) if values else None
 
+    train_gpus, job_gpus = gpu_counts(cfg)
     rewards = [r["reward/mean"] for r in rows]
     n = len(rewards)
     mean_step = (n - 1) / 2
@@ -105,6 +117,8 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
         sync_buckets=rows[-1].get("sync/buckets"),
         train_peak_mem_gib=largest("perf/train_peak_mem_gib"),
         gpu_used_gib_rollout=largest("perf/gpu_used_gib_rollout"),
+        train_gpus=train_gpus,
+        job_gpus=job_gpus,
         response_len_mean=med("rollout/response_len_mean"),
         rollout_tokens_per_s=med("perf/rollout_tokens_per_s"),
         train_tokens_per_s=med("perf/train_tokens_per_s"),
@@ -115,8 +129,10 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
         n_text, n_vis, arch = matmul_params(ckpt)
         flops = statistics.median(step_flops(r, cfg, n_text, n_vis, arch) for r in later)
         out["train_flops_per_step"] = flops
-        out["train_tflops"] = round(flops / out["train_s"] / 1e12, 1)
-        out["train_mfu"] = round(flops / out["train_s"] / (peak_tflops * 1e12), 4)
+        out["train_tflops_per_gpu"] = round(flops / out["train_s"] / train_gpus / 1e12, 1)
+        out["train_mfu"] = round(flops / out["train_s"] / (train_gpus * peak_tflops * 1e12), 4)
+        if out["step_s"]:
+            out["step_mfu"] = round(flops / out["step_s"] / (job_gpus * peak_tflops * 1e12), 4)
         out["matmul_params"] = dict(text=n_text, vision=n_vis)
     return out
 

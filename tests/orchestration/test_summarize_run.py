@@ -1,0 +1,63 @@
+"""Contract of scripts/gpu/summarize_run.py's MFU (issue 32.7): the train MFU is per train GPU, flops / train_s /
+(train.num_gpus x peak), and the step MFU is over every GPU of the job (the engines' own GPUs count when
+disaggregated, not when colocated). Before the fix a CP=2 run on two GPUs reported 13.8 % for what was 6.9 % per GPU.
+The FLOPs model itself is checked against a real run in test_one_gpu_job.py; here the parameter count is fixed so the
+expected figures can be written out."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import yaml
+
+from tests.orchestration.jobs import REPO
+
+spec = importlib.util.spec_from_file_location("summarize_run", REPO / "scripts" / "gpu" / "summarize_run.py")
+summarize_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(summarize_run)
+
+PEAK = 1000.0  # TFLOP/s, a round number for the arithmetic below
+
+
+def write_run(run, *, train_gpus, placement, engines, gpus_per_engine):
+    run.mkdir()
+    cfg = {
+        "train": {"num_gpus": train_gpus, "ppo_epochs": 1},
+        "rollout": {"num_engines": engines, "gpus_per_engine": gpus_per_engine, "n_samples_per_prompt": 2},
+        "ray": {"placement": placement},
+        "algo": {"kl_coef": 0.0},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows = [
+        {"step": s, "reward/mean": 0.5, "rollout/prompts": 4, "train/tokens": 1000, "time/train_s": 2.0,
+         "time/step_s": 5.0}
+        for s in (1, 2, 3)
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+@pytest.fixture
+def fixed_params(monkeypatch):
+    # 1e9 text matmul parameters, no vision, no attention terms: per pass 1e9 * 1000 tokens; 2 forwards + 6 per epoch
+    # -> 8e12 FLOPs a step
+    arch = dict(layers=0, attn_dim=0, vis_depth=0, vis_hidden=0)
+    monkeypatch.setattr(summarize_run, "matmul_params", lambda ckpt: (10**9, 0, arch))
+    return 8e12
+
+
+@pytest.mark.parametrize(
+    "train_gpus, placement, engines, gpus_per_engine, job_gpus",
+    [(1, "colocate", 1, 1, 1), (2, "colocate", 2, 1, 2), (2, "disaggregate", 1, 2, 4), (4, "disaggregate", 2, 1, 6)],
+)
+def test_mfu_is_per_gpu(tmp_path, fixed_params, train_gpus, placement, engines, gpus_per_engine, job_gpus):
+    run = write_run(tmp_path / "r", train_gpus=train_gpus, placement=placement, engines=engines,
+                    gpus_per_engine=gpus_per_engine)  # fmt: skip
+    out = summarize_run.summarize(run, "ckpt", PEAK)
+    assert out["train_flops_per_step"] == fixed_params
+    assert (out["train_gpus"], out["job_gpus"]) == (train_gpus, job_gpus)
+    assert out["train_mfu"] == round(fixed_params / 2.0 / (train_gpus * PEAK * 1e12), 4)
+    assert out["train_tflops_per_gpu"] == round(fixed_params / 2.0 / train_gpus / 1e12, 1)
+    assert out["step_mfu"] == round(fixed_params / 5.0 / (job_gpus * PEAK * 1e12), 4)
