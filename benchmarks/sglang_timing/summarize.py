@@ -1,25 +1,31 @@
 """Where each benchmark call's time went, from the timing file of bench_sglang_decode.py's `timed` variant.
 
-    python benchmarks/sglang_timing/summarize.py sglang_timing.jsonl [--trim OUT.jsonl]
+    python benchmarks/sglang_timing/summarize.py sglang_timing.jsonl[.xz] [--trim OUT.jsonl]
 
 One JSON line per `bench.call`: the call's wall time and, per timed step (sitecustomize.py), how many ran inside the
 call and their summed milliseconds (the spans of async steps, `tok.tokenize`, overlap: their sum can exceed the
 call); `tok.send` split into `prefix` (`new: 0`, the prompt sent alone before its `n` copies) and `sample` (a request
 that samples tokens: one of the `n` copies, or a request of its own with `n = 1`). `--trim` writes only the records
-inside the calls, without the scheduler's idle polls (`sched.next_batch` under 0.5 ms), for committing beside the run.
+inside the calls, without the scheduler's idle polls (`sched.next_batch` under 0.5 ms), for committing beside the run
+(xz-compressed, docs/gpu-runs/README.md); a `.xz` or `.gz` timing file is read as it is. A summary of a trimmed file
+differs from the whole file's only in `sched.next_batch` (the idle polls it left out).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import lzma
 from collections import defaultdict
 
 IDLE_MS = 0.5
 
 
 def load(path: str) -> tuple[list[dict], list[dict]]:
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     calls = [r for r in rows if r["what"] == "bench.call"]
     return calls, [r for r in rows if r["what"] != "bench.call"]
 

@@ -14,8 +14,9 @@
 # The job (scripts/gpu/loop_job.py): configs/geo3k_qwen3vl_1gpu.yaml with generated geo3k-style problems, wandb off,
 # and the learnable reward `benchmarks.learning_smoke:digit_fraction`, sized per SHAPE.
 # Output: $OUT/NAME.tar.gz holding NAME/metrics.jsonl, config.yaml, driver.log, sglang_0.log (the server's log,
-# trimmed) and summary.json (scripts/gpu/summarize_run.py). The run is stopped (SIGINT, which writes a checkpoint) when it would
-# outlast $BUDGET_S (default 540 s from this script's start).
+# trimmed) and summary.json (scripts/gpu/summarize_run.py); where `xz` is installed, the server's log and a driver.log
+# over 16 KB come xz-compressed (`.log.xz`, as docs/gpu-runs commits them: its README.md). The run is stopped (SIGINT,
+# which writes a checkpoint) when it would outlast $BUDGET_S (default 540 s from this script's start).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
@@ -80,6 +81,12 @@ elif [ -n "$server_log" ]; then
 fi
 "$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" > "$out/$name/summary.json" 2>> "$log" \
   && say "summary: $(cat "$out/$name/summary.json")"
+if command -v xz > /dev/null; then  # as docs/gpu-runs commits them (its README.md)
+  for f in "$out/$name"/*.log; do
+    [ -f "$f" ] || continue
+    [ "${f##*/}" = sglang_0.log ] || [ "$(stat -c %s "$f")" -gt 16384 ] && xz -9 -f "$f"
+  done
+fi
 # one file per run comes back (the device tool returns at most 8 files a call)
 tar czf "$out/$name.tar.gz" -C "$out" "$name" && rm -rf "${out:?}/$name"
 exit "$status"

@@ -14,7 +14,10 @@
 # Servers a killed stage left behind are stopped by their recorded pids ($MILES_VL_SGLANG_PIDFILE).
 #
 # Logs: $OUT/driver.log (every stage), $OUT/sglang_server.log and $OUT/sglang_bench_<variant>.log (the servers),
-# $OUT/bench.json (the benchmark's JSON line); without OUT, a temp dir.
+# $OUT/bench.json (the benchmark's JSON line); without OUT, a temp dir. On exit, where `xz` is installed, a `timed`
+# server's trace $OUT/sglang_timing_<variant>.jsonl is summarized per call into $OUT/timing_summary_<variant>.jsonl and
+# trimmed to the calls (benchmarks/sglang_timing/summarize.py), and the traces and server logs are xz-compressed: what
+# docs/gpu-runs commits (its README.md; `xzcat` reads them).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
@@ -48,6 +51,20 @@ cleanup_servers() {
   done < "$MILES_VL_SGLANG_PIDFILE"
   rm -f "$MILES_VL_SGLANG_PIDFILE"
 }
+
+# The raw outputs as docs/gpu-runs commits them (docs/gpu-runs/README.md): each trace summarized and trimmed, then
+# the traces and the server logs compressed whole.
+pack_outputs() {
+  command -v xz > /dev/null || return 0
+  for t in "$OUT"/sglang_timing*.jsonl; do
+    [ -f "$t" ] || continue
+    s=$(dirname "$t")/$(basename "$t" | sed 's/^sglang_timing/timing_summary/')
+    "$py" benchmarks/sglang_timing/summarize.py "$t" --trim "$t.trim" > "$s" 2>> "$log" && mv -f "$t.trim" "$t"
+  done
+  for f in "$OUT"/sglang_timing*.jsonl "$OUT"/sglang_*.log; do [ -f "$f" ] && xz -9 -f "$f"; done
+  return 0
+}
+trap pack_outputs EXIT
 
 cleanup_servers
 site=${STACK_SITE:-/tmp/stack_site}
