@@ -554,9 +554,9 @@ def test_the_server_reads_only_its_own_private_pixel_files(tmp_path, monkeypatch
     (ValueError: SGLang's 400) and the file is never mapped unless it is one the engine wrote there: a symbolic link
     (out of the directory, to /etc/passwd, even to a pixel file of its own), a file other users can read, a pipe,
     another user's file; and no file at all of a directory that is not this user's alone (open to others, a symbolic
-    link to the private one, another user's). The tokenizer's read of a request (`resolve_media`) refuses the same
-    and leaves the reference as it was."""
-    from miles_vl.sglang_launch import FILE_KEY, PIXEL_DIR_ENV, read_tensor, resolve_media, write_tensor
+    link to the private one, another user's). The patched tokenizer (`resolve_media`, before 0.5.16 tokenizes) refuses
+    the same, and the request goes no further."""
+    from miles_vl.sglang_launch import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
 
     own = tmp_path / "pixels"
     own.mkdir(mode=0o700)
@@ -601,7 +601,21 @@ def test_the_server_reads_only_its_own_private_pixel_files(tmp_path, monkeypatch
             read_tensor({**ref, FILE_KEY: name}, str(directory))
             pytest.fail(case)
     assert mapped == []  # none of them was read
+    # the same through the patched tokenizer of a stand-in TokenizerManager: the request never reaches 0.5.16's
     monkeypatch.setenv(PIXEL_DIR_ENV, str(own))
+    tokenized = []
+
+    class TokenizerManager:
+        model_config = types.SimpleNamespace(dtype=torch.float32)
+
+        async def _tokenize_one_request(self, obj):
+            tokenized.append(obj)
+            return obj
+
+        async def _handle_batch_request(self, obj, request=None):
+            yield None
+
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
     item = {
         "format": "processor_output",
         "pixel_values": {**ref, FILE_KEY: "passwd.bin"},
@@ -609,8 +623,8 @@ def test_the_server_reads_only_its_own_private_pixel_files(tmp_path, monkeypatch
     }
     request = types.SimpleNamespace(image_data=[item], video_data=None)
     with pytest.raises(ValueError, match="passwd.bin.*refused"):
-        resolve_media(request, torch.float32)
-    assert request.image_data == [item] and mapped == []
+        asyncio.run(TokenizerManager()._tokenize_one_request(request))
+    assert request.image_data == [item] and mapped == [] and tokenized == []
     assert torch.equal(read_tensor(ref, str(own)), torch.ones(2, 3)) and len(mapped) == 1  # its own file: read
 
 
