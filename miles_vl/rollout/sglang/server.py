@@ -373,18 +373,19 @@ def secret_spellings(secret: str) -> tuple[bytes, ...]:
     return tuple({secret.encode(), repr(secret)[1:-1].encode(), json.dumps(secret)[1:-1].encode()})
 
 
-def copy_redacted(source: BinaryIO, log_path: str | Path, secrets: Sequence[bytes]) -> None:
-    """Append what `source` yields until its end to `log_path`, each of `secrets` written as `<redacted>`.
+def copy_redacted(source: BinaryIO, log_path: str | Path, hidden: Sequence[bytes]) -> None:
+    """Append what `source` yields until its end to `log_path`, each of `hidden` written as `<redacted>` (in the order
+    given: the longest first, where one contains another).
 
     Read a line at a time, at most `LOG_READ_BYTES` of it: a read that did not end a line keeps its last
     `len(secret) - 1` bytes for the next, so a secret split between two reads is still found."""
-    keep = max((len(s) for s in secrets), default=1) - 1
+    keep = max((len(s) for s in hidden), default=1) - 1
     pending = b""
     with source, open(log_path, "ab") as out:
         while True:
             chunk = source.readline(LOG_READ_BYTES)
             data = pending + chunk
-            for secret in secrets:
+            for secret in hidden:
                 data = data.replace(secret, REDACTED)
             pending = b""
             if chunk and not chunk.endswith(b"\n") and keep:
@@ -429,7 +430,8 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.stop_timeout_s = stop_timeout_s
         self.starts = 0
-        self._redact = tuple(sorted({b for secret in redact if secret for b in secret_spellings(secret)}))
+        spellings = {b for secret in redact if secret for b in secret_spellings(secret)}
+        self._redact = tuple(sorted(spellings, key=len, reverse=True))  # a spelling inside another: the longer first
         self._proc: subprocess.Popen | None = None
         self._copy: threading.Thread | None = None  # the log copy of the current (or last) process
 
