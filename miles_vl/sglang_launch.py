@@ -51,8 +51,10 @@ tokenizer process reads the file before 0.5.16 tokenizes the request (`Tokenizer
 the image processor, no re-tokenization; the model runs on exactly the pixels and ids the trainer uses. Pixel values
 arrive in the dtype the model casts them to (`Qwen3VLForConditionalGeneration.get_image_feature`,
 `srt/models/qwen3_vl.py:1334`) or in float32, which is cast here, as the model would; any other dtype is refused (a
-lossy cast the model would not make). Only files directly in that directory are read; the engine deletes them when
-the request is answered.
+lossy cast the model would not make). The files are 0600 in a 0700 directory (stock 0.5.16's own segments are 0600),
+and the server reads only its own: a plain name, directly in that directory, which must be this user's alone, naming a
+regular file of this user that no one else can read (`read_tensor`: another user's file, a path, `..` or a symbolic
+link is a 400); the engine deletes them when the request is answered.
 
 On their way to the scheduler (docs/sglang.md §4, "without copies"): the tokenizer maps a file rather than reading it
 (`read_tensor`); where 0.5.16 would copy a tensor into a new shared-memory segment, a whole mapped file gets a second
@@ -85,6 +87,7 @@ import importlib.abc
 import logging
 import math
 import os
+import stat
 import sys
 import uuid
 
@@ -242,9 +245,43 @@ def write_tensor(directory: str, tensor) -> dict:
         raise ValueError(f"pixel values go to the server as one of {WIRE_DTYPES}, found {tensor.dtype}")
     data = tensor.detach().to("cpu").contiguous()
     name = f"{uuid.uuid4().hex}.bin"
-    with open(os.path.join(directory, name), "xb") as f:
+    # 0600 from its creation (never readable by another user, not even while it is written); a new name only
+    fd = os.open(
+        os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+    with open(fd, "wb") as f:
         f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
     return {FILE_KEY: name, "dtype": dtype, "shape": list(data.shape)}
+
+
+def _why_not_private(st, kind: str) -> str | None:
+    """Why `st` (an `os.lstat` result) is not a `kind` ("directory" or "file") of this user alone, or None."""
+    if not (stat.S_ISDIR if kind == "directory" else stat.S_ISREG)(st.st_mode):
+        return f"it is not a {kind} but {stat.filemode(st.st_mode)} (a symbolic link is not followed)"
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this server's user (uid {os.geteuid()})"
+    if st.st_mode & 0o077:
+        return f"its mode {stat.filemode(st.st_mode)} lets other users reach it"
+    return None
+
+
+def check_pixel_directory(directory: str) -> None:
+    """Raise unless `directory` is a private directory of this user (0700 or stricter, not a symbolic link), as the
+    engine's host makes it (`pixel_directory`): a directory others can write to (/dev/shm itself) could hold their
+    files under any name.
+
+    Raises:
+        ValueError: naming the directory, what is wrong and the fix.
+    """
+    try:
+        problem = _why_not_private(os.lstat(directory), "directory")
+    except OSError as e:
+        problem = str(e)
+    if problem:
+        raise ValueError(
+            f"{PIXEL_DIR_ENV}={directory} is not a private pixel directory: {problem}. The server reads pixel files "
+            "only from a 0700 directory of its own user: start it through miles_vl's SGLang host, which makes one"
+        )
 
 
 def read_tensor(ref: dict, directory: str | None):
@@ -252,9 +289,15 @@ def read_tensor(ref: dict, directory: str | None):
     engine never writes a file again, and its deleting the name leaves the mapping whole), tagged with the file's path
     and inode for `link_pixel_files`.
 
+    Only the server's own files are read: a plain name (no path), in a directory of this user that no one else can
+    reach (`check_pixel_directory`), naming a regular file (not a symbolic link) of this user with no access for
+    others, as `write_tensor` makes them. The name is checked, then mapped: only this user can change what it names
+    in between.
+
     Raises:
-        ValueError: no pixel directory, a name that is not a plain file name in it, a missing file, an unknown dtype
-            or a shape that does not match the file's size (SGLang answers a ValueError with HTTP 400).
+        ValueError: no pixel directory, or one that is not private; a name that is not a plain file name in it, a
+            missing file, a file that is not private to this user, an unknown dtype or a shape that does not match the
+            file's size (SGLang answers a ValueError with HTTP 400).
     """
     import torch
 
@@ -270,15 +313,21 @@ def read_tensor(ref: dict, directory: str | None):
         raise ValueError(f"pixel values of dtype {dtype!r}: expected one of {WIRE_DTYPES}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise ValueError(f"pixel values of shape {shape!r}: expected a list of non-negative ints")
+    check_pixel_directory(directory)
     path = os.path.join(directory, name)
     numel = math.prod(shape)
     nbytes = numel * getattr(torch, dtype).itemsize
     try:
-        stat = os.stat(path)
+        st = os.lstat(path)  # the name itself: a symbolic link is refused below, never followed
     except OSError as e:
         raise ValueError(f"pixel values {name} not found in {directory}: {e}") from e
-    if stat.st_size != nbytes:
-        raise ValueError(f"pixel values {name}: {stat.st_size} bytes for shape {shape} of {dtype} ({nbytes} expected)")
+    if problem := _why_not_private(st, "file"):
+        raise ValueError(
+            f"pixel values {name} in {directory} refused: {problem}. The server reads only the 0600 files its engine "
+            "wrote into its own pixel directory"
+        )
+    if st.st_size != nbytes:
+        raise ValueError(f"pixel values {name}: {st.st_size} bytes for shape {shape} of {dtype} ({nbytes} expected)")
     if numel == 0:
         return torch.empty(shape, dtype=getattr(torch, dtype))
     # mapped, not read (the file's pages, which `link_pixel_files` hands on); private: opened read-only, and a file the
@@ -287,7 +336,7 @@ def read_tensor(ref: dict, directory: str | None):
         tensor = torch.from_file(path, shared=False, size=numel, dtype=getattr(torch, dtype)).reshape(shape)
     except RuntimeError as e:
         raise ValueError(f"pixel values {name} could not be mapped from {directory}: {e}") from e
-    setattr(tensor, LINKED_FILE, (path, stat.st_ino))
+    setattr(tensor, LINKED_FILE, (path, st.st_ino))
     return tensor
 
 
@@ -562,7 +611,7 @@ def linked_segment(tensor, pointer_cls, make_name, precomputed_hash=None):
     name = make_name("mm")
     segment = os.path.join(SHM_DIR, name)
     try:
-        os.link(path, segment)
+        os.link(path, segment, follow_symlinks=False)  # the same inode: 0600 as the engine wrote it
         if os.stat(segment).st_ino != inode:  # not the file that was mapped (the engine never reuses a name)
             os.unlink(segment)
             return None

@@ -50,8 +50,10 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 
 Checked by `miles-vl check` and `train` (not by `--config-only`): `rollout.backend: sglang` needs
 `model.init: pretrained` (the server loads `model.path`), and `rollout.sglang.one_request_per_prompt: true` refuses a
-deterministic server (`--enable-deterministic-inference` in `extra_args`). A config key that was removed
-(`train.packing`: training always packs THD rows) is named with the fix.
+deterministic server (`--enable-deterministic-inference` in `extra_args`). `rollout.sglang.extra_args` may not set a
+flag miles_vl sets itself (`--host`, `--port`, `--api-key`, `--config`, ..., or any prefix argparse reads as one),
+nor `--admin-api-key` or `--tokenizer-worker-num` above 1, which would undo the server's API key. A config key that
+was removed (`train.packing`: training always packs THD rows) is named with the fix.
 
 Every float must be finite (`inf` and `nan` are refused), Adam's betas lie in [0, 1), a key given twice in one
 mapping of the YAML file is an error, and the file must be UTF-8. Secret fields (marked "Secret" below) are written

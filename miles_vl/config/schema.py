@@ -198,7 +198,8 @@ class SGLangConfig(_Section):
     host: str = Field("127.0.0.1", description="bind address; anything else requires api_key.")
     port: int = Field(30000, gt=0, lt=65536, description="first port; engine i uses port + i.")
     api_key: str | None = secret_field(
-        "bearer token the server demands; give it as ${oc.env:SGLANG_API_KEY} to keep it off the command line."
+        "bearer token the servers demand; null = each server gets a random key of its own (every server has one, so "
+        "that no other local user can call it). Give it as ${oc.env:SGLANG_API_KEY} to keep it off the command line."
     )
     mem_fraction_static: float = Field(0.6, gt=0.0, le=1.0)
     startup_timeout_s: float = Field(600.0, gt=0)

@@ -154,6 +154,11 @@ def sglang_problems(cfg: JobConfig) -> list[str]:
             "rollout.backend=sglang serves the checkpoint at model.path, but model.init=random trains a random model "
             "the server cannot load; set model.init=pretrained (with model.path) or rollout.backend=hf"
         )
+    else:
+        try:  # what each engine's host will check (extra_args, the key), before Ray starts
+            server_spec(cfg, 0)
+        except ValueError as e:
+            problems.append(str(e))
     if cfg.rollout.sglang.one_request_per_prompt and deterministic_inference(cfg.rollout.sglang.extra_args):
         problems.append(
             "rollout.sglang.one_request_per_prompt=true with a deterministic server (--enable-deterministic-inference "

@@ -67,7 +67,7 @@ import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -453,7 +453,7 @@ class EngineAddress:
     """How trainer rank 0 reaches one engine's server for the NCCL sync (`RolloutEngine.endpoint`)."""
 
     url: str
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # the server's key (every sglang server has one)
     tp_size: int
     node_ip: str
     loopback: bool  # the server binds a loopback address: reachable from its own node only

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ from miles_vl.rollout.sglang.generate import (
     remove_files,
     request_input_ids,
 )
+from miles_vl.sglang_launch import FILE_KEY
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -375,6 +377,37 @@ def test_pixel_values_of_a_batch_in_one_request(host, prompts, tokens):
     print(f"SGLANG-REAL pixel values, {k} prompts x {n}: prefill batches (#new-seq) {batches}")
     assert batches[:2] == [k, k * n], batches
     assert "no pixel values remembered" not in host.server.log_tail(max_lines=400, max_bytes=1 << 17)
+
+
+def test_a_request_naming_a_pixel_file_not_its_own_is_refused(host, prompts, tokens, tmp_path):
+    """Issue 30.6, on the real server: the engine's pixel files are 0600 in a 0700 directory, and the launcher's read
+    (`read_tensor`, what `test_sglang_launch.py::test_the_server_reads_only_its_own_private_pixel_files` tests on
+    stand-in classes) refuses a reference to a symbolic link (to a file of the right size outside the directory) or
+    to a file other users can read: HTTP 400 naming the file and why; the server serves on, its own file included."""
+    (media,) = host.engine.prompt_media(prompts[:1])
+    directory = Path(host.engine.pixel_dir)
+    ref = media.image_data[0]["pixel_values"]
+    own = directory / ref[FILE_KEY]
+    assert stat.S_IMODE(own.stat().st_mode) == 0o600 and stat.S_IMODE(directory.stat().st_mode) == 0o700
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(own.read_bytes())
+    outside.chmod(0o600)
+    (directory / "link.bin").symlink_to(outside)
+    (directory / "readable.bin").write_bytes(own.read_bytes())
+    (directory / "readable.bin").chmod(0o644)
+
+    def payload(item):
+        return build_generate_payload(media.input_ids, [item], SamplingParams(max_new_tokens=2), seed=0,
+                                      stop_token_ids=tokens.eos_token_ids)  # fmt: skip
+
+    try:
+        for name, why in (("link.bin", "not a file but l"), ("readable.bin", "lets other users reach it")):
+            item = {**media.image_data[0], "pixel_values": {**ref, FILE_KEY: name}}
+            with pytest.raises(SGLangRequestError, match=f"HTTP 400: pixel values {name} in .* refused: .*{why}"):
+                host.client.generate(payload(item))
+        assert host.client.generate(payload(media.image_data[0]))["output_ids"]
+    finally:
+        remove_files(str(directory), [*media.files, "link.bin", "readable.bin"])
 
 
 def test_a_prompt_with_two_images_and_n_samples(host, processor, tokens, ckpt):
@@ -733,6 +766,61 @@ def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
     assert host.restarts == 1 and host.health()
     host.load_weights(ckpt_weights.items(), weight_version="after-restart")
     assert _greedy(host, prompts[0])[0] == record["greedy"][0]
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The live processes of a process group (the server and the scheduler and detokenizer SGLang starts)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and int(fields[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
+def test_a_server_refuses_calls_without_its_key(host):
+    """Issue 30.4, on the real server. The host gave it a random key (no `api_key` in its spec), and 0.5.16's API-key
+    middleware enforces it as the stand-in (`fake_server.sglang_authorizes`) does: no key, another key, the key
+    without "Bearer" or with another scheme -> 401 `{"error": "Unauthorized"}` on the generate, weight, memory and
+    cache routes and on a path that does not exist (the middleware runs before routing); the key, "Bearer" in any
+    case -> through (an unknown path then 404); `/health`, `/health_generate` and `/metrics` (404 here: metrics are
+    off) need none. The key is on no command line and in no environment of the server's processes, and in its log
+    only as `<redacted>`, though 0.5.16 logs its arguments at every start (this module's server was relaunched once,
+    test_killed_server_is_restarted); the config file that holds it is 0600 in a 0700 directory."""
+    import httpx
+
+    key = host.spec.api_key
+    assert key and len(key) >= 43
+    refused = (401, {"error": "Unauthorized"})
+    with httpx.Client(base_url=host.url, trust_env=False, timeout=60) as raw:
+        wrong = ({}, {"Authorization": "Bearer x" + key}, {"Authorization": key}, {"Authorization": f"Basic {key}"})
+        for path in ("/generate", "/update_weights_from_tensor", "/update_weights_from_distributed",
+                     "/init_weights_update_group", "/release_memory_occupation", "/resume_memory_occupation",
+                     "/flush_cache", "/weights_checker", "/update_weight_version", "/no_such_route"):  # fmt: skip
+            for headers in wrong:
+                answer = raw.post(path, json={}, headers=headers)
+                assert (answer.status_code, answer.json()) == refused, (path, headers)
+        for headers in wrong:
+            answer = raw.get("/server_info", headers=headers)
+            assert (answer.status_code, answer.json()) == refused, headers
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert raw.get("/model_info", headers={"Authorization": f"{scheme} {key}"}).status_code == 200, scheme
+        assert raw.get("/no_such_route", headers={"Authorization": f"Bearer {key}"}).status_code == 404
+        assert raw.get("/health").status_code == 200 and raw.get("/health_generate").status_code == 200
+        assert raw.get("/metrics").status_code != 401
+    pids = _process_group(host.server.pid)
+    assert host.server.pid in pids and len(pids) >= 2  # the scheduler and the detokenizer too
+    for pid in pids:
+        for what in ("cmdline", "environ"):
+            assert key.encode() not in Path(f"/proc/{pid}/{what}").read_bytes(), (pid, what)
+    log = host.log_path.read_text(errors="replace")
+    print(f"SGLANG-REAL key: {log.count('server_args=ServerArgs(')} server_args lines in the log")
+    assert log.count("server_args=ServerArgs(") >= 2 and "api_key='<redacted>'" in log and key not in log
+    config = Path(host.server.argv[host.server.argv.index("--config") + 1])
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
 
 
 def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt, record):

@@ -223,6 +223,13 @@ def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
     with pytest.raises(ConfigError, match="one_request_per_prompt=true with a deterministic server"):
         check_backends(config(tmp_path, checkpoint, "x", deterministic, "rollout.sglang.one_request_per_prompt=true"))
     check_backends(config(tmp_path, checkpoint, "x", deterministic))  # null: one request per sample there
+    for flags, message in (  # issue 30.4: flags that would undo the servers' keys, refused before Ray (not at launch)
+        ("[--admin-api-key,x]", "sets --admin-api-key: a second key on the command line"),
+        ("[--tokenizer-worker-num=2]", "sets --tokenizer-worker-num 2: .*checks no API key"),
+        ("[--hos,0.0.0.0]", r"sets --hos \(a prefix of --host"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_backends(config(tmp_path, checkpoint, "x", f"rollout.sglang.extra_args={flags}"))
 
 
 def test_server_spec_follows_the_config(tmp_path):

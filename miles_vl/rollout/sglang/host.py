@@ -8,6 +8,12 @@ GPUs from index 0 (`--tp-size` = GPUs of the engine). The host is a plain class:
     groups = host.generate(prompts, params)      # forwarded to SGLangRolloutEngine (engine.py)
     host.shutdown()
 
+Access: every server has an API key, the user's (`rollout.sglang.api_key`) or else a random one the host makes for it
+(`new_api_key`), so that no other local user can call it. The key reaches the server only through the private
+`--config` file (0600, in the host's 0700 directory), never its command line or environment; the server's log gets
+it as `<redacted>` (`ServerProcess`); every call of the engine sends it, and so do the trainer's NCCL weight calls
+(`endpoint`).
+
 Restarts: before every call, and when a call finds the server gone, the host relaunches it (same argv, port and
 log file), at most `max_restarts` times over its life. A restarted server has `model_path`'s weights again: when
 weights had been synced, the engine then refuses to generate until they are synced again (and an NCCL weight-update
@@ -17,6 +23,7 @@ group must be formed again), so a crash can cost a sync but never silently yield
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import sys
@@ -40,6 +47,7 @@ from miles_vl.rollout.sglang.server import (
     build_server_argv,
     build_server_env,
     check_port_free,
+    new_api_key,
     pixel_directory,
     pixel_wire_dtype,
     spatial_merge_size,
@@ -79,7 +87,7 @@ class SGLangRolloutHost(RolloutEngine):
     """Owns one SGLang server process and the engine that drives it.
 
     Args:
-        spec: what to launch.
+        spec: what to launch; without an `api_key`, the server gets a random one (module docstring).
         tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
         ban_vision_tokens: see `SGLangRolloutEngine`.
         startup_timeout_s: how long a (re)start may take to become healthy (rollout.sglang.startup_timeout_s).
@@ -137,6 +145,8 @@ class SGLangRolloutHost(RolloutEngine):
             torch.multiprocessing.set_sharing_strategy("file_system")
         if log_path is not None:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        if not spec.api_key:
+            spec = dataclasses.replace(spec, api_key=new_api_key())
         self.spec = spec
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = max_restarts
@@ -159,6 +169,7 @@ class SGLangRolloutHost(RolloutEngine):
                 argv,
                 env=server_env,
                 log_path=log_path if log_path is not None else self._dir / f"sglang_{spec.port}.log",
+                redact=(spec.api_key,),
             )
             self.client = SGLangClient(
                 spec.url,

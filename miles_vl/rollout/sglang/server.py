@@ -7,9 +7,14 @@ the entry point is `python -m sglang.launch_server` (`python/sglang/launch_serve
 
 Decisions (each one is also in docs/sglang.md):
 
-- The API key never goes on the command line (any local user can read `/proc/<pid>/cmdline`): it is written to a
-  private YAML file passed with `--config`, which 0.5.16 merges into the arguments
-  (`python/sglang/srt/server_args_config_parser.py`).
+- Every server has an API key, so that no other local user can call it (0.5.16 guards every route but `/health*` and
+  `/metrics*` with it, `python/sglang/srt/utils/auth.py`): `rollout.sglang.api_key` when set, else a fresh random one
+  per server (`new_api_key`, made by the host). The key never goes on the command line (any local user can read
+  `/proc/<pid>/cmdline`) nor into the environment: it is written to a private YAML file (0600, in a 0700 directory)
+  passed with `--config`, which 0.5.16 merges into the arguments (`python/sglang/srt/server_args_config_parser.py`).
+  0.5.16 logs its arguments, the key among them (`server_args=ServerArgs(... api_key=...)`,
+  `srt/entrypoints/engine.py:798`), so the server's output reaches its log file through `ServerProcess`, which
+  writes every spelling of the key as `<redacted>`.
 - The server binds 127.0.0.1 unless the spec opens it, and an open server needs an API key (same rule as
   `rollout.sglang` in the config schema).
 - `SGLANG_VLM_CACHE_SIZE_MB=0` by default. 0.5.16 caches vision-tower embeddings by image hash
@@ -37,15 +42,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -87,6 +95,11 @@ def _abbreviates(arg: str, flag: str) -> bool:
     return arg.startswith("--") and len(arg) > 2 and flag.startswith(arg)
 
 
+def new_api_key() -> str:
+    """A fresh random API key for one server (256 bits, URL-safe: a bearer token as it is)."""
+    return secrets.token_urlsafe(32)
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """Everything needed to launch one SGLang server for one rollout engine.
@@ -95,7 +108,8 @@ class ServerSpec:
         model_path: HF checkpoint directory the server loads at start (and again after a restart).
         port: HTTP port.
         host: bind address; anything but loopback requires `api_key`.
-        api_key: bearer token the server demands on every route but `/health*`.
+        api_key: bearer token the server demands on every route but `/health*` and `/metrics*`; None: the host makes
+            a random one (`new_api_key`), so that a server always has one. Not shown by `repr`.
         tp_size: tensor-parallel size = GPUs of this engine (the GPUs Ray gave the actor, from index 0).
         mem_fraction_static: share of GPU memory for weights + KV cache; None lets SGLang choose.
         colocated: the engine shares its GPUs with the trainer: adds `--enable-memory-saver`.
@@ -116,7 +130,7 @@ class ServerSpec:
     model_path: str
     port: int
     host: str = "127.0.0.1"
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     tp_size: int = 1
     mem_fraction_static: float | None = None
     colocated: bool = False
@@ -160,6 +174,20 @@ class ServerSpec:
                 raise ValueError(
                     f"rollout.sglang.extra_args sets {flag}{alias}, which miles_vl sets itself from "
                     f"{OWNED_FLAGS[owned]}; remove it from extra_args"
+                )
+            # flags that would take the key's protection away
+            if _abbreviates(flag, "--admin-api-key"):
+                raise ValueError(
+                    f"rollout.sglang.extra_args sets {flag}: a second key on the command line, where other local "
+                    "users can read it, and the one SGLang 0.5.16 then demands instead of the API key on the weight, "
+                    "memory and cache routes miles_vl calls (AuthLevel.ADMIN_OPTIONAL); remove it from extra_args"
+                )
+            if _abbreviates(flag, "--tokenizer-worker-num") and _flag_value(self.extra_args, flag) != "1":
+                raise ValueError(
+                    f"rollout.sglang.extra_args sets {flag} {_flag_value(self.extra_args, flag)}: with more than one "
+                    "tokenizer worker SGLang 0.5.16 checks no API key and refuses to start with one, and every "
+                    "miles_vl server has one (rollout.sglang.api_key, or a random key of its own); remove it from "
+                    "extra_args"
                 )
 
     @property
@@ -334,14 +362,53 @@ def check_port_free(host: str, port: int, *, wait_s: float = 5.0) -> None:
         time.sleep(0.1)
 
 
+REDACTED = b"<redacted>"
+LOG_READ_BYTES = 1 << 16  # the most of one line the log copy holds at once
+LOG_DRAIN_S = 2.0  # how long a dead server's last output may take to reach its log file
+
+
+def secret_spellings(secret: str) -> tuple[bytes, ...]:
+    """How a log line can spell `secret`: as it is, and between the quotes of Python's repr and of JSON (the same
+    for a key of `new_api_key`; a user's key may hold characters they escape)."""
+    return tuple({secret.encode(), repr(secret)[1:-1].encode(), json.dumps(secret)[1:-1].encode()})
+
+
+def copy_redacted(source: BinaryIO, log_path: str | Path, hidden: Sequence[bytes]) -> None:
+    """Append what `source` yields until its end to `log_path`, each of `hidden` written as `<redacted>` (in the order
+    given: the longest first, where one contains another).
+
+    Read a line at a time, at most `LOG_READ_BYTES` of it: a read that did not end a line keeps its last
+    `len(secret) - 1` bytes for the next, so a secret split between two reads is still found."""
+    keep = max((len(s) for s in hidden), default=1) - 1
+    pending = b""
+    with source, open(log_path, "ab") as out:
+        while True:
+            chunk = source.readline(LOG_READ_BYTES)
+            data = pending + chunk
+            for secret in hidden:
+                data = data.replace(secret, REDACTED)
+            pending = b""
+            if chunk and not chunk.endswith(b"\n") and keep:
+                data, pending = data[:-keep], data[-keep:]
+            out.write(data)
+            out.flush()
+            if not chunk:
+                return
+
+
 class ServerProcess:
     """One supervised server process (SGLang, or in tests a stand-in speaking its HTTP API).
+
+    Its stdout and stderr (those of every process it starts, too) reach the log file through a pipe and a thread of
+    this process (`copy_redacted`) that writes each of `redact` as `<redacted>`: SGLang 0.5.16 logs its arguments,
+    the API key among them.
 
     Args:
         argv: the command (e.g. `build_server_argv(spec, ...)`).
         env: its environment (e.g. `build_server_env(spec)`); None inherits ours.
         log_path: where stdout and stderr go (appended across restarts); None: a new temporary file.
         stop_timeout_s: grace between SIGTERM and SIGKILL of the process group.
+        redact: strings never written to the log (`secret_spellings` of each is replaced).
     """
 
     def __init__(
@@ -351,6 +418,7 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         log_path: str | Path | None = None,
         stop_timeout_s: float = 30.0,
+        redact: Sequence[str] = (),
     ):
         if not argv:
             raise ValueError("ServerProcess needs a command; argv is empty")
@@ -362,7 +430,10 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.stop_timeout_s = stop_timeout_s
         self.starts = 0
+        spellings = {b for secret in redact if secret for b in secret_spellings(secret)}
+        self._redact = tuple(sorted(spellings, key=len, reverse=True))  # a spelling inside another: the longer first
         self._proc: subprocess.Popen | None = None
+        self._copy: threading.Thread | None = None  # the log copy of the current (or last) process
 
     @property
     def pid(self) -> int | None:
@@ -372,19 +443,33 @@ class ServerProcess:
         """Start the process in a new session (its own process group)."""
         if self.is_alive():
             raise RuntimeError(f"server process {self.pid} is already running; stop() it first")
+        self._drain()  # the last process's output first
         self.starts += 1
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== miles_vl: start #{self.starts}: {' '.join(self.argv)}\n".encode())
-            out.flush()
-            self._proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._copy = threading.Thread(
+            target=copy_redacted,
+            args=(self._proc.stdout, self.log_path, self._redact),
+            name=f"server-log-{self._proc.pid}",
+            daemon=True,
+        )
+        self._copy.start()
         log.info("started server process %d (log: %s)", self._proc.pid, self.log_path)
+
+    def _drain(self, timeout_s: float = LOG_DRAIN_S) -> None:
+        """Wait (at most `timeout_s`, once per process) for the log copy to reach the end of a dead process's output:
+        its end comes when the last process holding the pipe (the server's children too) has exited."""
+        if self._copy is not None and self._proc is not None and self._proc.poll() is not None:
+            self._copy.join(timeout_s)
+            self._copy = None
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -403,6 +488,7 @@ class ServerProcess:
         """None while running (or never started); else the exit status and the end of the log."""
         if self._proc is None or self._proc.poll() is None:
             return None
+        self._drain()
         code = self._proc.returncode
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return f"process {self._proc.pid} {how}; last log lines ({self.log_path}):\n{self.log_tail()}"
@@ -430,6 +516,7 @@ class ServerProcess:
             log.warning("server process %d ignored SIGTERM for %.0fs; killing it", pgid, self.stop_timeout_s)
         _signal_group(pgid, signal.SIGKILL)
         self._proc.wait()
+        self._drain()
 
     def restart(self) -> None:
         self.stop()

@@ -3,7 +3,8 @@
 It validates request bodies against the 0.5.16 request classes (field names copied below from
 `python/sglang/srt/managers/io_struct.py` and `python/sglang/srt/sampling/sampling_params.py` of the
 `sglang==0.5.16` wheel), answers with 0.5.16's response shapes (`python/sglang/srt/entrypoints/http_server.py`,
-`python/sglang/srt/managers/tokenizer_manager.py`), enforces 0.5.16's bearer auth (`python/sglang/srt/utils/auth.py`),
+`python/sglang/srt/managers/tokenizer_manager.py`), enforces 0.5.16's bearer auth (`python/sglang/srt/utils/auth.py`,
+`sglang_authorizes`) and, as a process, logs its arguments with the API key as 0.5.16 does,
 deserializes `/update_weights_from_tensor` payloads under 0.5.16's unpickling allowlist
 (`SafeUnpickler` in `python/sglang/srt/utils/common.py`), and for the NCCL path joins the weight-update group the
 way 0.5.16's `init_custom_process_group` does and receives one broadcast per tensor from rank 0. It is stricter than
@@ -67,6 +68,7 @@ import math
 import os
 import pickle
 import random
+import secrets
 import signal
 import struct
 import sys
@@ -473,6 +475,19 @@ def value_hash(tensor) -> str:
 # HTTP
 
 
+def sglang_authorizes(path: str, authorization: str | None, api_key: str | None) -> bool:
+    """Whether 0.5.16's API-key middleware lets a GET or POST through (`decide_request_auth` and
+    `add_api_key_middleware`, `python/sglang/srt/utils/auth.py`, for a server with `--api-key` and no
+    `--admin-api-key`, which miles_vl refuses): every path when the server has no key; else `/health*` and
+    `/metrics*` (by prefix) without one, and every other path only with `Authorization: <scheme> <token>` where the
+    scheme is "bearer" in any case and the token equals the key (`secrets.compare_digest`). A refusal is HTTP 401
+    `{"error": "Unauthorized"}`, before the route runs (so also for a path that does not exist)."""
+    if not api_key or path.startswith(("/health", "/metrics")):
+        return True
+    parts = (authorization or "").split(" ", 1)
+    return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], api_key)
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: FakeHTTPServer
@@ -559,10 +574,9 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _authorized(self, path: str) -> bool:
-        key = self.server.state.api_key
-        if not key or path.startswith(("/health", "/metrics", "/_fake/")):
+        if path.startswith("/_fake/"):  # the stand-in's own control routes (tests)
             return True
-        return self.headers.get("Authorization") == f"Bearer {key}"
+        return sglang_authorizes(path, self.headers.get("Authorization"), self.server.state.api_key)
 
     def _json(self, status: int, obj: Any) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json")
@@ -1278,6 +1292,10 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
 
         with open(args.config) as f:
             api_key = (yaml.safe_load(f) or {}).get("api-key", api_key)
+    # what 0.5.16 logs at start, its arguments with the key merged from --config among them (`server_args=ServerArgs(
+    # ..., api_key='...', ...)`, srt/entrypoints/engine.py:798): the host must keep it out of the log file
+    logged = ", ".join(f"{k}={v!r}" for k, v in (vars(args) | {"api_key": api_key}).items())
+    sys.stderr.write(f"fake-sglang: server_args=ServerArgs({logged})\n")
     image = (json.loads(args.mm_process_config) if args.mm_process_config else {}).get("image", {})
     state = FakeState(
         model_path=args.model_path,

@@ -85,6 +85,25 @@ def test_api_key_is_a_bearer_token_and_health_is_open():
             quick_client(server.url).model_info()
         assert quick_client(server.url, api_key="k3y").model_info()["model_type"] == "qwen3_vl"
         assert [c["auth"] for c in server.calls] == [True, False, True]
+        with pytest.raises(SGLangRequestError, match="HTTP 401: Unauthorized"):
+            quick_client(server.url, api_key="k3y-not").generate({"input_ids": [1]})
+
+
+def test_the_stand_in_checks_the_key_as_sglang_0_5_16_does():
+    """`sglang_authorizes` is 0.5.16's `decide_request_auth` for a server with only `--api-key`: `/health*` and
+    `/metrics*` open by prefix, everything else (an unknown path too: the middleware runs before routing) needs
+    `<bearer in any case> <key>`. tests/gpu/test_sglang_real.py::test_a_server_refuses_calls_without_its_key checks
+    the same cases on a real server."""
+    from tests.rollout.sglang.fake_server import sglang_authorizes
+
+    for path in ("/health", "/health_generate", "/healthz", "/metrics", "/metrics/x"):
+        assert sglang_authorizes(path, None, "k3y")
+    for header in (None, "", "Bearer", "Bearer ", "k3y", "Bearer k3y ", "Bearer  k3y", "Basic k3y", "Bearer K3Y"):
+        assert not sglang_authorizes("/generate", header, "k3y"), header
+        assert not sglang_authorizes("/no_such_route", header, "k3y"), header
+    for header in ("Bearer k3y", "bearer k3y", "BEARER k3y"):
+        assert sglang_authorizes("/generate", header, "k3y")
+    assert sglang_authorizes("/generate", None, None)  # a server without a key (miles_vl starts none)
 
 
 def test_flush_cache_passes_its_timeout_and_memory_calls_accept_null(fake):

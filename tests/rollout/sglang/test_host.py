@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -23,12 +25,13 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=3)
 
 
-def host(tmp_path, *, extra_args=(), **kwargs) -> SGLangRolloutHost:
+def host(tmp_path, *, extra_args=(), api_key="k3y", colocated=False, **kwargs) -> SGLangRolloutHost:
     """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang."""
     spec = ServerSpec(
         model_path="/ckpt/m",
         port=free_port(),
-        api_key="k3y",
+        api_key=api_key,
+        colocated=colocated,
         weight_version="base",
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
@@ -210,3 +213,93 @@ def test_a_host_that_fails_before_its_server_starts_leaves_no_directories(tmp_pa
         host(tmp_path, send_pixel_values=True)
     assert len(made) == 1 and not made[0].exists()
     assert private and not any(Path(p).exists() for p in private)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# issue 30.4: every server has a key, and every call sends it
+
+
+def _process_texts(pid: int) -> str:
+    """What other local users can read of a process: its command line (and, for its owner, its environment)."""
+    return "".join(Path(f"/proc/{pid}/{what}").read_bytes().decode(errors="replace") for what in ("cmdline", "environ"))
+
+
+def test_every_server_gets_a_key_of_its_own_that_no_argv_or_log_holds(tmp_path):
+    """Issue 30.4: without rollout.sglang.api_key a server had none, so any local account could call /generate, the
+    weight routes or /release_memory_occupation. Now each host makes a random key for its server: two servers get
+    different keys; a call without the key, or with another server's, is refused with 401 as 0.5.16's middleware
+    refuses it (the stand-in enforces it the same way), on every route but /health*; the key is on no command line and
+    in no environment of the server, and not in its log although the server logs it (0.5.16's `server_args=` line,
+    which the stand-in writes too): only the 0600 config file in the host's 0700 directory holds it."""
+    hosts = [host(tmp_path / f"h{i}", api_key=None) for i in range(2)]
+    try:
+        keys = [h.spec.api_key for h in hosts]
+        assert keys[0] != keys[1] and all(len(k) >= 43 for k in keys)  # 32 random bytes each
+        assert all(k not in repr(h.spec) + repr(h.endpoint()) for h, k in zip(hosts, keys, strict=True))
+        for h, key, other in ((hosts[0], keys[0], keys[1]), (hosts[1], keys[1], keys[0])):
+            with httpx.Client(base_url=h.url, trust_env=False, timeout=5) as raw:
+                for path in ("/generate", "/update_weights_from_tensor", "/release_memory_occupation", "/flush_cache",
+                             "/model_info", "/no_such_route"):  # fmt: skip
+                    for headers in ({}, {"Authorization": f"Bearer {other}"}, {"Authorization": key}):
+                        answer = raw.post(path, json={}, headers=headers)
+                        assert (answer.status_code, answer.json()) == (401, {"error": "Unauthorized"}), (path, headers)
+                assert raw.get("/health_generate").status_code == 200 and raw.get("/health").status_code == 200
+                assert raw.get("/model_info", headers={"Authorization": f"bearer {key}"}).status_code == 200
+            assert key not in " ".join(h.server.argv) and key not in _process_texts(h.server.pid)
+            config = Path(h.server.argv[h.server.argv.index("--config") + 1])
+            assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
+            assert key in config.read_text()
+    finally:
+        for h in hosts:
+            h.shutdown()
+    for h, key in zip(hosts, keys, strict=True):
+        log = h.log_path.read_text()
+        assert "server_args=ServerArgs(" in log and "api_key='<redacted>'" in log and key not in log
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and not any(k.encode() in p.read_bytes() for p in files for k in keys)
+
+
+def test_the_whole_engine_path_runs_with_the_generated_key(tmp_path):
+    """Issue 30.4: every call miles_vl makes to a server carries its key: the host's generate, a colocated weight sync
+    (buckets, the weights checker, the version label, the cache flush), memory release and resume, model and server
+    info, health; and the trainer's NCCL sync (gloo here) to two servers with keys of their own, through the
+    addresses the hosts hand it (`endpoint`). The stand-in refuses a call without the key (401), so a path that
+    forgot it fails here; and it records that every call it got was authorized."""
+    from miles_vl.rollout.weight_sync import open_trainer_group
+
+    h = host(tmp_path, api_key=None, colocated=True, max_restarts=0, cpu_tensors_by_name=True)
+    other = host(tmp_path / "other", api_key=None)
+    try:
+        assert h.spec.api_key and other.spec.api_key  # made by the hosts: the stand-ins enforce them
+        h.generate([make_prompt([1, 2], 1)], PARAMS)
+        h.release_memory()
+        h.resume_memory()
+        tensors = [("model.layers.0.weight", torch.randn(4, 3)), ("lm_head.weight", torch.randn(6, 4))]
+        assert h.load_weights(tensors, weight_version="step-1").weight_version == "step-1"
+        h.begin_weight_sync()
+        h.load_weight_bucket(tensors[:1])
+        h.finish_weight_sync("step-2")
+        assert len(h.generate([make_prompt([3])], PARAMS)) == 1
+        assert h.client.model_info()["weight_version"] == "step-2" and h.client.server_info() is not None
+        assert h.health()
+        sender = open_trainer_group(
+            [h.endpoint(), other.endpoint()], backend="gloo", max_bucket_bytes=64, request_timeout_s=30, timeout_s=20
+        )
+        try:
+            report = sender.send(iter(tensors), weight_version="step-3")
+        finally:
+            sender.close()
+        assert report.tensors == 2
+        for server in (h, other):
+            calls = server.client.get_json("/_fake/calls")
+            assert all(c["auth"] for c in calls), [c["path"] for c in calls if not c["auth"]]
+            assert server.client.model_info()["weight_version"] == "step-3"
+        paths = {c["path"] for c in h.client.get_json("/_fake/calls")}
+        assert paths >= {
+            "/generate", "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor",
+            "/weights_checker", "/update_weight_version", "/flush_cache", "/init_weights_update_group",
+            "/update_weights_from_distributed", "/destroy_weights_update_group", "/server_info", "/health_generate",
+        }  # fmt: skip
+    finally:
+        h.shutdown()
+        other.shutdown()

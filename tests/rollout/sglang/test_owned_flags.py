@@ -56,3 +56,16 @@ def test_the_message_names_the_flag_it_abbreviates():
         ServerSpec(model_path="m", port=1, extra_args=("--hos", "0.0.0.0"))
     with pytest.raises(ValueError, match=r"sets --api-ke \(a prefix of --api-key.*rollout\.sglang\.api_key"):
         ServerSpec(model_path="m", port=1, extra_args=("--api-ke=x",))
+
+
+def test_flags_that_would_take_the_keys_protection_away_are_refused():
+    """Issue 30.4: every server has an API key. `--admin-api-key` would put a second key on the command line, one
+    0.5.16 then demands instead of the API key on the routes miles_vl calls; more than one tokenizer worker runs no
+    key check in 0.5.16 and refuses to start with a key. Refused under any spelling; one tokenizer worker is fine."""
+    for args in (("--admin-api-key", "x"), ("--admin-api-key=x",), ("--admin-api", "x")):
+        with pytest.raises(ValueError, match=r"sets --admin-api.*second key on the command line"):
+            ServerSpec(model_path="m", port=1, extra_args=args)
+    for args in (("--tokenizer-worker-num", "2"), ("--tokenizer-worker-num=4",), ("--tokenizer-worker", "2")):
+        with pytest.raises(ValueError, match=r"sets --tokenizer-worker.* [24]: .*checks no API key"):
+            ServerSpec(model_path="m", port=1, extra_args=args)
+    ServerSpec(model_path="m", port=1, extra_args=("--tokenizer-worker-num", "1"))

@@ -5,6 +5,7 @@ of its children, and restarted on the same port."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -252,6 +253,43 @@ def test_startup_timeout_is_bounded_and_explained(tmp_path):
         assert time.monotonic() - start < 5
     finally:
         process.stop()
+
+
+def test_the_log_never_holds_a_redacted_string(tmp_path):
+    """Issue 30.4: SGLang 0.5.16 logs its arguments with the API key (`server_args=ServerArgs(... api_key='...')`), and
+    the server's output went straight to its log file. Now it reaches the file through `copy_redacted`: every spelling
+    of the key (as is, in repr and JSON quotes) is written `<redacted>`, on stdout and stderr, from the server's
+    children too, in a line longer than one read with the key across the reads' boundary, and at the very end of the
+    output without a newline; everything else arrives whole, and a death's log tail is complete."""
+    from miles_vl.rollout.sglang.server import LOG_READ_BYTES
+
+    key = "k'ey\\w1th\"odd ch4rs"  # repr and JSON escape it differently
+    script = f"""
+import os, sys, json
+key = os.environ["THE_KEY"]  # (not in the argv, which the log's start line shows)
+print("server_args=ServerArgs(api_key=" + repr(key) + ")", flush=True)
+print(json.dumps({{"api-key": key}}), file=sys.stderr, flush=True)
+if os.fork() == 0:
+    print("child " + key, flush=True)
+    os._exit(0)
+os.wait()
+sys.stdout.write("x" * ({LOG_READ_BYTES} - 3) + key + "y" * 10 + "\\n")
+sys.stdout.write("last " + key)
+sys.stdout.flush()
+os._exit(5)
+"""
+    env = dict(os.environ, THE_KEY=key)
+    process = ServerProcess([sys.executable, "-c", script], env=env, log_path=tmp_path / "server.log", redact=[key])
+    process.start()
+    process._proc.wait(timeout=20)
+    reason = process.death_reason()
+    log = (tmp_path / "server.log").read_text()
+    assert "exited with code 5" in reason and "last <redacted>" in reason  # the tail is all there
+    assert key not in log and repr(key)[1:-1] not in log and json.dumps(key)[1:-1] not in log
+    assert log.count("<redacted>") == 5
+    assert "server_args=ServerArgs(api_key='<redacted>')" in log and '{"api-key": "<redacted>"}' in log
+    assert "child <redacted>" in log and "x" * (LOG_READ_BYTES - 3) + "<redacted>" + "y" * 10 + "\n" in log
+    assert log.endswith("last <redacted>")
 
 
 def test_stop_ends_the_whole_process_group(tmp_path):

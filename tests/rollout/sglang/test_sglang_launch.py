@@ -549,6 +549,120 @@ def test_reading_refuses_anything_but_a_pixel_file_of_its_own_directory(tmp_path
     assert torch.equal(read_tensor(ref, str(tmp_path)), torch.ones(2, 3))
 
 
+def test_the_server_reads_only_its_own_private_pixel_files(tmp_path, monkeypatch):
+    """Issue 30.6: the server read whatever a request named in its pixel directory. Now a request is refused
+    (ValueError: SGLang's 400) and the file is never mapped unless it is one the engine wrote there: a symbolic link
+    (out of the directory, to /etc/passwd, even to a pixel file of its own), a file other users can read, a pipe,
+    another user's file; and no file at all of a directory that is not this user's alone (open to others, a symbolic
+    link to the private one, another user's). The patched tokenizer (`resolve_media`, before 0.5.16 tokenizes) refuses
+    the same, and the request goes no further."""
+    from miles_vl.sglang_launch import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
+
+    own = tmp_path / "pixels"
+    own.mkdir(mode=0o700)
+    ref = write_tensor(str(own), torch.ones(2, 3))  # 24 bytes: every file below has the size the reference asks for
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(bytes(24))
+    (own / "out.bin").symlink_to(outside)
+    (own / "passwd.bin").symlink_to("/etc/passwd")
+    (own / "own.bin").symlink_to(own / ref[FILE_KEY])
+    (own / "readable.bin").write_bytes(bytes(24))
+    (own / "readable.bin").chmod(0o644)
+    os.mkfifo(own / "pipe.bin", 0o600)
+    shared = tmp_path / "shared"  # a directory others may enter (and a 0600 file the engine wrote in it)
+    shared.mkdir(mode=0o700)
+    in_shared = write_tensor(str(shared), torch.ones(2, 3))
+    shared.chmod(0o755)
+    (tmp_path / "link").symlink_to(own)
+    bad = {
+        "a symbolic link out": ("out.bin", own, "not a file but l"),
+        "a symbolic link to /etc/passwd": ("passwd.bin", own, "not a file but l"),
+        "a symbolic link to its own file": ("own.bin", own, "not a file but l"),
+        "a file others can read": ("readable.bin", own, r"mode -rw-r--r-- lets other users"),
+        "a pipe": ("pipe.bin", own, "not a file but p"),
+        "a directory open to others": (in_shared[FILE_KEY], shared, "not a private pixel directory.*drwxr-xr-x"),
+        "a symbolic link to the directory": (ref[FILE_KEY], tmp_path / "link", "not a private pixel directory.*not a"),
+    }
+    if os.geteuid() == 0:  # only root can give a file to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        theirs_ref = write_tensor(str(theirs), torch.ones(2, 3))
+        os.chown(theirs, 65534, 65534)
+        (own / "theirs.bin").write_bytes(bytes(24))
+        (own / "theirs.bin").chmod(0o600)
+        os.chown(own / "theirs.bin", 65534, 65534)
+        bad["another user's file"] = ("theirs.bin", own, "belongs to uid 65534")
+        bad["another user's directory"] = (theirs_ref[FILE_KEY], theirs, "not a private pixel directory.*uid 65534")
+    mapped = []
+    from_file = torch.from_file
+    monkeypatch.setattr(torch, "from_file", lambda path, *a, **k: mapped.append(path) or from_file(path, *a, **k))
+    for case, (name, directory, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            read_tensor({**ref, FILE_KEY: name}, str(directory))
+            pytest.fail(case)
+    assert mapped == []  # none of them was read
+    # the same through the patched tokenizer of a stand-in TokenizerManager: the request never reaches 0.5.16's
+    monkeypatch.setenv(PIXEL_DIR_ENV, str(own))
+    tokenized = []
+
+    class TokenizerManager:
+        model_config = types.SimpleNamespace(dtype=torch.float32)
+
+        async def _tokenize_one_request(self, obj):
+            tokenized.append(obj)
+            return obj
+
+        async def _handle_batch_request(self, obj, request=None):
+            yield None
+
+    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
+    item = {
+        "format": "processor_output",
+        "pixel_values": {**ref, FILE_KEY: "passwd.bin"},
+        "image_grid_thw": [[1, 1, 2]],
+    }
+    request = types.SimpleNamespace(image_data=[item], video_data=None)
+    with pytest.raises(ValueError, match="passwd.bin.*refused"):
+        asyncio.run(TokenizerManager()._tokenize_one_request(request))
+    assert request.image_data == [item] and mapped == [] and tokenized == []
+    assert torch.equal(read_tensor(ref, str(own)), torch.ones(2, 3)) and len(mapped) == 1  # its own file: read
+
+
+def test_pixel_files_their_directory_and_their_shm_links_are_private():
+    """Issue 30.6: pixel files and their /dev/shm links were written 0644 (stock 0.5.16's segments are 0600). The host's
+    pixel directory is 0700; each file is 0600 from its creation, whatever the umask (the mode the file is made with,
+    not a chmod after its bytes are in); its second name in /dev/shm (`link_pixel_files`) is the same inode, so 0600
+    too."""
+    import shutil
+    import stat
+
+    from miles_vl.rollout.sglang.server import pixel_directory
+    from miles_vl.sglang_launch import FILE_KEY, SHM_DIR, read_tensor, write_tensor
+
+    directory = pixel_directory()
+    segment = None
+    try:
+        assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700 and stat.S_ISDIR(os.lstat(directory).st_mode)
+        umask = os.umask(0)  # a process that creates with 0666 would make the file readable by everyone here
+        try:
+            ref = write_tensor(str(directory), torch.randn(16, 24))
+        finally:
+            os.umask(umask)
+        path = directory / ref[FILE_KEY]
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        if directory.parent != Path(SHM_DIR):
+            pytest.skip("no /dev/shm: pixel files are not linked")
+        req = _req([_item(1, read_tensor(ref, str(directory)))], 0)
+        assert sglang_launch.link_pixel_files(req, _Pointer, _names()) == 1
+        segment = os.path.join(SHM_DIR, req.mm_inputs.mm_items[0].feature.shm_name)
+        linked = os.stat(segment)
+        assert linked.st_ino == os.stat(path).st_ino and stat.S_IMODE(linked.st_mode) == 0o600
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        if segment is not None:
+            os.unlink(segment)
+
+
 def test_pixel_values_are_cast_as_the_model_casts_them_or_refused(tmp_path):
     """The model casts pixel values to its dtype (qwen3_vl.py:1334 `.type(self.visual.dtype)`): float32 is cast the
     same way here, the model's own dtype passes, a third dtype would lose precision and is refused; the grids become
@@ -1029,15 +1143,15 @@ def test_a_pixel_file_removed_before_it_is_mapped_is_an_error_and_stays_removed(
 
     ref = write_tensor(shm_dir, torch.randn(4, 4))
     path = os.path.join(shm_dir, ref[sglang_launch.FILE_KEY])
-    real_stat = os.stat
+    real_lstat = os.lstat
 
-    def stat_then_remove(p, *args, **kwargs):
-        out = real_stat(p, *args, **kwargs)
+    def lstat_then_remove(p, *args, **kwargs):
+        out = real_lstat(p, *args, **kwargs)
         if p == path:
             os.unlink(path)  # the engine, just after the size check
         return out
 
-    monkeypatch.setattr(sglang_launch.os, "stat", stat_then_remove)
+    monkeypatch.setattr(sglang_launch.os, "lstat", lstat_then_remove)
     with pytest.raises(ValueError, match="could not be mapped"):
         read_tensor(ref, shm_dir)
     monkeypatch.undo()
