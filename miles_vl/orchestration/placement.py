@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from miles_vl.rollout.sglang.server import NO_MULTICAST_ENV
+from miles_vl.gpu_env import NO_MULTICAST_ENV, nccl_peer_env
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Every worker of the job (train ranks, engine actors and the SGLang servers they start) keeps NVLink multicast
     # off, also on a cluster whose Ray was started elsewhere: on shared hosts a program that uses it can take the
-    # GPUs out of service.
-    runtime_env = {"env_vars": dict(NO_MULTICAST_ENV)}
+    # GPUs out of service. And every NCCL peer of an SGLang server (the trainer, in the disaggregated weight sync) runs
+    # with the server's NCCL_CUMEM_ENABLE (`nccl_peer_env`), else their first broadcast fails.
+    runtime_env = {"env_vars": {**NO_MULTICAST_ENV, **nccl_peer_env()}}
     if address:
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         log.info("joined the Ray cluster at %s", address)

@@ -63,6 +63,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -73,6 +74,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from miles_vl.gpu_env import CUMEM_ENV
 
 if TYPE_CHECKING:
     from miles_vl.rollout.sglang.client import SGLangClient
@@ -457,6 +460,26 @@ class EngineAddress:
     tp_size: int
     node_ip: str
     loopback: bool  # the server binds a loopback address: reachable from its own node only
+    nccl_cumem: str | None = None  # the server's NCCL_CUMEM_ENABLE (None: unknown); the trainer must run the same
+
+
+def check_cumem_agrees(engines: Sequence[EngineAddress], trainer_value: str | None) -> None:
+    """Refuse an NCCL group whose peers would open each other's buffers two ways (`server.nccl_peer_env`).
+
+    Raises:
+        ValueError: an engine's server runs with another NCCL_CUMEM_ENABLE than the trainer (unset = NCCL's default,
+            on); names both values and the fix.
+    """
+    mine = "1" if trainer_value is None else trainer_value
+    wrong = {i: e.nccl_cumem for i, e in enumerate(engines) if e.nccl_cumem is not None and e.nccl_cumem != mine}
+    if wrong:
+        raise ValueError(
+            f"the trainer runs NCCL with {CUMEM_ENV}={trainer_value if trainer_value is not None else '<unset: on>'} "
+            f"but the SGLang servers of engines {sorted(wrong)} with {sorted(set(wrong.values()))}: NCCL's P2P "
+            "transport fails between them at the first broadcast (\"Cuda failure 'invalid argument'\"). Set "
+            f"{CUMEM_ENV} to one value for every process of the job (miles-vl sets it to 0, SGLang's own choice, in "
+            "the job's Ray runtime env and every server's env, unless the driver's environment sets it)"
+        )
 
 
 def open_trainer_group(
@@ -477,12 +500,15 @@ def open_trainer_group(
         timeout_s: the group's timeout (rendezvous and every broadcast).
 
     Raises:
-        ValueError: an engine bound to loopback on another node (the trainer could not reach it).
+        ValueError: an engine bound to loopback on another node (the trainer could not reach it); with NCCL, a server
+            whose NCCL_CUMEM_ENABLE differs from this process's (their first broadcast would fail).
     """
     import ray
 
     from miles_vl.rollout.sglang.client import SGLangClient
 
+    if backend == "nccl":
+        check_cumem_agrees(engines, os.environ.get(CUMEM_ENV))
     here = ray.util.get_node_ip_address()
     far = [i for i, e in enumerate(engines) if e.loopback and e.node_ip != here]
     if far:

@@ -15,7 +15,7 @@ def test_a_local_session_runs_with_token_authentication(monkeypatch):
     """Also: every worker of the session runs with NVLink multicast off (the job's runtime_env), whatever the
     driver's own environment says: on shared hosts a program that uses it can take the GPUs out of service."""
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_CUMEM_ENABLE"):
         monkeypatch.delenv(key, raising=False)  # not inherited from the driver: the session sets them
     assert not ray.is_initialized()
     with placement.ray_session(None, num_cpus=1):
@@ -23,13 +23,14 @@ def test_a_local_session_runs_with_token_authentication(monkeypatch):
 
         @ray.remote(num_cpus=0)
         def worker_env() -> dict:
-            keys = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+            keys = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_CUMEM_ENABLE")
             return {k: os.environ.get(k) for k in keys}
 
         assert ray.get(worker_env.remote()) == {
             "NCCL_NVLS_ENABLE": "0",
             "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1",
+            "NCCL_CUMEM_ENABLE": "0",  # what SGLang's servers run with: the trainer, their NCCL peer, must agree
         }
     assert not ray.is_initialized()
 

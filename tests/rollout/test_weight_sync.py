@@ -190,3 +190,27 @@ def test_cuda_tensors_name_their_gpu_by_uuid_not_index(monkeypatch):
     assert out[weight_sync._CUDA_DEVICE_ARG] == "GPU-uuid-of-3"
     assert out[: weight_sync._CUDA_DEVICE_ARG] == args[: weight_sync._CUDA_DEVICE_ARG]
     assert out[weight_sync._CUDA_DEVICE_ARG + 1 :] == args[weight_sync._CUDA_DEVICE_ARG + 1 :]
+
+
+def test_an_nccl_group_whose_peers_disagree_on_cumem_is_refused_before_it_forms(monkeypatch):
+    """Issue 32.1: SGLang 0.5.16 runs its server's NCCL with cuMem off (NCCL_CUMEM_ENABLE=0 unless set) while a
+    trainer at NCCL's default runs it on; NCCL opens a peer's buffers the way its own setting says, and the first
+    broadcast failed with "Cuda failure 'invalid argument'" (then the trainer waited forever). The job gives every
+    process one value (gpu_env.nccl_peer_env); a mismatch that still gets through is refused by name, before any
+    rendezvous, instead of failing inside NCCL."""
+    far = dict(tp_size=1, node_ip="10.0.0.9", loopback=False)
+    engines = [
+        weight_sync.EngineAddress("http://a:1", None, nccl_cumem="0", **far),
+        weight_sync.EngineAddress("http://b:1", None, nccl_cumem="1", **far),
+        weight_sync.EngineAddress("http://c:1", None, **far),  # unknown: not judged
+    ]
+    with pytest.raises(ValueError, match=r"NCCL_CUMEM_ENABLE=<unset: on>.*engines \[0\] with \['0'\]"):
+        weight_sync.check_cumem_agrees(engines, None)
+    with pytest.raises(ValueError, match=r"NCCL_CUMEM_ENABLE=0 .*engines \[1\] with \['1'\]"):
+        weight_sync.check_cumem_agrees(engines, "0")
+    weight_sync.check_cumem_agrees(engines[1:], "1")  # agreeing peers pass
+
+    # open_trainer_group checks before it touches Ray or a socket; gloo (CPU tests) has no cuMem and is not checked
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    with pytest.raises(ValueError, match="NCCL_CUMEM_ENABLE"):
+        weight_sync.open_trainer_group(engines[:1], backend="nccl", max_bucket_bytes=1, request_timeout_s=1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
 from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
@@ -305,7 +307,8 @@ class SGLangRolloutHost(RolloutEngine):
         loopback = self.spec.host in LOOPBACK_HOSTS
         node_ip = ray.util.get_node_ip_address()
         url = self.spec.url if loopback else f"http://{node_ip}:{self.spec.port}"
-        return EngineAddress(url, self.spec.api_key, self.spec.tp_size, node_ip, loopback)
+        cumem = self.server.env.get(CUMEM_ENV) if self.server.env is not None else os.environ.get(CUMEM_ENV)
+        return EngineAddress(url, self.spec.api_key, self.spec.tp_size, node_ip, loopback, cumem)
 
     def release_memory(self) -> None:
         """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""

@@ -57,6 +57,7 @@ from typing import BinaryIO
 
 import torch
 
+from miles_vl.gpu_env import NO_MULTICAST_ENV, nccl_peer_env
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
 from miles_vl.sglang_launch import VISION_GRAPHS_ENV
 
@@ -67,9 +68,6 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # copies of a prompt share its pixel values; rollout.sglang.share_copy_pixels), which takes the same flags.
 SGLANG_LAUNCH_MODULE = "sglang.launch_server"
 MILES_VL_LAUNCH_MODULE = "miles_vl.sglang_launch"
-# NCCL, PyTorch and NVSHMEM with NVLink multicast off: on shared hosts a program that uses it can take the GPUs out of
-# service. Set for every worker of a job (orchestration/placement.py) and for every server (build_server_env).
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 # Flags that miles_vl sets from the spec; `extra_args` may not set them again (argparse would silently keep the
 # last one). Values: the spec field (and config key) that owns the flag.
@@ -313,8 +311,8 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
 
     Returns:
         A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0),
-        `MILES_VL_SGLANG_VISION_GRAPHS` is `spec.vision_cuda_graphs`, and `SGLANG_MM_PRECOMPUTE_HASH` is 1 unless
-        `base` sets it.
+        `MILES_VL_SGLANG_VISION_GRAPHS` is `spec.vision_cuda_graphs`, `SGLANG_MM_PRECOMPUTE_HASH` is 1 and
+        `NCCL_CUMEM_ENABLE` is 0 unless `base` sets them (`nccl_peer_env`).
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
@@ -322,6 +320,7 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
     env.setdefault("SGLANG_MM_PRECOMPUTE_HASH", "1")  # hash once per request, not once per `n` copy (docstring)
     for key, value in NO_MULTICAST_ENV.items():  # NVLink multicast off unless the caller decided otherwise
         env.setdefault(key, value)
+    env.update(nccl_peer_env(env))  # the value its NCCL peers (the trainer) run with, explicit
     return env
 
 

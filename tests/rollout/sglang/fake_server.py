@@ -1328,6 +1328,9 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # As 0.5.16's `_set_envs_and_config` (srt/entrypoints/engine.py) does before its scheduler starts: cuMem off for
+    # NCCL unless the environment says otherwise. The NCCL path's peers must agree (miles_vl/gpu_env.py).
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     serve(parse_args(argv))
 
 

@@ -69,7 +69,10 @@ def test_cuda_ipc_weights_reach_another_process():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_nccl_weights_reach_an_engine_on_another_gpu():
+def test_nccl_weights_reach_an_engine_on_another_gpu(monkeypatch):
+    # The stand-in runs NCCL with cuMem off as 0.5.16's server does; the trainer side (this process) runs what the
+    # job's Ray runtime env gives every worker (miles_vl/gpu_env.py). Set before this process's first NCCL call.
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
     server, client = start_fake(env={"CUDA_VISIBLE_DEVICES": "1"})
     try:
         sender = DistributedWeightSender(

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from miles_vl.gpu_env import nccl_peer_env
 from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
 from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.types import SamplingParams
@@ -75,6 +76,8 @@ def test_host_serves_with_the_real_argv_and_api_key(tmp_path):
         assert all(c["auth"] for c in calls)  # the key from the config file is enforced, and the client sends it
         config = Path(h.server.argv[h.server.argv.index("--config") + 1])
         assert config.exists()
+        # the trainer's NCCL group is checked against the cuMem setting the server really runs with (issue 32.1)
+        assert h.endpoint().nccl_cumem == h.server.env["NCCL_CUMEM_ENABLE"] == nccl_peer_env()["NCCL_CUMEM_ENABLE"]
     finally:
         h.shutdown()
     assert not h.server.is_alive() and not config.exists()  # the API key does not outlive the server

@@ -146,9 +146,14 @@ def test_env_disables_the_vision_embedding_cache_by_default():
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1",
+        "NCCL_CUMEM_ENABLE": "0",  # SGLang 0.5.16's own default, explicit: its NCCL peers read the same (gpu_env)
     }
     assert (
         build_server_env(ServerSpec(model_path="m", port=1), base={"NCCL_NVLS_ENABLE": "1"})["NCCL_NVLS_ENABLE"] == "1"
+    )
+    assert (
+        build_server_env(ServerSpec(model_path="m", port=1), base={"NCCL_CUMEM_ENABLE": "1"})["NCCL_CUMEM_ENABLE"]
+        == "1"
     )
     assert (
         build_server_env(ServerSpec(model_path="m", port=1, vision_cache_mb=64), base={})["SGLANG_VLM_CACHE_SIZE_MB"]
