@@ -520,7 +520,12 @@ class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="null = <run dir>/checkpoints.")
     interval: int = Field(0, ge=0, description="save every N steps; 0 = only at the end.")
     keep_last: int = Field(2, gt=0)
-    resume: str = Field("auto", description="auto (newest in dir), never, or a checkpoint path.")
+    resume: str = Field(
+        "auto",
+        description="auto (newest in dir), never, or a checkpoint path: of this run only its newest (an older one "
+        "would drop the later steps' records; branch from it with a new logging.run_name), or another run's, which "
+        "starts a branch in this run directory (one without metrics).",
+    )
     save_hf: SaveHFConfig = Field(default_factory=SaveHFConfig)
 
 
