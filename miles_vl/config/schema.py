@@ -487,7 +487,7 @@ class LoggingConfig(_Section):
         None,
         description="the run directory is output_dir/run_name. null = the config file's stem (`runs/geo3k_tiny_cpu`), "
         "so that the same command resumes it (checkpoint.resume=auto); with checkpoint.resume=never, the stem + "
-        "`-<YYYYmmdd-HHMMSS>`, a new directory each start.",
+        "`-<YYYYmmdd-HHMMSS>`, a new directory each start (`-2`, `-3`, ... added when another start took the name).",
     )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="log level of the `miles-vl` process (the driver); `--log-level` on the command line wins."

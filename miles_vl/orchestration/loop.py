@@ -26,7 +26,8 @@ half-advanced (a cursor past its weights, or weights past its cursor), and a res
 Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
 (`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
 checkpoints. Without a run_name the directory is named after the config file, so that the same command resumes it;
-only `checkpoint.resume=never` adds a timestamp (a new directory each start). A resume continues its own directory
+only `checkpoint.resume=never` adds a timestamp (a new directory each start, claimed by an atomic create: two
+starts in the same second get `<stem>-<time>` and `<stem>-<time>-2`). A resume continues its own directory
 from its newest checkpoint: metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs
 is kept beside it. An older checkpoint of the run is resumed only into a new directory (a branch: `checkpoint.resume=
 <path> logging.run_name=<new name>`), which leaves the run it came from as it was.
@@ -110,22 +111,23 @@ def run_job(
     """
     hooks = hooks or Hooks()
     check_backends(cfg, config_path, hooks.engines)
-    run_dir = choose_run_dir(cfg, config_path)
-    ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
-    resume_state = check_start(cfg, run_dir, ckpt_root, resume)
-    if resume_state and resume_state["step"] == cfg.num_steps:
-        log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
-        return run_dir
-    reward_terms = build_rewards(cfg, reward_fn)
-    processor = load_processor(
-        cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
-    )
-    tokens = special_tokens(processor)
-    splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
-    if resume_state:  # a cursor saved for other data fails here, before Ray starts
-        splits.train.load_state_dict(resume_state["data"])
-    write_run_files(run_dir, cfg, processor_metadata(processor))
+    run_dir = choose_run_dir(cfg, config_path)  # a fresh start without a run_name claims a new directory here
+    with _removed_if_unused(run_dir, claimed=_new_dir_each_start(cfg)):
+        ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+        resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
+        resume_state = check_start(cfg, run_dir, ckpt_root, resume)
+        if resume_state and resume_state["step"] == cfg.num_steps:
+            log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
+            return run_dir
+        reward_terms = build_rewards(cfg, reward_fn)
+        processor = load_processor(
+            cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
+        )
+        tokens = special_tokens(processor)
+        splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
+        if resume_state:  # a cursor saved for other data fails here, before Ray starts
+            splits.train.load_state_dict(resume_state["data"])
+        write_run_files(run_dir, cfg, processor_metadata(processor))
     r = cfg.reward
     with (
         WeightedRewards(
@@ -177,16 +179,45 @@ def check_backends(
 
 def choose_run_dir(cfg: JobConfig, config_path: str | None) -> Path:
     """`logging.output_dir/logging.run_name`; without a run_name, `<config stem>` when resuming, else a new
-    `<config stem>-<timestamp>` directory (never one that exists)."""
+    `<config stem>-<timestamp>` directory, created here (`claim_new_dir`: two starts in the same second get two
+    directories). Only the latter creates anything."""
     name = cfg.logging.run_name or f"{Path(config_path).stem if config_path else 'job'}"
     run_dir = Path(cfg.logging.output_dir) / name
-    if cfg.logging.run_name is None and cfg.checkpoint.resume == "never":
-        stamped = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
-        run_dir, n = run_dir.with_name(stamped), 1
-        while run_dir.exists():
-            n += 1
-            run_dir = run_dir.with_name(f"{stamped}-{n}")
+    if _new_dir_each_start(cfg):
+        run_dir = claim_new_dir(run_dir.with_name(f"{name}-{datetime.now():%Y%m%d-%H%M%S}"))
     return run_dir
+
+
+def _new_dir_each_start(cfg: JobConfig) -> bool:
+    return cfg.logging.run_name is None and cfg.checkpoint.resume == "never"
+
+
+def claim_new_dir(path: Path) -> Path:
+    """Create `path`, else `path-2`, `path-3`, ...: the first name that is free, returned. `mkdir` without exist_ok
+    creates or fails in one step, so concurrent callers (threads or processes) never get the same directory, where
+    a check for a free name followed by a create would let two of them through."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 1
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.name}-{n}")
+
+
+@contextlib.contextmanager
+def _removed_if_unused(run_dir: Path, claimed: bool) -> Iterator[None]:
+    """A directory `choose_run_dir` claimed for this start is removed again if the start fails while it is still
+    empty (bad input found before Ray starts leaves no run directory); nothing else is ever removed."""
+    try:
+        yield
+    except BaseException:
+        if claimed:
+            with contextlib.suppress(OSError):  # not empty: something was written, keep it
+                run_dir.rmdir()
+        raise
 
 
 def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None) -> dict[str, Any] | None:

@@ -8,11 +8,14 @@
 import pytest
 import ray
 
+from miles_vl.config import load_config
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.loop import Job
-from tests.orchestration.jobs import metrics, stand_ins
+from tests.orchestration.jobs import FAST, REPO, FrozenClock, metrics, stand_ins
 from tests.orchestration.jobs import tiny_job as config
+
+TINY = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
 
 
 def comparable(record: dict) -> dict:
@@ -73,6 +76,42 @@ def test_bad_reward_fails_before_any_actor(tmp_path):
     with pytest.raises(RewardResolutionError, match="no_such_module"):
         run_job(config(tmp_path, "bad", "reward.name=no_such_module:fn"))
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_a_fresh_start_that_fails_before_ray_leaves_no_directory(tmp_path):
+    """A `checkpoint.resume=never` start without a run_name claims its directory first (issue 30.3); bad input found
+    after that, before Ray, removes it again."""
+    from miles_vl.reward import RewardResolutionError
+
+    cfg = config(
+        tmp_path, "unused", "logging.run_name=null", "checkpoint.resume=never", "reward.name=no_such_module:fn"
+    )
+    with pytest.raises(RewardResolutionError, match="no_such_module"):
+        run_job(cfg, config_path=TINY)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_miles_vl_train_claims_its_new_directory_before_it_loads_anything(tmp_path, monkeypatch):
+    """Issue 30.3 on the CLI path: a second fresh start in the same second, made while `miles-vl train` loads its
+    processor and data (before it writes anything), used to get the same directory. Now it gets `-2`, and the first
+    run's files are all in its own directory."""
+    from miles_vl.cli import main
+    from miles_vl.orchestration import loop
+
+    monkeypatch.setattr(loop, "datetime", FrozenClock)
+    args = [*FAST, f"logging.output_dir={tmp_path}", "checkpoint.resume=never", "num_steps=1", "reward.num_workers=1"]
+    second: list = []
+    load_processor = loop.load_processor
+
+    def second_start_meanwhile(*a, **kw):
+        second.append(loop.choose_run_dir(load_config(TINY, args), TINY))
+        return load_processor(*a, **kw)
+
+    monkeypatch.setattr(loop, "load_processor", second_start_meanwhile)
+    assert main(["train", TINY, *args]) == 0
+    first = tmp_path / "geo3k_tiny_cpu-20261126-120000"
+    assert second == [first.with_name(f"{first.name}-2")]
+    assert [r["step"] for r in metrics(first)] == [1] and list(second[0].iterdir()) == []
 
 
 def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
