@@ -160,14 +160,32 @@ def test_short_dynamic_sampling_batch_trains_on_whole_mini_batches(tmp_path):
     assert any(r["rollout/prompts"] < 4 for r in rows)  # a short batch did happen
 
 
-def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on(tmp_path):
+def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on(tmp_path, monkeypatch):
     """A reward equal for every response: no group has signal, in any round. Each step is logged with every group
-    dropped and no train phase, and the run reaches num_steps (before: RuntimeError, the run was lost)."""
+    dropped and no train phase, and the run reaches num_steps (before: RuntimeError, the run was lost). Its reward and
+    rollout statistics are those of what it generated (issue 30.14: they were 0.0, means over no kept group)."""
+    from miles_vl.orchestration.engines import RolloutEngines
+
+    generated: list[list] = []  # per step, every generation of its rounds
+    collect_batch, generate = Job.collect_batch, RolloutEngines.generate
+
+    def new_step(self, step):
+        generated.append([])
+        return collect_batch(self, step)
+
+    def recorded(self, prompts, params):
+        groups = generate(self, prompts, params)
+        generated[-1].extend(g for group in groups for g in group)
+        return groups
+
+    monkeypatch.setattr(Job, "collect_batch", new_step)
+    monkeypatch.setattr(RolloutEngines, "generate", recorded)
     run = run_job(
         config(
             tmp_path,
             "dapo_none",
             "num_steps=2",
+            "eval.interval=0",  # every generate() is a training round
             "rollout.dynamic_sampling.enabled=true",
             "rollout.dynamic_sampling.max_rounds=1",
             "reward.name=tests.orchestration.rewards:constant_reward",
@@ -175,6 +193,11 @@ def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on
     )
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
+    for r, gens in zip(rows, generated, strict=True):
         assert r["rollout/prompts"] == 0 and r["rollout/dynamic_sampling_drop_rate"] == 1.0
         assert r["train/skipped_steps"] == 1 and "train/optimizer_steps" not in r
+        assert len(gens) == r["rollout/generated_prompts"] * 2 == 2 * 2 * 2  # 2 rounds of 2 prompts, 2 samples each
+        lengths = [g.response_ids.numel() for g in gens]
+        assert r["rollout/response_len_mean"] == sum(lengths) / len(lengths) > 0
+        assert r["rollout/response_tokens"] == sum(lengths)
+        assert r["reward/mean"] == 1.0  # constant_reward of every generated sample
