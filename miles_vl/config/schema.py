@@ -488,7 +488,7 @@ class LoggingConfig(_Section):
         None,
         description="the run directory is output_dir/run_name. null = the config file's stem (`runs/geo3k_tiny_cpu`), "
         "so that the same command resumes it (checkpoint.resume=auto); with checkpoint.resume=never, the stem + "
-        "`-<YYYYmmdd-HHMMSS>`, a new directory each start.",
+        "`-<YYYYmmdd-HHMMSS>`, a new directory each start (`-2`, `-3`, ... added when another start took the name).",
     )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="log level of the `miles-vl` process (the driver); `--log-level` on the command line wins."
@@ -521,7 +521,12 @@ class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="null = <run dir>/checkpoints.")
     interval: int = Field(0, ge=0, description="save every N steps; 0 = only at the end.")
     keep_last: int = Field(2, gt=0)
-    resume: str = Field("auto", description="auto (newest in dir), never, or a checkpoint path.")
+    resume: str = Field(
+        "auto",
+        description="auto (newest in dir), never, or a checkpoint path: of this run only its newest (an older one "
+        "would drop the later steps' records; branch from it with a new logging.run_name), or another run's, which "
+        "starts a branch in this run directory (one without metrics).",
+    )
     save_hf: SaveHFConfig = Field(default_factory=SaveHFConfig)
 
 

@@ -76,7 +76,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 continue
             raise ValueError(f"{path}:{lineno}: not a JSON record ({err}); fix or remove the line") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}")
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}; fix or remove the line"
+            )
         records.append(record)
     return records
 

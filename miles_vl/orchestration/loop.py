@@ -26,8 +26,11 @@ half-advanced (a cursor past its weights, or weights past its cursor), and a res
 Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
 (`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
 checkpoints. Without a run_name the directory is named after the config file, so that the same command resumes it;
-only `checkpoint.resume=never` adds a timestamp (a new directory each start). A resume continues its own directory:
-metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs is kept beside it.
+only `checkpoint.resume=never` adds a timestamp (a new directory each start, claimed by an atomic create: two
+starts in the same second get `<stem>-<time>` and `<stem>-<time>-2`). A resume continues its own directory
+from its newest checkpoint: metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs
+is kept beside it. An older checkpoint of the run is resumed only into a new directory (a branch: `checkpoint.resume=
+<path> logging.run_name=<new name>`), which leaves the run it came from as it was.
 """
 
 from __future__ import annotations
@@ -108,22 +111,23 @@ def run_job(
     """
     hooks = hooks or Hooks()
     check_backends(cfg, config_path, hooks.engines)
-    run_dir = choose_run_dir(cfg, config_path)
-    ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
-    resume_state = check_start(cfg, run_dir, ckpt_root, resume)
-    if resume_state and resume_state["step"] == cfg.num_steps:
-        log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
-        return run_dir
-    reward_terms = build_rewards(cfg, reward_fn)
-    processor = load_processor(
-        cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
-    )
-    tokens = special_tokens(processor)
-    splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
-    if resume_state:  # a cursor saved for other data fails here, before Ray starts
-        splits.train.load_state_dict(resume_state["data"])
-    write_run_files(run_dir, cfg, processor_metadata(processor))
+    run_dir = choose_run_dir(cfg, config_path)  # a fresh start without a run_name claims a new directory here
+    with _removed_if_unused(run_dir, claimed=_new_dir_each_start(cfg)):
+        ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+        resume = resolve_resume(ckpt_root, cfg.checkpoint.resume)
+        resume_state = check_start(cfg, run_dir, ckpt_root, resume)
+        if resume_state and resume_state["step"] == cfg.num_steps:
+            log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
+            return run_dir
+        reward_terms = build_rewards(cfg, reward_fn)
+        processor = load_processor(
+            cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
+        )
+        tokens = special_tokens(processor)
+        splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
+        if resume_state:  # a cursor saved for other data fails here, before Ray starts
+            splits.train.load_state_dict(resume_state["data"])
+        write_run_files(run_dir, cfg, processor_metadata(processor))
     r = cfg.reward
     with (
         WeightedRewards(
@@ -175,56 +179,88 @@ def check_backends(
 
 def choose_run_dir(cfg: JobConfig, config_path: str | None) -> Path:
     """`logging.output_dir/logging.run_name`; without a run_name, `<config stem>` when resuming, else a new
-    `<config stem>-<timestamp>` directory (never one that exists)."""
+    `<config stem>-<timestamp>` directory, created here (`claim_new_dir`: two starts in the same second get two
+    directories). Only the latter creates anything."""
     name = cfg.logging.run_name or f"{Path(config_path).stem if config_path else 'job'}"
     run_dir = Path(cfg.logging.output_dir) / name
-    if cfg.logging.run_name is None and cfg.checkpoint.resume == "never":
-        stamped = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
-        run_dir, n = run_dir.with_name(stamped), 1
-        while run_dir.exists():
-            n += 1
-            run_dir = run_dir.with_name(f"{stamped}-{n}")
+    if _new_dir_each_start(cfg):
+        run_dir = claim_new_dir(run_dir.with_name(f"{name}-{datetime.now():%Y%m%d-%H%M%S}"))
     return run_dir
+
+
+def _new_dir_each_start(cfg: JobConfig) -> bool:
+    return cfg.logging.run_name is None and cfg.checkpoint.resume == "never"
+
+
+def claim_new_dir(path: Path) -> Path:
+    """Create `path`, else `path-2`, `path-3`, ...: the first name that is free, returned. `mkdir` without exist_ok
+    creates or fails in one step, so concurrent callers (threads or processes) never get the same directory, where
+    a check for a free name followed by a create would let two of them through."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 1
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.name}-{n}")
+
+
+@contextlib.contextmanager
+def _removed_if_unused(run_dir: Path, claimed: bool) -> Iterator[None]:
+    """A directory `choose_run_dir` claimed for this start is removed again if the start fails while it is still
+    empty (bad input found before Ray starts leaves no run directory); nothing else is ever removed."""
+    try:
+        yield
+    except BaseException:
+        if claimed:
+            with contextlib.suppress(OSError):  # not empty: something was written, keep it
+                run_dir.rmdir()
+        raise
 
 
 def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None) -> dict[str, Any] | None:
     """The driver state to resume from (None: a fresh start), after checking that the start is safe.
 
     `checkpoint.resume=auto` in a directory whose run logged steps but left no checkpoint (it died before its first
-    one) starts that run again; its metrics.jsonl is kept as `metrics.<time>.jsonl`.
+    one) starts that run again; its metrics.jsonl is kept as `metrics.<time>.jsonl`. A resume from the newest
+    checkpoint of the run rewrites metrics.jsonl without the records past that checkpoint (a run killed after logging
+    them: the resume computes them again, the same).
 
     Raises:
         CheckpointError: a fresh start in a directory that holds another run (metrics or checkpoints), a resume of
-            another directory's checkpoint into one that holds metrics, or a resume from a checkpoint past
-            `num_steps` (its state would be saved under an earlier label).
+            another directory's checkpoint into one that holds metrics, a resume of a checkpoint of this run that has
+            a newer one (it would drop the newer steps' records and mix two histories: resume the newest, or branch
+            into a new run directory), a resume from a checkpoint past `num_steps` (its state would be saved under an
+            earlier label), or a resume whose metrics.jsonl has a bad line (it is rewritten on resume).
     """
-    if resume is not None and resume.resolve().parent != ckpt_root.resolve() and _metric_records(run_dir):
+    if resume is None:
+        _check_fresh_start(cfg, run_dir, ckpt_root)
+        return None
+    same_run = resume.resolve().parent == ckpt_root.resolve()
+    if not same_run and _metric_records(run_dir):
+        own = (
+            ", or resume it from its own newest checkpoint (checkpoint.resume=auto)"
+            if list_checkpoints(ckpt_root)
+            else ""
+        )
         raise CheckpointError(
             f"checkpoint.resume={resume} belongs to another run than {run_dir}, which holds metrics of its own; "
-            "resume into a new logging.run_name"
+            f"resume into a new logging.run_name{own}"
         )
-    if resume is None:
-        records = _metric_records(run_dir)
-        others = [p.name for _, p in list_checkpoints(ckpt_root)]
-        if cfg.checkpoint.resume == "auto" and records and not others:
-            kept = run_dir / f"{Path(METRICS_FILE).stem}.{datetime.now():%Y%m%d-%H%M%S}.jsonl"
-            os.replace(run_dir / METRICS_FILE, kept)
-            log.warning(
-                "%s logged %d steps but left no checkpoint: starting it again; its metrics are kept as %s",
-                run_dir,
-                records,
-                kept,
-            )
-        elif records or others:
-            held = " and ".join([f"{records} logged steps"] * bool(records) + [f"checkpoints {others}"] * bool(others))
-            how = f"checkpoint.resume={cfg.checkpoint.resume}" + (" and no checkpoint" if not others else "")
-            raise CheckpointError(
-                f"{run_dir} (checkpoints in {ckpt_root}) holds another run ({held}); a fresh start ({how}) would "
-                "overwrite its metrics and prune its checkpoints: set another logging.run_name (or unset it for a "
-                "new timestamped directory), resume that run with checkpoint.resume=auto, or delete it"
-            )
-        return None
     state = read_driver_state(resume)
+    newer = [(s, p) for s, p in list_checkpoints(ckpt_root) if s > state["step"]] if same_run else []
+    if newer:
+        step, (last, last_path) = state["step"], newer[-1]
+        also = " and another checkpoint.dir" if cfg.checkpoint.dir else ""
+        raise CheckpointError(
+            f"checkpoint.resume={resume} is step {step} of {run_dir}, which has a newer checkpoint, step {last} "
+            f"({last_path}); resuming step {step} there would drop the records of the later steps from its "
+            f"metrics.jsonl and mix two histories in {ckpt_root}: resume the newest (checkpoint.resume=auto), or "
+            f"branch from step {step} into a new run directory (checkpoint.resume={resume} "
+            f"logging.run_name=<new name>{also})"
+        )
     if state["step"] > cfg.num_steps:
         earlier = [str(p) for s, p in list_checkpoints(resume.parent) if s <= cfg.num_steps]
         raise CheckpointError(
@@ -232,7 +268,36 @@ def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | N
             f"its state would be saved as step {cfg.num_steps}: raise num_steps to {state['step']} or more"
             + (f", or resume an earlier one (checkpoint.resume={earlier[-1]})" if earlier else "")
         )
+    if (run_dir / METRICS_FILE).is_file():  # the resume rewrites it (JsonlSink), once Ray is up: read it here
+        try:
+            read_metrics(run_dir)
+        except ValueError as err:
+            raise CheckpointError(f"{err} before resuming {run_dir}, which rewrites this file") from None
     return state
+
+
+def _check_fresh_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path) -> None:
+    """A fresh start: refused in a directory that holds another run; `auto` restarts a run that left no checkpoint
+    (check_start)."""
+    records = _metric_records(run_dir)
+    others = [p.name for _, p in list_checkpoints(ckpt_root)]
+    if cfg.checkpoint.resume == "auto" and records and not others:
+        kept = run_dir / f"{Path(METRICS_FILE).stem}.{datetime.now():%Y%m%d-%H%M%S}.jsonl"
+        os.replace(run_dir / METRICS_FILE, kept)
+        log.warning(
+            "%s logged %d steps but left no checkpoint: starting it again; its metrics are kept as %s",
+            run_dir,
+            records,
+            kept,
+        )
+    elif records or others:
+        held = " and ".join([f"{records} logged steps"] * bool(records) + [f"checkpoints {others}"] * bool(others))
+        how = f"checkpoint.resume={cfg.checkpoint.resume}" + (" and no checkpoint" if not others else "")
+        raise CheckpointError(
+            f"{run_dir} (checkpoints in {ckpt_root}) holds another run ({held}); a fresh start ({how}) would "
+            "overwrite its metrics and prune its checkpoints: set another logging.run_name (or unset it for a "
+            "new timestamped directory), resume that run with checkpoint.resume=auto, or delete it"
+        )
 
 
 def _metric_records(run_dir: Path) -> int:

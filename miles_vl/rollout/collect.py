@@ -15,6 +15,11 @@ A short batch (the filter kept fewer than `want` groups after `max_rounds`) trai
 mini-batches: `trim_to_whole_batches` drops the trailing groups that do not fill one, logs a warning and counts them
 (`short_batch_dropped_groups`); when not even one mini-batch is left the step trains on nothing (the driver skips
 the train phase and says so).
+
+The step's `reward/*` and `rollout/*` statistics describe everything the step generated, in every round, kept or
+not (with a filter, kept groups are the ones whose rewards differ: their mean says little of how the policy does);
+`rollout/prompts` counts the groups kept, `rollout/generated_prompts` (with dynamic sampling) the groups generated.
+A step that keeps nothing logs the real means of what it generated, and 0 kept.
 """
 
 from __future__ import annotations
@@ -46,8 +51,19 @@ def has_reward_variance(rewards: Sequence[RewardResult]) -> bool:
 
 
 @dataclass
+class GeneratedGroup:
+    """One prompt's generations and their rewards, kept or not: what the step's metrics describe (the prompt's ids
+    only, not its pixels and images, so that a refused group's prompt is not held for the rest of the step)."""
+
+    prompt_ids: torch.Tensor  # [L]
+    generations: list[Generation]
+    rewards: list[RewardResult]
+
+
+@dataclass
 class CollectedBatch:
-    """The prompts kept, their generations and rewards (one group per prompt), and what collecting them took."""
+    """The prompts kept, their generations and rewards (one group per prompt), everything generated, and what
+    collecting them took."""
 
     prompts: list
     groups: list[list[Generation]]
@@ -57,6 +73,7 @@ class CollectedBatch:
     rounds: int
     surplus: int = 0  # groups kept beyond `want` by over-sampling, not trained on
     short_batch_dropped: int = 0  # kept groups dropped because they did not fill a whole mini-batch
+    generated: list[GeneratedGroup] = dataclasses.field(default_factory=list)  # every group of every round
 
 
 def collect(
@@ -90,6 +107,7 @@ def collect(
             rewards, stats = score(batch, groups)
         out.reward_stats.append(stats)
         for p, g, r in zip(batch, groups, rewards, strict=True):
+            out.generated.append(GeneratedGroup(p.prompt_ids, g, r))
             if keep is not None and not keep(r):
                 out.dropped += 1
                 continue
@@ -166,9 +184,10 @@ def score_groups(
 
 
 def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dynamic_sampling: bool) -> dict[str, Any]:
-    """`reward/*` and `rollout/*` metrics of a collected batch (`media_token_ids`: image and video pads)."""
-    flat = [r for rs in batch.rewards for r in rs]
-    gens = [g for gs in batch.groups for g in gs]
+    """`reward/*` and `rollout/*` metrics of everything a batch generated, kept or not (module docstring), and the
+    count of groups kept (`rollout/prompts`); `media_token_ids`: image and video pads."""
+    flat = [r for group in batch.generated for r in group.rewards]
+    gens = [g for group in batch.generated for g in group.generations]
     media = torch.tensor(list(media_token_ids))
     stats = {
         "reward/mean": mean([r.overall for r in flat]),
@@ -179,7 +198,7 @@ def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dy
         "rollout/response_len_mean": mean([g.response_ids.numel() for g in gens]),
         "rollout/truncated_fraction": mean([g.finish_reason == "length" for g in gens]),
         "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
-        "rollout/visual_tokens_per_sample": mean([int(torch.isin(p.prompt_ids, media).sum()) for p in batch.prompts]),
+        "rollout/visual_tokens_per_sample": mean([int(torch.isin(g.prompt_ids, media).sum()) for g in batch.generated]),
     }
     for part in ("accuracy", "format"):
         values = [getattr(r, part) for r in flat if getattr(r, part) is not None]
@@ -191,6 +210,7 @@ def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dy
     if dynamic_sampling:
         stats["rollout/dynamic_sampling_drop_rate"] = batch.dropped / max(batch.dropped + len(batch.prompts), 1)
         stats["rollout/surplus_groups"] = float(batch.surplus)
+        stats["rollout/generated_prompts"] = float(len(batch.generated))
     return stats
 
 

@@ -1,7 +1,7 @@
 """What the driver tests share: the tiny job (configs/geo3k_tiny_cpu.yaml made fast), a tiny HF checkpoint with the
-offline processor (what `model.init=pretrained` and SGLang load), the metrics a run wrote, and the stand-ins the
-driver is built with (`stand_ins`: `Hooks` with SGLang servers served by tests/rollout/sglang/hf_server.py, an
-engine that dies on cue, small weight buckets)."""
+offline processor (what `model.init=pretrained` and SGLang load), the metrics a run wrote, a frozen clock, and the
+stand-ins the driver is built with (`stand_ins`: `Hooks` with SGLang servers served by
+tests/rollout/sglang/hf_server.py, an engine that dies on cue, small weight buckets)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 
 from miles_vl.config import JobConfig, load_config
@@ -57,6 +58,15 @@ def write_checkpoint(path: Path, seed: int = 7, **tiny) -> Path:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+class FrozenClock(datetime):
+    """`datetime` whose now() is always 2026-11-26 12:00:00: every fresh start stamps the same run directory name
+    (`monkeypatch.setattr(miles_vl.orchestration.loop, "datetime", FrozenClock)`)."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return datetime(2026, 11, 26, 12, 0, 0)
 
 
 def metrics(run_dir: Path) -> list[dict]:

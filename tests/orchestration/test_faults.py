@@ -331,6 +331,77 @@ def test_a_run_already_at_num_steps_does_nothing(tmp_path, straight):
     assert snapshot(straight) == before
 
 
+def train_cli(tmp_path: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
+    """`miles-vl train` of this module's job (`config`) in a subprocess, writing into `tmp_path/name`; its stdout ends
+    with whether the process had started Ray."""
+    from tests.orchestration.jobs import FAST
+
+    code = (
+        "import sys, ray; from miles_vl.cli import main; rc = main(sys.argv[1:]); "
+        "print(f'ray started: {ray.is_initialized()}'); sys.exit(rc)"
+    )
+    config_file = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
+    where = (f"logging.output_dir={tmp_path}", f"logging.run_name={name}")
+    cmd = [sys.executable, "-c", code, "train", config_file, *FAST, *where, f"num_steps={STEPS}", *BASE, *overrides]
+    env = dict(os.environ, COLUMNS="300")  # rich wraps log lines at the terminal width
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def refused(out: subprocess.CompletedProcess) -> str:
+    """The one error line of a start refused before Ray (exit 2), after asserting that it was."""
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and out.stdout.splitlines()[-1] == "ray started: False"
+    return errors[0]
+
+
+def test_resuming_an_older_checkpoint_of_the_run_is_refused_naming_both_ways_out(tmp_path, straight):
+    """Issue 30.2: `checkpoint.resume=<run>/checkpoints/step_2` while step 4 existed dropped the later steps' records
+    from metrics.jsonl; a later `auto` then picked the old branch's step 4, and the file read steps 1, 2, 3, 5. Now the
+    start is refused before Ray, naming both steps, `auto` and how to branch, with every file of the run unchanged."""
+    run_dir = copy_of(straight, tmp_path / "older", steps=STEPS)  # checkpoints 2, 4, 5; metrics of steps 1-5
+    before = snapshot(run_dir)
+    step2 = run_dir / "checkpoints" / "step_00000002"
+    error = refused(train_cli(tmp_path, "older", f"checkpoint.resume={step2}"))
+    assert f"checkpoint.resume={step2} is step 2 of {run_dir}, which has a newer checkpoint, step 5" in error
+    assert "resume the newest (checkpoint.resume=auto)" in error
+    assert (
+        f"branch from step 2 into a new run directory (checkpoint.resume={step2} logging.run_name=<new name>)" in error
+    )
+    assert snapshot(run_dir) == before
+
+
+def test_a_branch_from_an_older_checkpoint_runs_in_its_own_directory_and_leaves_the_source_untouched(
+    tmp_path, straight
+):
+    """The way out the refusal names: the older checkpoint resumed into a new run directory. The branch repeats the
+    straight run from there (records of steps 3-5, the weights and optimizer state of step 5), and not one byte of the
+    source run changes."""
+    source = copy_of(straight, tmp_path / "source", steps=STEPS)
+    before = snapshot(source)
+    step2 = source / "checkpoints" / "step_00000002"
+    out = train_cli(tmp_path, "branch", f"checkpoint.resume={step2}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert snapshot(source) == before and sorted(p.name for p in tmp_path.iterdir()) == ["branch", "source"]
+    branch = tmp_path / "branch"
+    assert [comparable(r) for r in metrics(branch)] == [comparable(r) for r in metrics(straight)[2:]]
+    assert [s for s, _ in list_checkpoints(branch / "checkpoints")] == [4, 5]
+    assert_same_state(branch / "checkpoints" / "step_00000005", straight / "checkpoints" / "step_00000005")
+
+
+def test_a_bad_metrics_line_before_the_last_stops_a_resume_before_ray(tmp_path, straight):
+    """Issue 30.9: a metrics.jsonl line that is not JSON, other than a torn last one, surfaced only once Ray was up
+    (the resume's JsonlSink), as a traceback. Now: exit 2 before Ray, one line naming file:line, the file as it was."""
+    run_dir = copy_of(straight, tmp_path / "corrupt", steps=4)
+    path = run_dir / "metrics.jsonl"
+    rows = path.read_text().splitlines(keepends=True)
+    path.write_text("".join([rows[0], '{"step": 2, "reward/me\n', *rows[2:]]))
+    before = snapshot(run_dir)
+    error = refused(train_cli(tmp_path, "corrupt"))  # checkpoint.resume=auto: step 4
+    assert error.startswith(f"error: {path}:2: not a JSON record") and "fix or remove the line" in error
+    assert snapshot(run_dir) == before
+
+
 def test_hostile_rewards_do_not_stop_the_run(tmp_path, monkeypatch):
     """Issue 15.7/15.8: a reward of 1e39 killed the run at the advantages; a reward that never returns hung it.
     Both score 0, are counted, and training goes on with finite numbers."""

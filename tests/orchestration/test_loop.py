@@ -8,11 +8,14 @@
 import pytest
 import ray
 
+from miles_vl.config import load_config
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.loop import Job
-from tests.orchestration.jobs import metrics, stand_ins
+from tests.orchestration.jobs import FAST, REPO, FrozenClock, metrics, stand_ins
 from tests.orchestration.jobs import tiny_job as config
+
+TINY = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
 
 
 def comparable(record: dict) -> dict:
@@ -75,6 +78,42 @@ def test_bad_reward_fails_before_any_actor(tmp_path):
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
+def test_a_fresh_start_that_fails_before_ray_leaves_no_directory(tmp_path):
+    """A `checkpoint.resume=never` start without a run_name claims its directory first (issue 30.3); bad input found
+    after that, before Ray, removes it again."""
+    from miles_vl.reward import RewardResolutionError
+
+    cfg = config(
+        tmp_path, "unused", "logging.run_name=null", "checkpoint.resume=never", "reward.name=no_such_module:fn"
+    )
+    with pytest.raises(RewardResolutionError, match="no_such_module"):
+        run_job(cfg, config_path=TINY)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_miles_vl_train_claims_its_new_directory_before_it_loads_anything(tmp_path, monkeypatch):
+    """Issue 30.3 on the CLI path: a second fresh start in the same second, made while `miles-vl train` loads its
+    processor and data (before it writes anything), used to get the same directory. Now it gets `-2`, and the first
+    run's files are all in its own directory."""
+    from miles_vl.cli import main
+    from miles_vl.orchestration import loop
+
+    monkeypatch.setattr(loop, "datetime", FrozenClock)
+    args = [*FAST, f"logging.output_dir={tmp_path}", "checkpoint.resume=never", "num_steps=1", "reward.num_workers=1"]
+    second: list = []
+    load_processor = loop.load_processor
+
+    def second_start_meanwhile(*a, **kw):
+        second.append(loop.choose_run_dir(load_config(TINY, args), TINY))
+        return load_processor(*a, **kw)
+
+    monkeypatch.setattr(loop, "load_processor", second_start_meanwhile)
+    assert main(["train", TINY, *args]) == 0
+    first = tmp_path / "geo3k_tiny_cpu-20261126-120000"
+    assert second == [first.with_name(f"{first.name}-2")]
+    assert [r["step"] for r in metrics(first)] == [1] and list(second[0].iterdir()) == []
+
+
 def test_dynamic_sampling_drops_flat_groups_and_refills(tmp_path):
     run = run_job(
         config(
@@ -121,14 +160,32 @@ def test_short_dynamic_sampling_batch_trains_on_whole_mini_batches(tmp_path):
     assert any(r["rollout/prompts"] < 4 for r in rows)  # a short batch did happen
 
 
-def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on(tmp_path):
+def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on(tmp_path, monkeypatch):
     """A reward equal for every response: no group has signal, in any round. Each step is logged with every group
-    dropped and no train phase, and the run reaches num_steps (before: RuntimeError, the run was lost)."""
+    dropped and no train phase, and the run reaches num_steps (before: RuntimeError, the run was lost). Its reward and
+    rollout statistics are those of what it generated (issue 30.14: they were 0.0, means over no kept group)."""
+    from miles_vl.orchestration.engines import RolloutEngines
+
+    generated: list[list] = []  # per step, every generation of its rounds
+    collect_batch, generate = Job.collect_batch, RolloutEngines.generate
+
+    def new_step(self, step):
+        generated.append([])
+        return collect_batch(self, step)
+
+    def recorded(self, prompts, params):
+        groups = generate(self, prompts, params)
+        generated[-1].extend(g for group in groups for g in group)
+        return groups
+
+    monkeypatch.setattr(Job, "collect_batch", new_step)
+    monkeypatch.setattr(RolloutEngines, "generate", recorded)
     run = run_job(
         config(
             tmp_path,
             "dapo_none",
             "num_steps=2",
+            "eval.interval=0",  # every generate() is a training round
             "rollout.dynamic_sampling.enabled=true",
             "rollout.dynamic_sampling.max_rounds=1",
             "reward.name=tests.orchestration.rewards:constant_reward",
@@ -136,6 +193,11 @@ def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on
     )
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
+    for r, gens in zip(rows, generated, strict=True):
         assert r["rollout/prompts"] == 0 and r["rollout/dynamic_sampling_drop_rate"] == 1.0
         assert r["train/skipped_steps"] == 1 and "train/optimizer_steps" not in r
+        assert len(gens) == r["rollout/generated_prompts"] * 2 == 2 * 2 * 2  # 2 rounds of 2 prompts, 2 samples each
+        lengths = [g.response_ids.numel() for g in gens]
+        assert r["rollout/response_len_mean"] == sum(lengths) / len(lengths) > 0
+        assert r["rollout/response_tokens"] == sum(lengths)
+        assert r["reward/mean"] == 1.0  # constant_reward of every generated sample

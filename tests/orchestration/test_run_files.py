@@ -1,14 +1,16 @@
 """Contract: resuming a run whose config.yaml / processor.yaml an older miles_vl wrote (lacking the keys added since,
 e.g. the video settings) neither warns nor keeps a copy: the files only gain the new keys; a file that differs on a key
-both hold is kept beside the new one with a warning."""
+both hold is kept beside the new one with a warning. Fresh starts without a run_name never share a directory."""
 
 import logging
+import threading
 
 import yaml
 
 from miles_vl.data import load_processor, processor_metadata
-from miles_vl.orchestration.loop import write_run_files
-from tests.orchestration.jobs import tiny_job
+from miles_vl.orchestration import loop
+from miles_vl.orchestration.loop import choose_run_dir, write_run_files
+from tests.orchestration.jobs import REPO, FrozenClock, tiny_job
 
 VIDEO_KEYS = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
 
@@ -37,3 +39,27 @@ def test_files_from_before_new_keys_gain_them_without_a_warning(tmp_path, caplog
     assert "processor.yaml differs from the one this run started with" in caplog.text
     kept = [p for p in run_dir.iterdir() if p.name.startswith("processor.") and p.name != "processor.yaml"]
     assert len(kept) == 1 and yaml.safe_load(kept[0].read_text()) == meta
+
+
+def test_fresh_starts_in_the_same_second_never_share_a_directory(tmp_path, monkeypatch):
+    """Issue 30.3: two `checkpoint.resume=never` starts in the same second got the same run directory (a check for a
+    free name, then a create much later). 16 threads claim at once with the clock frozen: 16 directories, each
+    created by the claim (`-2` ... `-16` after the stamped name)."""
+    monkeypatch.setattr(loop, "datetime", FrozenClock)
+    cfg = tiny_job(tmp_path, "unused", "logging.run_name=null", "checkpoint.resume=never")
+    config_path = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
+    n, claimed = 16, []
+    barrier = threading.Barrier(n)
+
+    def start():
+        barrier.wait()  # all at once
+        claimed.append(choose_run_dir(cfg, config_path))
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stamp = "geo3k_tiny_cpu-20261126-120000"
+    assert sorted(p.name for p in claimed) == sorted([stamp] + [f"{stamp}-{i}" for i in range(2, n + 1)])
+    assert sorted(tmp_path.iterdir()) == sorted(claimed)  # each one exists: claimed, not just named

@@ -7,7 +7,16 @@ from types import SimpleNamespace
 
 import torch
 
+from miles_vl.reward import RewardResult
 from miles_vl.rollout.collect import collect, has_reward_variance, trim_to_whole_batches
+
+
+class Prompt(int):
+    """A prompt that is its index (tests compare prompts with ints) and has ids: one image token (7) per 3 of index."""
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        return torch.tensor([1] + [7] * (self // 3))
 
 
 def fake_run(flat: set[int]):
@@ -16,15 +25,15 @@ def fake_run(flat: set[int]):
 
     def next_batch(k):
         asked.append(k)
-        out = list(range(cursor[0], cursor[0] + k))
+        out = [Prompt(i) for i in range(cursor[0], cursor[0] + k)]
         cursor[0] += k
         return out
 
     def generate(prompts, round_):
-        return [[SimpleNamespace(response_ids=torch.tensor([1]))] * 2 for _ in prompts]
+        return [[SimpleNamespace(response_ids=torch.tensor([1]), finish_reason="stop")] * 2 for _ in prompts]
 
     def score(prompts, groups):
-        reward = lambda p, j: SimpleNamespace(overall=1.0 if p in flat else float(j))  # noqa: E731
+        reward = lambda p, j: RewardResult(overall=1.0 if p in flat else float(j))  # noqa: E731
         return [[reward(p, j) for j in range(2)] for p in prompts], SimpleNamespace(n_errors=0, n_timeouts=0)
 
     return next_batch, generate, score, asked
@@ -68,3 +77,36 @@ def test_a_filter_that_keeps_nothing_is_an_empty_step_not_an_error(caplog):
     assert trimmed.prompts == [] and trimmed.short_batch_dropped == 0
     stats = rollout_metrics(trimmed, media_token_ids=[7], dynamic_sampling=True)
     assert stats["rollout/prompts"] == 0.0 and stats["rollout/dynamic_sampling_drop_rate"] == 1.0
+
+
+def test_a_step_that_keeps_nothing_logs_what_it_generated():
+    """Issue 30.14: dynamic sampling that kept no group logged `reward/mean` and `rollout/response_len_mean` as 0.0
+    (means over the kept groups: none). The reward and rollout statistics are those of every generated sample, in
+    every round; the kept count, 0, is `rollout/prompts`."""
+    from miles_vl.rollout.collect import rollout_metrics
+
+    seen: list = []  # (prompt, response length, reward) of every generated sample
+
+    def generate(prompts, round_):  # responses of 1 + (p + j) % 5 tokens, the last one cut at the length limit
+        return [
+            [SimpleNamespace(response_ids=torch.ones(1 + (p + j) % 5), finish_reason="length" if j else "stop")
+             for j in range(2)]
+            for p in prompts
+        ]  # fmt: skip
+
+    def score(prompts, groups):  # equal within a group (the filter drops every one), different across groups
+        rewards = [[RewardResult(overall=p / 10)] * 2 for p in prompts]
+        for p, gs, rs in zip(prompts, groups, rewards, strict=True):
+            seen.extend((p, g.response_ids.numel(), r.overall) for g, r in zip(gs, rs, strict=True))
+        return rewards, SimpleNamespace(n_errors=0, n_timeouts=0)
+
+    next_batch, _, _, _ = fake_run(flat=set())
+    out = collect(next_batch, generate, score, want=4, keep=has_reward_variance, max_rounds=2)
+    stats = rollout_metrics(out, media_token_ids=[7], dynamic_sampling=True)
+    assert out.prompts == [] and len(seen) == 3 * 4 * 2  # 3 rounds of 4 prompts, 2 samples each: none kept
+    assert stats["rollout/prompts"] == 0.0 and stats["rollout/generated_prompts"] == 12.0
+    assert stats["reward/mean"] == sum(r for _, _, r in seen) / len(seen) != 0.0  # prompts 0..11: 0.55
+    assert stats["rollout/response_len_mean"] == sum(n for _, n, _ in seen) / len(seen) != 0.0
+    assert stats["rollout/response_tokens"] == sum(n for _, n, _ in seen)
+    assert stats["rollout/truncated_fraction"] == 0.5
+    assert stats["rollout/visual_tokens_per_sample"] == sum(p // 3 for p in range(12)) / 12  # 1.5
