@@ -47,6 +47,8 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
   the graphs).
 - `algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`): TIS reweights by a sampling distribution.
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
+- `reward.functions`: the weights' magnitudes sum to at most 1e6 (each function scores within ±1e6, and a total
+  reward beyond ±1e12 could overflow the float32 advantages).
 
 Checked by `miles-vl check` and `train` (not by `--config-only`): `rollout.backend: sglang` needs
 `model.init: pretrained` (the server loads `model.path`), and `rollout.sglang.one_request_per_prompt: true` refuses a

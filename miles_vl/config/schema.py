@@ -436,6 +436,27 @@ class RewardConfig(_Section):
     )
     async_concurrency: int = Field(32, gt=0, description="calls of an `async def` reward at once per worker.")
 
+    @field_validator("functions")
+    @classmethod
+    def _weights_keep_float32_finite(cls, functions: list[RewardFunctionConfig]) -> list[RewardFunctionConfig]:
+        if not functions:
+            return functions
+        # Imported here: the bounds live with the scores they bound, and miles_vl.reward pulls in sympy (math_verify),
+        # which a config without weights should not wait for.
+        from miles_vl.reward.types import MAX_ABS_REWARD, MAX_ABS_TOTAL_REWARD, total_reward_bound
+
+        weights = [f.weight for f in functions]
+        if total_reward_bound(weights) > MAX_ABS_TOTAL_REWARD:
+            i = max(range(len(weights)), key=lambda k: abs(weights[k]))
+            found, most = sum(abs(w) for w in weights), MAX_ABS_TOTAL_REWARD / MAX_ABS_REWARD
+            raise ValueError(
+                f"reward.functions.{i}.weight={weights[i]:g}: the weights' magnitudes sum to {found:.7g}, expected at "
+                f"most {most:g}: each function scores within +-{MAX_ABS_REWARD:g}, and a total reward beyond "
+                f"+-{MAX_ABS_TOTAL_REWARD:g} can overflow the float32 advantages (they square rewards); scale the "
+                "weights down"
+            )
+        return functions
+
     @model_validator(mode="after")
     def _one_form(self) -> RewardConfig:
         if not self.functions:

@@ -73,11 +73,11 @@ def test_report_on_a_non_run_dir(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["duplicate-key", "parquet-is-text", "jsonl-not-utf8", "reward-missing", "checkpoint-broken"],
+    ["duplicate-key", "parquet-is-text", "jsonl-not-utf8", "reward-missing", "checkpoint-broken", "reward-weight-1e39"],
 )
 def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
     """Issue 15.15: each bad input gets one message naming the file (and line), exit status 2, and no traceback,
-    before Ray starts."""
+    before Ray starts. Issue 30.9: a reward weight of 1e39 passed and killed the job at step 1."""
     import ray
 
     config, overrides, expected = TINY, [], ""
@@ -103,6 +103,9 @@ def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
         (ckpt / "manifest.json").write_text('{"files": {"model.safetensors": 1000, "driver.json": 11}}')
         overrides = [f"checkpoint.resume={ckpt}"]
         expected = f"{ckpt / 'model.safetensors'}: missing"
+    elif case == "reward-weight-1e39":
+        overrides = ["reward.name=null", "reward.functions=[{name: geo3k, weight: 1e39}]"]
+        expected = "'reward.functions': reward.functions.0.weight=1e+39: the weights' magnitudes sum to 1e+39, expected"
     code = main(["train", config, f"logging.output_dir={tmp_path / 'runs'}", "logging.wandb.mode=disabled", *overrides])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -113,7 +116,7 @@ def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
 
 
 def test_a_yaml_alias_bomb_is_refused_at_once_with_one_message(tmp_path):
-    """Issue 30.13: nine levels of nine aliases (the "billion laughs", 9^9 strings from 15 lines) kept `miles-vl
+    """Issue 30.13: nine levels of nine aliases (the "billion laughs", 9^9 strings from a 16-line file) kept `miles-vl
     check` busy for over 5 minutes at 3.2 GB. Refused while the file is parsed, naming the file, the alias's line and
     the bound; the timeout ends the run that would expand it."""
     from tests.config.test_hostile_config import MINIMAL, nested_aliases
