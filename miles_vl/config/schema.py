@@ -135,6 +135,17 @@ class DataConfig(_Section):
         gt=0,
         description="source images with more pixels are dropped (counted as image_too_large) before decoding.",
     )
+    # 1 GiB: 172 sampled frames of 1080p, 388 of 720p, or all 768 that Qwen3-VL samples at most at 640x360 (531 MB),
+    # though the processor then shrinks the frames of a video together to data.video_max_pixels (786,432 pixels, 2.4 MB
+    # for Qwen3-VL's own setting); the issue's 800 frames of 1024x1024 (768 sampled: 2.4 GB) are over it. A video is
+    # decoded at load time and again when encoded, holding its frames at once (PIL: 4 bytes a pixel, 1.33 GiB here).
+    max_video_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description="videos whose sampled frames take more bytes decoded (frames x width x height x 3, RGB) are "
+        "dropped (counted as video_too_large): from the frames' or the container's headers before decoding, and "
+        "again frame by frame while decoding (a header can understate). 1 GiB: 172 frames of 1080p.",
+    )
     video_fps: float | None = Field(
         None,
         gt=0,
