@@ -5,8 +5,9 @@ the dotted key, where it came from (the YAML file or the command line), what was
 found, with a did-you-mean for misspelt keys. A key given twice in one mapping of the file is an error (YAML
 would keep the second silently), as is a file that is not UTF-8 text (the message gives the line). YAML aliases may
 add at most `MAX_ALIAS_NODES` nodes to the file or to an override's value, and an alias inside its own anchor is
-refused: a "billion laughs" file is refused while it is parsed, before anything is expanded. The value of a secret
-field (`schema.secret_field`) is never repeated in a message.
+refused: a "billion laughs" file is refused while it is parsed, before anything is expanded; interpolations of
+sections may add no more when resolved. The value of a secret field (`schema.secret_field`) is never repeated in a
+message.
 
     cfg = load_config("configs/geo3k_tiny_cpu.yaml", ["rollout.n_samples_per_prompt=8"])
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
@@ -35,7 +36,7 @@ from miles_vl.config.schema import REDACTED, JobConfig, cross_field_errors, secr
 # minutes at 3.2 GB). The shipped configs use no alias and have 57 to 111 nodes; a complete config, every key of the
 # schema written out, has 312, so reusing a section, or even a whole config, a few times adds hundreds. OmegaConf
 # builds a node in about 150 us (measured: 59,049 aliased strings took 9 s), so 10,000 keeps the worst accepted file
-# near 1.5 s.
+# near 1.5 s. The same bound holds for the nodes that `${...}` interpolations of sections add when resolved.
 MAX_ALIAS_NODES = 10_000
 
 # Keys that configs of earlier releases may still set: what became of each and the fix. An unknown key that is here
@@ -102,6 +103,15 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
         raise ConfigError(problems, str(path))
     try:
         merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+        if _interpolations_overflow(merged):
+            raise ConfigError(
+                [
+                    f"interpolations (`${{...}}` of a section, and of those) would add more than {MAX_ALIAS_NODES} "
+                    "nodes when resolved (a config needs at most a few hundred): write the repeated parts out, or "
+                    "refer to a section fewer times"
+                ],
+                str(path),
+            )
         resolved = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError([f"cannot merge or resolve: {e}".splitlines()[0]], str(path)) from None
@@ -245,6 +255,34 @@ def _alias_problems(overrides: Sequence[str]) -> list[str]:
         except yaml.YAMLError:
             pass  # a malformed value: OmegaConf reports it, as it always has
     return problems
+
+
+def _interpolations_overflow(cfg: DictConfig) -> bool:
+    """Whether resolving `cfg` would add more than `MAX_ALIAS_NODES` nodes to it.
+
+    An interpolation of a section (`b: [${a}, ${a}]`) stands for all of it, and interpolations of those multiply like
+    aliases do: six lines of nine took `to_container(resolve=True)` 8 s, each line more nine times that. Resolved here
+    node by node (an interpolation of a section gives the section's node, nothing is copied), counting, and stopping
+    at the bound, so the check costs at most that many lookups; the nodes as written are counted without resolving.
+    Missing values (`???`) are left alone, as `to_container` leaves them.
+    """
+    limit = _count_nodes(OmegaConf.to_container(cfg, resolve=False)) + MAX_ALIAS_NODES
+    count, stack = 0, [cfg]
+    while stack:
+        node = stack.pop()
+        for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+            count += 1
+            if count > limit:
+                return True
+            if not OmegaConf.is_missing(node, key) and isinstance(value := node[key], DictConfig | ListConfig):
+                stack.append(value)
+    return False
+
+
+def _count_nodes(value: Any) -> int:
+    """Values in plain nested containers, the containers included (the root not)."""
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return sum(1 + _count_nodes(child) for child in children)
 
 
 def is_override(text: str) -> bool:

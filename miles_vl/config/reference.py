@@ -57,9 +57,9 @@ deterministic server (`--enable-deterministic-inference` in `extra_args`). A con
 
 Every float must be finite (`inf` and `nan` are refused), Adam's betas lie in [0, 1), a key given twice in one
 mapping of the YAML file is an error, and the file must be UTF-8. YAML aliases may add at most 10,000 nodes to the
-file (or to the value of one override), and an alias inside its own anchor is refused. Secret fields (marked "Secret"
-below) are written as `<redacted>` in config.yaml, every checkpoint's driver.json, the wandb config and `miles-vl
-check`.
+file (or to the value of one override), and so may `${...}` interpolations of sections when resolved; an alias inside
+its own anchor is refused. Secret fields (marked "Secret" below) are written as `<redacted>` in config.yaml, every
+checkpoint's driver.json, the wandb config and `miles-vl check`.
 """
 
 

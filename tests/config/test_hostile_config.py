@@ -162,3 +162,19 @@ def test_an_alias_bomb_in_an_override_is_refused(tmp_path, monkeypatch):
     value = "{" + nested_aliases(4, 10).strip().replace("\n", ", ") + "}"
     (msg,) = problems(write(tmp_path, MINIMAL), [f"reward.kwargs={value}"])
     assert msg.startswith("the command-line override reward.kwargs=...: YAML aliases would add more than 10000 nodes")
+
+
+def test_interpolations_of_sections_may_add_no_more_than_aliases(tmp_path):
+    """The same amplification through OmegaConf's `${...}`: five lines, each nine interpolations of the line before,
+    stand for 9^5 = 59,049 values, past the bound; resolving them is refused (six lines took 8 s, each line more nine
+    times that). A section interpolated a few times, and interpolated scalars, still resolve."""
+    lines = ["    a0: [" + ", ".join(["1"] * 9) + "]"]
+    lines += [f"    a{k}: [" + ", ".join([f'"${{reward.kwargs.a{k - 1}}}"'] * 9) + "]" for k in range(1, 5)]
+    (msg,) = problems(write(tmp_path, MINIMAL + "reward:\n  kwargs:\n" + "\n".join(lines) + "\n"))
+    assert msg.startswith("interpolations (`${...}` of a section, and of those) would add more than 10000 nodes")
+    text = MINIMAL + (
+        "logging: {output_dir: /tmp/x}\ncheckpoint: {dir: '${logging.output_dir}/ckpt'}\n"
+        "reward:\n  kwargs: {base: [1, 2, 3], copies: ['${reward.kwargs.base}', '${reward.kwargs.base}']}\n"
+    )
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.checkpoint.dir == "/tmp/x/ckpt" and cfg.reward.kwargs["copies"] == [[1, 2, 3], [1, 2, 3]]
