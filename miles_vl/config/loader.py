@@ -3,8 +3,11 @@
 OmegaConf loads, merges and resolves (`${...}` interpolations work); pydantic validates. Each problem names
 the dotted key, where it came from (the YAML file or the command line), what was expected and what was
 found, with a did-you-mean for misspelt keys. A key given twice in one mapping of the file is an error (YAML
-would keep the second silently), as is a file that is not UTF-8 text (the message gives the line). The value of a
-secret field (`schema.secret_field`) is never repeated in a message.
+would keep the second silently), as is a file that is not UTF-8 text (the message gives the line). YAML aliases may
+add at most `MAX_ALIAS_NODES` nodes to the file or to an override's value, and an alias inside its own anchor is
+refused: a "billion laughs" file is refused while it is parsed, before anything is expanded; interpolations of
+sections may add no more when resolved. The value of a secret field (`schema.secret_field`) is never repeated in a
+message.
 
     cfg = load_config("configs/geo3k_tiny_cpu.yaml", ["rollout.n_samples_per_prompt=8"])
 """
@@ -20,11 +23,21 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from miles_vl.config.schema import REDACTED, JobConfig, cross_field_errors, secret_keys
+
+# How many nodes YAML aliases may add to one document (the config file, or the value of one override): the nodes the
+# document would have with every alias written out, less those it has. An alias stands for the whole node of its
+# anchor, and aliases of aliases multiply: nine lines, each nine aliases of the line before (the "billion laughs"),
+# stand for 9^9 = 387 million strings, which OmegaConf copies one by one (it kept `miles-vl check` busy for over 5
+# minutes at 3.2 GB). The shipped configs use no alias and have 57 to 111 nodes; a complete config, every key of the
+# schema written out, has 312, so reusing a section, or even a whole config, a few times adds hundreds. OmegaConf
+# builds a node in about 150 us (measured: 59,049 aliased strings took 9 s), so 10,000 keeps the worst accepted file
+# near 1.5 s. The same bound holds for the nodes that `${...}` interpolations of sections add when resolved.
+MAX_ALIAS_NODES = 10_000
 
 # Keys that configs of earlier releases may still set: what became of each and the fix. An unknown key that is here
 # gets this message instead of a did-you-mean.
@@ -74,6 +87,8 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     try:
         # yaml first for a precise line/column on syntax errors; OmegaConf then owns merging and interpolation.
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+    except AliasExpansionError as e:
+        raise ConfigError([str(e)], str(path)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -83,10 +98,20 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError([f"the top level must be a mapping of sections, found {type(data).__name__}"], str(path))
     problems = [f"malformed override {o!r}: expected key.sub=value" for o in overrides if not is_override(o)]
+    problems += _alias_problems(overrides)
     if problems:
         raise ConfigError(problems, str(path))
     try:
         merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+        if _interpolations_overflow(merged):
+            raise ConfigError(
+                [
+                    f"interpolations (`${{...}}` of a section, and of those) would add more than {MAX_ALIAS_NODES} "
+                    "nodes when resolved (a config needs at most a few hundred): write the repeated parts out, or "
+                    "refer to a section fewer times"
+                ],
+                str(path),
+            )
         resolved = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError([f"cannot merge or resolve: {e}".splitlines()[0]], str(path)) from None
@@ -147,8 +172,52 @@ def decode_utf8(data: bytes, path: str | Path) -> str:
         ) from None
 
 
+class AliasExpansionError(yaml.YAMLError):
+    """YAML aliases that would add more than `MAX_ALIAS_NODES` nodes to a document, or an alias inside its anchor."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml's safe loader, refusing a key given twice in one mapping (merge keys `<<` still override)."""
+    """yaml's safe loader, refusing a key given twice in one mapping (merge keys `<<` still override) and aliases that
+    expand a document past `MAX_ALIAS_NODES` (or never end).
+
+    The composer returns an alias as its anchor's node itself (shared, not copied), so while composing nothing has
+    been expanded yet; the count refuses a document before construction (which repeats merge keys, `<<: [*a, *a]`) and
+    OmegaConf (which copies every shared node) expand it. `_sizes` holds the expanded size of every finished node (one
+    plus its children's); the node of an anchor has none while it is being composed, so an alias to it is inside it.
+    """
+
+    def compose_document(self) -> yaml.Node | None:
+        self._sizes: dict[yaml.Node, int] = {}
+        self._alias_nodes = 0  # per document, like an anchor's scope
+        return super().compose_document()
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = self.anchors.get(event.anchor)
+            if node is not None:  # else yaml's own error: an undefined alias
+                where = f"the alias *{event.anchor} at line {event.start_mark.line + 1}"
+                if node not in self._sizes:
+                    raise AliasExpansionError(
+                        f"{where} is inside its own anchor, a structure that never ends; write the part out instead"
+                    )
+                self._alias_nodes += self._sizes[node]
+                if self._alias_nodes > MAX_ALIAS_NODES:
+                    raise AliasExpansionError(
+                        f"YAML aliases would add more than {MAX_ALIAS_NODES} nodes ({where} brings them to "
+                        f"{self._alias_nodes}; a config needs at most a few hundred): write the repeated parts out, or "
+                        "use fewer aliases"
+                    )
+            return super().compose_node(parent, index)
+        node = super().compose_node(parent, index)
+        if isinstance(node, yaml.SequenceNode):
+            children: list[yaml.Node] = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        self._sizes[node] = 1 + sum(self._sizes[c] for c in children)
+        return node
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -171,6 +240,49 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _alias_problems(overrides: Sequence[str]) -> list[str]:
+    """The overrides whose value holds aliases past `MAX_ALIAS_NODES` (OmegaConf parses each value as YAML itself,
+    with a bound of its own only from OmegaConf 2.4 on, and one that an environment variable turns off)."""
+    problems = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        try:
+            yaml.compose(value, Loader=_UniqueKeyLoader)
+        except AliasExpansionError as e:
+            problems.append(f"the command-line override {key}=...: {e}")
+        except yaml.YAMLError:
+            pass  # a malformed value: OmegaConf reports it, as it always has
+    return problems
+
+
+def _interpolations_overflow(cfg: DictConfig) -> bool:
+    """Whether resolving `cfg` would add more than `MAX_ALIAS_NODES` nodes to it.
+
+    An interpolation of a section (`b: [${a}, ${a}]`) stands for all of it, and interpolations of those multiply like
+    aliases do: six lines of nine took `to_container(resolve=True)` 8 s, each line more nine times that. Resolved here
+    node by node (an interpolation of a section gives the section's node, nothing is copied), counting, and stopping
+    at the bound, so the check costs at most that many lookups; the nodes as written are counted without resolving.
+    Missing values (`???`) are left alone, as `to_container` leaves them.
+    """
+    limit = _count_nodes(OmegaConf.to_container(cfg, resolve=False)) + MAX_ALIAS_NODES
+    count, stack = 0, [cfg]
+    while stack:
+        node = stack.pop()
+        for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+            count += 1
+            if count > limit:
+                return True
+            if not OmegaConf.is_missing(node, key) and isinstance(value := node[key], DictConfig | ListConfig):
+                stack.append(value)
+    return False
+
+
+def _count_nodes(value: Any) -> int:
+    """Values in plain nested containers, the containers included (the root not)."""
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return sum(1 + _count_nodes(child) for child in children)
 
 
 def is_override(text: str) -> bool:

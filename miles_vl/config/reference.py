@@ -47,6 +47,8 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
   the graphs).
 - `algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`): TIS reweights by a sampling distribution.
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
+- `reward.functions`: the weights' magnitudes sum to at most 1e6 (each function scores within ±1e6, and a total
+  reward beyond ±1e12 could overflow the float32 advantages).
 
 Checked by `miles-vl check` and `train` (not by `--config-only`): `rollout.backend: sglang` needs
 `model.init: pretrained` (the server loads `model.path`), and `rollout.sglang.one_request_per_prompt: true` refuses a
@@ -56,8 +58,10 @@ nor `--admin-api-key` or `--tokenizer-worker-num` above 1, which would undo the 
 was removed (`train.packing`: training always packs THD rows) is named with the fix.
 
 Every float must be finite (`inf` and `nan` are refused), Adam's betas lie in [0, 1), a key given twice in one
-mapping of the YAML file is an error, and the file must be UTF-8. Secret fields (marked "Secret" below) are written
-as `<redacted>` in config.yaml, every checkpoint's driver.json, the wandb config and `miles-vl check`.
+mapping of the YAML file is an error, and the file must be UTF-8. YAML aliases may add at most 10,000 nodes to the
+file (or to the value of one override), and so may `${...}` interpolations of sections when resolved; an alias inside
+its own anchor is refused. Secret fields (marked "Secret" below) are written as `<redacted>` in config.yaml, every
+checkpoint's driver.json, the wandb config and `miles-vl check`.
 """
 
 

@@ -135,6 +135,17 @@ class DataConfig(_Section):
         gt=0,
         description="source images with more pixels are dropped (counted as image_too_large) before decoding.",
     )
+    # 1 GiB: 172 sampled frames of 1080p, 388 of 720p, or all 768 that Qwen3-VL samples at most at 640x360 (531 MB),
+    # though the processor then shrinks the frames of a video together to data.video_max_pixels (786,432 pixels, 2.4 MB
+    # for Qwen3-VL's own setting); the issue's 800 frames of 1024x1024 (768 sampled: 2.4 GB) are over it. A video is
+    # decoded at load time and again when encoded, holding its frames at once (PIL: 4 bytes a pixel, 1.33 GiB here).
+    max_video_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description="videos whose sampled frames take more bytes decoded (frames x width x height x 3, RGB) are "
+        "dropped (counted as video_too_large): from the frames' or the container's headers before decoding, and "
+        "again frame by frame while decoding (a header can understate). 1 GiB: 172 frames of 1080p.",
+    )
     video_fps: float | None = Field(
         None,
         gt=0,
@@ -436,6 +447,27 @@ class RewardConfig(_Section):
         2, gt=0, description="processes that score responses (one sync call each at a time), per reward function."
     )
     async_concurrency: int = Field(32, gt=0, description="calls of an `async def` reward at once per worker.")
+
+    @field_validator("functions")
+    @classmethod
+    def _weights_keep_float32_finite(cls, functions: list[RewardFunctionConfig]) -> list[RewardFunctionConfig]:
+        if not functions:
+            return functions
+        # Imported here: the bounds live with the scores they bound, and miles_vl.reward pulls in sympy (math_verify),
+        # which a config without weights should not wait for.
+        from miles_vl.reward.types import MAX_ABS_REWARD, MAX_ABS_TOTAL_REWARD, total_reward_bound
+
+        weights = [f.weight for f in functions]
+        if total_reward_bound(weights) > MAX_ABS_TOTAL_REWARD:
+            i = max(range(len(weights)), key=lambda k: abs(weights[k]))
+            found, most = sum(abs(w) for w in weights), MAX_ABS_TOTAL_REWARD / MAX_ABS_REWARD
+            raise ValueError(
+                f"reward.functions.{i}.weight={weights[i]:g}: the weights' magnitudes sum to {found:.7g}, expected at "
+                f"most {most:g}: each function scores within +-{MAX_ABS_REWARD:g}, and a total reward beyond "
+                f"+-{MAX_ABS_TOTAL_REWARD:g} can overflow the float32 advantages (they square rewards); scale the "
+                "weights down"
+            )
+        return functions
 
     @model_validator(mode="after")
     def _one_form(self) -> RewardConfig:

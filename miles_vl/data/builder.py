@@ -87,6 +87,7 @@ def build_datasets(
         video_key=cfg.video_key,
         dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
         max_image_pixels=cfg.max_image_pixels,
+        max_video_bytes=cfg.max_video_bytes,
     )
     if records is not None:
         train_rows, report = load_prompt_records(records, encoder, source="run_job(dataset=...)", **file_kwargs)
@@ -100,6 +101,7 @@ def build_datasets(
             source=f"synthetic(n={cfg.synthetic_n}, seed={seed}, task={cfg.synthetic_task})",
             layout="geometry3k",
             max_image_pixels=cfg.max_image_pixels,
+            max_video_bytes=cfg.max_video_bytes,
         )
     reports = [report]
     if not train_rows:

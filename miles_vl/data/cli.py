@@ -114,6 +114,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         video_key=data.video_key,
         dataset_fn=load_dataset_fn(data.dataset_fn) if data.dataset_fn else None,
         max_image_pixels=data.max_image_pixels,
+        max_video_bytes=data.max_video_bytes,
     )
     out = sys.stdout.write
     meta = processor_metadata(processor)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,27 @@ def open_image(ref: ImageRef, max_pixels: int | None = None) -> Image.Image:
         ImageError: MISSING_IMAGE when the file is gone, IMAGE_TOO_LARGE above `max_pixels` (or PIL's bound),
             CORRUPT_IMAGE when the data does not decode.
     """
+    with _header(ref, max_pixels) as img:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.load()
+        return img.convert("RGB")
+
+
+def image_size(ref: ImageRef, max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) of an image from its header, without decoding it (video frames are budgeted from these).
+
+    Raises:
+        ImageError: as `open_image`, for what the header shows (a missing file, no image header, too many pixels).
+    """
+    with _header(ref, max_pixels) as img:
+        return img.size
+
+
+@contextlib.contextmanager
+def _header(ref: ImageRef, max_pixels: int | None) -> Iterator[Image.Image]:
+    """The image opened (its header read, nothing decoded) and checked against `max_pixels`; errors in the body, e.g.
+    while decoding, become `ImageError`s too."""
     where = f"{len(ref)} bytes" if isinstance(ref, bytes) else str(ref)
     try:
         with warnings.catch_warnings():
@@ -100,10 +123,7 @@ def open_image(ref: ImageRef, max_pixels: int | None = None) -> Image.Image:
                     f"image of {width}x{height} = {width * height / 1e6:.1f} megapixels ({where}) is above "
                     f"data.max_image_pixels={max_pixels}; downscale it or raise the limit",
                 )
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                img.load()
-            return img.convert("RGB")
+            yield img
     except ImageError:
         raise
     except FileNotFoundError as err:

@@ -6,7 +6,8 @@
 Checks, in order, for every row (the first failure is its drop reason, see `records.DropReason`):
 prompt and answer present -> as many `<image>` placeholders as images and `<video>` as videos -> every image
 resolves (no remote URLs, no missing files), is within `max_image_pixels` and decodes -> every video resolves, its
-frames are sampled (the processor's fps and frame limits) and decode, all of one size -> the canonical prompt (image
+frames are sampled (the processor's fps and frame limits), take at most `max_video_bytes` decoded (from their headers
+before decoding, and while decoding) and decode, all of one size -> the canonical prompt (image
 and video tokens expanded) fits `max_prompt_len`. A video file with no decoder installed is a `DataError` (it says
 what to install), not a dropped row. A custom `dataset_fn` that raises or returns junk is a `DataError` naming the
 file and row. The report is logged (`logging`, logger `miles_vl.data.loading`) when the load ends.
@@ -49,6 +50,7 @@ def load_prompt_file(
     video_key: str = "videos",
     dataset_fn: DatasetFn | None = None,
     max_image_pixels: int | None = None,
+    max_video_bytes: int | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
     """Read a parquet/jsonl file and validate every row (see `load_prompt_records`).
 
@@ -71,6 +73,7 @@ def load_prompt_file(
         dataset_fn=dataset_fn,
         base_dir=path.parent,
         max_image_pixels=max_image_pixels,
+        max_video_bytes=max_video_bytes,
     )
 
 
@@ -88,6 +91,7 @@ def load_prompt_records(
     dataset_fn: DatasetFn | None = None,
     base_dir: Path | None = None,
     max_image_pixels: int | None = None,
+    max_video_bytes: int | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
     """Validate raw records into `PromptRow`s; count and log every dropped row.
 
@@ -103,6 +107,8 @@ def load_prompt_records(
         base_dir: folder relative image and video paths are looked up in first.
         max_image_pixels: rows with a larger image are dropped (`image_too_large`) before it is decoded; None: no
             bound but PIL's.
+        max_video_bytes: rows with a video whose sampled frames take more bytes decoded are dropped
+            (`video_too_large`), before decoding from the headers and while decoding; None: no bound.
 
     Returns:
         The kept rows in record order, and the `LoadReport`.
@@ -137,7 +143,7 @@ def load_prompt_records(
             report.drop(index, DropReason.SKIPPED_BY_DATASET_FN, "dataset_fn returned None")
             continue
         try:
-            row = _validate(index, fields, encoder, max_prompt_len, base_dir, report, max_image_pixels)
+            row = _validate(index, fields, encoder, max_prompt_len, base_dir, report, max_image_pixels, max_video_bytes)
         except DataError as err:
             raise DataError(f"{source}: row {index}: {err}") from err
         if row is not None:
@@ -155,6 +161,7 @@ def _validate(
     base_dir: Path | None,
     report: LoadReport,
     max_image_pixels: int | None = None,
+    max_video_bytes: int | None = None,
 ) -> PromptRow | None:
     problem, answer = fields.problem, fields.answer
     if not isinstance(problem, str) or not problem.strip():
@@ -196,7 +203,8 @@ def _validate(
             return None
     try:
         videos = tuple(
-            probe_video(video_source(value, base_dir), encoder.processor, max_image_pixels) for value in fields.videos
+            probe_video(video_source(value, base_dir), encoder.processor, max_image_pixels, max_video_bytes)
+            for value in fields.videos
         )
     except VideoError as err:
         report.drop(index, err.reason, str(err))

@@ -38,6 +38,7 @@ class DropReason(StrEnum):
     PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # number of `<image>` (`<video>`) != number of images (videos)
     MISSING_VIDEO = "missing_video"  # a video file or frame path that does not exist
     CORRUPT_VIDEO = "corrupt_video"  # no frames, frames that do not decode or differ in size, a file that won't decode
+    VIDEO_TOO_LARGE = "video_too_large"  # sampled frames above data.max_video_bytes decoded (header, then each frame)
     MISSING_FIELD = "missing_field"  # the prompt or the answer is null/empty in this row
     SKIPPED_BY_DATASET_FN = "skipped_by_dataset_fn"  # the custom `dataset_fn` returned None
 

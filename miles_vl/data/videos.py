@@ -15,26 +15,33 @@ the load-time token count, the encoded prompt and the run's recorded settings al
 list without its own `fps` keeps every frame (evenly thinned to max_frames when longer: `every_frame_indices`), its
 timestamps as if recorded at the sampling rate.
 
-Frame lists need nothing beyond PIL. Video files are decoded by transformers' `load_video` with the first decoder
-installed of `VIDEO_BACKENDS`; with none, or one that does not load, loading a row with a file is a `DataError` that
-says what to install (only a file that fails to decode drops its row, as corrupt_video).
+Frame lists need nothing beyond PIL. Video files are decoded frame by frame with the first decoder installed of
+`VIDEO_BACKENDS` (called as transformers' `load_video` calls them); with none, or one that does not load, loading a row
+with a file is a `DataError` that says what to install (only a file that fails to decode drops its row, as
+corrupt_video).
+
+The sampled frames of a video take frames x width x height x 3 bytes decoded (8-bit RGB, `video_bytes`); above
+`max_video_bytes` (data.max_video_bytes) the video is dropped as video_too_large, never truncated: first from the
+frames' headers or the container's, before anything is decoded, then frame by frame while decoding, because a
+container's header can understate its frames (a stream that changes resolution, a crafted file). At encode time a
+video may take no more than it did when it was probed.
 Every per-row failure is a `VideoError` carrying the `DropReason` the loader counts the row under.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
-from miles_vl.data.images import REMOTE_PREFIXES, ImageError, find_local_file, image_ref, open_image
+from miles_vl.data.images import REMOTE_PREFIXES, ImageError, find_local_file, image_ref, image_size, open_image
 from miles_vl.data.layouts import DataError
 from miles_vl.data.records import DropReason, ImageRef
 
@@ -88,6 +95,17 @@ class VideoRef:
         """The `video_metadata` entry the Qwen3-VL processor takes with pre-sampled frames."""
         return {"fps": self.fps, "total_num_frames": self.total_frames, "frames_indices": list(self.indices)}
 
+    @property
+    def decoded_bytes(self) -> int:
+        """What the sampled frames take decoded (`video_bytes`): the most `load_frames` lets them take again."""
+        return video_bytes(len(self.indices), *self.size)
+
+
+def video_bytes(n_frames: int, width: int, height: int) -> int:
+    """Bytes of `n_frames` frames of width x height decoded as 8-bit RGB (3 a pixel), the measure of
+    data.max_video_bytes. (PIL holds an RGB frame in 4 bytes a pixel; decoders hand over 3.)"""
+    return n_frames * width * height * 3
+
 
 def video_source(value: Any, base_dir: Path | None = None) -> VideoSource:
     """One video value of a row -> its frame refs or file path (frames are resolved, nothing is decoded).
@@ -131,38 +149,50 @@ def video_source(value: Any, base_dir: Path | None = None) -> VideoSource:
     )
 
 
-def probe_video(source: VideoSource, processor: Any, max_image_pixels: int | None = None) -> VideoRef:
+def probe_video(
+    source: VideoSource, processor: Any, max_image_pixels: int | None = None, max_video_bytes: int | None = None
+) -> VideoRef:
     """Sample the video's frames with the processor's settings and decode them once (load time).
 
     Args:
         source: from `video_source`.
         processor: a Qwen3-VL processor whose video processor holds the sampling settings (`load_processor`).
         max_image_pixels: frames of a frame list with more pixels are refused before decoding.
+        max_video_bytes: a video whose sampled frames take more bytes decoded (`video_bytes`) is refused, before
+            decoding from the headers, and while decoding; None: no bound.
 
     Returns:
         The `VideoRef`: the sampled frames (or the file), the source fps and frame count, the sampled indices, the size.
 
     Raises:
         VideoError: CORRUPT_VIDEO for frames that do not decode, differ in size, or are smaller than the processor
-            takes; MISSING_VIDEO, IMAGE_TOO_LARGE from a frame.
+            takes; VIDEO_TOO_LARGE above `max_video_bytes`; MISSING_VIDEO, IMAGE_TOO_LARGE from a frame.
         DataError: a video file and no decoder installed, or one that does not load (names what to install).
     """
     vp = processor.video_processor
     if source.path is not None:
-        frames, fps, total, indices = decode_video_file(source.path, vp)
+        frames, fps, total, indices = decode_video_file(source.path, vp, max_bytes=max_video_bytes)
+        sizes = sorted({f.size for f in frames})
+        del frames  # only their size is kept; encode time decodes them again
     else:
         total = len(source.frames)
         if source.fps is None:  # recorded at the sampling rate: every frame, up to max_frames
             fps, indices = float(vp.fps), every_frame_indices(total, int(vp.max_frames))
         else:
             fps, indices = source.fps, sample_indices(vp, total, source.fps)
+        refs = [source.frames[i] for i in indices]
         try:
-            frames = [open_image(source.frames[i], max_image_pixels) for i in indices]
+            headers = [image_size(ref, max_image_pixels) for ref in refs]
+            n_bytes = sum(video_bytes(1, w, h) for w, h in headers)
+            if max_video_bytes is not None and n_bytes > max_video_bytes:
+                raise _too_large(f"{len(refs)} sampled frames of {_sizes_text(headers)}", n_bytes, max_video_bytes)
+            for ref in refs:  # decoded one at a time (truncated data fails here), then let go
+                open_image(ref, max_image_pixels)
         except ImageError as err:
             raise VideoError(_frame_reason(err.reason), f"video frame: {err}") from err
-    if not frames:
+        sizes = sorted(set(headers))
+    if not indices:
         raise VideoError(DropReason.CORRUPT_VIDEO, "the video decoded to zero frames")
-    sizes = sorted({f.size for f in frames})
     if len(sizes) > 1:
         raise VideoError(
             DropReason.CORRUPT_VIDEO, f"the frames of one video differ in size {sizes[:3]}; resize them to one size"
@@ -185,10 +215,18 @@ def probe_video(source: VideoSource, processor: Any, max_image_pixels: int | Non
 
 
 def load_frames(video: VideoRef) -> list[Image.Image]:
-    """The sampled frames of a probed video, decoded again (encode time), RGB."""
+    """The sampled frames of a probed video, decoded again (encode time), RGB; each no larger than when probed.
+
+    Raises:
+        VideoError: a file or frame that no longer decodes, or whose frames have grown since (VIDEO_TOO_LARGE).
+    """
     if video.path is not None:
-        return decode_video_file(video.path, None, list(video.indices))[0]
-    return [open_image(ref) for ref in video.frames]
+        return decode_video_file(video.path, None, list(video.indices), max_bytes=video.decoded_bytes)[0]
+    width, height = video.size
+    try:
+        return [open_image(ref, max_pixels=width * height) for ref in video.frames]
+    except ImageError as err:
+        raise VideoError(_frame_reason(err.reason), f"video frame: {err}") from err
 
 
 def sample_indices(video_processor: Any, total_frames: int, fps: float) -> list[int]:
@@ -247,21 +285,25 @@ def import_backend(backend: str) -> None:
 
 
 def decode_video_file(
-    path: Path, video_processor: Any, indices: Sequence[int] | None = None
+    path: Path, video_processor: Any, indices: Sequence[int] | None = None, max_bytes: int | None = None
 ) -> tuple[list[Image.Image], float, int, list[int]]:
-    """Decode the sampled frames of a video file with transformers' `load_video`.
+    """Decode the sampled frames of a video file, one at a time, within `max_bytes`.
 
     Args:
         path: an existing local file.
         video_processor: samples the frames (`sample_indices`) when `indices` is None.
         indices: the frames to decode (encode time: those chosen at load time).
+        max_bytes: the most the sampled frames may take decoded (`video_bytes`): checked from the container's
+            frame size before decoding (decord states none: from the first frame), then frame by frame, so that a
+            header that understates the frames stops the decode at the frame that passes the bound. None: no bound.
 
     Returns:
         (RGB frames, source fps, source frame count, the indices decoded).
 
     Raises:
         DataError: no decoder installed, or the installed one does not load (names what to install).
-        VideoError: CORRUPT_VIDEO when the file does not decode or has no frames.
+        VideoError: CORRUPT_VIDEO when the file does not decode, has no frames, or ends before a sampled frame;
+            VIDEO_TOO_LARGE above `max_bytes`.
     """
     backend = video_backend()
     if backend is None:
@@ -271,31 +313,156 @@ def decode_video_file(
             f"pip install {names} (PyAV: `pip install av`); videos given as lists of frames need none"
         )
     import_backend(backend)
-    from transformers.video_utils import load_video
-
-    found: dict[str, Any] = {}
-
-    def pick(metadata: Any, **_: Any) -> list[int]:
-        found["fps"], found["total"] = float(metadata.fps or 0.0), int(metadata.total_num_frames)
-        if found["total"] < 1 or found["fps"] <= 0:
-            raise VideoError(DropReason.CORRUPT_VIDEO, f"video {path}: {found['total']} frames at {found['fps']} fps")
-        chosen = list(indices) if indices is not None else sample_indices(video_processor, found["total"], found["fps"])
-        found["indices"] = chosen
-        return chosen
-
     try:
-        array, _ = load_video(str(path), backend=backend, sample_indices_fn=pick)
+        video = _OPENERS[backend](path)
+        try:
+            total, fps = video.total, video.fps
+            if total < 1 or fps <= 0:
+                raise VideoError(DropReason.CORRUPT_VIDEO, f"video {path}: {total} frames at {fps} fps")
+            chosen = [int(i) for i in indices] if indices is not None else sample_indices(video_processor, total, fps)
+            decoded = _decode_within(path, video, chosen, max_bytes)
+        finally:
+            video.close()
     except VideoError:
         raise
     except ImportError as err:  # a part of the decoder that loads on first use: the install, not this file
         raise DataError(_broken_backend(backend, err)) from err
     except Exception as err:  # decoders raise their own types for broken files
         raise VideoError(DropReason.CORRUPT_VIDEO, f"cannot decode video {path} ({backend}): {err}") from err
-    frames = torch.as_tensor(array)
-    if frames.shape[-1] != 3:  # [T, C, H, W] (torchcodec) -> [T, H, W, C]
-        frames = frames.permute(0, 2, 3, 1)
-    images = [Image.fromarray(f.to(torch.uint8).numpy()).convert("RGB") for f in frames]
-    return images, found["fps"], found["total"], found["indices"]
+    missing = [i for i in chosen if i not in decoded]
+    if missing:
+        raise VideoError(
+            DropReason.CORRUPT_VIDEO,
+            f"video {path}: the file ends before sampled frame {missing[0]} (its header says {total} frames)",
+        )
+    return [decoded[i] for i in chosen], fps, total, chosen
+
+
+@dataclass(frozen=True)
+class _OpenVideo:
+    """A video file opened by one decoder: what its header says, and its frames decoded one at a time."""
+
+    total: int  # frames, as the header counts them
+    fps: float
+    size: tuple[int, int] | None  # (width, height) from the header; None: the decoder states none before decoding
+    # frames(indices) yields (index, width, height, to_rgb) per sampled frame in the file's order; to_rgb() makes the
+    # [H, W, 3] uint8 array, and is called only once the frame has fit the budget
+    frames: Callable[[Sequence[int]], Iterator[tuple[int, int, int, Callable[[], Any]]]]
+    close: Callable[[], None]
+
+
+def _decode_within(
+    path: Path, video: _OpenVideo, chosen: Sequence[int], max_bytes: int | None
+) -> dict[int, Image.Image]:
+    """The chosen frames as RGB images by index, refused (VIDEO_TOO_LARGE) as soon as they would take more than
+    `max_bytes`: from the header's frame size before any is decoded (without one, from the first frame's), then
+    counted frame by frame, before each is converted to RGB."""
+    n = len(chosen)
+    if max_bytes is not None and video.size is not None and video_bytes(n, *video.size) > max_bytes:
+        raise _too_large(
+            f"video {path}: {n} sampled frames of {_sizes_text([video.size])}", video_bytes(n, *video.size), max_bytes
+        )
+    decoded: dict[int, Image.Image] = {}
+    stated, used = video.size, 0
+    for index, width, height, to_rgb in video.frames(chosen):
+        if stated is None:  # decord: the first frame stands for the header
+            stated = (width, height)
+            if max_bytes is not None and video_bytes(n, width, height) > max_bytes:
+                raise _too_large(
+                    f"video {path}: {n} sampled frames of {width}x{height} (its first)",
+                    video_bytes(n, width, height),
+                    max_bytes,
+                )
+        used += video_bytes(1, width, height)
+        if max_bytes is not None and used > max_bytes:
+            raise _too_large(
+                f"video {path}: decoding stopped at sampled frame {len(decoded) + 1} of {n}, of {width}x{height} where "
+                f"{'the header says' if video.size else 'the first was'} {_sizes_text([stated])}: the frames so far",
+                used,
+                max_bytes,
+            )
+        decoded[index] = Image.fromarray(np.asarray(to_rgb(), dtype=np.uint8)).convert("RGB")
+    return decoded
+
+
+def _open_pyav(path: Path) -> _OpenVideo:
+    """PyAV: the stream's header, then every frame decoded in order up to the last sampled one (as transformers'
+    `read_video_pyav` does); the frames not sampled are let go as they come."""
+    import av
+
+    container = av.open(str(path))
+    try:
+        stream = container.streams.video[0]
+        total, rate, size = int(stream.frames), stream.average_rate, (int(stream.width), int(stream.height))
+    except BaseException:
+        container.close()
+        raise
+
+    def frames(indices: Sequence[int]) -> Iterator[tuple[int, int, int, Callable[[], Any]]]:
+        wanted, last = set(indices), max(indices)
+        for i, frame in enumerate(container.decode(video=0)):
+            if i > last:
+                break
+            if i in wanted:
+                yield i, int(frame.width), int(frame.height), functools.partial(frame.to_ndarray, format="rgb24")
+
+    return _OpenVideo(total, float(rate) if rate else 0.0, size if all(size) else None, frames, container.close)
+
+
+def _open_torchcodec(path: Path) -> _OpenVideo:
+    """torchcodec: the stream's metadata, then each sampled frame by index (`get_frame_at`, [3, H, W] uint8)."""
+    from torchcodec.decoders import VideoDecoder
+
+    decoder = VideoDecoder(str(path), seek_mode="exact", num_ffmpeg_threads=0)  # as transformers opens it
+    meta = decoder.metadata
+    size = (int(meta.width or 0), int(meta.height or 0))
+
+    def frames(indices: Sequence[int]) -> Iterator[tuple[int, int, int, Callable[[], Any]]]:
+        for i in indices:
+            data = decoder.get_frame_at(int(i)).data  # [3, H, W]
+            yield int(i), int(data.shape[-1]), int(data.shape[-2]), lambda data=data: data.permute(1, 2, 0).numpy()
+
+    return _OpenVideo(
+        int(meta.num_frames or 0), float(meta.average_fps or 0.0), size if all(size) else None, frames, lambda: None
+    )
+
+
+def _open_decord(path: Path) -> _OpenVideo:
+    """decord: frame count and rate, no frame size before decoding; each sampled frame by index ([H, W, 3])."""
+    from decord import VideoReader, cpu
+
+    reader = VideoReader(str(path), ctx=cpu(0))
+
+    def frames(indices: Sequence[int]) -> Iterator[tuple[int, int, int, Callable[[], Any]]]:
+        for i in indices:
+            data = reader[int(i)]
+            yield int(i), int(data.shape[1]), int(data.shape[0]), data.asnumpy
+
+    return _OpenVideo(len(reader), float(reader.get_avg_fps()), None, frames, lambda: None)
+
+
+_OPENERS: dict[str, Callable[[Path], _OpenVideo]] = {
+    "torchcodec": _open_torchcodec,
+    "pyav": _open_pyav,
+    "decord": _open_decord,
+}
+
+
+def _too_large(what: str, n_bytes: int, max_bytes: int) -> VideoError:
+    return VideoError(
+        DropReason.VIDEO_TOO_LARGE,
+        f"{what}: {_mib(n_bytes)} decoded (RGB), above data.max_video_bytes={max_bytes} ({_mib(max_bytes)}); sample "
+        "fewer frames (data.video_max_frames, data.video_fps), use a smaller video, or raise the limit",
+    )
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:,.1f} MiB"
+
+
+def _sizes_text(sizes: Sequence[tuple[int, int]]) -> str:
+    distinct = sorted(set(sizes))
+    return ", ".join(f"{w}x{h}" for w, h in distinct[:3]) + (" ..." if len(distinct) > 3 else "")
 
 
 def _broken_backend(backend: str, err: BaseException) -> str:

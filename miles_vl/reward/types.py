@@ -18,7 +18,8 @@ and returns one score per completion (a list; a length that differs fails every 
 
 Scores must be finite and within +-`MAX_ABS_REWARD` (1e6): a larger one (e.g. 1e39, finite in float64 but inf in
 the float32 advantages) is refused like any other bad return value: that sample scores 0 and counts in
-`reward/errors`, with a message that names the value. Rescale such a reward.
+`reward/errors`, with a message that names the value. Rescale such a reward. The weights of several functions must
+keep the total within +-`MAX_ABS_TOTAL_REWARD` (1e12) too: sum |weight| <= 1e6 (`total_reward_bound`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,23 @@ RewardFn = Callable[[RewardSample], RewardValue | Awaitable[RewardValue]]
 
 _RESULT_KEYS = ("overall", "accuracy", "format")
 MAX_ABS_REWARD = 1e6  # far beyond any sane reward scale, far inside float32 (advantages square rewards)
+# The bound on a sample's total reward, the weighted sum of its functions' scores (`reward.functions`, each score
+# within +-MAX_ABS_REWARD): the weights must keep sum |weight| * MAX_ABS_REWARD within it (`total_reward_bound`).
+# Derived from the float32 advantages (algo/advantages.py), which square centred rewards. With every total in [-B, B],
+# a reward less its group mean is within +-2B; reinforce_pp_baseline's whitening subtracts the batch mean of those
+# (also within +-2B), squares (at most 16 B^2) and sums over the batch weighted by token counts, T in all. 16 B^2 T
+# stays below float32's largest value, 3.4e38, for B = 1e12 up to T = 2e13 tokens in a batch (no batch holds a
+# thousandth of that); GRPO's group std squares n terms of at most 2B (4 B^2 n) and Dr.GRPO's advantages are the
+# centred totals themselves (2e12), both far inside too. A weight of 1e39 makes a total of 1e39: inf in float32.
+MAX_ABS_TOTAL_REWARD = 1e12
+
+
+def total_reward_bound(weights: Sequence[float]) -> float:
+    """The largest |total reward| a weighted sum of reward functions can reach: sum |weight| * MAX_ABS_REWARD.
+
+    Weights whose bound exceeds `MAX_ABS_TOTAL_REWARD` can overflow the float32 advantages; the config refuses them.
+    """
+    return math.fsum(abs(w) for w in weights) * MAX_ABS_REWARD
 
 
 def to_reward_result(value: object) -> RewardResult:

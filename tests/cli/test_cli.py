@@ -4,6 +4,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,11 @@ def test_report_on_a_non_run_dir(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["duplicate-key", "parquet-is-text", "jsonl-not-utf8", "reward-missing", "checkpoint-broken"],
+    ["duplicate-key", "parquet-is-text", "jsonl-not-utf8", "reward-missing", "checkpoint-broken", "reward-weight-1e39"],
 )
 def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
     """Issue 15.15: each bad input gets one message naming the file (and line), exit status 2, and no traceback,
-    before Ray starts."""
+    before Ray starts. Issue 30.9: a reward weight of 1e39 passed and killed the job at step 1."""
     import ray
 
     config, overrides, expected = TINY, [], ""
@@ -102,6 +103,9 @@ def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
         (ckpt / "manifest.json").write_text('{"files": {"model.safetensors": 1000, "driver.json": 11}}')
         overrides = [f"checkpoint.resume={ckpt}"]
         expected = f"{ckpt / 'model.safetensors'}: missing"
+    elif case == "reward-weight-1e39":
+        overrides = ["reward.name=null", "reward.functions=[{name: geo3k, weight: 1e39}]"]
+        expected = "'reward.functions': reward.functions.0.weight=1e+39: the weights' magnitudes sum to 1e+39, expected"
     code = main(["train", config, f"logging.output_dir={tmp_path / 'runs'}", "logging.wandb.mode=disabled", *overrides])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -109,6 +113,32 @@ def test_bad_input_exits_2_with_one_message_before_ray(tmp_path, capsys, case):
     error = err[err.index("error: ") :]  # after the log lines of what loaded fine
     assert expected in " ".join(error.split())
     assert "Traceback" not in err
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_with_one_message(tmp_path):
+    """Issue 30.13: nine levels of nine aliases (the "billion laughs", 9^9 strings from a 16-line file) kept `miles-vl
+    check` busy for over 5 minutes at 3.2 GB. Refused while the file is parsed, naming the file, the alias's line and
+    the bound; the timeout ends the run that would expand it."""
+    from tests.config.test_hostile_config import MINIMAL, nested_aliases
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(MINIMAL + "reward:\n  kwargs:\n" + nested_aliases(9, 9, indent="    "))
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "miles_vl.cli", "check", "--config-only", str(bomb)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert time.monotonic() - start < 5, run.stderr
+    assert run.returncode == 2, run.stderr
+    # a0 .. a3 stand for 10, 91, 820 and 7381 nodes; the aliases in a1 .. a3 add 8289, a4's first *a3 makes it 15670
+    assert run.stderr.splitlines() == [
+        f"error: invalid config {bomb} (1 problem):",
+        "  - YAML aliases would add more than 10000 nodes (the alias *a3 at line 12 brings them to 15670; a config "
+        "needs at most a few hundred): write the repeated parts out, or use fewer aliases",
+    ]
 
 
 @pytest.mark.parametrize(

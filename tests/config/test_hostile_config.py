@@ -1,7 +1,8 @@
-"""Contract (issue 15 items 10, 14, 15, 16): a config file that YAML or Python would accept with a silent surprise is
-refused with one message naming the file and line: a key given twice, bytes that are not UTF-8, `inf`/`nan` in any
-float, Adam betas outside [0, 1). Secret fields are marked once in the schema and never written out (`redacted`),
-not even in an error message about them."""
+"""Contract (issue 15 items 10, 14, 15, 16; issue 30 item 13): a config file that YAML or Python would accept with a
+silent surprise is refused with one message naming the file and line: a key given twice, bytes that are not UTF-8,
+`inf`/`nan` in any float, Adam betas outside [0, 1), aliases that expand past `MAX_ALIAS_NODES` or never end.
+Secret fields are marked once in the schema and never written out (`redacted`), not even in an error message about
+them."""
 
 import typing
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from miles_vl.config import ConfigError, JobConfig, load_config
+from miles_vl.config.loader import MAX_ALIAS_NODES
 from miles_vl.config.schema import REDACTED, redacted, secret_keys
 
 MINIMAL = "model:\n  init: random\n  processor: offline\ndata:\n  synthetic_n: 8\n"
@@ -107,3 +109,72 @@ def test_secrets_are_marked_once_and_redacted_generically(tmp_path):
 def test_an_error_about_a_secret_does_not_repeat_it(tmp_path):
     (msg,) = problems(write(tmp_path, MINIMAL + "rollout:\n  sglang:\n    api_key: [s3cret, value]\n"))
     assert "'rollout.sglang.api_key'" in msg and "s3cret" not in msg and REDACTED in msg
+
+
+def nested_aliases(levels: int, width: int, indent: str = "") -> str:
+    """`levels` lists, each `width` aliases of the one before (the first `width` strings): a list at level k stands
+    for width^(k+1) strings, and all of them add sum_{k=1}^{levels-1} (width^k * (width + 1)) nodes to the file."""
+    lines = [f"{indent}a0: &a0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"{indent}a{k}: &a{k} [{', '.join([f'*a{k - 1}'] * width)}]" for k in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_ordinary_anchors_still_load(tmp_path):
+    """Anchors for a value used twice, a list shared by two reward functions, and a merge key: the aliases add a few
+    nodes, far below the bound."""
+    text = MINIMAL + (
+        "seed: &seed 7\n"
+        "rollout: &sampling\n  temperature: 0.7\n  n_samples_per_prompt: &n 4\n"
+        "eval:\n  <<: *sampling\n  n_samples_per_prompt: *n\n"
+        "reward:\n  name: null\n  functions:\n"
+        "    - {name: geo3k, kwargs: {format_pattern: &pattern '.*'}}\n"
+        "    - {name: geo3k, label: strict, weight: *seed, kwargs: {format_pattern: *pattern, format_weight: 0.5}}\n"
+    )
+    cfg = load_config(write(tmp_path, text))
+    assert (cfg.eval.temperature, cfg.eval.n_samples_per_prompt, cfg.rollout.n_samples_per_prompt) == (0.7, 4, 4)
+    assert [(f.weight, f.kwargs["format_pattern"]) for f in cfg.reward.functions] == [(1.0, ".*"), (7.0, ".*")]
+
+
+def test_aliases_may_add_up_to_the_bound_and_no_more(tmp_path):
+    """The bound counts the nodes aliases add: a 99-item list (100 nodes with the list itself) aliased 100 times adds
+    exactly MAX_ALIAS_NODES = 10,000 and loads; the 101st alias is refused, naming its line and the bound."""
+    assert MAX_ALIAS_NODES == 100 * 100
+    anchor = f"    base: &base [{', '.join(['1'] * 99)}]\n"
+    at_bound = MINIMAL + "reward:\n  kwargs:\n" + anchor + f"    copies: [{', '.join(['*base'] * 100)}]\n"
+    cfg = load_config(write(tmp_path, at_bound))
+    assert len(cfg.reward.kwargs["copies"]) == 100 and cfg.reward.kwargs["copies"][99] == [1] * 99
+    (msg,) = problems(write(tmp_path, at_bound + "    more: *base\n"))
+    assert msg.startswith(
+        "YAML aliases would add more than 10000 nodes (the alias *base at line 10 brings them to 10100"
+    )
+
+
+def test_an_alias_inside_its_own_anchor_is_refused(tmp_path):
+    """`&r [*r]` is a list that contains itself: OmegaConf recursed until Python's limit (a RecursionError)."""
+    (msg,) = problems(write(tmp_path, MINIMAL + "reward:\n  kwargs:\n    r: &r [1, *r]\n"))
+    assert msg.startswith("the alias *r at line 8 is inside its own anchor")
+
+
+def test_an_alias_bomb_in_an_override_is_refused(tmp_path, monkeypatch):
+    """OmegaConf parses each override's value as YAML itself, with its own loader: its bound (OmegaConf 2.4 on) is
+    turned off here, as an environment variable can, to show that ours holds regardless. 4 levels of 10 add 11,110."""
+    monkeypatch.setenv("OMEGACONF_MAX_YAML_EXPANDED_NODES", "none")
+    value = "{" + nested_aliases(4, 10).strip().replace("\n", ", ") + "}"
+    (msg,) = problems(write(tmp_path, MINIMAL), [f"reward.kwargs={value}"])
+    assert msg.startswith("the command-line override reward.kwargs=...: YAML aliases would add more than 10000 nodes")
+
+
+def test_interpolations_of_sections_may_add_no_more_than_aliases(tmp_path):
+    """The same amplification through OmegaConf's `${...}`: five lines, each nine interpolations of the line before,
+    stand for 9^5 = 59,049 values, past the bound; resolving them is refused (six lines took 8 s, each line more nine
+    times that). A section interpolated a few times, and interpolated scalars, still resolve."""
+    lines = ["    a0: [" + ", ".join(["1"] * 9) + "]"]
+    lines += [f"    a{k}: [" + ", ".join([f'"${{reward.kwargs.a{k - 1}}}"'] * 9) + "]" for k in range(1, 5)]
+    (msg,) = problems(write(tmp_path, MINIMAL + "reward:\n  kwargs:\n" + "\n".join(lines) + "\n"))
+    assert msg.startswith("interpolations (`${...}` of a section, and of those) would add more than 10000 nodes")
+    text = MINIMAL + (
+        "logging: {output_dir: /tmp/x}\ncheckpoint: {dir: '${logging.output_dir}/ckpt'}\n"
+        "reward:\n  kwargs: {base: [1, 2, 3], copies: ['${reward.kwargs.base}', '${reward.kwargs.base}']}\n"
+    )
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.checkpoint.dir == "/tmp/x/ckpt" and cfg.reward.kwargs["copies"] == [[1, 2, 3], [1, 2, 3]]

@@ -2,15 +2,22 @@
 encoder into a `PromptSample` with `pixel_values_videos` and `video_grid_thw`, sampled by Qwen3-VL's own rule with
 the settings fixed on the processor (and recorded by `processor_metadata`), and the load-time token count equals the
 processor's; a bad video drops its row under a named reason; a video file without a decoder is an error that says
-what to install."""
+what to install. A video whose sampled frames take more than `data.max_video_bytes` decoded is dropped
+(`video_too_large`) from its headers before a frame is decoded, or, when a header understates, at the frame that passes
+the bound."""
 
+import functools
 import sys
 import types
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from miles_vl.config.schema import DataConfig
 from miles_vl.data import (
@@ -18,6 +25,7 @@ from miles_vl.data import (
     DropReason,
     PromptEncoder,
     VideoSettings,
+    build_datasets,
     load_processor,
     load_prompt_file,
     load_prompt_records,
@@ -25,6 +33,7 @@ from miles_vl.data import (
     video_settings,
 )
 from miles_vl.data import videos as videos_module
+from miles_vl.data.videos import VideoError
 from tests.data.helpers import png_bytes, write_jsonl, write_png
 
 SMALL = VideoSettings(fps=2.0, min_frames=2, max_frames=8, min_pixels=32 * 32, max_pixels=4 * 64 * 64)
@@ -130,35 +139,65 @@ def test_a_video_file_without_a_decoder_says_what_to_install(tmp_path, encoder, 
         load(records, encoder, base_dir=tmp_path)
 
 
-def fake_decoder(monkeypatch, load_video, broken=False):
-    """Stand in for PyAV (none is installed here): `av` imports as an empty module (`broken`: `import av` raises
-    ModuleNotFoundError), and transformers' `load_video` seam is `load_video`."""
-    from transformers import video_utils
+@dataclass
+class FakeClip:
+    """A video file as `FakePyAV` shows it: frame k is filled with grey level 20 * k (so the decoded frames show which
+    indices were taken). `header` is the (width, height) the stream states; `size` what the frames decode to (a
+    header that lies), by default the same."""
 
+    n_frames: int = 10
+    fps: float = 5.0
+    header: tuple[int, int] = (64, 64)
+    size: tuple[int, int] | None = None
+    error: Exception | None = None  # raised by av.open (a file that does not decode, a library that will not load)
+
+
+class FakePyAV(types.ModuleType):
+    """Stands in for PyAV (none is installed here), with the calls miles_vl makes: `av.open(path)`, the stream's
+    `frames`, `average_rate`, `width`, `height`, `container.decode(video=0)` yielding frames in order, lazily, and
+    `frame.to_ndarray(format="rgb24")`. `decoded` records (file name, index) of each frame the decoder yields,
+    `converted` of each made RGB."""
+
+    def __init__(self, clips: dict[str, FakeClip]):
+        super().__init__("av")
+        self.clips, self.decoded, self.converted = clips, [], []
+
+    def open(self, path: str):
+        name = Path(path).name
+        clip = self.clips[name]
+        if clip.error is not None:
+            raise clip.error
+        width, height = clip.size or clip.header
+        stream = types.SimpleNamespace(
+            frames=clip.n_frames, average_rate=Fraction(clip.fps), width=clip.header[0], height=clip.header[1]
+        )
+
+        def to_ndarray(k, format):
+            assert format == "rgb24"
+            self.converted.append((name, k))
+            return np.full((height, width, 3), 20 * k % 256, dtype=np.uint8)
+
+        def decode(video):
+            assert video == 0
+            for k in range(clip.n_frames):
+                self.decoded.append((name, k))
+                yield types.SimpleNamespace(width=width, height=height, to_ndarray=functools.partial(to_ndarray, k))
+
+        return types.SimpleNamespace(streams=types.SimpleNamespace(video=[stream]), decode=decode, close=lambda: None)
+
+
+def fake_pyav(monkeypatch, broken=False, **clips: FakeClip) -> FakePyAV:
+    """Install `FakePyAV` with `clips` by file name as the video decoder (`broken`: `import av` raises
+    ModuleNotFoundError)."""
+    av = FakePyAV(clips)
     monkeypatch.setattr(videos_module, "video_backend", lambda: "pyav")
-    monkeypatch.setitem(sys.modules, "av", None if broken else types.ModuleType("av"))
-    monkeypatch.setattr(video_utils, "load_video", load_video)
-
-
-def ten_frames_at_5_fps(calls=None):
-    """A `load_video` of 10 frames at 5 fps, frame k filled with grey level 20 * k (so the decoded frames show which
-    indices were taken); each call's indices are appended to `calls`."""
-    from transformers import video_utils
-
-    def load_video(path, backend, sample_indices_fn):
-        meta = video_utils.VideoMetadata(total_num_frames=10, fps=5.0)
-        idx = sample_indices_fn(metadata=meta)
-        if calls is not None:
-            calls.append(list(idx))
-        return np.stack([np.full((64, 64, 3), 20 * k, dtype=np.uint8) for k in idx]), meta
-
-    return load_video
+    monkeypatch.setitem(sys.modules, "av", None if broken else av)
+    return av
 
 
 def test_a_video_file_is_sampled_by_the_processors_rule(tmp_path, encoder, processor, monkeypatch):
-    """A stand-in decoder in transformers' `load_video` seam: 10 frames at 5 fps."""
-    calls = []
-    fake_decoder(monkeypatch, ten_frames_at_5_fps(calls))
+    """A stand-in decoder: 10 frames at 5 fps."""
+    av = fake_pyav(monkeypatch, **{"a.mp4": FakeClip()})
     (tmp_path / "a.mp4").write_bytes(b"\x00")
     rows, report = load([{"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}], encoder, base_dir=tmp_path)
     assert report.n_kept == 1
@@ -166,7 +205,8 @@ def test_a_video_file_is_sampled_by_the_processors_rule(tmp_path, encoder, proce
     # Qwen3-VL: int(10 frames / 5 fps * 2 fps) = 4 frames, linspace(0, 9, 4) rounded
     assert video.indices == (0, 3, 6, 9) and video.fps == 5.0 and video.total_frames == 10
     sample = encoder.encode(rows[0])
-    assert calls == [[0, 3, 6, 9], [0, 3, 6, 9]]  # load time, then encode time with the same indices
+    # load time, then encode time with the same indices; the decoder runs through the frames up to the last one taken
+    assert av.converted == [("a.mp4", k) for k in (0, 3, 6, 9)] * 2 and len(av.decoded) == 20
     assert sample.video_grid_thw.tolist() == [[2, 4, 4]] and sample.prompt_len == rows[0].prompt_len
     frames_back = videos_module.load_frames(video)
     assert [f.getpixel((0, 0))[0] for f in frames_back] == [0, 60, 120, 180]
@@ -227,30 +267,22 @@ def test_a_broken_decoder_install_is_an_error_that_names_it(tmp_path, encoder, m
     as corrupt_video for every file row, and the load went on without saying what to install."""
     (tmp_path / "a.mp4").write_bytes(b"\x00")
     records = [{"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}]
-    fake_decoder(monkeypatch, ten_frames_at_5_fps(), broken=True)
+    fake_pyav(monkeypatch, broken=True, **{"a.mp4": FakeClip()})
     with pytest.raises(
         DataError, match=r"decoder pyav is installed but does not load \(ModuleNotFoundError: .*av.*pip install"
     ):
         load(records, encoder, base_dir=tmp_path)
 
-    def missing_library(path, backend, sample_indices_fn):  # a part that loads on first use
-        raise ImportError("libavformat.so.61: cannot open shared object file")
-
-    fake_decoder(monkeypatch, missing_library)
+    # a part that loads on first use
+    fake_pyav(monkeypatch, **{"a.mp4": FakeClip(error=ImportError("libavformat.so.61: cannot open shared object"))})
     with pytest.raises(DataError, match=r"pyav .*ImportError: libavformat\.so\.61.*--force-reinstall av"):
         load(records, encoder, base_dir=tmp_path)
 
 
 def test_a_file_that_does_not_decode_drops_only_its_row(tmp_path, encoder, monkeypatch):
     """A decoder that raises on one file (its own error type) drops that row as corrupt_video; the others load."""
-    good = ten_frames_at_5_fps()
-
-    def load_video(path, backend, sample_indices_fn):
-        if path.endswith("bad.mp4"):
-            raise OSError("[Errno 1094995529] Invalid data found when processing input")
-        return good(path, backend, sample_indices_fn)
-
-    fake_decoder(monkeypatch, load_video)
+    bad = FakeClip(error=OSError("[Errno 1094995529] Invalid data found when processing input"))
+    fake_pyav(monkeypatch, **{"good.mp4": FakeClip(), "bad.mp4": bad})
     for name in ("good.mp4", "bad.mp4"):
         (tmp_path / name).write_bytes(b"\x00")
     records = [{"problem": "<video>", "answer": "1", "videos": [name]} for name in ("good.mp4", "bad.mp4")]
@@ -263,7 +295,7 @@ def test_a_parquet_column_mixing_frame_and_file_videos(tmp_path, encoder, monkey
     """Pins a bug: pyarrow fills every struct field, so in a file whose videos are both `{frames, fps}` and
     `{path}` structs a file video reads {"frames": None, "fps": None, "path": ...}; it was taken as a frame video with
     no frames and dropped as corrupt_video."""
-    fake_decoder(monkeypatch, ten_frames_at_5_fps())
+    fake_pyav(monkeypatch, **{"a.mp4": FakeClip()})
     (tmp_path / "a.mp4").write_bytes(b"\x00")
     video = pa.struct([("frames", pa.list_(pa.binary())), ("fps", pa.float64()), ("path", pa.string())])
     schema = pa.schema([("problem", pa.string()), ("answer", pa.string()), ("videos", pa.list_(video))])
@@ -331,3 +363,174 @@ def test_two_videos_and_an_image_with_a_video_keep_placeholder_order(encoder, pr
     # group after its own timestamp.
     text = processor.tokenizer.decode(two.prompt_ids)
     assert text.count("<|video_pad|>") == 2 * 4 + 2 * 2 and text.count("seconds>") == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the decoded-size budget (issue 30.12)
+
+
+def test_the_issues_video_is_dropped_under_the_default_budget_before_a_frame_is_decoded(monkeypatch):
+    """Issue 30.12: 800 frames of 1024x1024 were decoded all at once (3.1 GB). With Qwen3-VL's own max_frames (768),
+    the sampled frames would take 768 * 1024 * 1024 * 3 = 2,304 MiB decoded, over the default data.max_video_bytes
+    (1 GiB): dropped and counted from the frames' headers, no frame decoded (PIL's `load` never runs)."""
+    settings = VideoSettings(fps=2.0, min_frames=2, max_frames=768, min_pixels=32 * 32, max_pixels=768 * 32 * 32)
+    encoder = PromptEncoder(load_processor("offline", 32 * 32, 64 * 64, settings), instruction="Answer.")
+    big = png_bytes(1024, 1024)
+    loaded = []
+    monkeypatch.setattr(Image.Image, "load", lambda self: loaded.append(self.size))
+    default = DataConfig(synthetic_n=1).max_video_bytes
+    assert default == 1 << 30
+    rows, report = load(
+        [{"problem": "<video>", "answer": "1", "videos": [[big] * 800]}], encoder, max_video_bytes=default
+    )
+    assert rows == [] and report.dropped == {DropReason.VIDEO_TOO_LARGE: 1} and "video_too_large=1" in report.summary()
+    assert report.examples[0].detail == (
+        "768 sampled frames of 1024x1024: 2,304.0 MiB decoded (RGB), above data.max_video_bytes=1073741824 "
+        "(1,024.0 MiB); sample fewer frames (data.video_max_frames, data.video_fps), use a smaller video, or raise the "
+        "limit"
+    )
+    assert loaded == []
+
+
+def test_a_frame_list_at_the_budget_loads_and_one_byte_less_drops_it(encoder):
+    """8 frames of 64x64 take 8 * 64 * 64 * 3 = 98,304 bytes decoded: kept at that bound, dropped below it."""
+    record = {"problem": "<video>", "answer": "1", "videos": [frames(8)]}
+    rows, report = load([record], encoder, max_video_bytes=98_304)
+    assert report.n_kept == 1 and rows[0].videos[0].decoded_bytes == 98_304
+    rows, report = load([record], encoder, max_video_bytes=98_303)
+    assert rows == [] and report.dropped == {DropReason.VIDEO_TOO_LARGE: 1}
+    assert report.examples[0].detail.startswith("8 sampled frames of 64x64: 0.1 MiB decoded (RGB), above")
+
+
+def test_a_video_file_over_the_budget_is_dropped_from_its_header_without_decoding(tmp_path, encoder, monkeypatch):
+    """The container's header says 800 frames of 1024x1024 at 25 fps; 8 are sampled (the test processor's
+    max_frames), 24 MiB decoded, over a 16 MiB budget: dropped before the decoder yields a frame. A small file in the
+    same load passes."""
+    av = fake_pyav(
+        monkeypatch,
+        **{"big.mp4": FakeClip(n_frames=800, fps=25.0, header=(1024, 1024)), "small.mp4": FakeClip()},
+    )
+    for name in ("big.mp4", "small.mp4"):
+        (tmp_path / name).write_bytes(b"\x00")
+    records = [{"problem": "<video>", "answer": "1", "videos": [name]} for name in ("big.mp4", "small.mp4")]
+    rows, report = load(records, encoder, base_dir=tmp_path, max_video_bytes=16 << 20)
+    assert [r.index for r in rows] == [1] and report.dropped == {DropReason.VIDEO_TOO_LARGE: 1}
+    assert report.examples[0].detail.startswith(
+        f"video {tmp_path / 'big.mp4'}: 8 sampled frames of 1024x1024: 24.0 MiB decoded (RGB), above "
+        "data.max_video_bytes=16777216 (16.0 MiB)"
+    )
+    assert [k for name, k in av.decoded if name == "big.mp4"] == []
+
+
+def test_a_header_that_understates_the_frames_stops_the_decode(tmp_path, encoder, monkeypatch):
+    """The header says 64x64 (4 sampled frames: 48 KiB), the frames decode to 1024x1024 (3 MiB each). With a 7 MiB
+    budget the third sampled frame (index 6) passes it: the decoder stops there, having yielded frames 0..6 and made
+    RGB of the first two only, and the row is dropped, naming the frame and both sizes."""
+    av = fake_pyav(monkeypatch, **{"lie.mp4": FakeClip(header=(64, 64), size=(1024, 1024))})
+    (tmp_path / "lie.mp4").write_bytes(b"\x00")
+    rows, report = load(
+        [{"problem": "<video>", "answer": "1", "videos": ["lie.mp4"]}],
+        encoder,
+        base_dir=tmp_path,
+        max_video_bytes=7 << 20,
+    )
+    assert rows == [] and report.dropped == {DropReason.VIDEO_TOO_LARGE: 1}
+    assert report.examples[0].detail.startswith(
+        f"video {tmp_path / 'lie.mp4'}: decoding stopped at sampled frame 3 of 4, of 1024x1024 where the header says "
+        "64x64: the frames so far: 9.0 MiB decoded (RGB), above data.max_video_bytes=7340032 (7.0 MiB)"
+    )
+    assert [k for _, k in av.decoded] == list(range(7)) and [k for _, k in av.converted] == [0, 3]
+
+
+def test_at_encode_time_a_video_may_not_grow_past_what_was_probed(tmp_path, encoder, monkeypatch):
+    """A file replaced between load and encode by one whose frames are larger: the encode refuses it at the first
+    frame, instead of decoding it all."""
+    av = fake_pyav(monkeypatch, **{"a.mp4": FakeClip()})
+    (tmp_path / "a.mp4").write_bytes(b"\x00")
+    rows, _ = load([{"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}], encoder, base_dir=tmp_path)
+    av.clips["a.mp4"] = FakeClip(header=(64, 64), size=(256, 256))
+    with pytest.raises(VideoError, match="decoding stopped at sampled frame 1 of 4, of 256x256") as info:
+        encoder.encode(rows[0])
+    assert info.value.reason == DropReason.VIDEO_TOO_LARGE
+
+
+def test_the_budget_of_the_data_section_reaches_every_load(encoder, processor):
+    """`data.max_video_bytes` from the config, through `build_datasets`: rows in memory, and the synthetic videos."""
+    records = [
+        {"problem": "<video>", "answer": "1", "videos": [frames(8)]},  # 98,304 bytes
+        {"problem": "<video>", "answer": "2", "videos": [frames(2)]},  # 24,576 bytes
+    ]
+    cfg = DataConfig(in_memory=True, format="generic", max_video_bytes=50_000, instruction="Answer.")
+    splits = build_datasets(cfg, processor, seed=0, records=records)
+    assert splits.reports[0].dropped == {DropReason.VIDEO_TOO_LARGE: 1} and len(splits.train) == 1
+    motion = DataConfig(synthetic_n=2, synthetic_task="motion", max_video_bytes=1)
+    with pytest.raises(DataError, match="no usable training rows: .*video_too_large=2"):
+        build_datasets(motion, processor, seed=0)
+
+
+def fake_frame_decoder(monkeypatch, backend: str, clip: FakeClip) -> list[int]:
+    """Install a stand-in torchcodec or decord (neither is installed here) with the calls miles_vl makes: torchcodec's
+    `VideoDecoder(path, ...)`, its `metadata` and `get_frame_at(i).data` ([3, H, W]); decord's `VideoReader(path,
+    ctx=cpu(0))`, `len`, `get_avg_fps()` and `reader[i]` ([H, W, 3], `asnumpy()`), which states no frame size before
+    decoding. Returns the list of the indices it decodes."""
+    import torch
+
+    decoded: list[int] = []
+    width, height = clip.size or clip.header
+
+    def frame(i: int) -> np.ndarray:
+        decoded.append(i)
+        return np.full((height, width, 3), 20 * i % 256, dtype=np.uint8)
+
+    monkeypatch.setattr(videos_module, "video_backend", lambda: backend)
+    if backend == "torchcodec":
+        meta = types.SimpleNamespace(
+            num_frames=clip.n_frames, average_fps=clip.fps, width=clip.header[0], height=clip.header[1]
+        )
+        decoder = types.SimpleNamespace(
+            metadata=meta,
+            get_frame_at=lambda i: types.SimpleNamespace(data=torch.from_numpy(frame(i)).permute(2, 0, 1)),
+        )
+        decoders = types.ModuleType("torchcodec.decoders")
+        decoders.VideoDecoder = lambda path, seek_mode, num_ffmpeg_threads: decoder
+        monkeypatch.setitem(sys.modules, "torchcodec", types.ModuleType("torchcodec"))
+        monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
+    else:
+
+        class Reader:
+            def __init__(self, path, ctx):
+                assert ctx == "cpu0"
+
+            def __len__(self):
+                return clip.n_frames
+
+            def get_avg_fps(self):
+                return clip.fps
+
+            def __getitem__(self, i):
+                data = frame(i)
+                return types.SimpleNamespace(shape=data.shape, asnumpy=lambda: data)
+
+        decord = types.ModuleType("decord")
+        decord.VideoReader, decord.cpu = Reader, lambda k: f"cpu{k}"
+        monkeypatch.setitem(sys.modules, "decord", decord)
+    return decoded
+
+
+@pytest.mark.parametrize("backend", ["torchcodec", "decord"])
+def test_the_other_decoders_sample_and_keep_the_budget(tmp_path, encoder, monkeypatch, backend):
+    """torchcodec and decord decode each sampled frame by index. 4 sampled frames of 1024x1024 take 12 MiB decoded:
+    over an 8 MiB budget, torchcodec's header refuses them before any frame is decoded; decord states no size, so its
+    first frame stands for the header."""
+    (tmp_path / "a.mp4").write_bytes(b"\x00")
+    record = {"problem": "<video>", "answer": "1", "videos": ["a.mp4"]}
+    decoded = fake_frame_decoder(monkeypatch, backend, FakeClip())
+    rows, report = load([record], encoder, base_dir=tmp_path, max_video_bytes=8 << 20)
+    assert report.n_kept == 1 and rows[0].videos[0].indices == (0, 3, 6, 9) and decoded == [0, 3, 6, 9]
+    assert [f.getpixel((0, 0))[0] for f in videos_module.load_frames(rows[0].videos[0])] == [0, 60, 120, 180]
+    decoded = fake_frame_decoder(monkeypatch, backend, FakeClip(header=(1024, 1024)))
+    rows, report = load([record], encoder, base_dir=tmp_path, max_video_bytes=8 << 20)
+    assert rows == [] and report.dropped == {DropReason.VIDEO_TOO_LARGE: 1}
+    first = " (its first)" if backend == "decord" else ""
+    assert f"4 sampled frames of 1024x1024{first}: 12.0 MiB decoded (RGB)" in report.examples[0].detail
+    assert decoded == ([0] if backend == "decord" else [])
