@@ -11,8 +11,11 @@ the subcommand (else the config's `logging.level`). Bad input exits with status 
 problem before anything starts (no run directory, no Ray, no model): a config that does not validate, and
 (`orchestration/preflight.py`, run by both `check` and `train`) a backend whose packages do not import, a dataset file
 that cannot be read, a reward or dataset_fn that cannot be resolved, a model or processor that is not there, a
-checkpoint that cannot be resumed. `miles-vl train` stopped by SIGINT or SIGTERM writes the checkpoint of its last
-completed step and exits with 128 + the signal number (130, 143); the same command resumes it.
+checkpoint that cannot be resumed, a run or checkpoint directory that cannot be written. `miles-vl export` refuses
+the same way an OUT_DIR it may not write (a run, anything inside one, a directory that is not an earlier export,
+even with --force: orchestration/export.py). `miles-vl train` stopped by SIGINT or SIGTERM writes the checkpoint of
+its last completed step and exits with 128 + the signal number (130, 143); the same command resumes it. A full disk
+during a save or an export ends it with one message naming the place and the fix, exit 1.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _preflight(cfg, args.config)
     try:
         from miles_vl.orchestration import run_job
-        from miles_vl.orchestration.checkpoint import CheckpointError
+        from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError
         from miles_vl.orchestration.loop import JobInterrupted
         from miles_vl.reward import RewardResolutionError, RewardWorkerError
     except ImportError as e:
@@ -108,6 +111,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_job(cfg, config_path=args.config)
     except (CheckpointError, RewardResolutionError, RewardWorkerError) as e:
         return _bad_input(e)
+    except DiskFullError as e:
+        return _failed(e)
     except JobInterrupted as stop:
         where = (
             f"resume from step {stop.checkpoint} with the same command"
@@ -136,6 +141,12 @@ def _bad_input(error: Exception) -> int:
     return EXIT_CONFIG
 
 
+def _failed(error: OSError) -> int:
+    """A failure the message explains whole (a full disk: the place and the fix), without the traceback."""
+    sys.stderr.write(f"error: {error.strerror or error}\n")
+    return 1
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Plot the curves of a run directory's metrics.jsonl."""
     from miles_vl.metrics import write_report
@@ -154,25 +165,31 @@ def _configure_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.yaml, checkpoints/)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face model directory to write")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT_DIR if it is an earlier export (it holds .miles_vl_export.json); never a run's files",
+    )
     p.add_argument(
         "--max-shard-bytes",
-        type=int,
+        metavar="BYTES",  # checked by export_run, so that a bad value is one line like every other refusal
         help="shard the safetensors above this size (default: the run's checkpoint.save_hf.max_shard_bytes, 5 GB)",
     )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a run's checkpoint as a Hugging Face model directory (orchestration/export.py)."""
-    from miles_vl.orchestration.checkpoint import CheckpointError
-    from miles_vl.orchestration.export import ExportError, export_run
+    """Write a run's checkpoint as a Hugging Face model directory (orchestration/export.py). Bad input (the run, the
+    step, OUT_DIR, --max-shard-bytes) exits 2 before Ray starts; a full disk exits 1 with one message."""
+    from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError
+    from miles_vl.orchestration.export import ExportError, check_max_shard_bytes, export_run
 
     try:
-        out = export_run(
-            args.run_dir, args.out_dir, step=args.step, force=args.force, max_shard_bytes=args.max_shard_bytes
-        )
+        shard = check_max_shard_bytes(args.max_shard_bytes)
+        out = export_run(args.run_dir, args.out_dir, step=args.step, force=args.force, max_shard_bytes=shard)
     except (ExportError, CheckpointError) as e:
         return _bad_input(e)
+    except DiskFullError as e:
+        return _failed(e)
     sys.stdout.write(f"{out}\n")
     return 0
 

@@ -10,7 +10,9 @@ Invariants:
 - A label is written once: saving a step whose directory exists raises `FileExistsError` before anything is
   written, so no label ever holds two different states (a resume that reaches the same step again must not save).
 - A failed save (a full disk, an exception in the backend's writer) removes its temporary directory; temporary
-  directories of earlier processes that died mid-save are removed by the next save.
+  directories of earlier processes that died mid-save are removed by the next save (`remove_stale_temp_dirs`, which
+  export.py uses for its own). A save that runs out of space raises `DiskFullError`, naming the place and the fix,
+  whichever writer met the full disk: Python's (OSError), safetensors' or torch's (`out_of_space`).
 - `resolve_resume` verifies the checkpoint it picks (driver.json, the manifest's file sizes, the safetensors
   headers, the torch zip archives) before anything starts. With `auto`, a broken newest checkpoint is set aside
   (renamed `<name>.broken-<time>`, kept for inspection) with a warning that names the bad file, and the previous
@@ -19,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -26,6 +29,7 @@ import os
 import re
 import shutil
 import struct
+import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,13 +40,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_TEMP_DIR = re.compile(r"^\.step_\d{8}\.tmp-(\d+)$")
+_TEMP_DIR = re.compile(r"^\.step_\d{8}\.tmp-(?P<pid>\d+)$")
 DRIVER_STATE = "driver.json"
 MANIFEST = "manifest.json"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from (names the file, what is wrong and what to do instead)."""
+
+
+class DiskFullError(OSError):
+    """A write that ran out of space (ENOSPC) or quota (EDQUOT); `errno` is which, the message names the place, that
+    the partial output was removed, and what to free or change."""
 
 
 def step_dir_name(step: int) -> str:
@@ -80,7 +89,9 @@ def save_checkpoint(
 
     Raises:
         FileExistsError: `step` already has a checkpoint (a label is never rewritten); nothing is written.
-        OSError: writing failed (a full disk says where and what to free); the partial directory is removed.
+        DiskFullError: the device ran out of space or quota (the message says where and what to free); the partial
+            directory is removed.
+        Exception: whatever else the writer raised; the partial directory is removed.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -101,12 +112,14 @@ def save_checkpoint(
         write_manifest(tmp)
         os.replace(tmp, final)
     except BaseException as err:
+        full = out_of_space(err, tmp)  # before the partial files go: a probe must meet the disk as the writer did
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            raise OSError(
-                errno.ENOSPC,
-                f"no space left on the device of {root} while writing checkpoint step {step}; the partial checkpoint "
-                f"was removed; free space there or point checkpoint.dir elsewhere (checkpoint.keep_last keeps fewer)",
+        if full:
+            raise DiskFullError(
+                full,
+                f"{space_words(full)} on the device of {root} while writing checkpoint step {step}; the partial "
+                "checkpoint was removed; free space there or point checkpoint.dir elsewhere (checkpoint.keep_last "
+                "keeps fewer)",
             ) from err
         raise
     for _, old in list_checkpoints(root)[:-keep_last]:
@@ -115,19 +128,30 @@ def save_checkpoint(
     return final
 
 
-def remove_stale_temp_dirs(root: str | Path) -> list[Path]:
-    """Remove the temporary directories of saves whose process is gone (a crash or a full disk mid-save).
+def remove_stale_temp_dirs(
+    root: str | Path, pattern: re.Pattern[str] = _TEMP_DIR, owned: Callable[[Path], bool] | None = None
+) -> list[Path]:
+    """Remove the temporary directories of writes whose process is gone (a crash, a SIGKILL or a full disk mid-write).
+    A directory of a process that is alive is kept: it may be writing right now.
+
+    Args:
+        root: the directory that holds them.
+        pattern: their names, with the writer's process id as group `pid` (default: a checkpoint save's
+            `.step_N.tmp-<pid>`).
+        owned: a further test a directory must pass (export.py: its own name or its marker file inside).
 
     Returns:
         The directories removed.
     """
     removed = []
     for path in Path(root).iterdir() if Path(root).is_dir() else []:
-        m = _TEMP_DIR.match(path.name)
-        if m and path.is_dir() and not _alive(int(m.group(1))):
+        m = pattern.match(path.name)
+        if not m or path.is_symlink() or not path.is_dir() or (owned is not None and not owned(path)):
+            continue
+        if not _alive(int(m.group("pid"))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-            log.warning("removed %s, left by an interrupted save of process %s", path, m.group(1))
+            log.warning("removed %s, left by an interrupted write of process %s", path, m.group("pid"))
     return removed
 
 
@@ -141,6 +165,98 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+# Torch's zip writer (caffe2's PyTorchStreamWriter) reports a failed write as a RuntimeError that carries no errno, in
+# one of three forms depending on where the write stopped (torch 2.11: its stream check, the position check after a
+# short write, the iostream exception); safetensors' (Rust) writer as "... (os error 28)".
+_TORCH_WRITE_FAILED = re.compile(
+    r"PytorchStreamWriter failed writing file .*: file write failed"
+    r"|\[enforce fail at inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+"
+    r"|^basic_ios::clear: iostream error$"
+)
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_PROBE_BYTES = 1 << 20
+
+
+def out_of_space(err: BaseException, directory: str | Path) -> int | None:
+    """`errno.ENOSPC` or `errno.EDQUOT` when `err` is a write into `directory` that ran out of space or quota, else
+    None.
+
+    Looked for along the chain of `err` (`__cause__`, `__context__`, and the `cause` of a Ray task error, as the
+    trainer actor's errors reach the driver): an OSError with that errno; a safetensors error, whose message holds
+    the OS error number; torch's writer failing (`_TORCH_WRITE_FAILED`), which tells no errno: then a probe file
+    written into `directory` (while the partial files still fill the device) gives the device's own answer, so a
+    torch write that failed for another reason (a file size limit, an I/O error) is not called a full disk.
+    """
+    torch_failed = False
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in _OUT_OF_SPACE:
+            return e.errno
+        message = str(e.args[0]) if e.args else ""
+        if type(e).__name__ == "SafetensorError" and (m := _RUST_OS_ERROR.search(message)):
+            if int(m.group(1)) in _OUT_OF_SPACE:
+                return int(m.group(1))
+        torch_failed |= isinstance(e, RuntimeError) and bool(_TORCH_WRITE_FAILED.search(message))
+    if torch_failed:
+        probed = _write_probe(Path(directory))
+        return probed if probed in _OUT_OF_SPACE else None
+    return None
+
+
+def space_words(code: int) -> str:
+    """How a message names `out_of_space`'s answer."""
+    return "no space left" if code == errno.ENOSPC else "disk quota exceeded"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen, todo = [], [err]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError: the actor's own exception
+        todo += [c for c in (e.__cause__, e.__context__, cause) if isinstance(c, BaseException)]
+    return seen
+
+
+def _write_probe(directory: Path) -> int | None:
+    """The errno of writing (and syncing) `_PROBE_BYTES` into a new file in `directory`, None when it fits; the file
+    is removed either way."""
+    probe = directory / f".space-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            data = memoryview(bytes(_PROBE_BYTES))
+            while data:  # a short write is how a filling disk answers first; the next write raises
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)  # network and delayed-allocation file systems tell at the sync
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return e.errno
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def write_problem(path: str | Path) -> str | None:
+    """Why a directory cannot be created or written at `path`, None when it can: probed by creating and removing a
+    directory in `path`, or in its nearest existing ancestor when it does not exist yet (nothing is left behind)."""
+    path = Path(os.path.abspath(path))
+    place = path
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        return f"{place} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".miles_vl-write-probe-", dir=place))
+    except OSError as e:
+        return f"a directory cannot be created in {place} ({e.strerror})"
+    return None
 
 
 def write_manifest(directory: Path) -> None:

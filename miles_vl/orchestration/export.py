@@ -14,25 +14,54 @@ reads the run's config.yaml, starts its trainer as the run did (Ray, the same ba
 run needs its train GPUs), loads the checkpoint and has the ranks export it (megatron through megatron-bridge's HF
 export, the path the weight sync uses). Nothing is started for the engines.
 
-Invariants: an output directory appears complete or not at all (written to `.<name>.tmp-<pid>` beside it and
-renamed); `export_run` never replaces a non-empty directory without `force`; a label under <run dir>/hf is written
-once (a resumed run that reaches the same step again keeps the first, as checkpoints do). Checkpoints are not touched.
+Invariants:
+- An output directory appears complete or not at all (written to `.<name>.tmp-<pid>` beside it and renamed). The
+  temporary directories of writes whose process died (a SIGKILL mid-export) are removed by the next write into the
+  same place (`checkpoint.remove_stale_temp_dirs`): those of the same name, or holding the marker below.
+- Every directory written here holds `.miles_vl_export.json` (the run, the step, the time): the marker of an export.
+- Nothing of a run is ever replaced (`out_dir_problem`): OUT_DIR may not be the run directory, hold it or lie inside
+  it, nor lie inside any run (`run_data`: metrics.jsonl, config.yaml with processor.yaml, or checkpoints), nor be
+  the current directory. A non-empty OUT_DIR is replaced only with `force`, and only when it is an earlier export
+  (the marker) with no run's files anywhere below it; the run's own `<run dir>/hf/step_N` lie inside a run and are
+  never replaced. A label under <run dir>/hf is written once (a resumed run that reaches the same step again keeps
+  the first, as checkpoints do). Checkpoints are not touched.
+- Every refusal, a `--max-shard-bytes` that is not a whole number above 0 and an OUT_DIR that cannot be written are
+  one `ExportError` before Ray starts; a full disk mid-write is a `DiskFullError` naming the place, with the
+  partial directory removed.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+import miles_vl
 from miles_vl.config import JobConfig, load_config
 from miles_vl.data import load_processor, processor_metadata, video_settings
+from miles_vl.metrics import METRICS_FILE
 from miles_vl.models.qwen3_vl.tokens import special_tokens
-from miles_vl.orchestration.checkpoint import list_checkpoints, step_dir_name, verify_checkpoint
+from miles_vl.orchestration.checkpoint import (
+    DRIVER_STATE,
+    DiskFullError,
+    list_checkpoints,
+    out_of_space,
+    read_driver_state,
+    remove_stale_temp_dirs,
+    space_words,
+    step_dir_name,
+    verify_checkpoint,
+    write_problem,
+)
 from miles_vl.orchestration.factories import Hooks
 from miles_vl.orchestration.placement import ray_session, reserve_gpus
 
@@ -40,6 +69,9 @@ log = logging.getLogger(__name__)
 
 HF_DIR = "hf"  # <run dir>/hf/step_N: checkpoint.save_hf's directories
 GENERATION_CONFIG = "generation_config.json"
+EXPORT_MARKER = ".miles_vl_export.json"  # in every directory written here: what `force` may replace
+RUN_FILES = ("config.yaml", "processor.yaml")  # loop.write_run_files, at the start of every run
+_TEMP_DIR = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # `.<name>.tmp-<pid>`, as write_hf_dir names them
 
 
 class ExportError(ValueError):
@@ -51,42 +83,212 @@ class ExportError(ValueError):
 
 
 def write_hf_dir(
-    out_dir: str | Path, write_weights: Callable[[Path], None], processor, model_path: str | None, *, force: bool
+    out_dir: str | Path,
+    write_weights: Callable[[Path], None],
+    processor,
+    model_path: str | None,
+    *,
+    force: bool,
+    origin: dict[str, Any] | None = None,
 ) -> Path:
-    """Write an HF model directory at `out_dir` atomically (a temporary directory beside it, renamed).
+    """Write an HF model directory at `out_dir` atomically (a temporary directory beside it, renamed), with the
+    export marker. Temporary directories that dead processes left beside it are removed first.
 
     Args:
         out_dir: the directory to create.
         write_weights: writes config.json and the safetensors into the given directory (a backend's `save_hf`).
         processor: the run's processor (`save_pretrained`: tokenizer, chat template, image and video processors).
         model_path: the checkpoint the run started from (its generation_config.json is copied when there is one).
-        force: replace `out_dir` if it exists and is not empty.
+        force: replace `out_dir` if it is a non-empty earlier export (`replace_problem`).
+        origin: what the marker records besides the time (the run directory, the step, the checkpoint).
 
     Raises:
-        ExportError: `out_dir` is a non-empty directory (or a file) and not `force`.
+        ExportError: `out_dir` is a non-empty directory (or a file) and not `force`, or not one `force` may replace.
+        DiskFullError: the device ran out of space or quota; the partial directory is removed.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not force:
-        raise ExportError(f"{out_dir} exists and is not empty; choose another directory, or --force to replace it")
+    out_dir = Path(os.path.abspath(out_dir))
+    if out_dir.is_symlink() or (out_dir.exists() and not _empty_dir(out_dir)):
+        _check_replace(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(out_dir.parent, _TEMP_DIR, owned=lambda p: _is_export_temp(p, out_dir.name))
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
+        marker = {"written_by": f"miles-vl {miles_vl.__version__}", **(origin or {})}
+        marker["time"] = datetime.now().astimezone().isoformat(timespec="seconds")
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1))  # first: a leftover of this write is known
         write_weights(tmp)
         processor.save_pretrained(tmp)
         if model_path and (Path(model_path) / GENERATION_CONFIG).is_file():
             shutil.copyfile(Path(model_path) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
-        if out_dir.is_dir():
-            shutil.rmtree(out_dir)
-        elif out_dir.exists():
-            out_dir.unlink()
-        os.replace(tmp, out_dir)
-    except BaseException:
+        _move_into_place(tmp, out_dir, force)
+    except BaseException as err:
+        full = out_of_space(err, tmp)  # before the partial files go: a probe must meet the disk as the writer did
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise DiskFullError(
+                full,
+                f"{space_words(full)} on the device of {out_dir.parent} while writing {out_dir}; the partial "
+                "directory was removed; free space there or write the model elsewhere",
+            ) from err
         raise
     log.info("wrote the Hugging Face model %s", out_dir)
     return out_dir
+
+
+def _move_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
+    """Rename `tmp` to `out_dir`; an earlier export there is checked again (the write took a while), set aside as a
+    temporary directory of this process, and removed once the new one is in place (put back if that fails)."""
+    if not (out_dir.exists() or out_dir.is_symlink()) or _empty_dir(out_dir):
+        os.replace(tmp, out_dir)  # rename(2) replaces an empty directory
+        return
+    _check_replace(out_dir, force)
+    old = out_dir.with_name(f".{out_dir.name}.old.tmp-{os.getpid()}")  # holds the marker: a stale one is removable
+    os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    log.info("replaced the earlier export %s", out_dir)
+
+
+def _check_replace(out_dir: Path, force: bool) -> None:
+    """Raise unless the existing, non-empty `out_dir` may be replaced (with `force`, `replace_problem`)."""
+    if not force:
+        if (out_dir / EXPORT_MARKER).is_file() and not out_dir.is_symlink():
+            how = "choose another directory, or --force to replace this earlier export"
+        else:
+            how = (
+                f"it is not an earlier export (no {EXPORT_MARKER}), so --force does not replace it either: choose "
+                "another directory, or move or delete it yourself if it is not needed"
+            )
+        raise ExportError(f"{out_dir} exists and is not empty; {how}")
+    if problem := replace_problem(out_dir):
+        raise ExportError(problem)
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def _is_export_temp(path: Path, name: str) -> bool:
+    """A `.<name>.tmp-<pid>` directory write_hf_dir made: of the name it writes now, or holding the marker."""
+    m = _TEMP_DIR.match(path.name)
+    return bool(m) and (m.group("name") == name or (path / EXPORT_MARKER).is_file())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# what an export may write, and replace
+
+
+def run_data(path: Path) -> str | None:
+    """Why `path` belongs to a run, or None. A run directory is known by what the driver writes into it: metrics.jsonl
+    (JsonlSink), config.yaml with processor.yaml (`loop.write_run_files`) or checkpoints (`step_N` with driver.json:
+    `save_checkpoint`), in `checkpoints/` or in a `checkpoint.dir` of its own; a checkpoint by its driver.json. A
+    directory that cannot be read is not known to be a run's."""
+    try:
+        if (path / METRICS_FILE).is_file():
+            return f"it holds {METRICS_FILE}"
+        if all((path / name).is_file() for name in RUN_FILES):
+            return f"it holds {' and '.join(RUN_FILES)}"
+        if (path / DRIVER_STATE).is_file():
+            return f"it is a checkpoint (it holds {DRIVER_STATE})"
+        for root in (path, path / "checkpoints"):
+            steps = [p for _, p in list_checkpoints(root) if (p / DRIVER_STATE).is_file()]
+            if steps:
+                return f"it holds the checkpoint {steps[-1].relative_to(path)}"
+    except OSError:
+        return None
+    return None
+
+
+def replace_problem(out_dir: str | Path) -> str | None:
+    """Why `force` may not replace the existing `out_dir`, or None: it may replace only a directory an earlier export
+    wrote (EXPORT_MARKER), not a link, holding no run's files anywhere below it and lying inside no run."""
+    out_dir = Path(out_dir)
+    never = "--force never replaces a run's files"
+    if out_dir.is_symlink():
+        return f"{out_dir} is a symbolic link; --force replaces only a directory that an earlier export wrote"
+    if not out_dir.is_dir():
+        return f"{out_dir} is a file, not an earlier export; --force replaces only a directory that an export wrote"
+    if _empty_dir(out_dir):
+        return None
+    if why := run_data(out_dir):
+        return f"{out_dir} belongs to a run ({why}); {never}: choose another OUT_DIR"
+    if inside := _inside_run(out_dir):
+        return inside
+    if not (out_dir / EXPORT_MARKER).is_file():
+        return (
+            f"{out_dir} is not an earlier export (no {EXPORT_MARKER}); --force replaces only a directory that "
+            "miles-vl export wrote: move or delete it yourself if it is not needed, or choose another OUT_DIR"
+        )
+    for folder, subfolders, _ in os.walk(out_dir):  # links are not followed: rmtree removes a link, not its target
+        for sub in subfolders:
+            if why := run_data(Path(folder) / sub):
+                return (
+                    f"{out_dir} holds {Path(folder) / sub}, which belongs to a run ({why}); {never}: move that run "
+                    "out first, or choose another OUT_DIR"
+                )
+    return None
+
+
+def _inside_run(out_dir: Path) -> str | None:
+    for above in Path(out_dir).resolve().parents:
+        if why := run_data(above):
+            return (
+                f"OUT_DIR {out_dir} is inside {above}, which belongs to a run ({why}); an export never writes into a "
+                "run's directories (its hf/ is checkpoint.save_hf's): choose a directory outside it"
+            )
+    return None
+
+
+def out_dir_problem(out_dir: str | Path, run_dir: str | Path, *, force: bool) -> str | None:
+    """Why `export_run` may not write `out_dir` from `run_dir`, or None (module docstring, Invariants)."""
+    out, run, cwd = Path(out_dir).resolve(), Path(run_dir).resolve(), Path.cwd().resolve()
+    outside = f"choose a directory outside it, e.g. {run.with_name(run.name + '-hf')}"
+    if out == run:
+        return f"OUT_DIR {out_dir} is the run directory {run_dir}; an export never replaces a run: {outside}"
+    if out.is_relative_to(run):
+        return f"OUT_DIR {out_dir} is inside the run directory {run_dir}; {outside}"
+    if run.is_relative_to(out):
+        return f"OUT_DIR {out_dir} holds the run directory {run_dir}; an export never replaces a run: {outside}"
+    if cwd.is_relative_to(out):
+        held = "the current directory" if cwd == out else f"a directory that holds the current one ({cwd})"
+        return f"OUT_DIR {out_dir} is {held}; an export writes a directory of its own: name a new one, e.g. hf_model"
+    if inside := _inside_run(out):
+        return inside
+    if problem := write_problem(out.parent):
+        return f"OUT_DIR {out_dir} cannot be written: {problem}; choose a place this user can write"
+    if Path(out_dir).is_symlink() or (out.exists() and not _empty_dir(out)):
+        try:
+            _check_replace(Path(out_dir), force)
+        except ExportError as err:
+            return str(err)
+    return None
+
+
+def check_max_shard_bytes(value: object) -> int | None:
+    """`max_shard_bytes` (`--max-shard-bytes`) as a whole number of bytes above 0, or None (the run's setting).
+
+    Raises:
+        ExportError: anything else (names what was found).
+    """
+    if value is None:
+        return None
+    try:
+        number = int(value) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise ExportError(
+            f"--max-shard-bytes {value!r}: expected a whole number of bytes above 0 (the size above which the weights "
+            "are written in several safetensors files, e.g. 5000000000); leave it out for the run's "
+            "checkpoint.save_hf.max_shard_bytes"
+        )
+    return number
 
 
 def save_hf_due(step: int, steps: list[int], interval: int, final: bool, last: bool) -> bool:
@@ -100,7 +302,8 @@ def save_hf_during_run(run_dir: Path, step: int, write_weights: Callable[[Path],
     if out.exists():
         log.info("%s exists (written before a resume): kept", out)
         return
-    write_hf_dir(out, write_weights, processor, model_path, force=False)
+    origin = {"run_dir": str(run_dir.resolve()), "step": step, "by": "checkpoint.save_hf"}
+    write_hf_dir(out, write_weights, processor, model_path, force=False, origin=origin)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -158,26 +361,28 @@ def export_run(
 
     Args:
         run_dir: the run directory (config.yaml, checkpoints/).
-        out_dir: the directory to write; must not exist or be empty unless `force`.
+        out_dir: the directory to write; must not exist or be empty unless `force`, and lie outside every run.
         step: the checkpoint's step; None: the newest that verifies.
-        force: replace a non-empty `out_dir`.
-        max_shard_bytes: shard above this size; None: the run's `checkpoint.save_hf.max_shard_bytes`.
+        force: replace a non-empty `out_dir` that is an earlier export (`replace_problem`).
+        max_shard_bytes: shard above this size (bytes, >= 1); None: the run's `checkpoint.save_hf.max_shard_bytes`.
         hooks: what the trainer is built with (tests pass stand-ins).
 
     Returns:
         `out_dir`.
 
     Raises:
-        ExportError: see `find_checkpoint` and `write_hf_dir`; also a processor that no longer matches the one the
-            run recorded in processor.yaml.
+        ExportError: see `find_checkpoint`, `out_dir_problem`, `check_max_shard_bytes` and `write_hf_dir`; also a
+            processor that no longer matches the one the run recorded in processor.yaml. All before Ray starts.
+        DiskFullError: the device of `out_dir` ran out of space; the partial directory is removed.
     """
     from miles_vl.orchestration.trainer import Trainer  # imports ray
 
     hooks = hooks or Hooks()
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    max_shard_bytes = check_max_shard_bytes(max_shard_bytes)
     cfg, checkpoint = find_checkpoint(run_dir, step)
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not force:
-        raise ExportError(f"{out_dir} exists and is not empty; choose another directory, or --force to replace it")
+    if problem := out_dir_problem(out_dir, run_dir, force=force):
+        raise ExportError(problem)
     processor = load_processor(
         cfg.model.processor or cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data)
     )
@@ -189,7 +394,9 @@ def export_run(
             f"the processor at {cfg.model.processor or cfg.model.path} is not the one the run recorded in {recorded} "
             f"(recorded {want}, found {got}); restore the run's processor files"
         )
-    shard = max_shard_bytes or cfg.checkpoint.save_hf.max_shard_bytes
+    shard = cfg.checkpoint.save_hf.max_shard_bytes if max_shard_bytes is None else max_shard_bytes
+    origin = {"run_dir": str(run_dir.resolve()), "step": read_driver_state(checkpoint)["step"]}
+    origin |= {"checkpoint": str(checkpoint.resolve()), "by": "miles-vl export"}
     log.info("exporting %s to %s", checkpoint, out_dir)
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=False):
         gpus = reserve_gpus(cfg.train.num_gpus) if cfg.train.num_gpus else None
@@ -197,7 +404,8 @@ def export_run(
         try:
             trainer = Trainer(cfg, special_tokens(processor), gpus, hooks.train_backends[cfg.train.backend])
             trainer.load_checkpoint(checkpoint)
-            write_hf_dir(out_dir, lambda d: trainer.save_hf(d, shard), processor, cfg.model.path, force=force)
+            write = functools.partial(trainer.save_hf, max_shard_bytes=shard)
+            write_hf_dir(out_dir, write, processor, cfg.model.path, force=force, origin=origin)
         finally:
             if trainer is not None:
                 trainer.close()

@@ -13,9 +13,12 @@ What it checks, each problem one line with its fix:
 - `model.path` is a checkpoint directory (config.json and weights), or a hub id in the local Hugging Face cache,
   when the job loads it (`model.init=pretrained`, or an SGLang rollout); the processor (`model.processor`, else
   `model.path`) loads from local files, unless it is `offline`;
-- `checkpoint.resume`, when it names a checkpoint, is a complete one.
+- `checkpoint.resume`, when it names a checkpoint, is a complete one;
+- the run directory (`logging.output_dir`/`logging.run_name`) and the checkpoint directory (`checkpoint.dir`, else
+  `<run dir>/checkpoints`) can be created and written: a directory is made and removed there, or in the nearest
+  parent that exists.
 
-Nothing is written: no run directory, no Ray, no model weights read. The driver (`run_job`) runs `check_backends`
+Nothing is left written: no run directory, no Ray, no model weights read. The driver (`run_job`) runs `check_backends`
 again itself, as its callers need not be the CLI; the package check stays here, where tests that stand in for an
 engine do not reach.
 """
@@ -28,7 +31,7 @@ from miles_vl.config import ConfigError, JobConfig
 from miles_vl.data import load_processor, video_settings
 from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
 from miles_vl.data.processor import OFFLINE
-from miles_vl.orchestration.checkpoint import verify_checkpoint
+from miles_vl.orchestration.checkpoint import verify_checkpoint, write_problem
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.stack import backend_problems, captured_output
@@ -54,6 +57,7 @@ def preflight_problems(cfg: JobConfig) -> list[str]:
     problems += data_problems(cfg)
     problems += model_problems(cfg)
     problems += resume_problems(cfg)
+    problems += output_problems(cfg)
     return problems
 
 
@@ -145,3 +149,19 @@ def resume_problems(cfg: JobConfig) -> list[str]:
         return []
     problems = verify_checkpoint(resume)
     return [f"checkpoint.resume={resume}: {p}" for p in problems]
+
+
+def output_problems(cfg: JobConfig) -> list[str]:
+    """The run directory and the checkpoint directory must be writable (probed, nothing left behind). Without a
+    run_name the run directory is a new one under output_dir, so output_dir is what is probed."""
+    run_dir = Path(cfg.logging.output_dir) / (cfg.logging.run_name or "")
+    places = [("logging.output_dir", run_dir, "logging.output_dir (or logging.run_name)")]
+    if cfg.checkpoint.dir:
+        places.append(("checkpoint.dir", Path(cfg.checkpoint.dir), "checkpoint.dir"))
+    else:
+        places.append(("logging.output_dir", run_dir / "checkpoints", "logging.output_dir, or checkpoint.dir"))
+    problems = []
+    for key, path, fix in places:
+        if (problem := write_problem(path)) and not any(problem in p for p in problems):
+            problems.append(f"{key}: the job writes {path}, but {problem}; point {fix} at a writable place")
+    return problems

@@ -12,6 +12,7 @@ import yaml
 
 from miles_vl import __version__
 from miles_vl.cli import main
+from tests.disks import with_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
@@ -198,6 +199,7 @@ def dry_run_problems(tmp_path: Path) -> tuple[list[str], list[str]]:
         "model.init=pretrained",
         f"model.path={tmp_path / 'no_model'}",
         f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}",
+        "checkpoint.dir=/proc/miles_vl_checkpoints",
     ]
     expected = [
         "reward.name='no_such_reward_module:score'",
@@ -207,6 +209,7 @@ def dry_run_problems(tmp_path: Path) -> tuple[list[str], list[str]]:
         f"data.eval_path: {tmp_path / 'broken.parquet'}: cannot read it as parquet",
         f"model.path='{tmp_path / 'no_model'}': no such directory, nor a hub id in the local Hugging Face cache",
         f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}: ",
+        "checkpoint.dir: the job writes /proc/miles_vl_checkpoints, but a directory cannot be created in /proc",
     ]
     return overrides, expected
 
@@ -227,6 +230,33 @@ def test_check_and_train_report_every_problem_of_the_machine_at_once_and_create_
     assert "Traceback" not in err and captured.out == ""
     assert not (tmp_path / "runs").exists()
     assert not ray.is_initialized()
+
+
+def test_check_tests_that_the_run_and_checkpoint_directories_can_be_written_and_leaves_nothing(tmp_path, capsys):
+    """Issue 30.9: `check` passed a job whose output directory could not be written; `train` then failed after
+    loading everything. Now the run directory and the checkpoint directory are probed (a directory made and removed
+    where they will be, or in the nearest parent that exists): a place that cannot be written is named with the key
+    to change, and a writable one is left as it was."""
+    runs, ckpt = tmp_path / "new" / "runs", tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert main(["check", TINY, f"logging.output_dir={runs}", f"checkpoint.dir={ckpt}"]) == 0
+    assert [p.name for p in tmp_path.rglob("*")] == ["ckpt"]  # nothing made, nothing left
+    capsys.readouterr()
+    assert main(["check", TINY, "logging.output_dir=/proc/miles_vl_runs", "logging.run_name=job"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "logging.output_dir: the job writes /proc/miles_vl_runs/job, but a directory cannot be created in /proc "
+        "(No such file or directory); point logging.output_dir (or logging.run_name) at a writable place" in err
+    )
+    assert err.count("a directory cannot be created in /proc") == 1  # <run dir>/checkpoints: the same place
+
+
+def test_check_names_a_read_only_output_directory(tmp_path):
+    """Issue 30.9, on a real read-only file system: the message names the place and the reason."""
+    cmd = [sys.executable, "-m", "miles_vl.cli", "check", TINY, f"logging.output_dir={tmp_path / 'ro' / 'runs'}"]
+    done = with_tmpfs(tmp_path / "ro", cmd, read_only=True, env=dict(os.environ, COLUMNS="300"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"a directory cannot be created in {tmp_path / 'ro'} (Read-only file system)" in done.stderr
 
 
 def test_check_names_a_model_directory_without_weights_and_a_data_file_without_the_columns(tmp_path, capsys):

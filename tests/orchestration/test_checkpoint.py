@@ -20,6 +20,7 @@ from miles_vl.orchestration.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from tests.disks import with_tmpfs
 
 
 def writer(payload):
@@ -86,6 +87,64 @@ def test_a_full_disk_names_the_place_and_leaves_nothing(tmp_path):
         save_checkpoint(tmp_path, 1, {}, fills_the_disk, keep_last=2)
     assert info.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
+
+
+# A save into a real full disk, in a subprocess: `writer` fills the 1 MiB tmpfs that `with_tmpfs` mounts at `disk`.
+FULL_DISK_SAVE = """
+import json, os, sys, torch
+from safetensors.torch import save_file
+from miles_vl.orchestration.checkpoint import save_checkpoint
+disk, writer = sys.argv[1], sys.argv[2]
+big = {"w": torch.zeros(1 << 20)}  # 4 MiB of float32
+
+def write(d):
+    if writer == "torch":
+        torch.save(big, d / "trainer_state.pt")
+    else:
+        save_file(big, str(d / "model.safetensors"))
+
+try:
+    save_checkpoint(disk, 1, {}, write, keep_last=2)
+    result = {"raised": None}
+except Exception as err:
+    result = {"raised": type(err).__name__, "errno": getattr(err, "errno", None), "message": str(err)}
+    result["cause"] = repr(err.__cause__)
+result["left"] = os.listdir(disk)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
+def test_a_full_disk_in_torchs_or_safetensors_writer_names_the_place_and_leaves_nothing(tmp_path, writer):
+    """Issue 30.10: torch's writer meets a full disk with a RuntimeError ("unexpected pos ...", "file write failed")
+    and safetensors' with a SafetensorError ("... (os error 28)"), neither an OSError, so the user got a traceback
+    instead of the message. Now both give the message, with the errno; the partial checkpoint is removed. A real
+    full disk (a 1 MiB tmpfs), real writers."""
+    done = with_tmpfs(tmp_path / "disk", [sys.executable, "-c", FULL_DISK_SAVE, str(tmp_path / "disk"), writer])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["raised"] == "DiskFullError" and result["errno"] == errno.ENOSPC, result
+    assert f"no space left on the device of {tmp_path / 'disk'} while writing checkpoint step 1" in result["message"]
+    assert "the partial checkpoint was removed; free space there or point checkpoint.dir elsewhere" in result["message"]
+    assert ("RuntimeError" if writer == "torch" else "SafetensorError") in result["cause"]  # the writer's own error
+    assert result["left"] == []
+
+
+def test_a_torch_write_failure_that_is_not_a_full_disk_keeps_its_own_error(tmp_path):
+    """Only a full disk is called one: torch's writer failing on a file size limit (RLIMIT_FSIZE: EFBIG, with space
+    left on the device) raises torch's RuntimeError as it was, and the partial checkpoint is still removed."""
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        + FULL_DISK_SAVE.replace("disk, writer = sys.argv[1], sys.argv[2]", "disk, writer = sys.argv[1], 'torch'")
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["raised"] == "RuntimeError", result
+    assert "no space left" not in result["message"]
+    assert result["left"] == []
 
 
 def test_temp_dirs_of_dead_processes_are_removed_by_the_next_save(tmp_path):

@@ -1,6 +1,8 @@
 """Contract of orchestration/export.py with the torch backend: `miles-vl export` and `checkpoint.save_hf` write a
 directory that transformers loads with `from_pretrained`, whose logits equal the trainer's on the same inputs; a bad
-run directory, step or output directory gets one message naming what exists, exit 2.
+run directory, step or output directory gets one message naming what exists, exit 2. `--force` replaces only an
+earlier export: never a run, a folder holding one, or anything inside one (issue 30.1, checked as runs of the CLI on
+copies of a run, every file compared byte for byte afterwards); stale temporary directories of dead exports go.
 
 The reference is the trainer itself: the torch backend built from the run's config as the driver builds it, with the
 checkpoint loaded through its own `load_checkpoint` (safetensors + optimizer state), not the export path. The
@@ -11,6 +13,11 @@ sharded safetensors with their index, the processor saved beside them).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +29,9 @@ from miles_vl.data import load_processor
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
-from miles_vl.orchestration.export import ExportError, export_run, save_hf_due
+from miles_vl.orchestration.export import EXPORT_MARKER, ExportError, export_run, save_hf_due
 from miles_vl.orchestration.factories import build_torch
+from tests.disks import with_tmpfs
 from tests.orchestration.jobs import tiny_job
 
 SHARD = 300_000  # bytes: the tiny model (~1.5 MB in fp32) is written in several shards
@@ -103,7 +111,7 @@ def test_save_hf_due():
     [
         (["{tmp}/nope", "{tmp}/out"], "is not a run directory (no config.yaml); runs in {tmp}: run"),
         (["{run}", "--step", "5", "{tmp}/out"], "has no checkpoint of step 5; its checkpoints are steps [1, 2]"),
-        (["{run}", "{tmp}/full"], "exists and is not empty; choose another directory, or --force"),
+        (["{run}", "{tmp}/full"], "exists and is not empty; it is not an earlier export (no .miles_vl_export.json)"),
     ],
 )
 def test_bad_run_step_or_output_exit_2_naming_what_exists(run, tmp_path, capsys, argv, message):
@@ -116,11 +124,137 @@ def test_bad_run_step_or_output_exit_2_naming_what_exists(run, tmp_path, capsys,
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and not (tmp_path / "out").exists()
 
 
-def test_force_replaces_a_non_empty_output(run, tmp_path):
+def test_force_replaces_an_earlier_export_and_nothing_else(run, tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "old.txt").write_text("old")
-    with pytest.raises(ExportError):
+    with pytest.raises(ExportError, match="not an earlier export"):
+        export_run(run, tmp_path / "hf", step=2, force=True)
+    (tmp_path / "hf" / EXPORT_MARKER).write_text("{}")  # as an earlier export leaves it
+    with pytest.raises(ExportError, match="or --force to replace this earlier export"):
         export_run(run, tmp_path / "hf", step=2)
     export_run(run, tmp_path / "hf", step=2, force=True, max_shard_bytes=10**9)
     assert not (tmp_path / "hf" / "old.txt").exists() and (tmp_path / "hf" / "model.safetensors").is_file()
-    assert not list(tmp_path.glob(".hf.tmp-*"))
+    marker = json.loads((tmp_path / "hf" / EXPORT_MARKER).read_text())
+    assert marker["step"] == 2 and marker["run_dir"] == str(run.resolve()) and marker["by"] == "miles-vl export"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `miles-vl export` as a user runs it, on copies of the run
+
+
+def miles_vl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="300")  # rich wraps log lines at the terminal width
+    cmd = [sys.executable, "-m", "miles_vl.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under `root`, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def runs(run, tmp_path) -> Path:
+    """tmp_path/runs/{r, r2}: two copies of the run (r2 with its checkpoint.save_hf directories, r without); beside
+    them a user's folder (plain/), an earlier export (earlier/) and an earlier export that someone put a run into
+    (export_with_a_run/)."""
+    shutil.copytree(run, tmp_path / "runs" / "r", ignore=shutil.ignore_patterns("hf"))
+    shutil.copytree(run, tmp_path / "runs" / "r2")
+    shutil.copytree(run / "hf" / "step_00000001", tmp_path / "earlier")  # it holds the marker
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("mine")
+    held = tmp_path / "export_with_a_run"
+    shutil.copytree(run / "hf" / "step_00000001", held)  # an export: it holds the marker
+    shutil.copytree(run, held / "deep" / "r3", ignore=shutil.ignore_patterns("hf"))
+    return tmp_path / "runs"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [  # run in tmp_path (below: "{tmp}"); the current-directory case in earlier/, which --force could replace
+        (["runs/r", "runs/r", "--force"], "OUT_DIR runs/r is the run directory runs/r; an export never replaces a run"),
+        (["runs/r2", "runs", "--force"], "OUT_DIR runs holds the run directory runs/r2"),
+        (["runs/r", "runs/r2", "--force"], "runs/r2 belongs to a run (it holds metrics.jsonl); --force never"),
+        (["runs/r", "plain", "--force"], "plain is not an earlier export (no .miles_vl_export.json); --force replaces"),
+        (["runs/r", "runs/r2/hf/step_00000001", "--force"], "is inside {tmp}/runs/r2, which belongs to a run"),
+        (["runs/r", "runs/r/hf_model"], "OUT_DIR runs/r/hf_model is inside the run directory runs/r"),
+        (["runs/r", "export_with_a_run", "--force"], "holds export_with_a_run/deep/r3, which belongs to a run"),
+        (["../runs/r", ".", "--force"], "OUT_DIR . is the current directory; an export writes a directory of its own"),
+        (["runs/r", "/proc/miles_vl_hf"], "OUT_DIR /proc/miles_vl_hf cannot be written: a directory cannot be created"),
+        (["runs/r", "hf", "--max-shard-bytes", "-1"], "--max-shard-bytes '-1': expected a whole number of bytes above"),
+        (["runs/r", "hf", "--max-shard-bytes", "0"], "--max-shard-bytes '0': expected a whole number of bytes above"),
+        (["runs/r", "hf", "--max-shard-bytes", "5GB"], "--max-shard-bytes '5GB': expected a whole number of bytes"),
+    ],
+    ids=[
+        "run-onto-itself",
+        "parent-of-runs",
+        "another-run",
+        "not-an-export",
+        "save-hf-dir-inside-a-run",
+        "new-dir-inside-the-run",
+        "export-holding-a-run",
+        "current-directory",
+        "proc",
+        "shard-negative",
+        "shard-zero",
+        "shard-not-a-number",
+    ],
+)
+def test_export_refuses_to_write_over_or_into_a_run_and_every_file_stays(runs, argv, message):
+    """Issue 30.1: `export runs/r runs/r --force` wrote the model over the run's checkpoints and metrics;
+    `export runs/r2 runs --force` deleted every run in runs/. Now every such OUT_DIR is refused, one line, exit 2,
+    before Ray starts, and every file under tmp_path is as it was, byte for byte (none added either). Issue 30.9: a
+    --max-shard-bytes that is not a whole number above 0 (0 meant the default before) and an OUT_DIR that cannot be
+    written are refused the same way."""
+    tmp = runs.parent
+    before = tree(tmp)
+    done = miles_vl("export", *argv, cwd=tmp / "earlier" if argv[1] == "." else tmp)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message.format(tmp=tmp) in errors[0], done.stderr
+    assert "Traceback" not in done.stderr and "Ray" not in done.stderr
+    assert tree(tmp) == before
+
+
+def test_export_refuses_a_read_only_place(runs):
+    """Issue 30.9: an OUT_DIR whose parent is read-only (a real read-only file system) is refused before Ray starts."""
+    tmp = runs.parent
+    cmd = [sys.executable, "-m", "miles_vl.cli", "export", "runs/r", str(tmp / "ro" / "hf")]
+    done = with_tmpfs(tmp / "ro", cmd, read_only=True, cwd=tmp)
+    assert done.returncode == 2, done.stdout + done.stderr
+    want = f"error: OUT_DIR {tmp / 'ro' / 'hf'} cannot be written: a directory cannot be created in {tmp / 'ro'} "
+    assert want + "(Read-only file system); choose a place this user can write" in done.stderr
+
+
+def test_force_replaces_an_earlier_export_and_the_next_export_removes_stale_temp_dirs(runs, run):
+    """Issue 30.1: an earlier export (a directory with the marker) is replaced with --force, the runs untouched.
+    Issue 30.11: a SIGKILLed export left `.<name>.tmp-<pid>` (the whole model) that nothing removed; the next export
+    removes those of dead processes (of its own name, or holding the marker), and keeps one of a process that is
+    alive (it may be writing now) and any that is not an export's."""
+    tmp = runs.parent
+    shutil.copytree(run / "hf" / "step_00000001", tmp / "hf_model")  # an earlier export, moved out of its run
+    (tmp / "hf_model" / "old.txt").write_text("from the earlier export")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: no process has this id now
+    stale = {
+        f".hf_model.tmp-{dead.pid}": None,  # this name's, killed before it wrote its marker (or by an older miles_vl)
+        f".other_model.tmp-{dead.pid}": EXPORT_MARKER,  # another name's, with the marker
+    }
+    kept = {
+        f".hf_model.tmp-{os.getpid()}": EXPORT_MARKER,  # a live process's (this test's)
+        f".notes.tmp-{dead.pid}": None,  # a dead process's, but neither this name nor the marker: not ours to remove
+    }
+    for name, marker in (stale | kept).items():
+        (tmp / name).mkdir()
+        (tmp / name / "model.safetensors").write_bytes(b"x" * 100_000)
+        if marker:
+            (tmp / name / marker).write_text("{}")
+    runs_before = tree(runs)
+    done = miles_vl("export", "runs/r", "hf_model", "--step", "2", "--force", cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (tmp / "hf_model" / "old.txt").exists() and (tmp / "hf_model" / "model.safetensors.index.json").is_file()
+    marker = json.loads((tmp / "hf_model" / EXPORT_MARKER).read_text())
+    assert marker["step"] == 2 and marker["run_dir"] == str((runs / "r").resolve())
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".")) == sorted(kept)
+    assert tree(runs) == runs_before

@@ -35,6 +35,7 @@ from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints
 from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.loop import JobInterrupted, check_start
 from miles_vl.orchestration.trainer import Trainer
+from tests.disks import with_tmpfs
 from tests.orchestration.jobs import REPO, metrics, tiny_job
 
 STEPS = 5
@@ -218,6 +219,28 @@ def test_sigterm_from_outside_ends_miles_vl_train_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "preempted"
     assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [1]
     assert [r["step"] for r in metrics(run_dir)] == [1]
+
+
+def test_a_full_disk_during_a_save_ends_miles_vl_train_with_one_message(tmp_path):
+    """Issue 30.10: a full disk during a save gave ~90 lines of traceback: torch's writer (in the trainer actor) raises
+    a RuntimeError, not an OSError. Now `miles-vl train` ends with the documented message (the place and the fix),
+    exit 1, no traceback, and no partial checkpoint left. The checkpoint directory is a real 1.5 MiB disk: the
+    weights (model.safetensors, about 1.1 MB) fit, the optimizer state (trainer_state.pt, twice that) does not, so
+    it is torch's writer that meets the full disk."""
+    disk = tmp_path / "disk"
+    overrides = [*tiny_overrides(tmp_path, "full"), "num_steps=1", "checkpoint.interval=1", f"checkpoint.dir={disk}"]
+    train = [sys.executable, "-m", "miles_vl.cli", "train", str(REPO / "configs" / "geo3k_tiny_cpu.yaml"), *overrides]
+    # the disk exists only inside the namespace: list what the save left there before it goes
+    script = 'cd "$1" && shift && "$@"; rc=$?; echo "left: [$(ls -A "$0")]"; exit $rc'
+    env = dict(os.environ, COLUMNS="300")  # rich wraps log lines at the terminal width
+    done = with_tmpfs(disk, ["sh", "-c", script, str(disk), str(REPO), *train], size="1536k", env=env, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    error = f"error: no space left on the device of {disk} while writing checkpoint step 1; the partial checkpoint was "
+    assert error + "removed; free space there or point checkpoint.dir elsewhere" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "left: []" in done.stdout
+    assert [r["step"] for r in metrics(tmp_path / "full")] == [1]  # the step itself was logged
 
 
 def tiny_overrides(tmp_path: Path, name: str) -> list[str]:
