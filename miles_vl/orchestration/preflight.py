@@ -13,7 +13,8 @@ What it checks, each problem one line with its fix:
 - `model.path` is a checkpoint directory (config.json and weights), or a hub id in the local Hugging Face cache,
   when the job loads it (`model.init=pretrained`, or an SGLang rollout); the processor (`model.processor`, else
   `model.path`) loads from local files, unless it is `offline`;
-- `checkpoint.resume`, when it names a checkpoint, is a complete one.
+- `checkpoint.resume`, when it names a checkpoint, is a complete one;
+- a private Ray (no `ray.address`) has room for its unix sockets under its temp folder (`placement`).
 
 Nothing is written: no run directory, no Ray, no model weights read. The driver (`run_job`) runs `check_backends`
 again itself, as its callers need not be the CLI; the package check stays here, where tests that stand in for an
@@ -31,6 +32,7 @@ from miles_vl.data.processor import OFFLINE
 from miles_vl.orchestration.checkpoint import verify_checkpoint
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
+from miles_vl.orchestration.placement import private_session_problem
 from miles_vl.stack import backend_problems, captured_output
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -54,6 +56,8 @@ def preflight_problems(cfg: JobConfig) -> list[str]:
     problems += data_problems(cfg)
     problems += model_problems(cfg)
     problems += resume_problems(cfg)
+    if problem := private_session_problem(cfg.ray.address):
+        problems.append(problem)
     return problems
 
 
