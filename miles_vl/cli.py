@@ -13,6 +13,9 @@ problem before anything starts (no run directory, no Ray, no model): a config th
 that cannot be read, a reward or dataset_fn that cannot be resolved, a model or processor that is not there, a
 checkpoint that cannot be resumed. `miles-vl train` stopped by SIGINT or SIGTERM writes the checkpoint of its last
 completed step and exits with 128 + the signal number (130, 143); the same command resumes it.
+
+`module:function` extension points resolve from the working directory, searched after the installed packages
+(`import_path`: a stray `math_verify.py` there never shadows the package).
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import os
 import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import yaml
+from miles_vl.import_path import put_working_dir_last
 
-import miles_vl
-from miles_vl.config import ConfigError, JobConfig, load_config, redacted
-from miles_vl.data import cli as data_cli
-from miles_vl.data.layouts import DataError
-from miles_vl.logs import setup_logging
+if __name__ == "__main__":  # `python -m miles_vl.cli` put the working directory first: not for the imports below
+    put_working_dir_last()
+
+import yaml  # noqa: E402
+
+import miles_vl  # noqa: E402
+from miles_vl.config import ConfigError, JobConfig, load_config, redacted  # noqa: E402
+from miles_vl.data import cli as data_cli  # noqa: E402
+from miles_vl.data.layouts import DataError  # noqa: E402
+from miles_vl.logs import setup_logging  # noqa: E402
 
 log = logging.getLogger("miles_vl")
 
@@ -360,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # `module:function` extension points (rewards, dataset mappers) resolve from the working directory, after the
+    # installed packages (a console script's sys.path does not include it; `python -m` puts it first)
+    put_working_dir_last()
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `train CONFIG a=1 --log-level DEBUG b=2`: argparse ends the overrides at the option; what follows is more of them
@@ -371,10 +382,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     setup_logging(args.log_level or "INFO")
-    # `module:function` extension points (rewards, dataset mappers) resolve from the working directory, as with
-    # `python -m`: a console script's sys.path does not include it.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
         return args.handler(args)
     except (ConfigError, DataError) as e:

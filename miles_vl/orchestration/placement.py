@@ -16,7 +16,7 @@ that present the session's auth token, which Ray turns on for a local session un
 Ray 2.60 writes it world-readable, so `own_token_file` writes it first, 0600 in a 0700 folder, and makes an
 existing one 0600. Keep a multi-user or exposed machine behind a firewall all the same.
 
-Placement:
+Every Ray worker of the job looks up modules with the driver's working directory last (`import_path`). Placement:
 
 - colocate: rollout engines and the trainer share the same devices and take turns (the engine releases its
   memory while the trainer runs). On a CPU-only machine every actor takes 0 CPUs of Ray's accounting, since
@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_vl.import_path import DRIVER_WORKING_DIR_ENV
 from miles_vl.rollout.sglang.server import NO_MULTICAST_ENV
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         # Every worker of the job (train ranks, engine actors and the SGLang servers they start) keeps NVLink
         # multicast off, also on a cluster whose Ray was started elsewhere: on shared hosts a program that uses it can
         # take the GPUs out of service.
-        "env_vars": dict(NO_MULTICAST_ENV),
+        "env_vars": {**NO_MULTICAST_ENV, DRIVER_WORKING_DIR_ENV: os.getcwd()},
+        # before Ray puts the driver's working directory first on a worker's sys.path (import_path)
+        "worker_process_setup_hook": "miles_vl.import_path.ray_worker_setup",
     }
     cluster, source = cluster_address(address)
     if not cluster and (problem := private_session_problem(None)):

@@ -2,7 +2,8 @@
 (Ray 2.60 has no loopback setting for them), so a local session must run with Ray's token authentication, which it
 does unless RAY_AUTH_MODE turns it off, and then the driver says so loudly; the dashboard is off or on 127.0.0.1;
 every worker runs with NVLink multicast off. Issue 30: a job without `ray.address` starts a private Ray (never the
-cluster of Ray's world-writable address file) in a 0700 folder removed after it, and Ray's token file is 0600."""
+cluster of Ray's world-writable address file) in a 0700 folder removed after it, Ray's token file is 0600, and Ray's
+workers import installed packages before the working directory."""
 
 import logging
 import os
@@ -56,7 +57,7 @@ def test_turning_authentication_off_is_warned_about(monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# which Ray a job uses (issue 30.5)
+# which Ray a job uses (issue 30.5), what Ray's workers import first (30.7)
 
 
 @pytest.fixture
@@ -123,6 +124,26 @@ def test_which_cluster_a_job_joins(monkeypatch, ray_tmp):
         else:
             assert "_temp_dir" not in kwargs and "num_cpus" not in kwargs
     assert [p.name for p in ray_tmp.iterdir()] == ["ray"]  # every private folder removed
+
+
+def test_ray_workers_import_installed_packages_before_the_working_directory(tmp_path, monkeypatch, ray_tmp):
+    """Issue 30.7: Ray puts the driver's working directory first on its workers' sys.path, so a stray module there
+    shadowed an installed package in every actor. Ray's workers now look there last: the installed package is
+    imported, and a module that is only in the working directory (a `module:function` extension) still is."""
+    (tmp_path / "safetensors.py").write_text("raise ImportError('the stray safetensors.py was imported')\n")
+    (tmp_path / "only_here.py").write_text("VALUE = 7\n")
+    monkeypatch.chdir(tmp_path)
+    with placement.ray_session(None, num_cpus=1):
+
+        @ray.remote(num_cpus=0)
+        def imports() -> tuple[str, int]:
+            import only_here
+            import safetensors
+
+            return safetensors.__file__, only_here.VALUE
+
+        where, value = ray.get(imports.remote())
+    assert "site-packages" in where and value == 7
 
 
 def test_rays_token_file_is_0600(tmp_path, monkeypatch, caplog):
