@@ -16,7 +16,8 @@ that present the session's auth token, which Ray turns on for a local session un
 Ray 2.60 writes it world-readable, so `own_token_file` writes it first, 0600 in a 0700 folder, and makes an
 existing one 0600. Keep a multi-user or exposed machine behind a firewall all the same.
 
-Every Ray worker of the job looks up modules with the driver's working directory last (`import_path`). Placement:
+Every Ray worker of the job looks up modules with the driver's working directory last (`import_path`), and Ray's
+record of the job (its entrypoint) is the driver's `sys.argv`, in which the CLI has redacted secrets. Placement:
 
 - colocate: rollout engines and the trainer share the same devices and take turns (the engine releases its
   memory while the trainer runs). On a CPU-only machine every actor takes 0 CPUs of Ray's accounting, since
@@ -41,6 +42,7 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -77,11 +79,12 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         raise RuntimeError(problem)  # preflight says so first, as a config problem
     private = None if cluster else Path(tempfile.mkdtemp(prefix="ray-", dir=temp_root()))
     try:
-        if cluster:
-            ray.init(address=cluster, log_to_driver=True, runtime_env=runtime_env)
-            log.info("joined the Ray cluster at %s (%s)", ray.get_runtime_context().gcs_address, source)
-        else:
-            _start_private(private, num_cpus, dashboard, runtime_env)
+        with _entrypoint_from_sys_argv():
+            if cluster:
+                ray.init(address=cluster, log_to_driver=True, runtime_env=runtime_env)
+                log.info("joined the Ray cluster at %s (%s)", ray.get_runtime_context().gcs_address, source)
+            else:
+                _start_private(private, num_cpus, dashboard, runtime_env)
         yield
     finally:
         ray.shutdown()
@@ -207,6 +210,31 @@ def own_token_file() -> Path | None:
         f.write(generate_new_authentication_token())
     log.info("wrote a new Ray auth token to %s (mode 0600)", path)
     return path
+
+
+@contextlib.contextmanager
+def _entrypoint_from_sys_argv() -> Iterator[None]:
+    """Ray 2.60 records the driver's command line as the job's entrypoint (the GCS job table: `ray list jobs`, the
+    dashboard's job list) from /proc/self/cmdline, which Python cannot rewrite; the CLI has redacted secrets in
+    `sys.argv` (`cli._hide_secret_overrides`), so while `ray.init` runs Ray is given that instead.
+
+    Raises:
+        RuntimeError: this Ray has no `ray._private.utils.get_entrypoint_name` (read against 2.60).
+    """
+    import ray
+    import ray._private.utils as ray_utils
+
+    if not callable(getattr(ray_utils, "get_entrypoint_name", None)):
+        raise RuntimeError(
+            f"ray {ray.__version__} has no ray._private.utils.get_entrypoint_name (miles_vl reads Ray 2.60): the "
+            "job's entrypoint could carry a secret of the command line; install ray 2.60.0 (constraints.txt)"
+        )
+    original = ray_utils.get_entrypoint_name
+    ray_utils.get_entrypoint_name = lambda: subprocess.list2cmdline([sys.executable, *sys.argv])
+    try:
+        yield
+    finally:
+        ray_utils.get_entrypoint_name = original
 
 
 # A colocated train rank and the engine actor in the same slot each take this share of its GPU in Ray's accounting.

@@ -2,13 +2,15 @@
 (Ray 2.60 has no loopback setting for them), so a local session must run with Ray's token authentication, which it
 does unless RAY_AUTH_MODE turns it off, and then the driver says so loudly; the dashboard is off or on 127.0.0.1;
 every worker runs with NVLink multicast off. Issue 30: a job without `ray.address` starts a private Ray (never the
-cluster of Ray's world-writable address file) in a 0700 folder removed after it, Ray's token file is 0600, and Ray's
-workers import installed packages before the working directory."""
+cluster of Ray's world-writable address file) in a 0700 folder removed after it, Ray's token file is 0600, Ray's
+workers import installed packages before the working directory, and Ray records the redacted command line."""
 
 import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -57,7 +59,7 @@ def test_turning_authentication_off_is_warned_about(monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# which Ray a job uses (issue 30.5), what Ray's workers import first (30.7)
+# which Ray a job uses (issue 30.5), what Ray's workers import first (30.7), what Ray records of the command line (30.8)
 
 
 @pytest.fixture
@@ -144,6 +146,16 @@ def test_ray_workers_import_installed_packages_before_the_working_directory(tmp_
 
         where, value = ray.get(imports.remote())
     assert "site-packages" in where and value == 7
+
+
+def test_ray_records_the_redacted_command_line(monkeypatch, ray_tmp):
+    """Issue 30.8: Ray records the driver's command line as the job's entrypoint (`ray list jobs`, the dashboard),
+    read from /proc/self/cmdline, where the CLI cannot redact a secret. It gets `sys.argv`, which the CLI redacted."""
+    argv = ["/venv/bin/miles-vl", "train", "job.yaml", "rollout.sglang.api_key=<redacted>"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with placement.ray_session(None, num_cpus=1):
+        entrypoints = [job["Entrypoint"] for job in ray._private.state.state.job_table()]
+    assert entrypoints == [subprocess.list2cmdline([sys.executable, *argv])]
 
 
 def test_rays_token_file_is_0600(tmp_path, monkeypatch, caplog):
