@@ -16,6 +16,11 @@ the same way an OUT_DIR it may not write (a run, anything inside one, a director
 even with --force: orchestration/export.py). `miles-vl train` stopped by SIGINT or SIGTERM writes the checkpoint of
 its last completed step and exits with 128 + the signal number (130, 143); the same command resumes it. A full disk
 during a save or an export ends it with one message naming the place and the fix, exit 1.
+
+`module:function` extension points resolve from the working directory, searched after the installed packages
+(`import_path`: a stray `math_verify.py` there never shadows the package). A secret field given as an override
+(`rollout.sglang.api_key=...`) is redacted in `sys.argv` itself before anything reads it (wandb records the command
+line), with a warning that other local users can read it in `ps`: give it as `${oc.env:VAR}` instead.
 """
 
 from __future__ import annotations
@@ -23,19 +28,23 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import os
 import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import yaml
+from miles_vl.import_path import put_working_dir_last
 
-import miles_vl
-from miles_vl.config import ConfigError, JobConfig, load_config, redacted
-from miles_vl.data import cli as data_cli
-from miles_vl.data.layouts import DataError
-from miles_vl.logs import setup_logging
+if __name__ == "__main__":  # `python -m miles_vl.cli` put the working directory first: not for the imports below
+    put_working_dir_last()
+
+import yaml  # noqa: E402
+
+import miles_vl  # noqa: E402
+from miles_vl.config import ConfigError, JobConfig, load_config, redact_overrides, redacted  # noqa: E402
+from miles_vl.data import cli as data_cli  # noqa: E402
+from miles_vl.data.layouts import DataError  # noqa: E402
+from miles_vl.logs import setup_logging  # noqa: E402
 
 log = logging.getLogger("miles_vl")
 
@@ -377,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # `module:function` extension points (rewards, dataset mappers) resolve from the working directory, after the
+    # installed packages (a console script's sys.path does not include it; `python -m` puts it first)
+    put_working_dir_last()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    secrets = _hide_secret_overrides()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `train CONFIG a=1 --log-level DEBUG b=2`: argparse ends the overrides at the option; what follows is more of them
@@ -388,14 +402,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     setup_logging(args.log_level or "INFO")
-    # `module:function` extension points (rewards, dataset mappers) resolve from the working directory, as with
-    # `python -m`: a console script's sys.path does not include it.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if secrets:
+        log.warning(
+            "%s given on the command line: other users of this machine can read it there (ps, /proc) while the job "
+            "runs; miles-vl keeps it out of what it writes. Set it from the environment instead: %s",
+            ", ".join(secrets),
+            " ".join(f"{key}='${{oc.env:{_env_name(key)}}}'" for key in secrets),
+        )
     try:
         return args.handler(args)
     except (ConfigError, DataError) as e:
         return _bad_input(e)
+
+
+def _hide_secret_overrides() -> list[str]:
+    """Redact every secret override (`schema.secret_field`) in `sys.argv` itself, before anything reads it: wandb
+    records the command line (and uploads it online), and Ray's job record gets it from here (`placement`). Returns the
+    keys that were given a value."""
+    sys.argv[1:], keys = redact_overrides(sys.argv[1:])
+    return keys
+
+
+def _env_name(key: str) -> str:
+    """An environment variable name for a secret key: rollout.sglang.api_key -> SGLANG_API_KEY."""
+    return "_".join(key.split(".")[-2:]).upper()
 
 
 if __name__ == "__main__":

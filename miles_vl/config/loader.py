@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -97,8 +98,15 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([f"the top level must be a mapping of sections, found {type(data).__name__}"], str(path))
-    problems = [f"malformed override {o!r}: expected key.sub=value" for o in overrides if not is_override(o)]
-    problems += _alias_problems(overrides)
+    problems = [
+        f"malformed override {redact_overrides([o])[0][0]!r}: expected key.sub=value"
+        for o in overrides
+        if not is_override(o)
+    ]
+    alias_problems = _alias_problems(overrides)
+    problems += alias_problems
+    if not alias_problems:  # OmegaConf's parse of a value would expand an alias bomb
+        problems += [problem for o in overrides if is_override(o) and (problem := _unparseable(o))]
     if problems:
         raise ConfigError(problems, str(path))
     try:
@@ -289,6 +297,58 @@ def is_override(text: str) -> bool:
     """Whether `text` has the form of an override, `key.sub=value`."""
     key, sep, _ = text.partition("=")
     return bool(sep) and bool(key) and all(part.isidentifier() for part in key.split("."))
+
+
+def redact_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`overrides` with each one that gives a secret field (`schema.secret_field`) a value written as `key=<redacted>`,
+    and the secret keys given one.
+
+    Every spelling the loader takes counts: `rollout.sglang.api_key=...`, and a mapping that holds the key
+    (`rollout.sglang={api_key: ...}`: the whole value is redacted). A value taken from elsewhere (only `${oc.env:VAR}`
+    or `${other.key}`) is no secret on the command line and stays; a value that does not parse is redacted whole.
+    """
+    out, given = [], []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        key = key.strip()
+        found = [s for s in secret_keys() if sep and (s == key or s.startswith(key + ".")) and _sets(key, value, s)]
+        out.append(f"{key}={REDACTED}" if found else text)
+        given += found
+    return out, list(dict.fromkeys(given))
+
+
+# `${oc.env:VAR}` or `${a.key}`: a value that names where the secret is, not the secret
+_REFERENCE = re.compile(r"\$\{(oc\.env:)?[A-Za-z_][\w.]*\}")
+
+
+def _sets(key: str, value: str, secret: str) -> bool:
+    """Whether the override `key=value` gives `secret` (a dotted key at or under `key`) a literal value."""
+    try:
+        yaml.compose(value, Loader=_UniqueKeyLoader)  # bounded: OmegaConf's own parse would expand an alias bomb
+    except (AliasExpansionError, yaml.YAMLError):  # the loader reports it; the text may hold the secret
+        return True
+    try:
+        node: Any = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]), resolve=False)
+    except Exception:  # unparseable: the loader reports it, and the text may hold the secret
+        return True
+    for part in secret.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node is not None and not (isinstance(node, str) and not _REFERENCE.sub("", node))
+
+
+def _unparseable(override: str) -> str | None:
+    """Why the value of `override` is not YAML (OmegaConf parses it with yaml, which would raise from the merge), or
+    None. A secret's value is not repeated."""
+    try:
+        OmegaConf.from_dotlist([override])
+    except yaml.YAMLError as e:
+        return (
+            f"override {redact_overrides([override])[0][0]!r}: the value is not valid YAML "
+            f"({getattr(e, 'problem', None) or e}); quote it (key='...') if it is text"
+        )
+    except OmegaConfBaseException:  # the merge reports it with the rest
+        pass
+    return None
 
 
 def _override_keys(overrides: Sequence[str]) -> set[str]:

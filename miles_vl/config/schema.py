@@ -493,9 +493,11 @@ class RewardConfig(_Section):
 class RayConfig(_Section):
     address: str | None = Field(
         None,
-        description="null = `ray.init()` with no address, which (Ray 2.x) joins the cluster that RAY_ADDRESS names "
-        "(`ray job submit` sets it) or that `ray start` started on this machine, and else starts a local Ray for the "
-        "job; `auto` joins a running cluster and fails if there is none; else `ray.init(address=...)`.",
+        description="null = the cluster the RAY_ADDRESS environment variable names (`ray job submit` sets it), else "
+        "a private Ray for the job, in a 0700 temp folder of its own (Ray's address file, `ray_current_cluster` in "
+        "the world-writable /tmp/ray, is never read); `local` = a private Ray, even with RAY_ADDRESS set; `auto` = "
+        "Ray's own discovery (RAY_ADDRESS, else the cluster `ray start` started on this machine), failing if there "
+        "is none; else `ray.init(address=...)`.",
     )
     placement: Literal["colocate", "disaggregate"] = "colocate"
     num_cpus: int | None = Field(

@@ -10,15 +10,15 @@ A reward that raises, returns something that is not a score (`types.to_reward_re
 scores 0 for that sample; the sample's `RewardResult.error` says why, `RewardStats` counts errors and timeouts,
 each failure is logged (the first few in full), and the run continues.
 
-The time limit is hard. Every call runs in a worker process (`worker.py`: `python -m miles_vl.reward.worker`, its
-own session, started once per pool); a sync reward runs one call at a time per worker, and when a call passes its
-limit the pool kills the worker's whole process group (SIGKILL: sympy, C extensions and subprocesses the reward
-started stop too) and starts a new one. `async def` rewards run `async_concurrency` calls at once per worker under
-`asyncio.timeout`; a worker whose event loop is blocked past the limit (plus a small grace) is killed the same way.
-Which of its calls blocked it cannot be told from outside, so each call it held runs again alone on a fresh worker
-(once): the blocking one then times out, the others are scored. The time limit counts from the start of each call,
-not from when it was queued. A worker that dies on its own (a crash in the reward) fails the calls it held, as
-errors.
+The time limit is hard. Every call runs in a worker process (`worker.py`: `python -P -m miles_vl.reward.worker`, its
+own session, started once per pool, importing from the driver's `sys.path` in its order); a sync reward runs one
+call at a time per worker, and when a call passes its limit the pool kills the worker's whole process group
+(SIGKILL: sympy, C extensions and subprocesses the reward started stop too) and starts a new one. `async def`
+rewards run `async_concurrency` calls at once per worker under `asyncio.timeout`; a worker whose event loop is
+blocked past the limit (plus a small grace) is killed the same way. Which of its calls blocked it cannot be told
+from outside, so each call it held runs again alone on a fresh worker (once): the blocking one then times out, the
+others are scored. The time limit counts from the start of each call, not from when it was queued. A worker that
+dies on its own (a crash in the reward) fails the calls it held, as errors.
 
 A batched reward (`types.reward_function(batched=True)`) is one call per `score`, with the whole batch, under the
 same time limit (for the call, not per sample); a failure of the call fails every sample of it, counted.
@@ -209,10 +209,12 @@ class RewardPool:
 
     def _start(self) -> _Worker:
         parent, child = socket.socketpair()
+        # The driver's sys.path in its order (the working directory after the installed packages: import_path), and
+        # -P: no working directory put before it, as `python -m` would
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "miles_vl.reward.worker", str(child.fileno())],
+                [sys.executable, "-P", "-m", "miles_vl.reward.worker", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """One reward worker process: loads the reward function once, then scores the samples the pool sends it.
 
-    python -m miles_vl.reward.worker FD      # started by `scoring.RewardPool`, never by hand
+    python -P -m miles_vl.reward.worker FD   # started by `scoring.RewardPool`, never by hand
 
 Protocol over the connected socket FD (`multiprocessing.connection.Connection` framing, pickled messages):
     pool -> worker   the pickled reward function (bytes), once

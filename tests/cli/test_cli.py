@@ -348,3 +348,47 @@ def test_the_wheel_ships_the_configs(tmp_path):
     assert sorted(f"{line.split()[0]}.yaml" for line in listed.splitlines() if line and line[0] != "(") == shipped
     subprocess.run([*cli, "geo3k_tiny_cpu", "job.yaml"], cwd=tmp_path, env=env, **run)
     assert (tmp_path / "job.yaml").read_text() == Path(TINY).read_text()
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_a_stray_module_in_the_working_directory_is_never_imported(tmp_path, how):
+    """Issue 30.7: the CLI put the working directory first on sys.path (for `module:function` rewards), so a stray
+    math_verify.py there ran instead of the package that the geo3k reward imports; `python -m` puts it first too. The
+    working directory now comes after the installed packages: `check` of the geo3k job never imports the stray file,
+    and a reward `mymod:reward` that only the working directory holds still resolves."""
+    marker = tmp_path / "imported"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "math_verify.py").write_text(f"open({str(marker)!r}, 'w').write('x')\nraise ImportError('stray')\n")
+    (cwd / "mymod.py").write_text("def reward(sample):\n    return 1.0\n")
+    exe = Path(sys.executable).with_name("miles-vl")
+    cli = [str(exe)] if how == "console script" else [sys.executable, "-m", "miles_vl.cli"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for reward in ("geo3k", "mymod:reward"):
+        cmd = [*cli, "check", TINY, f"reward.name={reward}", "logging.wandb.mode=disabled"]
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not marker.exists(), f"the stray math_verify.py was imported by `{' '.join(cmd)}`"
+
+
+def test_a_secret_on_the_command_line_is_redacted_in_sys_argv_with_a_warning(monkeypatch, capsys):
+    """Issue 30.8: wandb records sys.argv (and uploads it online): a secret override there reached its files. The CLI
+    redacts it in sys.argv itself before anything else runs, in every spelling, still runs with the real value, and
+    warns once that the command line is visible to other local users, with the way to pass it instead."""
+    argv = ["miles-vl", "check", "--config-only", TINY, "rollout.sglang={api_key: s3cret-value, port: 30001}"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    assert main() == 0
+    assert sys.argv == [*argv[:-1], "rollout.sglang=<redacted>"]
+    captured = capsys.readouterr()
+    out = yaml.safe_load(captured.out)
+    assert out["rollout"]["sglang"]["port"] == 30001  # parsed from the real command line
+    assert out["rollout"]["sglang"]["api_key"] == "<redacted>"
+    err = " ".join(captured.err.split())
+    assert "s3cret-value" not in err
+    assert err.count("given on the command line: other users of this machine can read it") == 1
+    assert "rollout.sglang.api_key='${oc.env:SGLANG_API_KEY}'" in err
+    monkeypatch.setattr(sys, "argv", ["miles-vl", "check", "--config-only", TINY, "rollout.sglang.api_key=${oc.env:K}"])
+    monkeypatch.setenv("K", "from-the-environment")
+    assert main() == 0
+    assert sys.argv[-1] == "rollout.sglang.api_key=${oc.env:K}"
+    assert "given on the command line" not in capsys.readouterr().err

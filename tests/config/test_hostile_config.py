@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from miles_vl.config import ConfigError, JobConfig, load_config
+from miles_vl.config import ConfigError, JobConfig, load_config, redact_overrides
 from miles_vl.config.loader import MAX_ALIAS_NODES
 from miles_vl.config.schema import REDACTED, redacted, secret_keys
 
@@ -178,3 +178,33 @@ def test_interpolations_of_sections_may_add_no_more_than_aliases(tmp_path):
     )
     cfg = load_config(write(tmp_path, text))
     assert cfg.checkpoint.dir == "/tmp/x/ckpt" and cfg.reward.kwargs["copies"] == [[1, 2, 3], [1, 2, 3]]
+
+
+def test_secret_overrides_are_redacted_in_every_spelling_the_loader_takes(tmp_path):
+    """Issue 30.8: a secret given on the command line reached wandb's files through sys.argv. `redact_overrides`
+    finds it in every spelling that sets it (the key itself, a mapping that holds it, a value that does not parse) by
+    the schema's mark; a value that only names where the secret is (`${oc.env:VAR}`) is no secret and stays."""
+    given = [
+        "rollout.sglang.api_key=s3cret",
+        'rollout.sglang.api_key="s3cret"',
+        "rollout.sglang={api_key: s3cret, port: 30001}",
+        "rollout={sglang: {api_key: s3cret}}",
+        "rollout.sglang.api_key=[s3cret",  # does not parse: the loader reports it
+        "rollout.sglang.api_key=${oc.env:X,s3cret}",  # a default is a literal
+        "rollout.sglang.api_key =s3cret",
+    ]
+    kept = ["rollout.sglang.api_key=${oc.env:SGLANG_API_KEY}", "rollout.sglang={port: 30001}", "num_steps=3", "-x"]
+    out, keys = redact_overrides([*given, *kept])
+    assert keys == ["rollout.sglang.api_key"]
+    assert not [o for o in out if "s3cret" in o]
+    assert out[len(given) :] == kept
+    assert out[:3] == [
+        "rollout.sglang.api_key=<redacted>",
+        "rollout.sglang.api_key=<redacted>",
+        "rollout.sglang=<redacted>",
+    ]
+    for override in given:  # the loader still takes (or refuses) the real value
+        with pytest.raises(ConfigError) as info:
+            load_config(write(tmp_path, MINIMAL), [override, "train.cp=3"])
+        assert "s3cret" not in str(info.value)
+    assert redact_overrides(["rollout.sglang.api_key="]) == (["rollout.sglang.api_key="], [])  # null: nothing given
