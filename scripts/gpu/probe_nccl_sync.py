@@ -179,17 +179,10 @@ def run_variant(url: str, variant: str, gpu0: str, ckpt: str, server_log: Path, 
 
 
 def start_server(ckpt: str, gpu1: str, extra_env: dict, log_path: Path):
+    from miles_vl.rollout import sglang as sg
     from miles_vl.rollout.sglang.client import SGLangClient
-    from miles_vl.rollout.sglang.server import (
-        SGLANG_LAUNCH_MODULE,
-        ServerProcess,
-        ServerSpec,
-        build_server_argv,
-        build_server_env,
-        wait_until_healthy,
-    )
 
-    spec = ServerSpec(
+    spec = sg.ServerSpec(
         model_path=ckpt,
         port=free_port(),
         mem_fraction_static=0.3,
@@ -197,13 +190,13 @@ def start_server(ckpt: str, gpu1: str, extra_env: dict, log_path: Path):
         random_seed=0,
         extra_args=("--disable-cuda-graph", "--context-length", "4096", "--grammar-backend", "none"),
     )
-    env = {**build_server_env(spec), **BASE_ENV, **extra_env, "CUDA_VISIBLE_DEVICES": gpu1}
+    env = {**sg.build_server_env(spec), **BASE_ENV, **extra_env, "CUDA_VISIBLE_DEVICES": gpu1}
     if "NCCL_CUMEM_ENABLE" not in extra_env:
         env.pop("NCCL_CUMEM_ENABLE", None)  # as in production today: SGLang sets 0 for itself
-    server = ServerProcess(build_server_argv(spec, module=SGLANG_LAUNCH_MODULE), env=env, log_path=log_path)
+    server = sg.ServerProcess(sg.build_server_argv(spec, module=sg.SGLANG_LAUNCH_MODULE), env=env, log_path=log_path)
     server.start()
     client = SGLangClient(spec.url, timeout_s=60, max_retries=0)
-    waited = wait_until_healthy(client, server, timeout_s=240, poll_s=0.5)
+    waited = sg.wait_until_healthy(client, server, timeout_s=240, poll_s=0.5)
     return server, client, spec.url, waited
 
 
