@@ -63,4 +63,7 @@ def ray_worker_setup() -> None:
     the driver's (they differ on another node), before Ray puts the driver's first on `sys.path`."""
     dirs = [os.getcwd(), os.environ.get(DRIVER_WORKING_DIR_ENV) or os.getcwd()]
     if not any(isinstance(f, WorkingDirLast) for f in sys.meta_path):
-        sys.meta_path.insert(0, WorkingDirLast(list(dict.fromkeys(dirs))))
+        # Just before the path finder, after the built-in and frozen importers: a file of the working directory must
+        # never stand in for a built-in module (`pwd.py` did when this finder came first).
+        at = next((i for i, f in enumerate(sys.meta_path) if f is importlib.machinery.PathFinder), len(sys.meta_path))
+        sys.meta_path.insert(at, WorkingDirLast(list(dict.fromkeys(dirs))))
