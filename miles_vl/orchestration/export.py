@@ -106,7 +106,7 @@ def write_hf_dir(
         ExportError: `out_dir` is a non-empty directory (or a file) and not `force`, or not one `force` may replace.
         DiskFullError: the device ran out of space or quota; the partial directory is removed.
     """
-    out_dir = Path(os.path.abspath(out_dir))
+    out_dir = write_path(out_dir)
     if out_dir.is_symlink() or (out_dir.exists() and not _empty_dir(out_dir)):
         _check_replace(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -235,8 +235,18 @@ def replace_problem(out_dir: str | Path) -> str | None:
     return None
 
 
+def write_path(out_dir: str | Path) -> Path:
+    """The absolute path an export of `out_dir` writes, as the kernel walks it: its parent resolved (a symlink then `..`
+    leads where the link points, not where the text says, which `os.path.abspath` would take), its last name kept so
+    that a symlink there is seen and refused. Every check and the write itself use this one path."""
+    path = Path(out_dir).absolute()
+    if path.name in ("", ".", ".."):
+        return path.resolve()
+    return path.parent.resolve() / path.name
+
+
 def _inside_run(out_dir: Path) -> str | None:
-    for above in Path(out_dir).resolve().parents:
+    for above in write_path(out_dir).resolve().parents:
         if why := run_data(above):
             return (
                 f"OUT_DIR {out_dir} is inside {above}, which belongs to a run ({why}); an export never writes into a "
@@ -247,7 +257,7 @@ def _inside_run(out_dir: Path) -> str | None:
 
 def out_dir_problem(out_dir: str | Path, run_dir: str | Path, *, force: bool) -> str | None:
     """Why `export_run` may not write `out_dir` from `run_dir`, or None (module docstring, Invariants)."""
-    out, run, cwd = Path(out_dir).resolve(), Path(run_dir).resolve(), Path.cwd().resolve()
+    out, run, cwd = write_path(out_dir).resolve(), Path(run_dir).resolve(), Path.cwd().resolve()
     outside = f"choose a directory outside it, e.g. {run.with_name(run.name + '-hf')}"
     if out == run:
         return f"OUT_DIR {out_dir} is the run directory {run_dir}; an export never replaces a run: {outside}"

@@ -27,7 +27,7 @@ from miles_vl import cli
 from miles_vl.config import load_config
 from miles_vl.data import load_processor
 from miles_vl.models.qwen3_vl.tokens import special_tokens
-from miles_vl.orchestration import run_job
+from miles_vl.orchestration import export, run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.export import EXPORT_MARKER, ExportError, export_run, save_hf_due
 from miles_vl.orchestration.factories import build_torch
@@ -258,3 +258,27 @@ def test_force_replaces_an_earlier_export_and_the_next_export_removes_stale_temp
     assert marker["step"] == 2 and marker["run_dir"] == str((runs / "r").resolve())
     assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".")) == sorted(kept)
     assert tree(runs) == runs_before
+
+
+def test_the_checks_and_the_write_walk_a_symlink_then_dotdot_as_the_kernel_does(runs, monkeypatch):
+    """Found by the review of issue 30: `lnk/../runs/r/checkpoints/step_9` with `lnk -> elsewhere/sub` was checked
+    where the kernel leads (elsewhere/runs/..., no run: allowed) but written where the text leads once `..` is dropped
+    as text (runs/r/checkpoints/step_9: a label planted inside the run). Now both use `write_path`: the export lands
+    in elsewhere/ and no file of the runs changes."""
+    tmp = runs.parent
+    (tmp / "elsewhere" / "sub").mkdir(parents=True)
+    (tmp / "lnk").symlink_to(tmp / "elsewhere" / "sub")
+    monkeypatch.chdir(tmp)
+    out = "lnk/../runs/r/checkpoints/step_00000009"
+    assert export.write_path(out) == tmp / "elsewhere" / "runs" / "r" / "checkpoints" / "step_00000009"
+    assert export.out_dir_problem(out, "runs/r", force=False) is None  # nothing of a run where the kernel leads
+    before = tree(runs)
+
+    class Processor:
+        def save_pretrained(self, d):
+            (Path(d) / "processor.json").write_text("{}")
+
+    written = export.write_hf_dir(out, lambda d: (d / "config.json").write_text("{}"), Processor(), None, force=False)
+    assert written == tmp / "elsewhere" / "runs" / "r" / "checkpoints" / "step_00000009"
+    assert (written / "config.json").is_file() and (written / EXPORT_MARKER).is_file()
+    assert tree(runs) == before
