@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -115,7 +116,7 @@ def write_hf_dir(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        marker = {"written_by": f"miles-vl {miles_vl.__version__}", **(origin or {})}
+        marker = {"written_by": f"miles-vl {miles_vl.__version__}", "host": socket.gethostname(), **(origin or {})}
         marker["time"] = datetime.now().astimezone().isoformat(timespec="seconds")
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1))  # first: a leftover of this write is known
         write_weights(tmp)
@@ -175,9 +176,18 @@ def _empty_dir(path: Path) -> bool:
 
 
 def _is_export_temp(path: Path, name: str) -> bool:
-    """A `.<name>.tmp-<pid>` directory write_hf_dir made: of the name it writes now, or holding the marker."""
+    """A `.<name>.tmp-<pid>` directory write_hf_dir made on this host: its marker names this host, or it has none yet
+    and is of the name written now. Process ids are only checked on this host, so another host's export into a shared
+    folder (its marker names its host) is never taken for a dead one."""
     m = _TEMP_DIR.match(path.name)
-    return bool(m) and (m.group("name") == name or (path / EXPORT_MARKER).is_file())
+    if not m:
+        return False
+    try:
+        return json.loads((path / EXPORT_MARKER).read_text()).get("host") == socket.gethostname()
+    except FileNotFoundError:
+        return m.group("name") == name
+    except (OSError, ValueError, AttributeError):
+        return False  # unreadable or not ours: left alone
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -231,25 +232,28 @@ def test_force_replaces_an_earlier_export_and_the_next_export_removes_stale_temp
     """Issue 30.1: an earlier export (a directory with the marker) is replaced with --force, the runs untouched.
     Issue 30.11: a SIGKILLed export left `.<name>.tmp-<pid>` (the whole model) that nothing removed; the next export
     removes those of dead processes (of its own name, or holding the marker), and keeps one of a process that is
-    alive (it may be writing now) and any that is not an export's."""
+    alive (it may be writing now), any that is not an export's, and another host's (its marker names its host)."""
     tmp = runs.parent
     shutil.copytree(run / "hf" / "step_00000001", tmp / "hf_model")  # an earlier export, moved out of its run
     (tmp / "hf_model" / "old.txt").write_text("from the earlier export")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: no process has this id now
+    here, there = socket.gethostname(), socket.gethostname() + "-other-node"
     stale = {
-        f".hf_model.tmp-{dead.pid}": None,  # this name's, killed before it wrote its marker (or by an older miles_vl)
-        f".other_model.tmp-{dead.pid}": EXPORT_MARKER,  # another name's, with the marker
+        f".hf_model.tmp-{dead.pid}": None,  # this name's, killed before it wrote its marker
+        f".other_model.tmp-{dead.pid}": here,  # another name's, its marker of this host
     }
     kept = {
-        f".hf_model.tmp-{os.getpid()}": EXPORT_MARKER,  # a live process's (this test's)
+        f".hf_model.tmp-{os.getpid()}": here,  # a live process's (this test's)
         f".notes.tmp-{dead.pid}": None,  # a dead process's, but neither this name nor the marker: not ours to remove
+        # another host's export into this shared folder: its process id means nothing here (found by the review)
+        f".third_model.tmp-{dead.pid}": there,
     }
-    for name, marker in (stale | kept).items():
+    for name, host in (stale | kept).items():
         (tmp / name).mkdir()
         (tmp / name / "model.safetensors").write_bytes(b"x" * 100_000)
-        if marker:
-            (tmp / name / marker).write_text("{}")
+        if host:
+            (tmp / name / EXPORT_MARKER).write_text(json.dumps({"host": host}))
     runs_before = tree(runs)
     done = miles_vl("export", "runs/r", "hf_model", "--step", "2", "--force", cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
