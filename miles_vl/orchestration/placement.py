@@ -77,7 +77,7 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         "worker_process_setup_hook": "miles_vl.import_path.ray_worker_setup",
     }
     cluster, source = cluster_address(address)
-    if not cluster and (problem := private_session_problem(None)):
+    if not cluster and (problem := private_session_problem(address)):
         raise RuntimeError(problem)  # preflight says so first, as a config problem
     private = None if cluster else Path(tempfile.mkdtemp(prefix="ray-", dir=temp_root()))
     try:

@@ -380,7 +380,8 @@ def copy_redacted(source: BinaryIO, log_path: str | Path, hidden: Sequence[bytes
     `len(secret) - 1` bytes for the next, so a secret split between two reads is still found."""
     keep = max((len(s) for s in hidden), default=1) - 1
     pending = b""
-    with source, open(log_path, "ab") as out:
+    writing = True
+    with source, open(log_path, "ab", buffering=0) as out:  # unbuffered: each line is written as it comes
         while True:
             chunk = source.readline(LOG_READ_BYTES)
             data = pending + chunk
@@ -389,8 +390,14 @@ def copy_redacted(source: BinaryIO, log_path: str | Path, hidden: Sequence[bytes
             pending = b""
             if chunk and not chunk.endswith(b"\n") and keep:
                 data, pending = data[:-keep], data[-keep:]
-            out.write(data)
-            out.flush()
+            if writing:
+                try:
+                    out.write(data)
+                except OSError as e:  # a full or failing disk: keep draining, or the server's writes meet EPIPE
+                    writing = False
+                    log.warning(
+                        "the log %s of an SGLang server cannot be written (%s); its output is dropped", log_path, e
+                    )
             if not chunk:
                 return
 

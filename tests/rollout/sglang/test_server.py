@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 
 import pytest
@@ -26,7 +27,7 @@ from miles_vl.rollout.sglang import (
     wait_until_healthy,
     write_server_config,
 )
-from miles_vl.rollout.sglang.server import check_port_free
+from miles_vl.rollout.sglang.server import check_port_free, copy_redacted
 from tests.rollout.sglang.conftest import FAKE_SERVER, fake_argv, free_port, quick_client
 
 # Flags of SGLang 0.5.16's `ServerArgs` (python/sglang/srt/server_args.py) that miles_vl emits or the tests pass,
@@ -321,3 +322,19 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie waiting for init's reaping is gone for our purpose
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write fails with ENOSPC)")
+def test_a_log_that_cannot_be_written_never_breaks_the_servers_output(caplog):
+    """Found by the review of issue 30.4: a write error of the log copy (a full disk) ended its thread and closed the
+    pipe, so every later write of the server met EPIPE (a bare `print` in SGLang would raise). Now the copy warns once
+    and keeps draining the pipe to its end."""
+    r, w = os.pipe()
+    copier = threading.Thread(target=copy_redacted, args=(os.fdopen(r, "rb"), "/dev/full", [b"k3y"]), daemon=True)
+    copier.start()
+    with os.fdopen(w, "wb") as server_output:  # far more than a pipe's buffer: a stopped reader would block or EPIPE
+        for _ in range(256):
+            server_output.write(b"x" * 4095 + b"\n")
+    copier.join(timeout=30)
+    assert not copier.is_alive()
+    assert [r.message for r in caplog.records if "cannot be written" in r.message][:1]
