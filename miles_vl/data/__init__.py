@@ -4,7 +4,7 @@
     splits = build_datasets(cfg.data, processor, seed=cfg.seed)       # train/eval PromptDataset + LoadReports
     batch = splits.train.next_batch(8)                                 # list[PromptSample]
 
-Modules: `records` (PromptRow, PromptSample, LoadReport, DropReason), `images` (bytes/paths/data URLs),
+Modules: `records` (PromptRow, VideoRef, PromptSample, LoadReport, DropReason), `images` (bytes/paths/data URLs),
 `videos` (frame lists and files, frame sampling), `layouts` (files and column layouts), `prompt` (messages, chat
 template, encoding), `loading` (validation and drop counting), `dataset` (seeded order, resumable cursor, eval split),
 `processor` (loading it, its settings), `synth` (procedural problems: geometry diagrams, polygon questions, the
