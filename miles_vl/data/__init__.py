@@ -4,11 +4,11 @@
     splits = build_datasets(cfg.data, processor, seed=cfg.seed)       # train/eval PromptDataset + LoadReports
     batch = splits.train.next_batch(8)                                 # list[PromptSample]
 
-Modules: `records` (PromptRow, PromptSample, LoadReport, DropReason), `images` (bytes/paths/data URLs),
+Modules: `records` (PromptRow, VideoRef, PromptSample, LoadReport, DropReason), `images` (bytes/paths/data URLs),
 `videos` (frame lists and files, frame sampling), `layouts` (files and column layouts), `prompt` (messages, chat
-template, encoding), `loading` (validation and drop counting), `dataset` (seeded order, resumable cursor, eval split),
-`processor` (loading it, its settings), `synth` (procedural problems: geometry diagrams, polygon questions, the
-motion video task), `builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
+template, encoding), `loading` (validation and drop counting, with `LoadOptions`), `dataset` (seeded order, resumable
+cursor, eval split), `processor` (loading it, its settings), `synth` (procedural problems: geometry diagrams, polygon
+questions, the motion video task), `builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
 The model family's special tokens and offline processor are in miles_vl/models/qwen3_vl/.
 
 Names are imported on first use (PEP 562), so `miles-vl --help` does not pay for torch and transformers.
@@ -26,6 +26,7 @@ _EXPORTS = {
     "DropReason": "records",
     "ImageError": "images",
     "KINDS": "synth",
+    "LoadOptions": "loading",
     "PromptDataset": "dataset",
     "PromptEncoder": "prompt",
     "PromptRow": "records",

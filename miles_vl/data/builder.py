@@ -20,7 +20,7 @@ from typing import Any
 from miles_vl.config.schema import DataConfig
 from miles_vl.data.dataset import PromptDataset, split_train_eval
 from miles_vl.data.layouts import DataError, load_dataset_fn
-from miles_vl.data.loading import load_prompt_file, load_prompt_records
+from miles_vl.data.loading import LoadOptions, load_prompt_file, load_prompt_records
 from miles_vl.data.prompt import PromptEncoder
 from miles_vl.data.records import LoadReport, PromptRow
 from miles_vl.data.synth import synth_records
@@ -36,6 +36,25 @@ def video_settings(cfg: DataConfig) -> VideoSettings:
         max_frames=cfg.video_max_frames,
         min_pixels=cfg.video_min_pixels,
         max_pixels=cfg.video_max_pixels,
+    )
+
+
+def load_options(cfg: DataConfig) -> LoadOptions:
+    """The layout, columns, `dataset_fn` and limits of the `data` section, as every load of a job's files takes them.
+
+    Raises:
+        DataError: a `dataset_fn` that does not resolve (`layouts.load_dataset_fn`).
+    """
+    return LoadOptions(
+        max_prompt_len=cfg.max_prompt_len,
+        layout=cfg.format,
+        prompt_key=cfg.prompt_key,
+        answer_key=cfg.answer_key,
+        image_key=cfg.image_key,
+        video_key=cfg.video_key,
+        dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
+        max_image_pixels=cfg.max_image_pixels,
+        max_video_bytes=cfg.max_video_bytes,
     )
 
 
@@ -78,37 +97,28 @@ def build_datasets(
     encoder = PromptEncoder(
         processor, system_prompt=cfg.system_prompt, instruction=cfg.instruction, blank_images=cfg.blank_images
     )
-    file_kwargs: dict[str, Any] = dict(
-        max_prompt_len=cfg.max_prompt_len,
-        layout=cfg.format,
-        prompt_key=cfg.prompt_key,
-        answer_key=cfg.answer_key,
-        image_key=cfg.image_key,
-        video_key=cfg.video_key,
-        dataset_fn=load_dataset_fn(cfg.dataset_fn) if cfg.dataset_fn else None,
-        max_image_pixels=cfg.max_image_pixels,
-        max_video_bytes=cfg.max_video_bytes,
-    )
+    options = load_options(cfg)
     if records is not None:
-        train_rows, report = load_prompt_records(records, encoder, source="run_job(dataset=...)", **file_kwargs)
+        train_rows, report = load_prompt_records(records, encoder, options, source="run_job(dataset=...)")
     elif cfg.train_path:
-        train_rows, report = load_prompt_file(cfg.train_path, encoder, **file_kwargs)
-    else:
-        train_rows, report = load_prompt_records(
-            synth_records(cfg.synthetic_n, seed, cfg.synthetic_task),
-            encoder,
+        train_rows, report = load_prompt_file(cfg.train_path, encoder, options)
+    else:  # generated rows: the geometry3k layout; the data section's columns and dataset_fn are for files
+        synthetic = LoadOptions(
             max_prompt_len=cfg.max_prompt_len,
-            source=f"synthetic(n={cfg.synthetic_n}, seed={seed}, task={cfg.synthetic_task})",
             layout="geometry3k",
             max_image_pixels=cfg.max_image_pixels,
             max_video_bytes=cfg.max_video_bytes,
+        )
+        source = f"synthetic(n={cfg.synthetic_n}, seed={seed}, task={cfg.synthetic_task})"
+        train_rows, report = load_prompt_records(
+            synth_records(cfg.synthetic_n, seed, cfg.synthetic_task), encoder, synthetic, source=source
         )
     reports = [report]
     if not train_rows:
         raise DataError(f"no usable training rows: {report.summary()}; fix the data or the limits (see the log)")
     eval_rows: list[PromptRow] | None = None
     if cfg.eval_path:
-        eval_rows, eval_report = load_prompt_file(cfg.eval_path, encoder, **file_kwargs)
+        eval_rows, eval_report = load_prompt_file(cfg.eval_path, encoder, options)
         reports.append(eval_report)
     elif cfg.eval_fraction > 0:
         train_rows, eval_rows = split_train_eval(train_rows, cfg.eval_fraction, seed)

@@ -80,8 +80,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Load PATH with the job's (or default) data settings and print rows, drops and the first prompt."""
-    from miles_vl.data.builder import video_settings
-    from miles_vl.data.layouts import load_dataset_fn
+    from miles_vl.data.builder import load_options, video_settings
     from miles_vl.data.loading import load_prompt_file
     from miles_vl.data.processor import OFFLINE, load_processor, processor_metadata
     from miles_vl.data.prompt import PromptEncoder
@@ -103,19 +102,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         data, processor_spec = DataConfig(train_path=path), args.processor or OFFLINE
     processor = load_processor(processor_spec, data.min_pixels, data.max_pixels, video_settings(data))
     encoder = PromptEncoder(processor, system_prompt=data.system_prompt, instruction=data.instruction)
-    rows, report = load_prompt_file(
-        path,
-        encoder,
-        max_prompt_len=data.max_prompt_len,
-        layout=data.format,
-        prompt_key=data.prompt_key,
-        answer_key=data.answer_key,
-        image_key=data.image_key,
-        video_key=data.video_key,
-        dataset_fn=load_dataset_fn(data.dataset_fn) if data.dataset_fn else None,
-        max_image_pixels=data.max_image_pixels,
-        max_video_bytes=data.max_video_bytes,
-    )
+    rows, report = load_prompt_file(path, encoder, load_options(data))
     out = sys.stdout.write
     meta = processor_metadata(processor)
     out(f"file: {path}\n")

@@ -1,6 +1,6 @@
 """Load a dataset into validated `PromptRow`s, dropping (never repairing) the rows that cannot be used.
 
-    rows, report = load_prompt_file("geo3k/train.parquet", encoder, max_prompt_len=2048)
+    rows, report = load_prompt_file("geo3k/train.parquet", encoder, LoadOptions(max_prompt_len=2048))
     # report: kept 2099 of 2101 rows (layout geometry3k); dropped 2: corrupt_image=1, prompt_too_long=1
 
 Checks, in order, for every row (the first failure is its drop reason, see `records.DropReason`):
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +39,36 @@ from miles_vl.data.videos import VideoError, probe_video, video_source
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load reads rows and which rows it keeps: the `data.*` settings the loaders take (`builder.load_options`
+    makes one from the `data` section).
+
+    Attributes:
+        max_prompt_len: longest allowed canonical prompt, in tokens; longer rows are dropped.
+        layout: auto | geometry3k | geo3k_imgurl | generic (ignored with `dataset_fn`).
+        prompt_key, answer_key, image_key: columns of the generic layout.
+        video_key: the video column (every layout; it may be absent).
+        dataset_fn: custom mapper from a raw record to the geometry3k shape (or None to skip it).
+        max_image_pixels: rows with a larger image are dropped (`image_too_large`) before it is decoded; None: no
+            bound but PIL's.
+        max_video_bytes: rows with a video whose sampled frames take more bytes decoded are dropped
+            (`video_too_large`), before decoding from the headers and while decoding; None: no bound.
+    """
+
+    max_prompt_len: int
+    layout: str = "auto"
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    video_key: str = "videos"
+    dataset_fn: DatasetFn | None = None
+    max_image_pixels: int | None = None
+    max_video_bytes: int | None = None
+
+
 def load_prompt_file(
-    path: str | Path,
-    encoder: PromptEncoder,
-    *,
-    max_prompt_len: int,
-    layout: str = "auto",
-    prompt_key: str = "problem",
-    answer_key: str = "answer",
-    image_key: str = "images",
-    video_key: str = "videos",
-    dataset_fn: DatasetFn | None = None,
-    max_image_pixels: int | None = None,
-    max_video_bytes: int | None = None,
+    path: str | Path, encoder: PromptEncoder, options: LoadOptions
 ) -> tuple[list[PromptRow], LoadReport]:
     """Read a parquet/jsonl file and validate every row (see `load_prompt_records`).
 
@@ -60,55 +78,25 @@ def load_prompt_file(
         DataError: from `layouts.read_records` / `layouts.resolve_layout`, or a failing `dataset_fn`.
     """
     path = Path(path)
-    return load_prompt_records(
-        read_records(path),
-        encoder,
-        max_prompt_len=max_prompt_len,
-        source=str(path),
-        layout=layout,
-        prompt_key=prompt_key,
-        answer_key=answer_key,
-        image_key=image_key,
-        video_key=video_key,
-        dataset_fn=dataset_fn,
-        base_dir=path.parent,
-        max_image_pixels=max_image_pixels,
-        max_video_bytes=max_video_bytes,
-    )
+    return load_prompt_records(read_records(path), encoder, options, source=str(path), base_dir=path.parent)
 
 
 def load_prompt_records(
     records: Sequence[dict[str, Any]],
     encoder: PromptEncoder,
+    options: LoadOptions,
     *,
-    max_prompt_len: int,
     source: str,
-    layout: str = "auto",
-    prompt_key: str = "problem",
-    answer_key: str = "answer",
-    image_key: str = "images",
-    video_key: str = "videos",
-    dataset_fn: DatasetFn | None = None,
     base_dir: Path | None = None,
-    max_image_pixels: int | None = None,
-    max_video_bytes: int | None = None,
 ) -> tuple[list[PromptRow], LoadReport]:
     """Validate raw records into `PromptRow`s; count and log every dropped row.
 
     Args:
         records: raw rows (dicts) in one of the layouts of `miles_vl.data.layouts`.
         encoder: renders and counts prompts (its processor fixes the image token counts).
-        max_prompt_len: longest allowed canonical prompt, in tokens; longer rows are dropped.
+        options: the layout, columns, `dataset_fn` and limits (`LoadOptions`).
         source: name of the data for the report and the log.
-        layout: auto | geometry3k | geo3k_imgurl | generic (ignored with `dataset_fn`).
-        prompt_key, answer_key, image_key: columns of the generic layout.
-        video_key: the video column (every layout; it may be absent).
-        dataset_fn: custom mapper from a raw record to the geometry3k shape (or None to skip it).
         base_dir: folder relative image and video paths are looked up in first.
-        max_image_pixels: rows with a larger image are dropped (`image_too_large`) before it is decoded; None: no
-            bound but PIL's.
-        max_video_bytes: rows with a video whose sampled frames take more bytes decoded are dropped
-            (`video_too_large`), before decoding from the headers and while decoding; None: no bound.
 
     Returns:
         The kept rows in record order, and the `LoadReport`.
@@ -119,31 +107,31 @@ def load_prompt_records(
             something other than None or a mapping with problem and answer (names the source and the row); a video
             file with no video decoder installed (names the source, the row and what to install).
     """
-    if max_prompt_len <= 0:
-        raise ValueError(f"max_prompt_len must be positive, found {max_prompt_len}; fix data.max_prompt_len")
+    if options.max_prompt_len <= 0:
+        raise ValueError(f"max_prompt_len must be positive, found {options.max_prompt_len}; fix data.max_prompt_len")
     keys: LayoutKeys | None = None
-    if dataset_fn is None:
+    if options.dataset_fn is None:
         keys = resolve_layout(
             records,
-            layout,
-            prompt_key=prompt_key,
-            answer_key=answer_key,
-            image_key=image_key,
-            video_key=video_key,
+            options.layout,
+            prompt_key=options.prompt_key,
+            answer_key=options.answer_key,
+            image_key=options.image_key,
+            video_key=options.video_key,
             source=source,
         )
     report = LoadReport(source=source, layout=keys.layout if keys else "custom", n_rows=len(records))
     rows: list[PromptRow] = []
     for index, record in enumerate(records):
         try:
-            fields = row_fields(record, keys) if keys else apply_dataset_fn(dataset_fn, record)
+            fields = row_fields(record, keys) if keys else apply_dataset_fn(options.dataset_fn, record)
         except Exception as err:
             raise DataError(f"{source}: row {index}: dataset_fn failed: {type(err).__name__}: {err}") from err
         if fields is None:
             report.drop(index, DropReason.SKIPPED_BY_DATASET_FN, "dataset_fn returned None")
             continue
         try:
-            row = _validate(index, fields, encoder, max_prompt_len, base_dir, report, max_image_pixels, max_video_bytes)
+            row = _validate(index, fields, encoder, options, base_dir, report)
         except DataError as err:
             raise DataError(f"{source}: row {index}: {err}") from err
         if row is not None:
@@ -157,11 +145,9 @@ def _validate(
     index: int,
     fields: RowFields,
     encoder: PromptEncoder,
-    max_prompt_len: int,
+    options: LoadOptions,
     base_dir: Path | None,
     report: LoadReport,
-    max_image_pixels: int | None = None,
-    max_video_bytes: int | None = None,
 ) -> PromptRow | None:
     problem, answer = fields.problem, fields.answer
     if not isinstance(problem, str) or not problem.strip():
@@ -191,7 +177,7 @@ def _validate(
     try:
         refs = tuple(image_ref(value, base_dir) for value in fields.images)
         # (width, height); decoding all of it catches truncation
-        sizes = [open_image(ref, max_image_pixels).size for ref in refs]
+        sizes = [open_image(ref, options.max_image_pixels).size for ref in refs]
     except ImageError as err:
         report.drop(index, err.reason, str(err))
         return None
@@ -203,19 +189,21 @@ def _validate(
             return None
     try:
         videos = tuple(
-            probe_video(video_source(value, base_dir), encoder.processor, max_image_pixels, max_video_bytes)
+            probe_video(
+                video_source(value, base_dir), encoder.processor, options.max_image_pixels, options.max_video_bytes
+            )
             for value in fields.videos
         )
     except VideoError as err:
         report.drop(index, err.reason, str(err))
         return None
     prompt_len = encoder.count_tokens(problem, sizes, videos)
-    if prompt_len > max_prompt_len:
+    if prompt_len > options.max_prompt_len:
         frames = f", video frames {[len(v.indices) for v in videos]}" if videos else ""
         report.drop(
             index,
             DropReason.PROMPT_TOO_LONG,
-            f"{prompt_len} tokens > max_prompt_len {max_prompt_len} (images {sizes}{frames})",
+            f"{prompt_len} tokens > max_prompt_len {options.max_prompt_len} (images {sizes}{frames})",
         )
         return None
     return PromptRow(

@@ -31,8 +31,8 @@ import torch
 from PIL import Image
 
 from miles_vl.data.images import open_image
-from miles_vl.data.records import PromptRow, PromptSample
-from miles_vl.data.videos import VideoRef, load_frames, video_grid
+from miles_vl.data.records import PromptRow, PromptSample, VideoRef
+from miles_vl.data.videos import load_frames, video_grid
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"

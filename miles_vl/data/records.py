@@ -2,6 +2,8 @@
 
 PromptRow     one dataset row that passed every load-time check (images and videos readable, placeholders match,
               prompt fits); light: images and video frames are kept as encoded bytes or file paths, not pixels.
+VideoRef      one video of a row as sampled at load time (frame refs or its file, the sampled indices, the frame
+              size), decoded again at encode time by `videos.load_frames`.
 PromptSample  a row run through the processor: canonical `prompt_ids` (image and video tokens expanded),
               `pixel_values`, `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`. What rollout engines and the
               trainer consume (`rollout.types.PromptLike`).
@@ -15,13 +17,10 @@ import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from PIL import Image
 from torch import LongTensor, Tensor
-
-if TYPE_CHECKING:
-    from miles_vl.data.videos import VideoRef
 
 # An image as kept between load and encode: its encoded bytes (PNG, JPEG, ...) or a local file path.
 ImageRef = bytes | Path
@@ -41,6 +40,34 @@ class DropReason(StrEnum):
     VIDEO_TOO_LARGE = "video_too_large"  # sampled frames above data.max_video_bytes decoded (header, then each frame)
     MISSING_FIELD = "missing_field"  # the prompt or the answer is null/empty in this row
     SKIPPED_BY_DATASET_FN = "skipped_by_dataset_fn"  # the custom `dataset_fn` returned None
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A video that passed the load-time checks: what to decode again at encode time, and how it was sampled."""
+
+    frames: tuple[ImageRef, ...]  # the sampled frames of a frame list, in order; () for a file
+    path: Path | None  # the video file, or None for a frame list
+    fps: float  # frames per second of the source (decides the timestamps in the prompt text)
+    total_frames: int  # frames in the source
+    indices: tuple[int, ...]  # the sampled frames' indices into the source
+    size: tuple[int, int]  # (width, height) of every frame
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The `video_metadata` entry the Qwen3-VL processor takes with pre-sampled frames."""
+        return {"fps": self.fps, "total_num_frames": self.total_frames, "frames_indices": list(self.indices)}
+
+    @property
+    def decoded_bytes(self) -> int:
+        """What the sampled frames take decoded (`video_bytes`): the most `load_frames` lets them take again."""
+        return video_bytes(len(self.indices), *self.size)
+
+
+def video_bytes(n_frames: int, width: int, height: int) -> int:
+    """Bytes of `n_frames` frames of width x height decoded as 8-bit RGB (3 a pixel), the measure of
+    data.max_video_bytes. (PIL holds an RGB frame in 4 bytes a pixel; decoders hand over 3.)"""
+    return n_frames * width * height * 3
 
 
 @dataclass(frozen=True)

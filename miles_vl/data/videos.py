@@ -43,7 +43,7 @@ from PIL import Image
 
 from miles_vl.data.images import REMOTE_PREFIXES, ImageError, find_local_file, image_ref, image_size, open_image
 from miles_vl.data.layouts import DataError
-from miles_vl.data.records import DropReason, ImageRef
+from miles_vl.data.records import DropReason, ImageRef, VideoRef, video_bytes
 
 # transformers' `load_video` backends, in the order tried, with the module each needs and its pip name.
 VIDEO_BACKENDS = (("torchcodec", "torchcodec", "torchcodec"), ("pyav", "av", "av"), ("decord", "decord", "decord"))
@@ -77,34 +77,6 @@ class VideoSource:
     frames: tuple[ImageRef, ...] = ()
     path: Path | None = None
     fps: float | None = None  # frames per second of the frame list; None: the sampling rate (files: their own)
-
-
-@dataclass(frozen=True)
-class VideoRef:
-    """A video that passed the load-time checks: what to decode again at encode time, and how it was sampled."""
-
-    frames: tuple[ImageRef, ...]  # the sampled frames of a frame list, in order; () for a file
-    path: Path | None  # the video file, or None for a frame list
-    fps: float  # frames per second of the source (decides the timestamps in the prompt text)
-    total_frames: int  # frames in the source
-    indices: tuple[int, ...]  # the sampled frames' indices into the source
-    size: tuple[int, int]  # (width, height) of every frame
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The `video_metadata` entry the Qwen3-VL processor takes with pre-sampled frames."""
-        return {"fps": self.fps, "total_num_frames": self.total_frames, "frames_indices": list(self.indices)}
-
-    @property
-    def decoded_bytes(self) -> int:
-        """What the sampled frames take decoded (`video_bytes`): the most `load_frames` lets them take again."""
-        return video_bytes(len(self.indices), *self.size)
-
-
-def video_bytes(n_frames: int, width: int, height: int) -> int:
-    """Bytes of `n_frames` frames of width x height decoded as 8-bit RGB (3 a pixel), the measure of
-    data.max_video_bytes. (PIL holds an RGB frame in 4 bytes a pixel; decoders hand over 3.)"""
-    return n_frames * width * height * 3
 
 
 def video_source(value: Any, base_dir: Path | None = None) -> VideoSource:

@@ -29,16 +29,34 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from miles_vl.algo import TrainSample
 
 if TYPE_CHECKING:
-    from miles_vl.orchestration.loop import Job
+    from miles_vl.config import JobConfig
+    from miles_vl.data import PromptDataset
+    from miles_vl.models import SpecialTokens
+    from miles_vl.orchestration.engines import RolloutEngines
+    from miles_vl.orchestration.trainer import Trainer
 
 WARMUP_TEMPLATE = "<think></think>\\boxed{{{answer}}}"  # matches the geo3k reward's default format pattern
+
+
+class WarmupJob(Protocol):
+    """What the warm-up uses of the running job. The driver's `loop.Job` is one; it is named here, not imported,
+    because the loop calls the warm-up: imports go one way (loop -> warmup)."""
+
+    cfg: JobConfig
+    train_set: PromptDataset
+    processor: Any  # the HF processor: its `tokenizer` encodes the targets
+    tokens: SpecialTokens
+    trainer: Trainer
+    rollout: RolloutEngines
+
+    def evaluate(self, step: int) -> dict[str, float]: ...
 
 
 def warmup_targets(n: int, answer_pool: Sequence[str], rng: random.Random) -> list[str]:
@@ -96,7 +114,7 @@ def warmup_samples(
     return samples
 
 
-def format_warmup(job: Job) -> dict[str, float]:
+def format_warmup(job: WarmupJob) -> dict[str, float]:
     """Run `train.format_warmup_steps` warm-up steps, sync the weights, evaluate; returns the step-0 record."""
     cfg = job.cfg
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from miles_vl.data import DataError, DropReason, ImageError, load_prompt_file, open_image, read_records
+from miles_vl.data import DataError, DropReason, ImageError, LoadOptions, load_prompt_file, open_image, read_records
 from tests.data.helpers import png_bytes, write_geometry3k_parquet, write_jsonl
 
 
@@ -65,7 +65,7 @@ def test_a_broken_parquet_file_is_named_once(tmp_path, damage):
 def test_wrong_columns_name_the_file(tmp_path, encoder):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": "2+2?", "solution": "4"}])
     with pytest.raises(DataError, match=f"{path}: no prompt column 'problem'.*'question'"):
-        load_prompt_file(path, encoder, max_prompt_len=512)
+        load_prompt_file(path, encoder, LoadOptions(max_prompt_len=512))
 
 
 def test_a_failing_dataset_fn_names_the_file_and_row(tmp_path, encoder):
@@ -75,7 +75,7 @@ def test_a_failing_dataset_fn_names_the_file_and_row(tmp_path, encoder):
         return {"problem": record["q"].upper(), "answer": "1"}
 
     with pytest.raises(DataError, match=f"{path}: row 1: dataset_fn failed: AttributeError"):
-        load_prompt_file(path, encoder, max_prompt_len=512, dataset_fn=mapper)
+        load_prompt_file(path, encoder, LoadOptions(max_prompt_len=512, dataset_fn=mapper))
 
 
 def test_a_100_megapixel_image_is_refused_from_its_header(monkeypatch):
@@ -96,7 +96,7 @@ def test_rows_with_a_huge_image_are_dropped_and_counted(tmp_path, encoder):
         {"images": [{"bytes": huge_png(), "path": "b.png"}], "problem": "<image>huge", "answer": "2"},
     ]
     path = write_geometry3k_parquet(tmp_path / "g.parquet", records)
-    rows, report = load_prompt_file(path, encoder, max_prompt_len=512, max_image_pixels=50_000_000)
+    rows, report = load_prompt_file(path, encoder, LoadOptions(max_prompt_len=512, max_image_pixels=50_000_000))
     assert [r.index for r in rows] == [0]
     assert report.dropped == {DropReason.IMAGE_TOO_LARGE: 1}
     assert "image_too_large=1" in report.summary()

@@ -4,12 +4,14 @@ a cursor from another dataset is refused. `split_train_eval` is a seeded, disjoi
 
 import pytest
 
-from miles_vl.data import PromptDataset, load_prompt_records, split_train_eval, synth_records
+from miles_vl.data import LoadOptions, PromptDataset, load_prompt_records, split_train_eval, synth_records
 
 
 @pytest.fixture(scope="module")
 def rows(encoder):
-    rows, _ = load_prompt_records(synth_records(10, seed=0), encoder, max_prompt_len=512, source="synthetic")
+    rows, _ = load_prompt_records(
+        synth_records(10, seed=0), encoder, LoadOptions(max_prompt_len=512), source="synthetic"
+    )
     return rows
 
 

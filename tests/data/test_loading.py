@@ -3,23 +3,27 @@ paths (relative to the file), file:// and data URLs; every unusable row is dropp
 logged: over-long prompt, corrupt or truncated bytes, missing file, remote URL, placeholder/image count mismatch,
 missing field, dataset_fn skip. Kept rows keep their original row ids."""
 
+import dataclasses
 import logging
 
 import pytest
 
+from miles_vl.config.schema import DataConfig
 from miles_vl.data import (
     DataError,
     DropReason,
+    LoadOptions,
     load_dataset_fn,
     load_prompt_file,
     load_prompt_records,
     read_records,
 )
+from miles_vl.data.builder import load_options
 from tests.data.helpers import data_url, png_bytes, write_geometry3k_parquet, write_jsonl, write_png
 
 
 def load(path, encoder, max_prompt_len=512, **kw):
-    return load_prompt_file(path, encoder, max_prompt_len=max_prompt_len, **kw)
+    return load_prompt_file(path, encoder, LoadOptions(max_prompt_len=max_prompt_len, **kw))
 
 
 def test_geometry3k_parquet(tmp_path, encoder):
@@ -143,11 +147,13 @@ def map_row(record):
 def test_dataset_fn(tmp_path, encoder):
     fn = load_dataset_fn("tests.data.test_loading:map_row")
     records = [{"q": "Find x.", "a": "2", "img": data_url(png_bytes())}, {"skip": True}]
-    rows, report = load_prompt_records(records, encoder, max_prompt_len=512, source="custom", dataset_fn=fn)
+    rows, report = load_prompt_records(
+        records, encoder, LoadOptions(max_prompt_len=512, dataset_fn=fn), source="custom"
+    )
     assert report.layout == "custom" and report.dropped == {DropReason.SKIPPED_BY_DATASET_FN: 1}
     assert rows[0].problem == "<image>Find x." and rows[0].metadata == {"k": 1}
     with pytest.raises(DataError, match="x: row 0: dataset_fn failed: TypeError: .*must return None or a mapping"):
-        load_prompt_records([{}], encoder, max_prompt_len=512, source="x", dataset_fn=lambda r: "oops")
+        load_prompt_records([{}], encoder, LoadOptions(max_prompt_len=512, dataset_fn=lambda r: "oops"), source="x")
     for spec, match in [
         ("no_colon", "package.module:function"),
         ("not_a_module_xyz:f", "cannot import"),
@@ -156,6 +162,27 @@ def test_dataset_fn(tmp_path, encoder):
     ]:
         with pytest.raises(ValueError, match=match):
             load_dataset_fn(spec)
+
+
+def test_load_options_carry_every_loading_setting_of_the_data_section():
+    """`builder.load_options` is what both `build_datasets` and `miles-vl data inspect` load with: a setting of the
+    data section it left out would be silently ignored by both. Every field here differs from its default."""
+    cfg = DataConfig(
+        train_path="d.jsonl",
+        format="generic",
+        prompt_key="q",
+        answer_key="a",
+        image_key="img",
+        video_key="clip",
+        dataset_fn="tests.data.test_loading:map_row",
+        max_prompt_len=77,
+        max_image_pixels=1234,
+        max_video_bytes=5678,
+    )
+    options = load_options(cfg)
+    assert options == LoadOptions(77, "generic", "q", "a", "img", "clip", map_row, 1234, 5678)
+    unset = [f.name for f in dataclasses.fields(LoadOptions) if getattr(options, f.name) == f.default]
+    assert not unset, f"LoadOptions fields load_options leaves at their defaults: {unset}"
 
 
 def test_file_errors(tmp_path):

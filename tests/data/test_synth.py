@@ -13,7 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from miles_vl.config.schema import DataConfig
-from miles_vl.data import KINDS, TASKS, generate_problems, load_prompt_records, synth_records, write_synth_parquet
+from miles_vl.data import (
+    KINDS,
+    TASKS,
+    LoadOptions,
+    generate_problems,
+    load_prompt_records,
+    synth_records,
+    write_synth_parquet,
+)
 from miles_vl.data.cli import configure
 from miles_vl.data.synth import generate_motion_problem, generate_problem
 
@@ -152,7 +160,7 @@ def test_records_and_parquet_load_as_geometry3k(tmp_path, encoder):
     path = write_synth_parquet(tmp_path / "sub" / "s.parquet", 8, seed=2)
     table = pq.read_table(path)
     assert table.num_rows == 8 and table.column_names == ["images", "problem", "answer", "kind", "params"]
-    rows, report = load_prompt_records(table.to_pylist(), encoder, max_prompt_len=512, source=str(path))
+    rows, report = load_prompt_records(table.to_pylist(), encoder, LoadOptions(max_prompt_len=512), source=str(path))
     assert report.layout == "geometry3k" and report.n_kept == 8
     assert rows[0].metadata["kind"] == "triangle_angle" and rows[0].label == records[0]["answer"]
 
@@ -202,7 +210,7 @@ def test_motion_records_and_parquet_load_as_videos(tmp_path):
     path = write_synth_parquet(tmp_path / "m.parquet", 3, seed=1, task="motion")
     table = pq.read_table(path)
     assert table.column_names == ["images", "problem", "answer", "kind", "params", "videos"]
-    rows, report = load_prompt_records(table.to_pylist(), encoder, max_prompt_len=512, source=str(path))
+    rows, report = load_prompt_records(table.to_pylist(), encoder, LoadOptions(max_prompt_len=512), source=str(path))
     assert report.n_kept == 3 and [r.label for r in rows] == [r["answer"] for r in records]
     sample = encoder.encode(rows[0])
     assert sample.video_grid_thw.tolist() == [[2, 4, 4]] and sample.image_grid_thw is None

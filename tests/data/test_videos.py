@@ -23,6 +23,7 @@ from miles_vl.config.schema import DataConfig
 from miles_vl.data import (
     DataError,
     DropReason,
+    LoadOptions,
     PromptEncoder,
     VideoSettings,
     build_datasets,
@@ -54,7 +55,9 @@ def frames(n, size=(64, 64)):
 
 
 def load(records, encoder, **kw):
-    return load_prompt_records(records, encoder, max_prompt_len=kw.pop("max_prompt_len", 512), source="t", **kw)
+    base_dir = kw.pop("base_dir", None)
+    options = LoadOptions(max_prompt_len=kw.pop("max_prompt_len", 512), **kw)
+    return load_prompt_records(records, encoder, options, source="t", base_dir=base_dir)
 
 
 def test_rows_become_prompt_samples_with_video_grids(encoder, processor):
@@ -90,7 +93,7 @@ def test_frame_paths_in_a_file_are_relative_to_it(tmp_path, encoder):
     path = write_jsonl(
         tmp_path / "d.jsonl", [{"problem": "<video>x", "answer": "1", "videos": [["clip/0.png", "clip/1.png"]]}]
     )
-    rows, report = load_prompt_file(path, encoder, max_prompt_len=512)
+    rows, report = load_prompt_file(path, encoder, LoadOptions(max_prompt_len=512))
     assert report.n_kept == 1 and rows[0].videos[0].frames == (tmp_path / "clip/0.png", tmp_path / "clip/1.png")
     assert encoder.encode(rows[0]).video_grid_thw.tolist() == [[1, 4, 4]]
 
@@ -306,7 +309,7 @@ def test_a_parquet_column_mixing_frame_and_file_videos(tmp_path, encoder, monkey
     path = tmp_path / "mixed.parquet"
     pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
     assert pq.read_table(path).to_pylist()[1]["videos"] == [{"frames": None, "fps": None, "path": "a.mp4"}]
-    rows, report = load_prompt_file(path, encoder, max_prompt_len=512)
+    rows, report = load_prompt_file(path, encoder, LoadOptions(max_prompt_len=512))
     assert report.n_kept == 2, report.summary()
     assert [(v.path, v.indices) for r in rows for v in r.videos] == [
         (None, (0, 1, 2, 3)),

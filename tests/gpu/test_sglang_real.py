@@ -679,7 +679,14 @@ def test_video_prompts_go_as_pixel_values(host, tokens, ckpt):
     data path go as our ids, frames and grids; SGLang answers with our ids (the engine checks each), computes its
     MRoPE positions from them (`MRotaryEmbedding.get_rope_index`, frame groups split by time) and its responses score
     under the trainer as for images."""
-    from miles_vl.data import PromptEncoder, VideoSettings, load_processor, load_prompt_records, synth_records
+    from miles_vl.data import (
+        LoadOptions,
+        PromptEncoder,
+        VideoSettings,
+        load_processor,
+        load_prompt_records,
+        synth_records,
+    )
     from miles_vl.models.qwen3_vl.model import build_model
 
     video = VideoSettings(fps=2.0, min_frames=2, max_frames=8, min_pixels=64 * 64, max_pixels=4 * 128 * 128)
@@ -687,8 +694,8 @@ def test_video_prompts_go_as_pixel_values(host, tokens, ckpt):
     encoder = PromptEncoder(processor, instruction="Answer with one word.")
     motions, images = synth_records(2, seed=1, task="motion"), synth_records(1, seed=1)
     both = dict(motions[1], problem="<image>" + motions[1]["problem"], images=images[0]["images"])
-    rows, report = load_prompt_records([motions[0], both], encoder, max_prompt_len=4096, source="video",
-                                       layout="generic")  # fmt: skip
+    options = LoadOptions(max_prompt_len=4096, layout="generic")
+    rows, report = load_prompt_records([motions[0], both], encoder, options, source="video")
     assert report.n_kept == 2, report.summary()
     prompts = [encoder.encode(r) for r in rows]
     assert all(p.video_grid_thw is not None and int(p.video_grid_thw[0, 0]) >= 2 for p in prompts)

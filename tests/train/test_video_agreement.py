@@ -9,7 +9,7 @@ the video samples move)."""
 import torch
 
 from miles_vl.algo.samples import to_train_samples
-from miles_vl.data import PromptEncoder, VideoSettings, load_processor, load_prompt_records, synth_records
+from miles_vl.data import LoadOptions, PromptEncoder, VideoSettings, load_processor, load_prompt_records, synth_records
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import special_tokens, vision_token_ids
 from miles_vl.rollout.hf import HFRolloutEngine
@@ -32,7 +32,9 @@ def mixed_prompts():
     motion, geo3k = synth_records(1, seed=0, task="motion")[0], synth_records(1, seed=0)[0]
     both = dict(motion, problem="<image>" + motion["problem"], images=geo3k["images"])  # an image, then a video
     records = [motion, geo3k, {"problem": "Say a word.", "answer": "word", "images": []}, both]
-    rows, report = load_prompt_records(records, encoder, max_prompt_len=512, source="mixed", layout="generic")
+    rows, report = load_prompt_records(
+        records, encoder, LoadOptions(max_prompt_len=512, layout="generic"), source="mixed"
+    )
     assert report.n_kept == 4, report.summary()
     return processor, [encoder.encode(r) for r in rows]
 
