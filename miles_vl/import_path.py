@@ -11,8 +11,13 @@ folder is on the path of the driver, its reward workers and its Ray workers. It 
   Python adds nothing before it.
 - Ray workers: Ray 2.60 inserts the driver's working directory (and script folder) at the front of every worker's
   `sys.path` when the worker runs its first task (`JobConfig.py_driver_sys_path`). `ray_worker_setup`, the job's
-  `worker_process_setup_hook` (`orchestration/placement.py`), runs before that and puts `WorkingDirLast` first on
-  `sys.meta_path`: it looks up top-level modules on `sys.path` with the working directories last.
+  `worker_process_setup_hook` (`orchestration/placement.py`), runs before that and puts `WorkingDirLast` on
+  `sys.meta_path` just before the path finder (after the built-in and frozen importers): it looks up top-level
+  modules on `sys.path` with the working directories last.
+
+The price: a user's module named like an installed package (a `datasets.py` for `datasets:score`) is no longer the
+one imported. `shadowing_problem` names that case, so that the extension point's resolver refuses it instead of
+running the installed package's function or failing on a missing attribute.
 
 Imports only the standard library: Ray workers import this module before anything else of miles_vl.
 """
@@ -67,3 +72,20 @@ def ray_worker_setup() -> None:
         # never stand in for a built-in module (`pwd.py` did when this finder came first).
         at = next((i for i, f in enumerate(sys.meta_path) if f is importlib.machinery.PathFinder), len(sys.meta_path))
         sys.meta_path.insert(at, WorkingDirLast(list(dict.fromkeys(dirs))))
+
+
+def shadowing_problem(module_name: str, module: object, cwd: str | None = None) -> str | None:
+    """Why `module` (imported for `module_name`) is not the user's module of that name in the working directory `cwd`
+    (default: this process's), or None: an installed package of the same top-level name came first."""
+    top = module_name.split(".")[0]
+    cwd = os.path.realpath(cwd or os.getcwd())
+    mine = [p for p in (os.path.join(cwd, top + ".py"), os.path.join(cwd, top)) if os.path.exists(p)]
+    installed = sys.modules.get(top, module)
+    where = getattr(installed, "__file__", None) or str(getattr(installed, "__path__", "") or "")
+    if not mine or not where or os.path.realpath(where).startswith(cwd + os.sep):
+        return None
+    return (
+        f"{mine[0]} in the working directory is not the module {top!r} that was imported: the installed package "
+        f"{top!r} ({where}) comes first (the working directory is searched after the installed packages, so that a "
+        f"stray file never shadows one); rename your module (e.g. my_{top}.py) and the path that names it"
+    )

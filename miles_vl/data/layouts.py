@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from miles_vl.import_path import shadowing_problem
+
 Layout = Literal["geometry3k", "geo3k_imgurl", "generic"]
 LAYOUT_CHOICES = ("auto", "geometry3k", "geo3k_imgurl", "generic")
 GEO3K_KEYS = ("problem", "answer", "images")  # prompt, answer, image columns of both geo3k layouts
@@ -218,6 +220,8 @@ def load_dataset_fn(spec: str) -> DatasetFn:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
         raise DataError(f"data.dataset_fn={spec!r}: cannot import {module_name!r}: {err}") from err
+    if problem := shadowing_problem(module_name, obj):
+        raise DataError(f"data.dataset_fn={spec!r}: {problem}")
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise DataError(f"data.dataset_fn={spec!r}: {module_name!r} has no attribute {attr!r}")

@@ -27,6 +27,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from miles_vl.import_path import shadowing_problem
 from miles_vl.reward.geo3k import check_geo3k_options, geo3k_reward
 from miles_vl.reward.math_answer import math_reward
 from miles_vl.reward.scoring import to_payload
@@ -135,6 +136,8 @@ def _import_path(path: str) -> Any:
         raise RewardResolutionError(
             f"reward path {path!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
         ) from err
+    if problem := shadowing_problem(module_name, module):
+        raise RewardResolutionError(f"reward path {path!r}: {problem}")
     target: Any = module
     walked = module_name
     for part in attr_path.split("."):
