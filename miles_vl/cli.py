@@ -190,11 +190,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a run's checkpoint as a Hugging Face model directory (orchestration/export.py). Bad input (the run, the
     step, OUT_DIR, --max-shard-bytes) exits 2 before Ray starts; a full disk exits 1 with one message."""
     from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError
-    from miles_vl.orchestration.export import ExportError, check_max_shard_bytes, export_run
+    from miles_vl.orchestration.export import ExportError, export_run
 
-    try:
-        shard = check_max_shard_bytes(args.max_shard_bytes)
-        out = export_run(args.run_dir, args.out_dir, step=args.step, force=args.force, max_shard_bytes=shard)
+    try:  # export_run checks --max-shard-bytes (the text as given) before anything starts
+        out = export_run(
+            args.run_dir, args.out_dir, step=args.step, force=args.force, max_shard_bytes=args.max_shard_bytes
+        )
     except (ExportError, CheckpointError) as e:
         return _bad_input(e)
     except DiskFullError as e:

@@ -374,7 +374,7 @@ def export_run(
     *,
     step: int | None = None,
     force: bool = False,
-    max_shard_bytes: int | None = None,
+    max_shard_bytes: int | str | None = None,
     hooks: Hooks | None = None,
 ) -> Path:
     """Write the HF model directory of a run's checkpoint (module docstring).
@@ -384,7 +384,8 @@ def export_run(
         out_dir: the directory to write; must not exist or be empty unless `force`, and lie outside every run.
         step: the checkpoint's step; None: the newest that verifies.
         force: replace a non-empty `out_dir` that is an earlier export (`replace_problem`).
-        max_shard_bytes: shard above this size (bytes, >= 1); None: the run's `checkpoint.save_hf.max_shard_bytes`.
+        max_shard_bytes: shard above this size (bytes, >= 1; the CLI's text is checked here); None: the run's
+            `checkpoint.save_hf.max_shard_bytes`.
         hooks: what the trainer is built with (tests pass stand-ins).
 
     Returns:
