@@ -218,6 +218,38 @@ def test_export_refuses_to_write_over_or_into_a_run_and_every_file_stays(runs, a
     assert tree(tmp) == before
 
 
+def test_export_refuses_a_processor_that_is_not_the_runs(run, tmp_path):
+    """Issue 31.5: with the check of the processor against the run's processor.yaml disabled, every test passed.
+    Here the run's model.processor names a copy of the offline processor whose files changed after the run (another
+    model's patch size: every image would get other token counts than the run trained on): the export is refused,
+    one line naming both records and the fix, exit 2, before Ray starts, and nothing is written."""
+    import yaml
+
+    from miles_vl.models.qwen3_vl.processor import OFFLINE_PROCESSOR_DIR
+
+    shutil.copytree(run, tmp_path / "r", ignore=shutil.ignore_patterns("hf"))
+    shutil.copytree(OFFLINE_PROCESSOR_DIR, tmp_path / "proc")
+    files = json.loads((tmp_path / "proc" / "processor_config.json").read_text())
+    assert files["image_processor"]["patch_size"] == 16
+    files["image_processor"]["patch_size"] = 14
+    (tmp_path / "proc" / "processor_config.json").write_text(json.dumps(files))
+    config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert config["model"]["processor"] == "offline"  # what the run loaded, and recorded in processor.yaml
+    config["model"]["processor"] = str(tmp_path / "proc")
+    (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    assert yaml.safe_load((tmp_path / "r" / "processor.yaml").read_text())["patch_size"] == 16
+    before = tree(tmp_path)
+    done = miles_vl("export", "r", "hf", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, done.stderr
+    assert f"the processor at {tmp_path / 'proc'} is not the one the run recorded in r/processor.yaml" in errors[0]
+    assert "'patch_size': 16" in errors[0] and "'patch_size': 14" in errors[0]
+    assert errors[0].endswith("restore the run's processor files")
+    assert "Traceback" not in done.stderr and "Ray" not in done.stderr
+    assert tree(tmp_path) == before
+
+
 def test_export_refuses_a_read_only_place(runs):
     """Issue 30.9: an OUT_DIR whose parent is read-only (a real read-only file system) is refused before Ray starts."""
     tmp = runs.parent

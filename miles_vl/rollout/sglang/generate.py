@@ -8,10 +8,10 @@ Schema source: SGLang 0.5.16 (see docs/sglang.md for the wheel and its hash):
 - response (`TokenizerManager._handle_batch_output` and `add_logprob_to_meta_info` in
   `python/sglang/srt/managers/tokenizer_manager.py`): `output_ids` (the stop token included: the detokenizer trims
   it from `text` only), `prompt_token_ids` (the ids after SGLang's multimodal processor, real image token ids,
-  before the scheduler's hash padding), and `meta_info` with `finish_reason` (`{"type": "stop", "matched": id}`,
-  `{"type": "length", "length": n}` or `{"type": "abort", "message": ...}`; `python/sglang/srt/managers/
-  schedule_batch.py`), `prompt_tokens`, `weight_version` and `output_token_logprobs` = `[[logprob, token_id,
-  text|null], ...]`, one per output id.
+  before the scheduler's hash padding; required: every request asks for them), and `meta_info` with `finish_reason`
+  (`{"type": "stop", "matched": id}`, `{"type": "length", "length": n}` or `{"type": "abort", "message": ...}`;
+  `python/sglang/srt/managers/schedule_batch.py`), `prompt_tokens`, `weight_version` and `output_token_logprobs` =
+  `[[logprob, token_id, text|null], ...]`, one per output id.
 
 How SGLang 0.5.16 reads `input_ids` + `image_data` for Qwen3-VL (`srt/multimodal/processors/base_processor.py`,
 `BaseMultimodalProcessor.load_mm_data` -> `fast_load_mm_data` -> `process_and_combine_mm_data` -> `process_mm_data`,
@@ -488,7 +488,8 @@ def parse_generate_response(
     Raises:
         GenerationAbortedError: the server aborted the request.
         PromptMismatchError: SGLang's prompt ids differ from ours.
-        SGLangResponseError: the body breaks the 0.5.16 schema or contradicts itself.
+        SGLangResponseError: the body breaks the 0.5.16 schema or contradicts itself (`prompt_token_ids` missing
+            included: every request asks for them).
     """
     where = f"/generate for prompt {prompt_index}"
     meta = _field(body, "meta_info", dict, where)
@@ -498,9 +499,19 @@ def parse_generate_response(
     if finish["type"] == "abort":
         raise GenerationAbortedError(f"{where}: SGLang aborted the request: {finish.get('message')}")
 
+    # Every request asks for them (`build_generate_payload`), and 0.5.16 answers them on every non-streaming path
+    # (`TokenizerManager._handle_batch_output`, from the request state that `generate_request` and
+    # `_handle_batch_request` fill); without them the check that SGLang saw our ids would be off, silently.
     theirs = body.get("prompt_token_ids")
-    if theirs is not None:
-        check_prompt_tokens(prompt_ids, theirs, prompt_index=prompt_index)
+    if theirs is None:
+        raise SGLangResponseError(
+            f"{where}: the response has no prompt_token_ids, which the request asked for (return_prompt_token_ids), "
+            "so the engine cannot check that SGLang saw our prompt ids. SGLang 0.5.16 returns them on every path; "
+            "a server that leaves them out is another release, or a patch of its tokenizer (miles_vl's launcher: "
+            "the grouped copies of `handle_grouped`) did not set them: run sglang==0.5.16, or SGLang's own launcher "
+            "(rollout.sglang.share_copy_pixels=false) to tell the two apart"
+        )
+    check_prompt_tokens(prompt_ids, theirs, prompt_index=prompt_index)
     prompt_tokens = meta.get("prompt_tokens")
     if prompt_tokens is not None and int(prompt_tokens) != len(prompt_ids):
         raise PromptMismatchError(

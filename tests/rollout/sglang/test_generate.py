@@ -264,8 +264,12 @@ def test_a_failed_write_removes_the_prompts_other_files(tmp_path, monkeypatch):
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
 
 
-def response(output_ids, logprobs, finish, *, prompt_ids=None, prompt_tokens=None, version="v1"):
-    """A /generate response in SGLang 0.5.16's shape (tokenizer_manager.py)."""
+PROMPT = (1, 2, 3)  # the prompt ids `parse` checks against by default
+
+
+def response(output_ids, logprobs, finish, *, prompt_ids=PROMPT, prompt_tokens=None, version="v1"):
+    """A /generate response in SGLang 0.5.16's shape (tokenizer_manager.py); `prompt_ids=None` leaves out
+    `prompt_token_ids`."""
     meta = {
         "id": "abc",
         "finish_reason": finish,
@@ -278,11 +282,11 @@ def response(output_ids, logprobs, finish, *, prompt_ids=None, prompt_tokens=Non
     }
     body = {"text": "…", "output_ids": output_ids, "meta_info": meta}
     if prompt_ids is not None:
-        body["prompt_token_ids"] = prompt_ids
+        body["prompt_token_ids"] = list(prompt_ids)
     return body
 
 
-def parse(body, prompt=(1, 2, 3), max_new_tokens=8):
+def parse(body, prompt=PROMPT, max_new_tokens=8):
     return parse_generate_response(
         body, prompt_ids=list(prompt), stop_token_ids={EOS}, max_new_tokens=max_new_tokens, prompt_index=0
     )
@@ -305,9 +309,23 @@ def test_prompt_mismatch_names_the_first_differing_position():
         check_prompt_tokens([1, 2, 3], [1, 2, 3, 9], prompt_index=0)
     with pytest.raises(PromptMismatchError, match="image_min_pixels"):
         parse(response([EOS], [-0.1], {"type": "stop", "matched": EOS}, prompt_ids=[1, 2, 4]))
-    # A server that does not echo the ids is still held to the count.
+    # The ids agree but the server's count does not: held to the count too.
     with pytest.raises(PromptMismatchError, match="counted 4 prompt tokens, miles_vl sent 3"):
         parse(response([EOS], [-0.1], {"type": "stop", "matched": EOS}, prompt_tokens=4))
+
+
+def test_a_response_without_the_prompt_ids_it_was_asked_for_is_refused():
+    """Issue 31.5: the check of SGLang's prompt ids ran only when the response carried them, so a server (or a patch
+    of ours: the launcher's grouped copies) that dropped them turned it off silently. Every request asks for them
+    (`return_prompt_token_ids`), and 0.5.16 answers them on every non-streaming path (tokenizer_manager.py:664,
+    1609, 1626, 1679 set them; :2076, :2115 answer them): missing, the response is an error naming the request."""
+    assert build_generate_payload([1, 2, 3], [], SamplingParams(), seed=0, stop_token_ids=[EOS])[
+        "return_prompt_token_ids"
+    ]
+    body = response([EOS], [-0.1], {"type": "stop", "matched": EOS}, prompt_ids=None, prompt_tokens=3)
+    with pytest.raises(SGLangResponseError, match=r"/generate for prompt 0: the response has no prompt_token_ids.*"
+                       r"asked for \(return_prompt_token_ids\).*sglang==0\.5\.16"):  # fmt: skip
+        parse(body)
 
 
 def test_inconsistent_responses_are_refused():

@@ -328,18 +328,38 @@ class _Batch:
         return self.prompts[i]
 
 
+_EOS = 99  # the token every stand-in answer samples
+
+
 class _StandInTokenizer:
     """0.5.16's TokenizerManager methods the grouped handler calls; `log` records the order of events; what is sent
-    is deep-copied per message (pickled to the scheduler)."""
+    is deep-copied per message (pickled to the scheduler).
+
+    A prompt's tokenization takes `delays[rid]` seconds, or, for a rid in `after`, until the prefix request of the
+    prompt named there has left (an event: the order then holds however loaded the machine is, where sleeps of a few
+    ms let a stalled event loop wake several prompts in one turn and merge their prefixes into one message)."""
 
     model_config = types.SimpleNamespace(dtype=torch.bfloat16)  # what the launcher casts pixel values to
+    deadlock_s = 10.0  # a prefix awaited by `after` that never leaves: the handler does not pipeline (a test failure)
 
-    def __init__(self, delays):
+    def __init__(self, delays, after=None):
         self.delays, self.log, self.messages, self.seen_hashes = delays, [], [], {}
+        self.after = after or {}
         self.rid_to_state = {}
+        self.prefix_left = collections.defaultdict(asyncio.Event)  # prompt rid -> its prefix request has been sent
 
     async def _tokenize_one_request(self, sub):
-        await asyncio.sleep(self.delays[sub.rid])
+        if sub.rid in self.after:
+            waited = self.after[sub.rid]
+            try:
+                await asyncio.wait_for(self.prefix_left[waited].wait(), self.deadlock_s)
+            except TimeoutError:
+                raise AssertionError(
+                    f"{sub.rid} is tokenized once {waited}'s prefix has left, which it never did: the handler waits "
+                    "for every prompt's tokens before it sends a prefix (not pipelined)"
+                ) from None
+        else:
+            await asyncio.sleep(self.delays[sub.rid])
         if sub.ids is None:
             raise ValueError(f"prompt {sub.rid} cannot be tokenized")
         self.log.append(("tokenized", sub.rid))
@@ -363,20 +383,43 @@ class _StandInTokenizer:
     def _send_one_request(self, tok):
         self.log.append(("prefix" if tok.sampling_params.max_new_tokens == 0 else "one", tok.rid))
         self.messages.append(copy.deepcopy(tok))
+        self._left([tok])
 
     def _send_batch_request(self, toks):
         if getattr(self, "fail_batch_send", False):
             raise ConnectionError("zmq send failed")
         self.log.append(("batch", len(toks)))
         self.messages.append(copy.deepcopy(types.SimpleNamespace(batch=toks)))
+        self._left(toks)
+
+    def _left(self, toks):
+        for tok in toks:
+            if tok.sampling_params.max_new_tokens == 0:  # a prefix; its rid is the prompt's + a copy suffix
+                self.prefix_left[tok.rid.split("+")[0]].set()
 
     async def _wait_one_response(self, sub, request=None):
         sent = {m.rid for m in self.messages if not hasattr(m, "batch")}
         sent |= {t.rid for m in self.messages if hasattr(m, "batch") for t in m.batch}
         assert sub.rid in sent, "awaited before it was sent"
         self.log.append(("answered", sub.rid))
-        self.rid_to_state.pop(sub.rid)  # 0.5.16 drops a finished request's state (_handle_batch_output)
-        yield {"rid": sub.rid}
+        state = self.rid_to_state.pop(sub.rid)  # 0.5.16 drops a finished request's state (_handle_batch_output)
+        # the body as 0.5.16's _handle_batch_output builds it (tokenizer_manager.py:2063-2076): one EOS sampled,
+        # prompt_token_ids only from the request state, where the handler that sent the request put them
+        body = {
+            "rid": sub.rid,
+            "text": "",
+            "output_ids": [_EOS],
+            "meta_info": {
+                "id": sub.rid,
+                "finish_reason": {"type": "stop", "matched": _EOS},
+                "prompt_tokens": len(sub.ids),
+                "weight_version": "default",
+                "output_token_logprobs": [[-0.5, _EOS, None]],
+            },
+        }
+        if state.prompt_token_ids is not None:
+            body["prompt_token_ids"] = state.prompt_token_ids
+        yield body
 
 
 def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
@@ -397,7 +440,9 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
     pixels = [torch.randn(4, 6) for _ in range(3)]
     prompts = [_Prompt(f"p{i}", [i, i + 1], pixels[i]) for i in range(3)]
     hashes = [["a1"], ["b2"], ["c3"]]
-    manager = TokenizerManager({"p0": 0.0, "p1": 0.02, "p2": 0.04})
+    # p0 is tokenized at once, p1 once p0's prefix has left, p2 once p1's has: a handler that waits for all tokens
+    # before sending a prefix never sends one (the stand-in then fails the test); three prefixes, three messages
+    manager = TokenizerManager({"p0": 0.0}, after={"p1": "p0", "p2": "p1"})
     batch = _Batch(prompts, 2, hashes)
     for rid in batch.rid:  # generate_request's _init_req_state: one entry per normalized rid
         manager._init_req_state(types.SimpleNamespace(rid=rid))
@@ -435,6 +480,25 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
     by_hash = {m.mm_inputs.mm_items[0].hash: m.mm_inputs.mm_items[0].feature for m in received[:3]}
     assert all(f is by_hash[c.mm_inputs.mm_items[0].hash] for f, c in zip(restored, received[-1].batch, strict=True))
     assert all(torch.equal(t, pixels[i]) for i, t in enumerate(prefix_tensors))
+
+
+def test_every_copy_answers_with_its_prompts_ids_which_the_engine_requires():
+    """Issue 31.5: the grouped copies' request states lost `prompt_token_ids` (the mutation passed every test, since
+    the engine checked prompt ids only when a response had them). Now the engine refuses a response without them,
+    and each copy's answer carries its own prompt's ids (0.5.16 puts them in the state of each copy it makes,
+    tokenizer_manager.py:1678), which the engine's check passes, prompt by prompt."""
+    from miles_vl.rollout.sglang.generate import parse_generate_response
+
+    prompts = [_Prompt(f"p{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3][: i + 1], None) for i in range(3)]
+    manager = _StandInTokenizer({p.rid: 0.0 for p in prompts})
+    [answers] = _grouped(manager, _Batch(prompts, 2, [["a1"], ["b2"], ["c3"]]))
+    assert len(answers) == 6
+    for k, body in enumerate(answers):  # prompt by prompt, n each
+        ids = prompts[k // 2].ids
+        generation, _ = parse_generate_response(  # without the ids: SGLangResponseError naming the prompt
+            body, prompt_ids=ids, stop_token_ids={_EOS}, max_new_tokens=4, prompt_index=k // 2
+        )
+        assert generation.response_ids.tolist() == [_EOS] and body["prompt_token_ids"] == ids
 
 
 def test_which_requests_the_grouped_handler_takes(monkeypatch):

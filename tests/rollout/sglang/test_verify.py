@@ -1,7 +1,8 @@
 """Contract: a colocated weight sync is verified as far as SGLang 0.5.16 allows for Qwen3-VL (verify.py).
 
-- names: a tensor not named as in the checkpoint the server loaded is refused before anything of its bucket is sent
-  (0.5.16's `load_weights` would skip it without an error, as the stand-ins now do: they log and report it);
+- names: a tensor not named as in the checkpoint the server loaded is refused before anything of its bucket is sent,
+  in whichever bucket it is (0.5.16's `load_weights` would skip it without an error, as the stand-ins now do: they
+  log and report it);
 - values: a probe tensor sent with new values whose server copy did not change (here: a server told to ignore what it
   is sent) fails the sync by name, and generate refuses until a sync lands; probes are the small tensors of the first
   and last buckets and one of the vision tower, and only tensors that load 1:1 into a parameter the server reports;
@@ -96,6 +97,22 @@ def test_names_the_checkpoint_does_not_have_are_refused_before_sending(server):
     with pytest.raises(WeightSyncError, match=r"1 tensor\(s\) .* not named as in the checkpoint.*layers\.0\.attn\.q"):
         eng.load_weights(bad)
     assert "/update_weights_from_tensor" not in server.paths()
+    with pytest.raises(EngineStateError, match="did not complete"):
+        eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))
+
+
+def test_a_misnamed_tensor_in_a_later_bucket_is_refused_too(server):
+    """Issue 31.5: a check of the first bucket only passed every test. Here the first two buckets are well named and
+    the third carries a name the server's checkpoint lacks: the sync stops before that bucket is sent (the server
+    never sees the name, so it cannot skip it unseen), and generate refuses the server's mix of old and new weights."""
+    eng = engine(server)
+    sent = weights(0)  # 12 tensors of 64 B in buckets of 256 B: [0:4], [4:8], [8:12]
+    slip = "model.visual.blocks.0.attn.qkv_proj.weight"  # SGLang's own name of the fused tensor, not the HF one
+    sent[9] = (slip, sent[9][1])
+    with pytest.raises(WeightSyncError, match=r"1 tensor\(s\) .* not named as in the checkpoint.*qkv_proj"):
+        eng.load_weights(sent)
+    assert server.paths().count("/update_weights_from_tensor") == 2  # the first two buckets, not the third
+    assert server.state.skipped == [] and slip not in server.state.params
     with pytest.raises(EngineStateError, match="did not complete"):
         eng.generate([make_prompt([1])], SamplingParams(max_new_tokens=2))
 

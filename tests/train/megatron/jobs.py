@@ -540,11 +540,11 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
 # save_hf: the megatron backend's HF directory
 
 
-def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str) -> dict:
+def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str, freeze_vision: bool = False) -> dict:
     """The backend at DP=2 as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py; TP=1: the
     harness cannot load HF weights into TP shards): one RL step with a large learning rate (the weights move away from
     the checkpoint), its logprobs of `hf_samples`, then `save_hf` in small shards (every rank exports, rank 0
-    writes)."""
+    writes). `freeze_vision`: built as `train.freeze_vision` builds it (the vision tower neither trained nor synced)."""
     import dataclasses
     from pathlib import Path
 
@@ -552,7 +552,9 @@ def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str) -> dict:
     from tests.orchestration import megatron_cpu
 
     options = cross_backend_options()
-    options = dataclasses.replace(options, optimizer=dataclasses.replace(options.optimizer, lr=1e-2))
+    options = dataclasses.replace(
+        options, optimizer=dataclasses.replace(options.optimizer, lr=1e-2), freeze_vision=freeze_vision
+    )
     backend = megatron_cpu.build(hf_dir, tokens(), options, ParallelOptions(bf16=False))
     train_step(backend, hf_samples)
     logprobs = backend.compute_logprobs(hf_samples)
