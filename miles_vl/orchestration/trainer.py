@@ -268,7 +268,7 @@ class Trainer:
         return ray.get(self.source.device_memory_used_gib.remote())
 
     def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
-        self._get_unless_stopped(self.source.open_weight_group.remote(engines, **options), "forming")
+        self._get_unless_stopped(self.source.open_weight_group.remote(engines, **options), "forming its group")
 
     def send_weights(self, weight_version: str) -> SyncReport:
         """Rank 0 broadcasts, the other ranks take part in the export. Every bucket has a deadline in rank 0
@@ -276,14 +276,14 @@ class Trainer:
         request still pending STOP_GRACE_S into the sync ends it here (`_get_unless_stopped`)."""
         others = [w.drain_weights.remote() for w in self.workers[1:]]
         try:
-            return self._get_unless_stopped(self.source.send_weights.remote(weight_version), "sending")
+            return self._get_unless_stopped(self.source.send_weights.remote(weight_version), "sending weights")
         finally:
             if not self.killed:
                 ray.get(others)  # rank 0 drained its export even if sending failed, so these finish too
 
     def close_weight_group(self) -> None:
         if not self.killed:
-            self._get_unless_stopped(self.source.close_weight_group.remote(), "closing")
+            self._get_unless_stopped(self.source.close_weight_group.remote(), "closing its group")
 
     def _get_unless_stopped(self, ref, doing: str):
         """`ray.get(ref)`, unless the job is asked to stop and `ref` is still not ready STOP_GRACE_S later: then the
@@ -300,7 +300,7 @@ class Trainer:
             stopped_at = stopped_at or time.monotonic()
             if time.monotonic() - stopped_at >= STOP_GRACE_S:
                 log.warning(
-                    "stop requested: the weight sync (%s the group) has not ended %.0f s later; ending the train "
+                    "stop requested: the weight sync (%s) has not ended %.0f s later; ending the train "
                     "ranks without it (the newest checkpoint stands)",
                     doing,
                     STOP_GRACE_S,
