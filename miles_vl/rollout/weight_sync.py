@@ -58,15 +58,15 @@ Buckets bound the bytes in flight (and the server's temporary allocation): a buc
 would push it past `max_bucket_bytes`; a single tensor larger than the bound travels alone.
 
 A failed or stalled NCCL sync never hangs (issue 32.2). Every bucket has a deadline (`bucket_timeout_s`:
-`rollout.sglang.sync_timeout_s`, or 60 s + its bytes at 50 MiB/s). The trainer broadcasts with `async_op=True` and
-waits for each broadcast while it watches the engines' HTTP answers and the deadline: an engine's 4xx/5xx, a dead
-server (connection refused) or the deadline ends the sync with one `SGLangError` naming the endpoint and the server's
-message, and the group is aborted and marked broken (`close` then neither posts `/destroy_weights_update_group`, whose
-NCCL teardown would wait for the broken peer, nor destroys the group here). Each group gets a fresh name, so a server
-that still holds a broken group can join the next one. A thread backs this up for a trainer stuck inside a C call
-(NCCL's blocking communicator init in the first broadcast): past the deadline plus `ABORT_GRACE_S` it aborts the
-group, and if the call still has not returned after as long again, it writes the error to stderr and ends the process,
-so Ray reports the train actor dead instead of waiting.
+`rollout.sglang.sync_timeout_s`, or 60 s + its bytes at 50 MiB/s). The trainer enqueues a bucket's broadcasts with
+`async_op=True` and waits for them while it watches the engines' HTTP answers and the deadline: an engine's 4xx/5xx, a
+dead server (connection refused) or the deadline ends the sync with one `SGLangError` naming the endpoint and the
+server's message, and the group is aborted and marked broken (`close` then neither posts
+`/destroy_weights_update_group`, whose NCCL teardown would wait for the broken peer, nor destroys the group here). Each
+group gets a fresh name, so a server that still holds a broken group can join the next one. A thread backs this up for a
+trainer stuck inside a C call (NCCL's blocking communicator init in the first broadcast): past the deadline plus
+`ABORT_GRACE_S` it aborts the group, and if the call still has not returned after as long again, it writes the error to
+stderr and ends the process, so Ray reports the train actor dead instead of waiting.
 """
 
 from __future__ import annotations
@@ -449,16 +449,18 @@ class DistributedWeightSender:
             deadline = time.monotonic() + bucket_timeout_s(sum(m.nbytes for m in metas), self.sync_timeout_s)
             what = "update_weights_from_distributed"
             with self._watchdog(deadline, what):
-                for _, tensor in bucket:
-                    tensor = tensor.contiguous()  # held until its broadcast completed
-                    work = torch.distributed.broadcast(tensor, src=0, group=self.group, async_op=True)
-                    self._until(work.is_completed, futures, deadline, what)
-                    try:
+                # every broadcast of the bucket enqueued at once (in order, as the server receives them), then
+                # watched together: waiting per tensor would cost a poll interval per tensor
+                sent = [t.contiguous() for _, t in bucket]  # held until their broadcasts completed
+                works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in sent]
+                self._until(functools.partial(_all_completed, works), futures, deadline, what)
+                try:
+                    for work in works:
                         work.wait()  # raises what the backend saw (e.g. gloo: a peer closed its connection)
-                    except Exception as err:  # an engine's own answer says more: give it a moment to arrive
-                        wait_futures(futures, timeout=ABORT_GRACE_S / 2, return_when=FIRST_EXCEPTION)
-                        self._fail_if_refused(futures, what)
-                        self._fail(f"{what} failed: the broadcast from the trainer broke off ({err})")
+                except Exception as err:  # an engine's own answer says more: give it a moment to arrive
+                    wait_futures(futures, timeout=ABORT_GRACE_S / 2, return_when=FIRST_EXCEPTION)
+                    self._fail_if_refused(futures, what)
+                    self._fail(f"{what} failed: the broadcast from the trainer broke off ({err})")
                 self._until(functools.partial(_all_done, futures), futures, deadline, what)
             self._wait(futures, what)
             buckets += 1
@@ -580,6 +582,10 @@ class DistributedWeightSender:
 
 def _all_done(futures: list[Future]) -> bool:
     return all(f.done() for f in futures)
+
+
+def _all_completed(works: list) -> bool:
+    return all(w.is_completed() for w in works)
 
 
 @dataclass(frozen=True)
