@@ -407,7 +407,12 @@ class DistributedWeightSender:
             )
             self._until(functools.partial(_all_done, futures), futures, deadline, "init_weights_update_group")
         self._wait(futures, "init_weights_update_group")
-        log.info("weight-update group %r formed: %d ranks", self.group_name, self.world_size)
+        log.info(
+            "weight-update group %r formed: %d ranks; deadline of each bucket: %s",
+            self.group_name,
+            self.world_size,
+            self._bound_text(),
+        )
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
         """Send all tensors bucket by bucket, then label the version and flush every engine's cache.
