@@ -215,6 +215,14 @@ class SGLangConfig(_Section):
     mem_fraction_static: float = Field(0.6, gt=0.0, le=1.0)
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    sync_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="deadline of one bucket of the disaggregated NCCL weight sync (its broadcasts and the servers' "
+        "answers): a server that refuses the bucket (4xx/5xx), dies or stalls ends the sync with an error naming it "
+        "and its message, instead of a trainer waiting in the broadcast. null = 60 s + the bucket's bytes at 50 MiB/s "
+        "(70 s for a 512 MiB bucket); forming the group may take 60 s or this, if longer.",
+    )
     max_retries: int = Field(3, ge=0)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to the SGLang server.")
     one_request_per_prompt: bool | None = Field(

@@ -462,7 +462,7 @@ class Job:
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
             self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
             build = self.hooks.train_backends[self.cfg.train.backend]
-            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build)
+            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build, stop=self.stop_requested)
             kind = self.hooks.engines[self.cfg.rollout.backend]
             weights = make_weight_sync(
                 self.trainer,
@@ -470,6 +470,7 @@ class Job:
                 trainer_gpus=self.cfg.train.num_gpus > 0,
                 request_timeout_s=self.cfg.rollout.sglang.request_timeout_s,
                 options=self.hooks.weight_sync,
+                sync_timeout_s=self.cfg.rollout.sglang.sync_timeout_s,
             )
             self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
         except BaseException:
@@ -535,6 +536,10 @@ class Job:
         }
         skipped = {"train/skipped_steps": 0.0}
         return {**batch.metrics, **train_metrics, **skipped, **self.sync_sizes(), **perf, **timer.metrics()}
+
+    def stop_requested(self) -> JobInterrupted | None:
+        """The stop a first SIGINT/SIGTERM asked for (None: none): a stalled weight sync ends with it (trainer.py)."""
+        return JobInterrupted(self.signals.signum) if self.signals.signum is not None else None
 
     def commit(self, step: int) -> None:
         """Step `step` is complete (trained, synced, evaluated, logged): it is now what a checkpoint holds."""

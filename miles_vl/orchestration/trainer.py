@@ -22,7 +22,8 @@ import datetime
 import logging
 import os
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import ray
@@ -45,6 +46,8 @@ from miles_vl.train import train_step
 log = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # first NCCL collectives include model loading on every rank
+STOP_GRACE_S = 10.0  # a stop during an NCCL weight sync lets it run this long, then ends it (the job exits in < 30 s)
+_STOP_POLL_S = 0.5  # how often a wait for the sync looks at the stop request
 
 
 def train_world_size(cfg: JobConfig) -> int:
@@ -198,13 +201,24 @@ class Trainer:
         tokens: special token ids.
         gpus: the trainer's GPU slots (`placement.reserve_gpus`); None on a CPU-only run.
         build: builds each rank's backend (`factories.TRAIN_BACKENDS[train.backend]`).
+        stop: the error to raise when the job was asked to stop (SIGINT/SIGTERM), else None; the NCCL weight sync
+            looks at it while it waits (`send_weights`).
 
     Raises:
         ray.exceptions.RayActorError / RayTaskError: a rank failed to start or to build its backend.
     """
 
-    def __init__(self, cfg: JobConfig, tokens: SpecialTokens, gpus: GpuPlacement | None, build: TrainBackendBuilder):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        tokens: SpecialTokens,
+        gpus: GpuPlacement | None,
+        build: TrainBackendBuilder,
+        stop: Callable[[], BaseException | None] | None = None,
+    ):
         self.cfg = cfg
+        self.stop = stop
+        self.killed = False  # a sync was ended by a stop: the ranks are gone
         world = train_world_size(cfg)
         self.workers = [
             TrainWorker.options(**_rank_options(cfg, gpus, r)).remote(cfg, tokens, build, r, world)
@@ -254,17 +268,45 @@ class Trainer:
         return ray.get(self.source.device_memory_used_gib.remote())
 
     def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
-        ray.get(self.source.open_weight_group.remote(engines, **options))
+        self._get_unless_stopped(self.source.open_weight_group.remote(engines, **options), "forming its group")
 
     def send_weights(self, weight_version: str) -> SyncReport:
+        """Rank 0 broadcasts, the other ranks take part in the export. Every bucket has a deadline in rank 0
+        (weight_sync.DistributedWeightSender), whose watchdog ends the actor if the deadline cannot free it; a stop
+        request still pending STOP_GRACE_S into the sync ends it here (`_get_unless_stopped`)."""
         others = [w.drain_weights.remote() for w in self.workers[1:]]
         try:
-            return ray.get(self.source.send_weights.remote(weight_version))
+            return self._get_unless_stopped(self.source.send_weights.remote(weight_version), "sending weights")
         finally:
-            ray.get(others)  # rank 0 drained its export even if sending failed, so these finish too
+            if not self.killed:
+                ray.get(others)  # rank 0 drained its export even if sending failed, so these finish too
 
     def close_weight_group(self) -> None:
-        ray.get(self.source.close_weight_group.remote())
+        if not self.killed:
+            self._get_unless_stopped(self.source.close_weight_group.remote(), "closing its group")
+
+    def _get_unless_stopped(self, ref, doing: str):
+        """`ray.get(ref)`, unless the job is asked to stop and `ref` is still not ready STOP_GRACE_S later: then the
+        train ranks are killed (a sync that is stuck waits for a peer, and a half-synced trainer holds nothing to
+        save: checkpoints come from committed steps only) and the stop is raised."""
+        stopped_at = None
+        while True:
+            ready, _ = ray.wait([ref], timeout=_STOP_POLL_S)
+            if ready:
+                return ray.get(ref)
+            error = self.stop() if self.stop is not None else None
+            if error is None:
+                continue
+            stopped_at = stopped_at or time.monotonic()
+            if time.monotonic() - stopped_at >= STOP_GRACE_S:
+                log.warning(
+                    "stop requested: the weight sync (%s) has not ended %.0f s later; ending the train "
+                    "ranks without it (the newest checkpoint stands)",
+                    doing,
+                    STOP_GRACE_S,
+                )
+                self.kill()
+                raise error
 
     def save_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
@@ -277,8 +319,14 @@ class Trainer:
         ray.get([w.save_hf.remote(str(directory), max_shard_bytes) for w in self.workers])
 
     def close(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        if not self.killed:
+            with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        self.kill()
+
+    def kill(self) -> None:
+        """End every rank now (what it was doing is lost)."""
+        self.killed = True
         for w in self.workers:
             with contextlib.suppress(ValueError):
                 ray.kill(w, no_restart=True)

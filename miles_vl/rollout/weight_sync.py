@@ -56,18 +56,34 @@ rendezvous on `tcp://master_address:master_port`, a `PrefixStore(group_name)`, t
 
 Buckets bound the bytes in flight (and the server's temporary allocation): a bucket closes before the tensor that
 would push it past `max_bucket_bytes`; a single tensor larger than the bound travels alone.
+
+A failed or stalled NCCL sync never hangs (issue 32.2). Every bucket has a deadline (`bucket_timeout_s`:
+`rollout.sglang.sync_timeout_s`, or 60 s + its bytes at 50 MiB/s). The trainer enqueues a bucket's broadcasts with
+`async_op=True` and waits for them while it watches the engines' HTTP answers and the deadline: an engine's 4xx/5xx, a
+dead server (connection refused) or the deadline ends the sync with one `SGLangError` naming the endpoint and the
+server's message, and the group is aborted and marked broken (`close` then neither posts
+`/destroy_weights_update_group`, whose NCCL teardown would wait for the broken peer, nor destroys the group here). Each
+group gets a fresh name, so a server that still holds a broken group can join the next one. A thread backs this up for a
+trainer stuck inside a C call (NCCL's blocking communicator init in the first broadcast): past the deadline plus
+`ABORT_GRACE_S` it aborts the group, and if the call still has not returned after as long again, it writes the error to
+stderr and ends the process, so Ray reports the train actor dead instead of waiting.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import io
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -83,6 +99,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+SYNC_FLOOR_S = 60.0  # the derived bound of one bucket: this much, plus its bytes at SYNC_BYTES_PER_S
+SYNC_BYTES_PER_S = 50 * 1024**2  # conservative: a cross-node link far slower than NVLink (4.26 GB took 3.8 s there)
+ABORT_GRACE_S = 10.0  # how long the watchdog waits past a deadline before aborting the group, and again before exiting
+_ABANDONED_GROUPS: list = []  # weight-update groups broken by a failed sync (`DistributedWeightSender.close`)
+_POLL_S = 0.01  # how often the wait for one broadcast looks at it (torch's Work has no completion callback on CPU)
+
+
+def bucket_timeout_s(nbytes: int, sync_timeout_s: float | None = None) -> float:
+    """The deadline of one bucket of the NCCL sync (its broadcasts and its `/update_weights_from_distributed`):
+    `sync_timeout_s` when given, else SYNC_FLOOR_S + nbytes / SYNC_BYTES_PER_S (60 s + 10.2 s for 512 MiB)."""
+    if sync_timeout_s is not None:
+        if sync_timeout_s <= 0:
+            raise ValueError(f"sync_timeout_s must be > 0 (or None: derived from the bytes), found {sync_timeout_s}")
+        return sync_timeout_s
+    return SYNC_FLOOR_S + nbytes / SYNC_BYTES_PER_S
 
 
 @dataclass(frozen=True)
@@ -312,6 +343,8 @@ class DistributedWeightSender:
         max_bucket_bytes: bound of one bucket.
         flush_timeout_s: how long `/flush_cache` may wait for running requests.
         timeout_s: the group's timeout (rendezvous and every collective).
+        sync_timeout_s: the deadline of one bucket; None: `bucket_timeout_s` of its bytes. Forming the group may
+            take SYNC_FLOOR_S, or this if longer.
     """
 
     def __init__(
@@ -325,6 +358,7 @@ class DistributedWeightSender:
         max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         flush_timeout_s: float = 60.0,
         timeout_s: float = 600.0,
+        sync_timeout_s: float | None = None,
     ):
         if not engines:
             raise ValueError("DistributedWeightSender needs at least one engine")
@@ -337,6 +371,9 @@ class DistributedWeightSender:
         self.max_bucket_bytes = max_bucket_bytes
         self.flush_timeout_s = flush_timeout_s
         self.timeout_s = timeout_s
+        self.sync_timeout_s = sync_timeout_s
+        bucket_timeout_s(0, sync_timeout_s)  # a bad value fails here, not at the first sync
+        self.broken = False  # a sync failed: the group is aborted and must not be torn down with the engines
         self.rank_offsets, self.world_size = group_layout([e.tp_size for e in self.engines])
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="sglang-weights")
@@ -357,16 +394,25 @@ class DistributedWeightSender:
             )
             for e, offset in zip(self.engines, self.rank_offsets, strict=True)
         ]
-        self.group = init_trainer_group(
-            master_address=self.master_address,
-            master_port=self.master_port,
-            world_size=self.world_size,
-            group_name=self.group_name,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
-        )
+        # forming the group includes the servers' own set-up (a first import of torch.distributed): at least the floor
+        deadline = time.monotonic() + max(SYNC_FLOOR_S, bucket_timeout_s(0, self.sync_timeout_s))
+        with self._watchdog(deadline, "init_weights_update_group"):
+            self.group = init_trainer_group(
+                master_address=self.master_address,
+                master_port=self.master_port,
+                world_size=self.world_size,
+                group_name=self.group_name,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            )
+            self._until(functools.partial(_all_done, futures), futures, deadline, "init_weights_update_group")
         self._wait(futures, "init_weights_update_group")
-        log.info("weight-update group %r formed: %d ranks", self.group_name, self.world_size)
+        log.info(
+            "weight-update group %r formed: %d ranks; deadline of each bucket: %s",
+            self.group_name,
+            self.world_size,
+            self._bound_text(),
+        )
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
         """Send all tensors bucket by bucket, then label the version and flush every engine's cache.
@@ -379,11 +425,14 @@ class DistributedWeightSender:
             A `SyncReport`.
 
         Raises:
-            RuntimeError: `init_group` was not called.
-            SGLangError: an engine refused a call; the engines' weights are then partially updated.
+            RuntimeError: `init_group` was not called, or an earlier sync broke the group.
+            SGLangError: an engine refused a call, its server is gone, or a bucket missed its deadline; the engines'
+                weights are then partially updated and the group is broken (close it and form a new one).
         """
         if self.group is None:
             raise RuntimeError("call init_group() before send(): the engines have not joined the weight-update group")
+        if self.broken:
+            raise RuntimeError(f"weight-update group {self.group_name!r} broke in an earlier sync: close() it first")
         if self.backend == "nccl":  # NCCL broadcasts from this process's GPU
             device = torch.device("cuda", torch.cuda.current_device())
             named_tensors = ((name, t.to(device)) for name, t in named_tensors)
@@ -402,10 +451,23 @@ class DistributedWeightSender:
                 )
                 for e in self.engines
             ]
-            for _, tensor in bucket:
-                self._raise_early(futures)  # an engine that refused at once will never join this broadcast
-                torch.distributed.broadcast(tensor.contiguous(), src=0, group=self.group)
-            self._wait(futures, "update_weights_from_distributed")
+            deadline = time.monotonic() + bucket_timeout_s(sum(m.nbytes for m in metas), self.sync_timeout_s)
+            what = "update_weights_from_distributed"
+            with self._watchdog(deadline, what):
+                # every broadcast of the bucket enqueued at once (in order, as the server receives them), then
+                # watched together: waiting per tensor would cost a poll interval per tensor
+                sent = [t.contiguous() for _, t in bucket]  # held until their broadcasts completed
+                works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in sent]
+                self._until(functools.partial(_all_completed, works), futures, deadline, what)
+                try:
+                    for work in works:
+                        work.wait()  # raises what the backend saw (e.g. gloo: a peer closed its connection)
+                except Exception as err:  # an engine's own answer says more: give it a moment to arrive
+                    wait_futures(futures, timeout=ABORT_GRACE_S / 2, return_when=FIRST_EXCEPTION)
+                    self._fail_if_refused(futures, what)
+                    self._fail(f"{what} failed: the broadcast from the trainer broke off ({err})")
+                self._until(functools.partial(_all_done, futures), futures, deadline, what)
+            self._wait(futures, what)
             buckets += 1
             tensors += len(metas)
             nbytes += sum(m.nbytes for m in metas)
@@ -422,6 +484,13 @@ class DistributedWeightSender:
         are skipped with a warning."""
         from miles_vl.rollout.sglang.client import SGLangError  # here: the sglang package imports this module
 
+        if self.broken:  # aborted: a destroy would wait for the broken peer, here and on the server
+            # and so would the group's destructor (gloo joins its worker threads, stuck until the group's timeout):
+            # the group is kept referenced until the process ends
+            _ABANDONED_GROUPS.append(self.group)
+            self.group = None
+            self._pool.shutdown(wait=False, cancel_futures=True)  # a stalled server's request may never return
+            return
         if self.group is not None:
             futures = [self._pool.submit(e.client.destroy_weights_update_group, self.group_name) for e in self.engines]
             torch.distributed.destroy_process_group(self.group)
@@ -433,10 +502,75 @@ class DistributedWeightSender:
                     log.warning("could not destroy the weight-update group on %s: %s", e.client.base_url, err)
         self._pool.shutdown(wait=True)
 
-    def _raise_early(self, futures: list[Future]) -> None:
-        for f in futures:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
+    def _until(self, done, futures: list[Future], deadline: float, what: str) -> None:
+        """Wait until `done()`, but end the sync (`_fail`) as soon as an engine's call failed or `deadline` passed:
+        an engine that refused a bucket never joins its broadcasts, so waiting for them would never end."""
+        while not done():
+            self._fail_if_refused(futures, what)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [e.client.base_url for e, f in zip(self.engines, futures, strict=True) if not f.done()]
+                self._fail(
+                    f"{what} did not complete within its deadline ({self._bound_text()}); no answer from "
+                    f"{', '.join(f'{u}/{what}' for u in waiting) or 'none: the broadcast itself stalled'}. Raise "
+                    "rollout.sglang.sync_timeout_s if the link is this slow, else see the server's log"
+                )
+            wait_futures(futures, timeout=min(_POLL_S, left), return_when=FIRST_EXCEPTION)
+
+    def _fail_if_refused(self, futures: list[Future], what: str) -> None:
+        failed = [(e, f) for e, f in zip(self.engines, futures, strict=True) if f.done() and f.exception()]
+        if failed:
+            lines = [f"{e.client.base_url}/{what}: {f.exception()}" for e, f in failed]
+            self._fail(f"{what} failed on {len(failed)} engine(s):\n" + "\n".join(lines))
+
+    def _bound_text(self) -> str:
+        if self.sync_timeout_s is not None:
+            return f"rollout.sglang.sync_timeout_s={self.sync_timeout_s:g} s"
+        return f"{SYNC_FLOOR_S:g} s + its bytes at {SYNC_BYTES_PER_S / 1024**2:g} MiB/s"
+
+    def _fail(self, message: str):
+        """The group is unusable from here on: abort it (unblocks NCCL kernels already enqueued), mark it broken,
+        and raise one error with `message`."""
+        from miles_vl.rollout.sglang.client import SGLangError
+
+        self._abort()
+        raise SGLangError(message)
+
+    def _abort(self) -> None:
+        self.broken = True
+        if self.group is not None:
+            try:
+                torch.distributed.distributed_c10d._abort_process_group(self.group)
+            except Exception as err:  # noqa: BLE001  (a backend without abort: the group is dropped unused instead)
+                log.debug("could not abort weight-update group %r: %s", self.group_name, err)
+
+    @contextlib.contextmanager
+    def _watchdog(self, deadline: float, what: str) -> Iterator[None]:
+        """The backstop for a main thread stuck inside a C call past `deadline` (module docstring): abort the group
+        after ABORT_GRACE_S more, end the process after as long again."""
+        returned = threading.Event()
+
+        def watch() -> None:
+            if returned.wait(max(0.0, deadline - time.monotonic()) + ABORT_GRACE_S):
+                return
+            log.error("%s: stuck past its deadline (%s); aborting the weight-update group", what, self._bound_text())
+            self._abort()
+            if returned.wait(ABORT_GRACE_S):
+                return
+            sys.stderr.write(
+                f"miles-vl: the weight sync ({what} to {', '.join(e.client.base_url for e in self.engines)}) is stuck "
+                f"in the communication backend past its deadline ({self._bound_text()}) and an abort did not free "
+                "it; ending the train actor\n"
+            )
+            sys.stderr.flush()
+            os._exit(70)
+
+        watcher = threading.Thread(target=watch, name="weight-sync-watchdog", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            returned.set()
 
     def _wait(self, futures: list[Future], what: str) -> None:
         from miles_vl.rollout.sglang.client import SGLangError
@@ -449,6 +583,14 @@ class DistributedWeightSender:
                 errors.append(f"{e.client.base_url}: {err}")
         if errors:
             raise SGLangError(f"{what} failed on {len(errors)} engine(s):\n" + "\n".join(errors))
+
+
+def _all_done(futures: list[Future]) -> bool:
+    return all(f.done() for f in futures)
+
+
+def _all_completed(works: list) -> bool:
+    return all(w.is_completed() for w in works)
 
 
 @dataclass(frozen=True)
@@ -489,6 +631,7 @@ def open_trainer_group(
     max_bucket_bytes: int,
     request_timeout_s: float,
     timeout_s: float = 600.0,
+    sync_timeout_s: float | None = None,
 ) -> DistributedWeightSender:
     """Trainer rank 0's weight-update group with every engine, formed (runs inside the train actor).
 
@@ -498,6 +641,7 @@ def open_trainer_group(
         max_bucket_bytes: bound of one bucket (one `/update_weights_from_distributed` call).
         request_timeout_s: per-attempt timeout of the HTTP calls to the servers.
         timeout_s: the group's timeout (rendezvous and every broadcast).
+        sync_timeout_s: the deadline of one bucket; None: derived from its bytes (`bucket_timeout_s`).
 
     Raises:
         ValueError: an engine bound to loopback on another node (the trainer could not reach it); with NCCL, a server
@@ -526,9 +670,12 @@ def open_trainer_group(
         ],
         master_address="127.0.0.1" if all(e.node_ip == here for e in engines) else here,
         master_port=port,
+        # a fresh name per group: a server that still holds a group broken by a failed sync can join the next one
+        group_name=f"miles_vl_weight_sync_{port}",
         backend=backend,
         max_bucket_bytes=max_bucket_bytes,
         timeout_s=timeout_s,
+        sync_timeout_s=sync_timeout_s,
     )
     try:
         sender.init_group()
@@ -563,13 +710,26 @@ Failed = dict[int, BaseException]
 
 
 def make_weight_sync(
-    trainer, *, nccl: bool, trainer_gpus: bool, request_timeout_s: float, options: WeightSyncOptions
+    trainer,
+    *,
+    nccl: bool,
+    trainer_gpus: bool,
+    request_timeout_s: float,
+    options: WeightSyncOptions,
+    sync_timeout_s: float | None = None,
 ) -> WeightSync:
     """The sync from `trainer` (orchestration/trainer.py: `weight_buckets`, `open_weight_group`, `send_weights`,
-    `close_weight_group`) to the engines: over NCCL when `nccl`, else through the driver."""
+    `close_weight_group`) to the engines: over NCCL when `nccl` (each bucket within `sync_timeout_s`, None: derived
+    from its bytes, `bucket_timeout_s`), else through the driver."""
     if nccl:
         backend = options.group_backend or ("nccl" if trainer_gpus else "gloo")
-        return NcclWeightSync(trainer, backend=backend, request_timeout_s=request_timeout_s, options=options)
+        return NcclWeightSync(
+            trainer,
+            backend=backend,
+            request_timeout_s=request_timeout_s,
+            options=options,
+            sync_timeout_s=sync_timeout_s,
+        )
     return TensorWeightSync(trainer, options)
 
 
@@ -605,11 +765,20 @@ class TensorWeightSync:
 class NcclWeightSync:
     """Trainer rank 0 broadcasts to every engine: one weight-update group, formed on the first push."""
 
-    def __init__(self, trainer, *, backend: str, request_timeout_s: float, options: WeightSyncOptions):
+    def __init__(
+        self,
+        trainer,
+        *,
+        backend: str,
+        request_timeout_s: float,
+        options: WeightSyncOptions,
+        sync_timeout_s: float | None = None,
+    ):
         self.trainer = trainer
         self.backend = backend
         self.request_timeout_s = request_timeout_s
         self.options = options
+        self.sync_timeout_s = sync_timeout_s
         self.open = False
 
     def push(self, engines: Sequence, version: str) -> Failed:
@@ -630,6 +799,7 @@ class NcclWeightSync:
                     max_bucket_bytes=self.options.bucket_bytes,
                     timeout_s=self.options.timeout_s,
                     request_timeout_s=self.request_timeout_s,
+                    sync_timeout_s=self.sync_timeout_s,
                 )
                 self.open = True
             report = self.trainer.send_weights(version)

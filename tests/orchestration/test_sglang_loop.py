@@ -209,6 +209,105 @@ def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, hooks, loca
     assert not {"/update_weights_from_tensor", "/release_memory_occupation"} & set(paths)
 
 
+def test_a_server_that_dies_mid_nccl_sync_is_relaunched_and_synced_again(
+    tmp_path, checkpoint, hooks, local_ray, caplog
+):
+    """Issue 32.2: the server dies in the second bucket of the first sync (the trainer is mid-broadcast). The sync
+    ends with an error naming the server's endpoint and what its client saw (gloo alone said only "Connection reset
+    by peer"); its host relaunches it, the driver forms a new group and syncs it again, and the run goes on with
+    weights equal to the trainer's."""
+    journal_dir, fault = tmp_path / "journal", tmp_path / "fault.json"
+    journal_dir.mkdir()
+    fault.write_text(json.dumps({"path": "/update_weights_from_distributed", "kind": "exit", "value": 1, "after": 1}))
+    extra = f"rollout.sglang.extra_args=[--fake-journal,{journal_dir},--fake-fault-file,{fault}]"
+    cfg = config(tmp_path, checkpoint, "dies", *_disaggregated(extra))
+    run = run_job(cfg, hooks=hooks)
+    endpoint = f"127.0.0.1:{cfg.rollout.sglang.port}/update_weights_from_distributed"
+    failed = [r.getMessage() for r in caplog.records if "NCCL weight sync step-1 failed" in r.getMessage()]
+    assert failed and endpoint in failed[0] and "Server disconnected without sending a response" in failed[0]
+    rows = metrics(run)
+    assert not fault.exists()  # the server took the fault ...
+    assert rows[-1]["rollout/engine_restarts"] == 1 and rows[-1]["rollout/weight_resyncs"] >= 1  # ... and came back
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows)
+    [records] = read_journal(journal_dir).values()
+    check_weights_match_the_trainer(run, {0: records}, checkpoint)
+    inits = [r["pid"] for r in records if r.get("path") == "/init_weights_update_group"]
+    assert len(inits) == 2 and inits[0] != inits[1]  # the relaunched server joined a new group
+
+
+def _disaggregated(extra: str) -> tuple[str, ...]:
+    return ("ray.placement=disaggregate", "rollout.num_engines=1", "eval.interval=0", extra)
+
+
+def test_sigint_during_a_stalled_nccl_sync_stops_within_30_s_with_the_last_checkpoint(
+    tmp_path, checkpoint, hooks, local_ray
+):
+    """Issue 32.2: the server stops answering in the step-2 sync (it neither receives nor answers), and SIGINT comes
+    then. The sync's own deadline is far (600 s), so it is the stop that ends it: 10 s later the train ranks are
+    ended, the job raises JobInterrupted (not forced) well within 30 s of the signal, step 1's checkpoint is byte for
+    byte what it was and no checkpoint of the half-synced step 2 exists. Before, the driver waited for the sync
+    (the real case: forever), a second signal (here at 40 s) did not end it either, as the clean-up waited for the
+    stuck train actor too: the test then ends the process at 120 s with every thread's traceback."""
+    import faulthandler
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from miles_vl.orchestration.engines import RolloutEngines
+    from miles_vl.orchestration.loop import JobInterrupted
+
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    extra = f"rollout.sglang.extra_args=[--fake-journal,{journal_dir}]"
+    cfg = config(
+        tmp_path,
+        checkpoint,
+        "stalled",
+        *_disaggregated(extra),
+        "rollout.sglang.sync_timeout_s=600",
+        "rollout.sglang.request_timeout_s=600",
+    )
+    port = cfg.rollout.sglang.port
+    original = RolloutEngines.sync_weights
+    sent: dict[str, float] = {}
+    step_1: dict[Path, bytes] = {}
+
+    def stall_then_stop(self, version):
+        if version == "step-2":
+            ckpt = Path(cfg.logging.output_dir) / "stalled" / "checkpoints"
+            step_1.update({p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()})
+            fault = {"path": "/update_weights_from_distributed", "kind": "delay", "value": 3600}
+            httpx.post(f"http://127.0.0.1:{port}/_fake/inject", json=fault, timeout=10).raise_for_status()
+            sent["at"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)
+            again = threading.Timer(40, os.kill, (os.getpid(), signal.SIGINT))  # a stop that waits fails here ...
+            again.daemon = True
+            again.start()
+            sent["timer"] = again
+            faulthandler.dump_traceback_later(120, exit=True)  # ... and one that hangs in its clean-up ends here
+        return original(self, version)
+
+    RolloutEngines.sync_weights = stall_then_stop
+    try:
+        with pytest.raises(JobInterrupted) as stopped:
+            run_job(cfg, hooks=hooks)
+    finally:
+        RolloutEngines.sync_weights = original
+        faulthandler.cancel_dump_traceback_later()
+        if "timer" in sent:
+            sent["timer"].cancel()
+    seconds = time.monotonic() - sent["at"]
+    assert not stopped.value.forced, f"only the second signal stopped the job ({seconds:.0f} s)"
+    assert seconds < 30, seconds
+    assert stopped.value.checkpoint == 1
+    ckpt = Path(cfg.logging.output_dir) / "stalled" / "checkpoints"
+    assert step_1 and {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == step_1
+    assert [p.name for p in ckpt.iterdir()] == ["step_00000001"]
+
+
 def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
     checkpoint = tmp_path  # never read: the checks run on the config alone
     random_init = config(tmp_path, checkpoint, "x", "model.init=random", "model.processor=offline")

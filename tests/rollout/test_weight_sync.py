@@ -158,6 +158,102 @@ def test_nccl_path_end_to_end_over_gloo():
             s.wait(timeout=10)
 
 
+def _failing_sync(fault: dict, *, sync_timeout_s: float | None = None, limit_s: float = 30.0):
+    """One gloo sync from a sender to two stand-in servers, the second of which has `fault` on
+    `/update_weights_from_distributed` (its second bucket: mid-sync); run in a thread bounded by `limit_s`.
+
+    Returns:
+        (the error the sync raised, its seconds, the faulty server's URL, the seconds `close()` took).
+    """
+    import threading
+
+    ports = [free_port(), free_port()]
+    servers = [_start_fake(p) for p in ports]
+    try:
+        clients = [quick_client(f"http://127.0.0.1:{p}", timeout_s=600) for p in ports]  # SGLangClient's default
+        deadline = time.monotonic() + 20
+        while not all(c.is_healthy(timeout_s=0.5) for c in clients):
+            assert time.monotonic() < deadline, "stand-in servers did not start"
+            time.sleep(0.05)
+        clients[1].post_json("/_fake/inject", {"path": "/update_weights_from_distributed", "after": 1, **fault})
+        sender = DistributedWeightSender(
+            [EngineEndpoint(c) for c in clients],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            group_name=f"miles_vl_test_sync_{ports[0]}",  # a group left broken by another test keeps its name
+            backend="gloo",
+            max_bucket_bytes=16 * 2**20,
+            timeout_s=600,
+            **({} if sync_timeout_s is None else {"sync_timeout_s": sync_timeout_s}),
+        )
+        sender.init_group()
+        # 16 MiB tensors: more than a socket buffer, so a broadcast to a peer that does not receive blocks (gloo)
+        tensors = [(f"model.layers.{i}.weight", torch.full((4 * 2**20,), float(i))) for i in range(3)]
+        outcome: dict = {}
+
+        def sync() -> None:
+            try:
+                sender.send(iter(tensors), weight_version="step-1")
+            except Exception as err:
+                outcome["error"] = err
+
+        start = time.monotonic()
+        thread = threading.Thread(target=sync, daemon=True)
+        thread.start()
+        thread.join(limit_s)
+        assert not thread.is_alive(), f"the sync still waits {limit_s} s after the server's {fault['kind']} fault"
+        seconds = time.monotonic() - start
+        closing = time.monotonic()
+        sender.close()  # must not wait for the broken peer either
+        return outcome.get("error"), seconds, clients[1].base_url, time.monotonic() - closing
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_bucket_refused_mid_sync_ends_the_sync_naming_the_server_and_its_message():
+    """Issue 32.2: 0.5.16 answers 400 when its side of the broadcast fails ("Failed to update parameter online"),
+    and the trainer then waited in its broadcast forever. Now the refusal ends the sync at once, naming the endpoint
+    and the server's message, and the broken group is dropped without a destroy that would wait for the peer."""
+    error, seconds, url, closing = _failing_sync({"kind": "status", "value": 400})
+    assert error is not None and f"{url}/update_weights_from_distributed" in str(error)
+    assert "HTTP 400: injected HTTP 400" in str(error)
+    assert seconds < 10 and closing < 5
+
+
+@pytest.mark.slow
+def test_a_server_that_never_answers_ends_the_sync_at_its_deadline():
+    """A server stuck in the sync (it neither receives nor answers, as a scheduler blocked in a broken receive) ends
+    the sync at the bucket's deadline (rollout.sglang.sync_timeout_s), naming the endpoint, not at the HTTP timeout
+    (600 s here)."""
+    error, seconds, url, closing = _failing_sync({"kind": "delay", "value": 3600}, sync_timeout_s=2)
+    assert error is not None and "did not complete within its deadline (rollout.sglang.sync_timeout_s=2 s)" in str(
+        error
+    )
+    assert f"{url}/update_weights_from_distributed" in str(error)
+    assert 2 <= seconds < 10 and closing < 5
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_mid_sync_is_named_with_what_its_client_saw():
+    """A server process that dies in the middle of a bucket: the error names its endpoint and the dropped
+    connection, where gloo alone reported a peer's 'Connection reset' without saying which server it was."""
+    error, seconds, url, closing = _failing_sync({"kind": "exit", "value": 1})
+    assert error is not None and f"{url}/update_weights_from_distributed" in str(error)
+    assert "Server disconnected without sending a response" in str(error)
+    assert seconds < 10 and closing < 5
+
+
+def test_the_sync_deadline_is_derived_from_the_bytes_unless_set():
+    assert weight_sync.bucket_timeout_s(0) == weight_sync.SYNC_FLOOR_S == 60
+    assert weight_sync.bucket_timeout_s(512 * 2**20) == pytest.approx(60 + 512 / 50)
+    assert weight_sync.bucket_timeout_s(512 * 2**20, 5.0) == 5.0
+    with pytest.raises(ValueError, match="sync_timeout_s must be > 0"):
+        weight_sync.bucket_timeout_s(1, 0)
+
+
 def test_cuda_tensors_name_their_gpu_by_uuid_not_index(monkeypatch):
     """The colocated payload must carry the GPU's UUID where torch writes the device index (issue 20.8: a payload
     with the index survived the CPU suite). The trainer's engine actor and the SGLang server see different

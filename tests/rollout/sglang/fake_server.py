@@ -52,6 +52,9 @@ As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or
                          [--fake-journal DIR]  (append every call to DIR/sglang_<port>.jsonl: survives the process)
                          [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
                                                 exists: a crash the host must recover from, once);
+                         [--fake-fault-file F] (at start, if F exists: delete it and inject the fault it holds, JSON
+                                                {"path", "kind", "value", "times", "after"}: a relaunched server is
+                                                healthy);
                          control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log,
                          GET /_fake/skipped.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
@@ -193,6 +196,7 @@ class Fault:
     kind: str
     value: Any = None
     times: int = 1
+    after: int = 0  # calls of the path answered normally before this fault applies (e.g. the 2nd bucket of a sync)
 
 
 @dataclass
@@ -232,6 +236,9 @@ class FakeState:
         with self.lock:
             for fault in self.faults.get(path, []):
                 if fault.kind in kinds and fault.times > 0:
+                    if fault.after > 0:
+                        fault.after -= 1
+                        continue
                     fault.times -= 1
                     return fault
         return None
@@ -978,7 +985,8 @@ class Handler(BaseHTTPRequestHandler):
     def fake_inject(self, body, query):
         s = self.server.state
         with s.lock:
-            s.faults.setdefault(body["path"], []).append(Fault(body["kind"], body.get("value"), body.get("times", 1)))
+            fault = Fault(body["kind"], body.get("value"), body.get("times", 1), body.get("after", 0))
+            s.faults.setdefault(body["path"], []).append(fault)
         self._json(200, {"ok": True})
 
     def fake_calls(self, body, query):
@@ -1280,6 +1288,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
     parser.add_argument("--fake-exit-file", default=None, help="crash on the first /generate after a sync, once")
+    parser.add_argument("--fake-fault-file", default=None, help="a fault (JSON) injected at start, by one process")
     args, _ = parser.parse_known_args(argv)
     return args
 
@@ -1313,6 +1322,11 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
         pixel_dir=os.environ.get("MILES_VL_SGLANG_PIXEL_DIR"),
         model_dtype={"auto": "float32", "half": "float16", "float": "float32"}.get(args.dtype, args.dtype),
     )
+    if args.fake_fault_file and os.path.exists(args.fake_fault_file):
+        with open(args.fake_fault_file) as f:
+            spec = json.load(f)
+        if _claim(args.fake_fault_file):  # one server of the job takes it; its relaunch finds none
+            state.faults.setdefault(spec.pop("path"), []).append(Fault(**spec))
     if args.host not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"fake-sglang binds loopback only, got --host {args.host}")
     httpd = FakeHTTPServer(
