@@ -130,11 +130,16 @@ class WandbSink:
         import wandb
 
         columns = list(dict.fromkeys(k for r in records for k in r))
-        table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in records])
+        table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in records])
         self.run.log({f"samples/{name}": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _cell(value: Any) -> Any:
+    """A wandb table cell: a scalar, so a dict (a sample's rewards by function) goes as its JSON text."""
+    return json.dumps(value) if isinstance(value, dict | list) else value
 
 
 class Sinks:

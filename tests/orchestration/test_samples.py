@@ -18,12 +18,16 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from rich.console import Console
 
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.progress import Progress
-from miles_vl.orchestration.samples import warn_if_stuck
+from miles_vl.orchestration.samples import sample_records, warn_if_stuck
+from miles_vl.reward import RewardResult
+from miles_vl.rollout import Generation
+from miles_vl.rollout.collect import GeneratedGroup
 from tests.orchestration.jobs import metrics
 from tests.orchestration.jobs import tiny_job as config
 
@@ -121,6 +125,25 @@ def test_a_resume_replaces_a_recomputed_step_file_without_duplicates(straight, t
     assert sorted(p.name for p in (split / "rollouts").iterdir()) == sorted(
         p.name for p in (run_dir / "rollouts").iterdir()
     )  # no temp file left behind
+
+
+def test_records_carry_reward_parts_and_no_advantage_for_a_group_not_trained_on():
+    """Dynamic sampling: a refused group's samples are in the file (kept: false, advantage null); a summed reward's
+    parts and a failed reward's error are kept; each run of image pads (9) is one placeholder."""
+    decode = lambda ids, skip_special_tokens: " ".join(str(int(i)) for i in ids)  # noqa: E731
+    gen = Generation(torch.tensor([3, 4]), torch.zeros(2), "length")
+    parts = RewardResult(1.0, accuracy=1.0, by_function={"geo3k": 0.9, "len": 0.1})
+    kept = GeneratedGroup(torch.tensor([1, 9, 9, 9, 2, 9, 9]), [gen, gen], [parts, RewardResult(0.0, error="boom")])
+    refused = GeneratedGroup(torch.tensor([1]), [gen, gen], [RewardResult(0.5)] * 2, "B", 7)
+    records = sample_records(
+        3, [kept, refused], decode, media={9: "<image>"}, advantages={id(kept.generations): [1, -1]}
+    )
+    assert records[0]["prompt"] == "1<image>2<image>" and records[0]["truncated"] and records[0]["response"] == "3 4"
+    assert records[0]["by_function"] == {"geo3k": 0.9, "len": 0.1} and records[0]["accuracy"] == 1.0
+    assert records[1]["error"] == "boom" and records[1]["advantage"] == -1 and records[1]["kept"]
+    assert [(r["group"], r["kept"], r["advantage"], r["answer"], r["index"]) for r in records[2:]] == [
+        (1, False, None, "B", 7)
+    ] * 2
 
 
 @pytest.mark.parametrize(
