@@ -8,7 +8,9 @@ sample the step generated (every round of dynamic sampling, kept or not, so that
     {"step": 10, "group": 0, "index": 17, "prompt": "...", "response": "...", "answer": "B", "reward": 1.0,
      "accuracy": 1.0, "format": 1.0, "advantage": 0.71, "kept": true, "response_len": 12, "truncated": false}
 
-`advantage` is null for a group that was not trained on (`kept: false`). Every eval writes
+`accuracy` and `format` are there when the reward function reports them, `by_function` (each function's reward, by
+label) when several are summed, `error` when the function failed. `advantage` is null for a group that was not
+trained on (`kept: false`). Every eval writes
 `rollouts/eval_step_N.jsonl` the same way (no advantage). Prompt and response are decoded with the processor's
 tokenizer, special tokens skipped (the response is what the reward function sees); in the prompt each image or video
 (its run of pad tokens) shows as one `<image>` or `<video>`.
@@ -62,6 +64,7 @@ def sample_records(
                     "answer": group.label,
                     "reward": reward.overall,
                     **{k: v for k, v in reward.as_dict().items() if k != "overall"},
+                    **({"by_function": dict(reward.by_function)} if reward.by_function else {}),
                     **({"error": reward.error} if reward.error else {}),
                     "advantage": adv[j] if adv is not None else None,
                     "kept": adv is not None,
