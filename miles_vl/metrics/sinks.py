@@ -125,8 +125,21 @@ class WandbSink:
     def log(self, metrics: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
 
+    def log_samples(self, name: str, records: list[dict[str, Any]], step: int) -> None:
+        """A step's samples (orchestration/samples.py) as the table `samples/<name>`, one row per sample."""
+        import wandb
+
+        columns = list(dict.fromkeys(k for r in records for k in r))
+        table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in records])
+        self.run.log({f"samples/{name}": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
+
+
+def _cell(value: Any) -> Any:
+    """A wandb table cell: a scalar, so a dict (a sample's rewards by function) goes as its JSON text."""
+    return json.dumps(value) if isinstance(value, dict | list) else value
 
 
 class Sinks:
@@ -138,6 +151,12 @@ class Sinks:
     def log(self, metrics: dict[str, Any]) -> None:
         for s in self.sinks:
             s.log(metrics)
+
+    def log_samples(self, name: str, records: list[dict[str, Any]], step: int) -> None:
+        """To the sinks that keep sample tables (wandb); metrics.jsonl does not (the samples have their own files)."""
+        for s in self.sinks:
+            if hasattr(s, "log_samples"):
+                s.log_samples(name, records, step)
 
     def close(self) -> None:
         for s in self.sinks:

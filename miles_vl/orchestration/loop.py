@@ -68,11 +68,14 @@ from miles_vl.orchestration.export import save_hf_due, save_hf_during_run
 from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_rewards
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
+from miles_vl.orchestration.samples import sample_records, show_samples, warn_if_stuck, write_samples
 from miles_vl.orchestration.trainer import Trainer
 from miles_vl.orchestration.warmup import format_warmup
 from miles_vl.reward import WeightedRewards
 from miles_vl.rollout import Generation, SamplingParams
 from miles_vl.rollout.collect import (
+    CollectedBatch,
+    GeneratedGroup,
     collect,
     has_reward_variance,
     mean,
@@ -513,6 +516,8 @@ class Job:
                 samples, adv_stats = to_train_samples(
                     batch.prompts, batch.groups, batch.rewards, estimator=a.estimator, norm_adv_by_std=a.norm_adv_by_std
                 )
+        warn_if_stuck(step + 1, stats | adv_stats, self.cfg.rollout.max_response_len)
+        self.record_samples_if_due(step, batch, samples)
         return StepBatch(samples, {"step": step + 1, **stats, **adv_stats, **memory}, timer)
 
     def train_and_sync(self, step: int, batch: StepBatch) -> dict[str, float]:
@@ -590,12 +595,38 @@ class Job:
         prompts = [p for batch in self.eval_set.ordered_batches(256, self.cfg.eval.max_prompts) for p in batch]
         groups = self.rollout.generate(prompts, self.sampling(step, eval_=True))
         rewards, _ = self.score(prompts, groups)
+        generated = [
+            GeneratedGroup(p.prompt_ids, g, r, p.label, p.index)
+            for p, g, r in zip(prompts, groups, rewards, strict=True)
+        ]
+        self.record_samples(f"eval_step_{step + 1}", step + 1, generated)
         flat = [r for rs in rewards for r in rs]
         out = {"eval/reward_mean": mean([r.overall for r in flat]), "eval/prompts": float(len(prompts))}
         acc = [r.accuracy for r in flat if r.accuracy is not None]
         if acc:
             out["eval/accuracy"] = mean(acc)
         return out
+
+    def record_samples_if_due(self, step: int, batch: CollectedBatch, samples: list[TrainSample]) -> None:
+        """Step `step`'s samples, with the advantages of the groups trained on, when `logging.samples_interval`
+        divides its number."""
+        interval, n = self.cfg.logging.samples_interval, self.cfg.rollout.n_samples_per_prompt
+        if interval and (step + 1) % interval == 0:
+            advantages = {
+                id(g): [s.advantage for s in samples[i * n : (i + 1) * n]] for i, g in enumerate(batch.groups)
+            }
+            self.record_samples(f"step_{step + 1}", step + 1, batch.generated, advantages)
+
+    def record_samples(
+        self, name: str, step: int, generated: list[GeneratedGroup], advantages: dict[int, list[float]] | None = None
+    ) -> None:
+        """Every sample of `generated` in rollouts/<name>.jsonl and a wandb table, a few on the console (samples.py)."""
+        media = {self.tokens.image_token_id: "<image>", self.tokens.video_token_id: "<video>"}
+        decode = self.processor.tokenizer.decode
+        records = sample_records(step, generated, decode, media=media, advantages=advantages)
+        path = write_samples(self.run_dir, name, records)
+        self.sinks.log_samples(name, records, step)
+        show_samples(name.replace("_", " "), records, self.cfg.logging.samples_shown, path)
 
     def driver_state(self) -> dict[str, Any]:
         """What a checkpoint of the current step holds besides the trainer's files (config with secrets redacted)."""

@@ -4,8 +4,10 @@ On a terminal: one live line whose step counter and time left come first, so tha
 (the metrics after them are cut with an ellipsis when the line is too long). Anywhere else (a log file, `ray job
 submit`, a CI log): one plain line per step, e.g.
 
-    step 3/30  eta 0:01:10  reward 0.316  |dlogp| 0.0097  clip 0  gnorm 0.41  len 16  s/step 1.9
+    step 3/30  eta 0:01:10  reward 0.316  |dlogp| 0.0097  clip 0  gnorm 0.41  len 16  s/step 1.9  eval 0.25@step 2
 
+`reward` and `acc` are the step's training rollouts; `eval` is the latest eval's accuracy (its mean reward when the
+reward function reports no accuracy) and the step it was taken after.
 Numbers use 3 significant digits, so a logprob difference of 1.2e-07 shows as such.
 """
 
@@ -46,6 +48,7 @@ class Progress:
 
     def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None):
         self.enabled, self.total, self.start = enabled, total, start
+        self.last_eval = ""  # `eval <accuracy>@step <n>` of the latest eval
         if not enabled:
             return
         self.console = console or Console(file=sys.stderr)
@@ -64,7 +67,11 @@ class Progress:
         """`step k/total  eta h:mm:ss  <metrics>`; the time left from the mean step time of this run so far."""
         step = int(metrics["step"])
         eta = (time.monotonic() - self.t0) / max(step - self.start, 1) * (self.total - step)
-        return f"step {step}/{self.total}  eta {timedelta(seconds=round(eta))}  {metrics_text(metrics)}"
+        score = metrics.get("eval/accuracy", metrics.get("eval/reward_mean"))
+        if isinstance(score, int | float):
+            label = "eval" if "eval/accuracy" in metrics else "eval reward"
+            self.last_eval = f"  {label} {score:.3g}@step {step}"
+        return f"step {step}/{self.total}  eta {timedelta(seconds=round(eta))}  {metrics_text(metrics)}{self.last_eval}"
 
     def update(self, metrics: dict[str, float]) -> None:
         if not self.enabled:

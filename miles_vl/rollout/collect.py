@@ -58,6 +58,8 @@ class GeneratedGroup:
     prompt_ids: torch.Tensor  # [L]
     generations: list[Generation]
     rewards: list[RewardResult]
+    label: str | None = None  # the reference answer (for the sample files: orchestration/samples.py)
+    index: int = -1  # the prompt's row id
 
 
 @dataclass
@@ -107,7 +109,7 @@ def collect(
             rewards, stats = score(batch, groups)
         out.reward_stats.append(stats)
         for p, g, r in zip(batch, groups, rewards, strict=True):
-            out.generated.append(GeneratedGroup(p.prompt_ids, g, r))
+            out.generated.append(GeneratedGroup(p.prompt_ids, g, r, p.label, p.index))
             if keep is not None and not keep(r):
                 out.dropped += 1
                 continue

@@ -18,6 +18,12 @@ class Prompt(int):
     def prompt_ids(self) -> torch.Tensor:
         return torch.tensor([1] + [7] * (self // 3))
 
+    label = "A"
+
+    @property
+    def index(self) -> int:
+        return int(self)
+
 
 def fake_run(flat: set[int]):
     """Prompts are ints from a counter; prompts in `flat` get equal rewards (dropped by the filter)."""
