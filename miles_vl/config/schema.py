@@ -539,9 +539,9 @@ class LoggingConfig(_Section):
     samples_interval: int = Field(
         10,
         ge=0,
-        description="every N steps, every sample of the step goes to <run dir>/rollouts/step_N.jsonl (prompt, response, "
-        "answer, reward, advantage, length, truncated), a wandb table, and `samples_shown` of them to the console; "
-        "every eval writes rollouts/eval_step_N.jsonl the same way. 0 = only at evals.",
+        description="every N steps, every sample of the step goes to <run dir>/rollouts/step_N.jsonl (prompt, "
+        "response, answer, reward, advantage, length, truncated), a wandb table, and `samples_shown` of them to the "
+        "console; every eval writes rollouts/eval_step_N.jsonl the same way. 0 = only at evals.",
     )
     samples_shown: int = Field(2, ge=0, description="how many of those samples the console shows (truncated).")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
