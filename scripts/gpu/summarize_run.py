@@ -10,8 +10,11 @@ Last stdout line: one JSON object with
 - per phase (rollout = generation, reward, train, sync, step): the median seconds over the steps after the first
   (the first compiles kernels and allocates);
 - `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`;
-- `train_peak_mem_gib` (the train rank's peak allocated memory in the train phase) and `gpu_used_gib_rollout`
-  (everything on the GPU while the engine and trainer are both resident): maxima over the steps;
+- `train_peak_mem_gib` (the fullest train rank's peak allocated memory in the train phase: the trainer reports the
+  maximum over ranks) and `gpu_used_gib_rollout` (everything on train rank 0's GPU while the engine and trainer are
+  both resident): maxima over the steps;
+- `sample_len_max` (the longest prompt + response any step generated, `rollout/sample_len_max`) and
+  `train_tokens_per_s_per_gpu` (the median `perf/train_tokens_per_s` over `train_gpus`): the long-context figures;
 - `train_gpus` (`train.num_gpus`) and `job_gpus` (those plus the engines' own GPUs when `ray.placement=disaggregate`;
   colocated engines share the train GPUs);
 - `train_tflops_per_gpu`, `train_mfu`: useful FLOPs of the train phase over its median time, per train GPU, and over
@@ -122,7 +125,10 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
         response_len_mean=med("rollout/response_len_mean"),
         rollout_tokens_per_s=med("perf/rollout_tokens_per_s"),
         train_tokens_per_s=med("perf/train_tokens_per_s"),
+        sample_len_max=largest("rollout/sample_len_max"),
     )  # fmt: skip
+    if out["train_tokens_per_s"] is not None:
+        out["train_tokens_per_s_per_gpu"] = round(out["train_tokens_per_s"] / train_gpus, 1)
     if out["sync_bytes"] and out["sync_s"]:
         out["sync_gb_per_s"] = round(out["sync_bytes"] / 1e9 / out["sync_s"], 2)
     if ckpt:
