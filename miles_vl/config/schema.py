@@ -714,10 +714,15 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"algo.policy_loss=gspo averages each response's sequence-level loss over responses (the GSPO objective), "
             f"but algo.loss_reduction={a.loss_reduction}; set algo.loss_reduction=seq_mean_token_mean"
         )
-    if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
+    longest = cfg.data.max_prompt_len + r.max_response_len
+    unit = 2 * t.cp  # a sample takes ceil(L / 2cp) * 2cp tokens of its packed row (packing/thd.py, padded_length)
+    padded = -(-longest // unit) * unit
+    if padded > t.micro_batch_max_tokens:
         errors.append(
             f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} cannot hold one sample of data.max_prompt_len "
-            f"({cfg.data.max_prompt_len}) + rollout.max_response_len ({r.max_response_len}); raise the budget"
+            f"({cfg.data.max_prompt_len}) + rollout.max_response_len ({r.max_response_len}) = {longest} tokens, "
+            f"padded to {padded} (a multiple of 2 * train.cp = {unit}) in its packed row; raise the budget to "
+            f">= {padded}"
         )
     if r.sglang.vision_cache_mb > 0 and not t.freeze_vision:
         errors.append(
