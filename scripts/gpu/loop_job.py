@@ -14,7 +14,7 @@ model can learn it). Per shape:
     2b    Qwen3-VL-2B shapes, 196 vision tokens per image, 16 prompts x 8 samples, 256 new tokens, lr 1e-6
     2b_long16k, 2b_long32k, 2b_long64k  the long-context job (docs/long_context.md): Qwen3-VL-2B shapes on the
           `many_images` task, 1024x1024 images of 1024 vision tokens, as many as make samples of 16K / 32K / 64K tokens
-          (prompt + 128 new tokens), 2 prompts x 4 samples, one optimizer step per step, full recompute; the train
+          (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute; the train
           layout comes from the command line (e.g. train.num_gpus=4 train.cp=4)
 Running NAME again with a larger NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto).
 tests/orchestration/test_one_gpu_job.py runs these same overrides on CPU stand-ins.
@@ -73,12 +73,13 @@ def long_shape(length: int, tokens_per_image: int = 1024) -> tuple[str, ...]:
     return (
         "data.synthetic_task=many_images",
         f"data.synthetic_images={many_images_count(length, tokens_per_image)}",
-        "data.synthetic_n=16",  # 62 images of 1024x1024 are ~1 s of PIL per prompt: generate few
+        "data.synthetic_n=8",  # 62 images of 1024x1024 are ~1 s of PIL per prompt: generate few
         f"data.max_prompt_len={length - LONG_RESPONSE}",
-        "rollout.batch_size=2",
+        # one prompt x 4 samples a step, one optimizer step: 4 samples of 64K are ~30 s of train phase at CP=4
+        "rollout.batch_size=1",
         "rollout.n_samples_per_prompt=4",
         f"rollout.max_response_len={LONG_RESPONSE}",
-        "train.global_batch_size=8",
+        "train.global_batch_size=4",
         f"train.micro_batch_max_tokens={length}",
         "train.optimizer.lr=1e-6",
         "train.recompute=full",
