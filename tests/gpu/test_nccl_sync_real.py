@@ -212,7 +212,7 @@ def sync_run(tmp_path_factory) -> dict:
     original = load_file(str(ckpt / "model.safetensors"))
     new = perturbed(original)
     new_dir = write_like(ckpt, tmp_path_factory.mktemp("perturbed"), new)
-    # the checkpoint's own processor: its pixel range is the one the server resizes images with
+    # the processor that builds the prompts; the server resizes images with the same pixel range (ServerSpec below)
     processor = load_processor(str(ckpt), writer.DEFAULT_MIN_PIXELS, writer.DEFAULT_MAX_PIXELS)
     tokens = special_tokens(processor)
     size = processor.image_processor.size
