@@ -25,7 +25,8 @@ Shapes:
   layers, 32 heads of 128, 8 KV heads, intermediate 12288, untied lm_head; vision depth 27, hidden 1152), 8.77B
   parameters, the real embedding size as for `2b`. 17.5 GB in bf16, saved in safetensors shards with an index.
   Built in fp32 (35 GB) then cast: on a GPU in seconds, or with `--device cpu` (no GPU needed, e.g. while the GPUs
-  run something else) in about a minute or two on 16 cores, plus the write.
+  run something else) in minutes (not measured at 8B: torch's normal_ drew 200M values in 5 s on 2 busy cores),
+  plus the write.
 
 The model is built on `--device` (auto: CUDA when available; a 2B model on a CPU takes minutes) and saved in bf16.
 Unless `--no-check`, the directory is read back with `AutoProcessor` and `AutoConfig` (local files only) and, for
