@@ -61,3 +61,25 @@ def test_mfu_is_per_gpu(tmp_path, fixed_params, train_gpus, placement, engines, 
     assert out["train_mfu"] == round(fixed_params / 2.0 / (train_gpus * PEAK * 1e12), 4)
     assert out["train_tflops_per_gpu"] == round(fixed_params / 2.0 / train_gpus / 1e12, 1)
     assert out["step_mfu"] == round(fixed_params / 5.0 / (job_gpus * PEAK * 1e12), 4)
+
+
+def test_gpu_memory_is_the_largest_sample_per_gpu(tmp_path):
+    """Memory per GPU (issue 32.4): nvidia-smi's samples of each GPU reduced to their maximum, in GiB, by index."""
+    csv = tmp_path / "gpu_memory.csv"
+    csv.write_text(
+        "2026/11/26 14:00:00.000, 2, 1024, 81559\n"
+        "2026/11/26 14:00:00.000, 3, 2048, 81559\n"
+        "2026/11/26 14:00:02.000, 2, 61440, 81559\n"
+        "2026/11/26 14:00:02.000, 3, 512, 81559\n"
+        "\n"
+    )
+    got = summarize_run.gpu_memory(csv)
+    assert got == {"gpu_mem_used_gib_max": {"2": 60.0, "3": 2.0}, "gpu_mem_total_gib": 79.65}
+    assert list(got["gpu_mem_used_gib_max"]) == ["2", "3"]
+
+
+def test_gpu_memory_names_a_bad_line(tmp_path):
+    csv = tmp_path / "gpu_memory.csv"
+    csv.write_text("2026/11/26 14:00:00.000, 0, 1024, 81559\nNo devices were found\n")
+    with pytest.raises(ValueError, match=r"gpu_memory.csv:2: expected 'timestamp, index, memory.used"):
+        summarize_run.gpu_memory(csv)
