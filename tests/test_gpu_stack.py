@@ -207,3 +207,31 @@ def test_the_sglang0517_variant_lists_only_wheels_that_replace_the_bases():
     assert variant == {"sglang": ("0.5.17", "always"), "flashinfer-python": ("0.6.15.post1", "always")}
     for name, (version, _) in variant.items():
         assert name in base and base[name][0] != version, name
+
+
+def test_run_sglang_checks_under_a_variant_has_its_own_import_check_and_logs(tmp_path: Path):
+    """Under a variant the real-server checks record their import check in the variant's site folder (the base's
+    says nothing about the variant's SGLang) and log to $OUT/<variant>/, so that base and variant can run side by
+    side. The variant's marker is set here, so no stage runs (no GPU needed)."""
+    base_site, variant_site = tmp_path / "site", tmp_path / f"site_{VARIANT}"
+    for site in (base_site, variant_site):
+        site.mkdir()
+    (variant_site / ".miles_vl_import_ok").touch()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+        "PYTHON": sys.executable,
+        "STACK_VARIANT": VARIANT,
+        "STACK_SITE": str(base_site),
+        "STACK_ACTIVE_SITE": str(variant_site),
+        "OUT": str(tmp_path / "out"),
+    }
+    result = subprocess.run(
+        ["bash", str(GPU / "run_sglang_checks.sh"), "--skip-tests", "--skip-bench"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "out" / VARIANT / "driver.log").read_text()
+    assert "import: checked by an earlier run" in log and "all stages passed" in log
+    assert not (base_site / ".miles_vl_import_ok").exists()
