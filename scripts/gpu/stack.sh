@@ -58,14 +58,14 @@ done
 [ "${1:-}" = "--stage" ] && exit 0
 [ $# -gt 0 ] || { echo "usage: [STACK_VARIANT=V] stack.sh --stage | stack.sh COMMAND [ARG ...]" >&2; exit 2; }
 
-install() {  # install_stack.py PARTS SITE, with the machine's own packages only on sys.path (its if-missing policy)
+install_into() {  # install_stack.py PARTS SITE, with the machine's own packages only on sys.path (its if-missing policy)
   env -u PYTHONPATH "$py" scripts/gpu/install_stack.py "$1" "$2" 2>&1 | tee -a "$log" >&2
   [ "${PIPESTATUS[0]}" = 0 ] || { say "install into $2 failed (see above; carry every part of $3)"; exit 2; }
 }
-install "$stage_dir" "$site" "$bundle"
+install_into "$stage_dir" "$site" "$bundle"
 active=$site
 if [ -n "$variant" ]; then
-  install "${stage_dir}_$variant" "${site}_$variant" "${bundle}_$variant"
+  install_into "${stage_dir}_$variant" "${site}_$variant" "${bundle}_$variant"
   active=${site}_$variant
 fi
 # miles_vl's entry points (its SGLang plugin) for `importlib.metadata`: the repo is on PYTHONPATH, not installed
