@@ -126,7 +126,9 @@ def test_a_variant_goes_before_the_base_and_leaves_it_as_it_was(bundles: Path):
 def test_stack_sh_makes_miles_vls_entry_points_visible(bundles: Path):
     """The dist-info stack.sh writes into the base site names miles_vl and shadows any other metadata of it (the
     machine has none; here the venv's editable install is behind it on sys.path)."""
-    result = run_stack(bundles, sys.executable, "-c", PROBE, variant=VARIANT)
+    # -P: the repository root (stack.sh's working directory) not first on sys.path, so a checkout's own
+    # `miles_vl.egg-info` from `pip install -e .` (absent on the GPU machine: git ignores it) does not answer first
+    result = run_stack(bundles, sys.executable, "-P", "-c", PROBE, variant=VARIANT)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(seen["miles_vl_dist"]).parent == bundles / "site"
@@ -151,7 +153,11 @@ def plugin_entry_points(site: Path) -> list[list[str]]:
         "for ep in md.entry_points(group='sglang.srt.plugins')]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
+    # -P: the working directory not first on sys.path (a checkout's root may hold an editable install's
+    # miles_vl.egg-info, which would answer for the distribution name first)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
     return json.loads(out.stdout)
 
 
