@@ -199,7 +199,7 @@ def sync_run(tmp_path_factory) -> dict:
     from miles_vl.models.qwen3_vl.tokens import special_tokens
     from miles_vl.rollout import sglang as sg
     from miles_vl.rollout.sglang.client import SGLangClient
-    from miles_vl.rollout.weight_sync import EngineAddress, open_trainer_group
+    from miles_vl.rollout.sglang.weights import EngineAddress, open_trainer_group
     from tests.rollout.sglang.conftest import free_port
 
     writer = _writer()
