@@ -115,6 +115,49 @@ def qwen3_vl_2b_config(tokens: SpecialTokens = TOKENS) -> Qwen3VLConfig:
     )
 
 
+def qwen3_vl_8b_config(tokens: SpecialTokens = TOKENS) -> Qwen3VLConfig:
+    """The Qwen3-VL-8B-Instruct architecture (its config.json shapes), for random init: 8.77B parameters (text 8.19B
+    with an untied lm_head, vision tower 0.58B)."""
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=tokens.vocab_size,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            hidden_act="silu",
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
+            ),
+            tie_word_embeddings=False,
+            pad_token_id=tokens.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            out_hidden_size=4096,
+            hidden_act="gelu_pytorch_tanh",
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+        image_token_id=tokens.image_token_id,
+        video_token_id=tokens.video_token_id,
+        vision_start_token_id=tokens.vision_start_token_id,
+        vision_end_token_id=tokens.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 

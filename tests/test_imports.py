@@ -127,3 +127,73 @@ def test_a_cycle_is_found_and_named():
         "x",
         "typing",
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the engine seam: what must not import an engine
+
+THIRD_PARTY_ENGINES = ("sglang", "vllm")
+
+
+def engine_packages() -> set[str]:
+    """miles_vl's rollout engines: the packages under miles_vl/rollout/ (one folder per engine)."""
+    rollout = PACKAGE / "rollout"
+    return {f"miles_vl.rollout.{d.name}" for d in rollout.iterdir() if (d / "__init__.py").is_file()}
+
+
+def imports_anywhere(path: Path, name: str) -> set[str]:
+    """Every module an import statement of the file names, at module level or inside functions: `import a.b` -> a.b,
+    `from a import b` -> a and a.b (b may be a module), relative imports made absolute."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def engine_imports(module: str) -> list[str]:
+    """The engine modules `module` imports: its own imports anywhere, and those of every miles_vl module it reaches
+    through module-level imports."""
+    graph = import_graph()
+    reached, todo = {module}, [module]
+    while todo:
+        for w in graph[todo.pop()] - reached:
+            reached.add(w)
+            todo.append(w)
+    named = set()
+    for m in reached:
+        parts = m.split(".")
+        path = PACKAGE.parent.joinpath(*parts)
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        named |= {f"{m}: {i}" for i in imports_anywhere(path, m)}
+    engines = (*sorted(engine_packages()), *THIRD_PARTY_ENGINES)
+    return sorted(
+        n for n in named if any(n.split(": ")[1] == e or n.split(": ")[1].startswith(e + ".") for e in engines)
+    )
+
+
+def test_weight_sync_imports_no_engine():
+    """Issue 31.3: the engine-agnostic weight sync (buckets, deadlines, the two strategies) imports no engine, not
+    even inside a function; each engine's wire lives in its folder (rollout/sglang/weights.py) and reaches the
+    strategies through the engine table (orchestration/factories.py), so a new engine changes nothing there."""
+    assert {"miles_vl.rollout.hf", "miles_vl.rollout.sglang"} <= engine_packages()  # the check sees the engines
+    assert engine_imports("miles_vl.rollout.weight_sync") == []
+
+
+def test_placement_imports_no_engine():
+    """Issue 31.3: Ray placement reads the job's GPU environment from the leaf `miles_vl.gpu_env`, not from the sglang
+    package (which it used to import for NVLink's multicast settings)."""
+    assert engine_imports("miles_vl.orchestration.placement") == []
+
+
+def test_engine_imports_are_found():
+    """The check itself: the sglang host imports its engine's modules and SGLang-adjacent ones, and is reported."""
+    found = engine_imports("miles_vl.rollout.sglang.host")
+    assert "miles_vl.rollout.sglang.host: miles_vl.rollout.sglang.weights" in found

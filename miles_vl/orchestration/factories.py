@@ -3,12 +3,14 @@ by `train.backend`), and `Hooks`, through which tests put stand-ins in (producti
 
     kind = hooks.engines[cfg.rollout.backend]             # an EngineKind
     actor = kind.launch(cfg, tokens, slot)                # a Ray actor that implements miles_vl.rollout.RolloutEngine
+    group = kind.weight_group(cfg)                        # how trainer rank 0 broadcasts to it, or None: the driver
     backend = hooks.train_backends[cfg.train.backend](cfg, tokens)   # in each train rank: a TrainBackend
     run_job(cfg, hooks=Hooks(engines={**ENGINES, "hf": EngineKind(my_launch)}))
 
 The builders here are the only code between the config and the plain arguments of engines and backends (STYLE
-§2.5). Adding a rollout engine: its folder under miles_vl/rollout/ (a class that derives from `RolloutEngine`), one
-`EngineKind` here, and its name in `rollout.backend` (config/schema.py). Adding a train backend: a class that
+§2.5). Adding a rollout engine: its folder under miles_vl/rollout/ (a class that derives from `RolloutEngine`; for a
+broadcast weight sync, a module with its group opener), one `EngineKind` here, and its name in `rollout.backend`
+(config/schema.py); miles_vl/rollout/weight_sync.py does not change. Adding a train backend: a class that
 implements `miles_vl.train.TrainBackend`, one builder here, and its name in `train.backend`.
 """
 
@@ -32,7 +34,8 @@ from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.sglang import MILES_VL_LAUNCH_MODULE, SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.sglang.host import deterministic_inference
-from miles_vl.rollout.weight_sync import WeightSyncOptions
+from miles_vl.rollout.sglang.weights import open_trainer_group
+from miles_vl.rollout.weight_sync import GroupSync, WeightSyncOptions
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions
 from miles_vl.train.megatron.parallel import ParallelOptions
 
@@ -61,14 +64,22 @@ class EngineKind:
         config_problems: what this build cannot do with the config (checked before Ray starts).
         sends_pixels: whether the engine needs the prompts' `pixel_values` (else they stay home: it processes their
             `images` itself).
-        nccl_when_disaggregated: with `ray.placement=disaggregate` trainer rank 0 broadcasts the weights to the
-            engine over NCCL (it implements `endpoint` and `expect_weight_version`); else they go through the driver.
+        group_sync: cfg -> the engine's group path (`weight_sync.GroupSync`: its group opener, run in trainer rank 0,
+            and its timeouts); with `ray.placement=disaggregate` trainer rank 0 then broadcasts the weights to the
+            engine over NCCL (the engine implements `endpoint` and `expect_weight_version`). None, or colocated: the
+            weights go through the driver (`load_weight_bucket`).
     """
 
     launch: Callable[[JobConfig, SpecialTokens, EngineSlot], Any]
     config_problems: Callable[[JobConfig], list[str]] = no_problems
     sends_pixels: Callable[[JobConfig], bool] = lambda cfg: True
-    nccl_when_disaggregated: bool = False
+    group_sync: Callable[[JobConfig], GroupSync] | None = None
+
+    def weight_group(self, cfg: JobConfig) -> GroupSync | None:
+        """How trainer rank 0 broadcasts to this engine in this job; None: the weights go through the driver."""
+        if self.group_sync is None or cfg.ray.placement != "disaggregate":
+            return None
+        return self.group_sync(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -197,13 +208,20 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
     )
 
 
+def sglang_group_sync(cfg: JobConfig) -> GroupSync:
+    """SGLang's NCCL path: `/init_weights_update_group` and friends (rollout/sglang/weights.py), each call within
+    `rollout.sglang.request_timeout_s`, each bucket within `rollout.sglang.sync_timeout_s`."""
+    s = cfg.rollout.sglang
+    return GroupSync(open_trainer_group, request_timeout_s=s.request_timeout_s, sync_timeout_s=s.sync_timeout_s)
+
+
 ENGINES: Mapping[str, EngineKind] = {
     "hf": EngineKind(launch_hf),
     "sglang": EngineKind(
         launch_sglang,
         sglang_problems,
         sends_pixels=lambda cfg: sends_pixel_values(cfg.rollout.sglang),
-        nccl_when_disaggregated=True,
+        group_sync=sglang_group_sync,
     ),
 }
 

@@ -469,11 +469,9 @@ class Job:
             kind = self.hooks.engines[self.cfg.rollout.backend]
             weights = make_weight_sync(
                 self.trainer,
-                nccl=kind.nccl_when_disaggregated and self.cfg.ray.placement == "disaggregate",
+                group=kind.weight_group(self.cfg),
                 trainer_gpus=self.cfg.train.num_gpus > 0,
-                request_timeout_s=self.cfg.rollout.sglang.request_timeout_s,
                 options=self.hooks.weight_sync,
-                sync_timeout_s=self.cfg.rollout.sglang.sync_timeout_s,
             )
             self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
         except BaseException:

@@ -4,7 +4,7 @@
     metrics = trainer.train(samples)                # every rank gets the same samples; rank 0's metrics
     for ref in trainer.weight_buckets(max_bytes):   # rank 0 streams HF-named buckets, the other ranks take part in
         ...                                         # the collective export and drop their copy
-    trainer.open_weight_group(addresses); trainer.send_weights(version); trainer.close_weight_group()  # NCCL sync
+    trainer.open_weight_group(opener, addresses); trainer.send_weights(version); trainer.close_weight_group()
     trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.save_hf(dir, max_shard_bytes); trainer.close()
 
 Rank r sits in the trainer's GPU slot r (placement.py: node-major, so a TP group shares a node) and sees that GPU as
@@ -33,14 +33,7 @@ from miles_vl.config import JobConfig
 from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import TrainBackendBuilder, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
-from miles_vl.rollout.weight_sync import (
-    DistributedWeightSender,
-    EngineAddress,
-    ExportStats,
-    SyncReport,
-    iter_buckets,
-    open_trainer_group,
-)
+from miles_vl.rollout.weight_sync import ExportStats, GroupOpener, SyncReport, WeightGroup, iter_buckets
 from miles_vl.train import train_step
 
 log = logging.getLogger(__name__)
@@ -84,7 +77,7 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
         self.build = build
         self.backend = None
-        self.weight_group: DistributedWeightSender | None = None
+        self.weight_group: WeightGroup | None = None
         self.exported: ExportStats | None = None
 
     def rendezvous(self) -> str:
@@ -156,14 +149,15 @@ class TrainWorker:
         for _ in self.backend.export_weights():
             pass
 
-    # NCCL weight sync (disaggregated sglang engines): rank 0 is the source rank of the weight-update group.
+    # NCCL weight sync (disaggregated engines whose kind has a group path): rank 0 is the group's source rank.
 
-    def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
-        """Form the weight-update group with these engines (they join concurrently; returns once formed).
-        `options`: those of `weight_sync.open_trainer_group` (backend, max_bucket_bytes, timeouts)."""
+    def open_weight_group(self, open_group: GroupOpener, engines: Sequence, **options) -> None:
+        """Form the weight-update group with these engines (their `endpoint()`s) with the engine kind's `open_group`
+        (they join concurrently; returns once formed). `options`: backend, max_bucket_bytes, timeouts
+        (`weight_sync.GroupOpener`)."""
         if self.weight_group is not None:
             raise RuntimeError("a weight-update group is already open: close_weight_group() first")
-        self.weight_group = open_trainer_group(engines, **options)
+        self.weight_group = open_group(engines, **options)
 
     def send_weights(self, weight_version: str) -> SyncReport:
         """Broadcast the trainable weights to every engine of the group, labelled `weight_version`."""
@@ -281,13 +275,15 @@ class Trainer:
         """GiB in use on rank 0's GPU by every process on it (None without CUDA)."""
         return ray.get(self.source.device_memory_used_gib.remote())
 
-    def open_weight_group(self, engines: Sequence[EngineAddress], **options) -> None:
-        self._get_unless_stopped(self.source.open_weight_group.remote(engines, **options), "forming its group")
+    def open_weight_group(self, open_group: GroupOpener, engines: Sequence, **options) -> None:
+        self._get_unless_stopped(
+            self.source.open_weight_group.remote(open_group, engines, **options), "forming its group"
+        )
 
     def send_weights(self, weight_version: str) -> SyncReport:
-        """Rank 0 broadcasts, the other ranks take part in the export. Every bucket has a deadline in rank 0
-        (weight_sync.DistributedWeightSender), whose watchdog ends the actor if the deadline cannot free it; a stop
-        request still pending STOP_GRACE_S into the sync ends it here (`_get_unless_stopped`)."""
+        """Rank 0 broadcasts, the other ranks take part in the export. Every bucket has a deadline in rank 0 (sglang:
+        `DistributedWeightSender` in rollout/sglang/weights.py), whose watchdog ends the actor if the deadline cannot
+        free it; a stop request still pending STOP_GRACE_S into the sync ends it here (`_get_unless_stopped`)."""
         others = [w.drain_weights.remote() for w in self.workers[1:]]
         try:
             return self._get_unless_stopped(self.source.send_weights.remote(weight_version), "sending weights")

@@ -72,7 +72,8 @@ class RolloutEngine(Protocol):
         """The sync is complete: the engine serves weights `weight_version` and drops caches of the old ones."""
 
     def endpoint(self) -> Any:
-        """Where trainer rank 0 reaches the engine for an NCCL sync (`weight_sync.EngineAddress`)."""
+        """Where trainer rank 0 reaches the engine for an NCCL sync: what the engine kind's group opener takes
+        (orchestration/factories.py; sglang: `rollout.sglang.weights.EngineAddress`)."""
         raise NotImplementedError(f"{type(self).__name__} takes weights through load_weight_bucket only")
 
     def expect_weight_version(self, weight_version: str) -> None:

@@ -1,100 +1,41 @@
-"""Weight sync trainer -> rollout engines: byte-bounded buckets, both paths, both ends, and what the driver calls.
-
-The driver (`make_weight_sync`) picks one of two paths after every train step, and again for engines that lost
-their weights (a restarted server, a replaced actor):
+"""Weight sync trainer -> rollout engines, engine-agnostic: byte-bounded buckets, the deadline of one bucket, and the
+two ways the driver (`make_weight_sync`) moves weights after every train step, and again for engines that lost them
+(a restarted server, a replaced actor). This module imports no engine: each engine's own wire lives in its folder
+(SGLang's: miles_vl/rollout/sglang/weights.py), and orchestration/factories.py's engine table hands it here.
 
     tensors  (through the driver: hf engines, sglang colocated) — Ray's object store, one bucket at a time:
         every engine  begin_weight_sync()
         for bucket in trainer.weight_buckets(bucket_bytes, ahead=2)  # streamed from train rank 0 (`iter_buckets`)
-            every engine  load_weight_bucket(bucket)                 # sglang: `send_tensor_bucket` below
-        every engine  finish_weight_sync(version)                    # sglang: `finish_tensor_sync` below
+            every engine  load_weight_bucket(bucket)                 # the engine's wire (sglang: send_tensor_bucket)
+        every engine  finish_weight_sync(version)
 
-    nccl  (an engine kind with `nccl_when_disaggregated`, disaggregated: sglang) — train rank 0 broadcasts:
-        once:      trainer.open_weight_group(engine.endpoint() of all)   # `open_trainer_group` in the train actor
-        each sync: trainer.send_weights(version)                          # `DistributedWeightSender.send`
-                   every engine  expect_weight_version(version)           # responses must carry this label from now on
+    group  (an engine kind whose table row has a `GroupSync`, disaggregated: sglang) — train rank 0 broadcasts:
+        once:      trainer.open_weight_group(group.open_group, engine.endpoint() of all)  # runs in the train actor
+        each sync: trainer.send_weights(version)                     # the opened `WeightGroup`'s send
+                   every engine  expect_weight_version(version)      # responses must carry this label from now on
         repair:    trainer.close_weight_group(); open again; send to all  # a restarted server left the group
 
 `push` and `repair` return the engines that failed ({index: error}) instead of raising, so that the caller
 (orchestration/engines.py) can replace the dead ones and re-sync the others; they raise what they cannot repair.
 
-SGLang's side of the tensor path (called by the sglang engine, per engine):
+Buckets bound the bytes in flight (and the receiver's temporary allocation): a bucket closes before the tensor that
+would push it past `max_bucket_bytes`; a single tensor larger than the bound travels alone. A group sync never hangs:
+every bucket has a deadline (`bucket_timeout_s`: the engine's sync timeout, or SYNC_FLOOR_S + its bytes at
+SYNC_BYTES_PER_S), and a sender stuck past it is aborted after ABORT_GRACE_S (the sglang sender's watchdog).
 
-    for each bucket:  POST /update_weights_from_tensor  {serialized_named_tensors: [payload_rank0, ...],
-                                                         load_format: null, flush_cache: false}
-    POST /update_weight_version {new_version}          # responses now carry meta_info.weight_version = version
-    POST /flush_cache?timeout=...                       # drop the prefix cache computed with the old weights
-
-A payload is base64 of a `multiprocessing.reduction.ForkingPickler` dump of `[(name, tensor), ...]`: for CUDA
-tensors only an IPC handle crosses, the server maps the memory and copies it (0.5.16: `TpModelWorker.
-update_weights_from_tensor` in `python/sglang/srt/managers/tp_worker.py` indexes the list by TP rank and
-deserializes with `MultiprocessingSerializer` from `python/sglang/srt/utils/common.py`, under a `SafeUnpickler`
-allowlist that admits `torch.*` and `multiprocessing.resource_sharer.*`). The device of a CUDA tensor is written as
-its GPU UUID, not its index, because the trainer and the server see different `CUDA_VISIBLE_DEVICES`; 0.5.16's
-`monkey_patch_torch_reductions` (`python/sglang/srt/utils/patch_torch.py`) accepts either on the receiving side.
-The sender must keep the tensors alive until the call returns (it does: the bucket is held during the call). SGLang's
-`load_format="flattened_bucket"` (one tensor per bucket, `python/sglang/srt/weight_sync/tensor_bucket.py`) is not
-used: its metadata class lives in sglang, which the trainer need not import.
-
-The NCCL path, trainer rank 0 of a group of `1 + sum(tp_size)` ranks (`DistributedWeightSender`):
-
-    init_group():  every engine  POST /init_weights_update_group {master_address, master_port,
-                                     rank_offset, world_size, group_name, backend}     } concurrently: all
-                   trainer       joins the same group as rank 0 (rendezvous at tcp://master:port)  } block until formed
-    send():  for each bucket:   every engine POST /update_weights_from_distributed {names, dtypes, shapes,
-                                     group_name, flush_cache: false}  (in threads) while the trainer broadcasts each
-                                     tensor of the bucket, in order, from rank 0; then the POSTs return
-             every engine:      POST /update_weight_version, POST /flush_cache
-    close(): every engine POST /destroy_weights_update_group  } concurrently (NCCL teardown waits for peers)
-             the trainer destroys its group                     }
-
-0.5.16 receives one `torch.distributed.broadcast(src=0)` per tensor in list order into freshly allocated tensors
-(`WeightUpdater.update_weights_from_distributed` in `python/sglang/srt/model_executor/model_runner_components/
-weight_updater.py`) and builds the group with `init_custom_process_group` (`python/sglang/srt/utils/common.py`):
-rendezvous on `tcp://master_address:master_port`, a `PrefixStore(group_name)`, then torch's
-`_new_process_group_helper`. `init_trainer_group` does the same on the trainer side so the store keys agree.
-
-Buckets bound the bytes in flight (and the server's temporary allocation): a bucket closes before the tensor that
-would push it past `max_bucket_bytes`; a single tensor larger than the bound travels alone.
-
-A failed or stalled NCCL sync never hangs (issue 32.2). Every bucket has a deadline (`bucket_timeout_s`:
-`rollout.sglang.sync_timeout_s`, or 60 s + its bytes at 50 MiB/s). The trainer enqueues a bucket's broadcasts with
-`async_op=True` and waits for them while it watches the engines' HTTP answers and the deadline: an engine's 4xx/5xx, a
-dead server (connection refused) or the deadline ends the sync with one `SGLangError` naming the endpoint and the
-server's message, and the group is aborted and marked broken (`close` then neither posts
-`/destroy_weights_update_group`, whose NCCL teardown would wait for the broken peer, nor destroys the group here). Each
-group gets a fresh name, so a server that still holds a broken group can join the next one. A thread backs this up for a
-trainer stuck inside a C call (NCCL's blocking communicator init in the first broadcast): past the deadline plus
-`ABORT_GRACE_S` it aborts the group, and if the call still has not returned after as long again, it writes the error to
-stderr and ends the process, so Ray reports the train actor dead instead of waiting.
+A new engine adds a row to the engine table and a module in its folder (a `GroupSync` whose `open_group` returns a
+`WeightGroup`, if the trainer should broadcast to it); nothing here changes.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import functools
-import io
 import logging
-import os
-import socket
-import sys
-import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
-
-from miles_vl.gpu_env import CUMEM_ENV
-
-if TYPE_CHECKING:
-    from miles_vl.rollout.sglang.client import SGLangClient
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +43,11 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 SYNC_FLOOR_S = 60.0  # the derived bound of one bucket: this much, plus its bytes at SYNC_BYTES_PER_S
 SYNC_BYTES_PER_S = 50 * 1024**2  # conservative: a cross-node link far slower than NVLink (4.26 GB took 3.8 s there)
 ABORT_GRACE_S = 10.0  # how long the watchdog waits past a deadline before aborting the group, and again before exiting
-_ABANDONED_GROUPS: list = []  # weight-update groups broken by a failed sync (`DistributedWeightSender.close`)
-_POLL_S = 0.01  # how often the wait for one broadcast looks at it (torch's Work has no completion callback on CPU)
 
 
 def bucket_timeout_s(nbytes: int, sync_timeout_s: float | None = None) -> float:
-    """The deadline of one bucket of the NCCL sync (its broadcasts and its `/update_weights_from_distributed`):
+    """The deadline of one bucket of a group sync (its broadcasts and the engines' answers; sglang: its
+    `/update_weights_from_distributed`):
     `sync_timeout_s` when given, else SYNC_FLOOR_S + nbytes / SYNC_BYTES_PER_S (60 s + 10.2 s for 512 MiB)."""
     if sync_timeout_s is not None:
         if sync_timeout_s <= 0:
@@ -118,7 +58,8 @@ def bucket_timeout_s(nbytes: int, sync_timeout_s: float | None = None) -> float:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What `/update_weights_from_distributed` needs to know about one tensor before receiving it."""
+    """What a receiver of a broadcast needs to know about one tensor before receiving it (sglang:
+    `/update_weights_from_distributed`'s names, dtypes and shapes)."""
 
     name: str
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16" (the server calls getattr(torch, ...))
@@ -173,7 +114,7 @@ def iter_buckets(
     Yields:
         Lists of (name, tensor): consecutive runs of `named_tensors`.
     """
-    _check_bound(max_bucket_bytes)
+    check_bucket_bytes(max_bucket_bytes)
     current: list[tuple[str, Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
@@ -187,502 +128,10 @@ def iter_buckets(
         yield current
 
 
-def _check_bound(max_bucket_bytes: int) -> None:
+def check_bucket_bytes(max_bucket_bytes: int) -> None:
+    """Raises ValueError unless `max_bucket_bytes` > 0."""
     if max_bucket_bytes <= 0:
         raise ValueError(f"max_bucket_bytes must be > 0, found {max_bucket_bytes}")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the tensor path, SGLang's side: update_weights_from_tensor
-
-
-def serialize_named_tensors(named_tensors: Sequence[tuple[str, Tensor]]) -> str:
-    """Base64 of a ForkingPickler dump of `[(name, tensor), ...]`, CUDA devices written as GPU UUIDs.
-
-    CPU tensors are shared through file descriptors, which only a process that can reach ours (e.g. a thread of this
-    process) can open: that is what the CPU tests do. A real SGLang server needs CUDA tensors.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
-
-    buf = io.BytesIO()
-    pickler = ForkingPickler(buf)
-    # ForkingPickler copies its reducers into this instance's dispatch_table: override here, not globally.
-    for cls in list(pickler.dispatch_table):
-        if isinstance(cls, type) and issubclass(cls, torch.Tensor):
-            pickler.dispatch_table[cls] = _reduce_tensor_with_uuid
-    pickler.dump([(str(name), tensor) for name, tensor in named_tensors])
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-_CUDA_DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
-
-
-def _reduce_tensor_with_uuid(tensor: Tensor):
-    from torch.multiprocessing import reductions
-
-    rebuild, args = reductions.reduce_tensor(tensor)
-    if getattr(rebuild, "__name__", "") == "rebuild_cuda_tensor":
-        device = args[_CUDA_DEVICE_ARG]
-        if not isinstance(device, int):
-            raise TypeError(
-                f"torch {torch.__version__} changed rebuild_cuda_tensor's arguments (device slot holds "
-                f"{device!r}); update _CUDA_DEVICE_ARG in miles_vl/rollout/weight_sync.py"
-            )
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
-    return rebuild, args
-
-
-def send_tensor_bucket(
-    client: SGLangClient,
-    bucket: Sequence[tuple[str, Tensor]],
-    *,
-    tp_size: int = 1,
-    device: torch.device | str | None = None,
-) -> int:
-    """One `/update_weights_from_tensor` call of the colocated sync: the tensors of one bucket.
-
-    The sglang engine calls this per bucket of a sync and `finish_tensor_sync` after the last one.
-
-    Args:
-        client: the engine's server.
-        bucket: HF-named tensors (e.g. one bucket of `iter_buckets`).
-        tp_size: the server's TP size (one payload per rank).
-        device: move tensors here before serializing; None keeps them.
-
-    Returns:
-        Bytes sent.
-    """
-    if device is not None:
-        bucket = [(name, t.to(device, non_blocking=True)) for name, t in bucket]
-        if torch.device(device).type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the copies must land before the server maps them
-    # One dump per TP rank: each dump registers its own sharing handles (CUDA IPC reference counts, CPU file
-    # descriptors), and a handle must not be consumed by two receiving processes.
-    payloads = [serialize_named_tensors(bucket) for _ in range(tp_size)]
-    client.update_weights_from_tensor(payloads, flush_cache=False)
-    return sum(t.numel() * t.element_size() for _, t in bucket)
-
-
-def finish_tensor_sync(client: SGLangClient, *, weight_version: str, flush_timeout_s: float = 60.0) -> None:
-    """End of a colocated sync: label the weights `weight_version`, then drop the prefix cache of the old ones."""
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
-    client.update_weight_version(weight_version)
-    client.flush_cache(timeout_s=flush_timeout_s)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the NCCL path, trainer rank 0's side: update_weights_from_distributed
-
-
-@dataclass(frozen=True)
-class EngineEndpoint:
-    """One engine as the trainer sees it for the NCCL path."""
-
-    client: SGLangClient
-    tp_size: int = 1
-
-
-def group_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Rank offsets of the engines in the weight-update group and its world size (rank 0 is the trainer).
-
-    Returns:
-        (rank_offsets, world_size), e.g. tp_sizes [2, 2] -> ([1, 3], 5).
-    """
-    offsets, next_rank = [], 1
-    for tp in tp_sizes:
-        if tp < 1:
-            raise ValueError(f"an engine's tp_size must be >= 1, found {tp}")
-        offsets.append(next_rank)
-        next_rank += tp
-    return offsets, next_rank
-
-
-def init_trainer_group(
-    *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float
-):
-    """Join the weight-update group as rank 0, the way SGLang 0.5.16's `init_custom_process_group` builds it.
-
-    Uses torch's private `_new_process_group_helper` (what SGLang uses on its side): a group independent of the
-    trainer's default process group, so it works whether or not `torch.distributed` is initialized.
-
-    Returns:
-        The process group.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    missing = [n for n in ("rendezvous", "PrefixStore", "_new_process_group_helper", "_world") if not hasattr(c10d, n)]
-    if missing:
-        raise RuntimeError(
-            f"torch {torch.__version__} lacks torch.distributed.distributed_c10d.{missing}, which the NCCL weight "
-            "sync uses to build a group independent of the default one; use the torch version SGLang pins (2.11)"
-        )
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
-    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # group rank == "global" rank, as SGLang
-    return group
-
-
-class DistributedWeightSender:
-    """Trainer rank 0's side of the NCCL weight sync to a set of SGLang engines (sequence in the module docstring).
-
-    Args:
-        engines: the engines, each with its client and TP size.
-        master_address: address of this process that the engines can reach (the group's rendezvous).
-        master_port: a free port on it.
-        group_name: the group's name on both sides.
-        backend: "nccl" (tensors on CUDA) or "gloo" (tensors on CPU; tests).
-        max_bucket_bytes: bound of one bucket.
-        flush_timeout_s: how long `/flush_cache` may wait for running requests.
-        timeout_s: the group's timeout (rendezvous and every collective).
-        sync_timeout_s: the deadline of one bucket; None: `bucket_timeout_s` of its bytes. Forming the group may
-            take SYNC_FLOOR_S, or this if longer.
-    """
-
-    def __init__(
-        self,
-        engines: Sequence[EngineEndpoint],
-        *,
-        master_address: str,
-        master_port: int,
-        group_name: str = "miles_vl_weight_sync",
-        backend: str = "nccl",
-        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        flush_timeout_s: float = 60.0,
-        timeout_s: float = 600.0,
-        sync_timeout_s: float | None = None,
-    ):
-        if not engines:
-            raise ValueError("DistributedWeightSender needs at least one engine")
-        _check_bound(max_bucket_bytes)
-        self.engines = list(engines)
-        self.master_address = master_address
-        self.master_port = master_port
-        self.group_name = group_name
-        self.backend = backend
-        self.max_bucket_bytes = max_bucket_bytes
-        self.flush_timeout_s = flush_timeout_s
-        self.timeout_s = timeout_s
-        self.sync_timeout_s = sync_timeout_s
-        bucket_timeout_s(0, sync_timeout_s)  # a bad value fails here, not at the first sync
-        self.broken = False  # a sync failed: the group is aborted and must not be torn down with the engines
-        self.rank_offsets, self.world_size = group_layout([e.tp_size for e in self.engines])
-        self.group = None
-        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="sglang-weights")
-
-    def init_group(self) -> None:
-        """Form the group: every engine's POST and the trainer's own join run concurrently (all block until then)."""
-        if self.group is not None:
-            raise RuntimeError(f"weight-update group {self.group_name!r} is already initialized")
-        futures = [
-            self._pool.submit(
-                e.client.init_weights_update_group,
-                master_address=self.master_address,
-                master_port=self.master_port,
-                rank_offset=offset,
-                world_size=self.world_size,
-                group_name=self.group_name,
-                backend=self.backend,
-            )
-            for e, offset in zip(self.engines, self.rank_offsets, strict=True)
-        ]
-        # forming the group includes the servers' own set-up (a first import of torch.distributed): at least the floor
-        deadline = time.monotonic() + max(SYNC_FLOOR_S, bucket_timeout_s(0, self.sync_timeout_s))
-        with self._watchdog(deadline, "init_weights_update_group"):
-            self.group = init_trainer_group(
-                master_address=self.master_address,
-                master_port=self.master_port,
-                world_size=self.world_size,
-                group_name=self.group_name,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-            )
-            self._until(functools.partial(_all_done, futures), futures, deadline, "init_weights_update_group")
-        self._wait(futures, "init_weights_update_group")
-        log.info(
-            "weight-update group %r formed: %d ranks; deadline of each bucket: %s",
-            self.group_name,
-            self.world_size,
-            self._bound_text(),
-        )
-
-    def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
-        """Send all tensors bucket by bucket, then label the version and flush every engine's cache.
-
-        Args:
-            named_tensors: HF-named tensors, possibly lazy (moved to this process's GPU for nccl; CPU for gloo).
-            weight_version: label the engines report from now on.
-
-        Returns:
-            A `SyncReport`.
-
-        Raises:
-            RuntimeError: `init_group` was not called, or an earlier sync broke the group.
-            SGLangError: an engine refused a call, its server is gone, or a bucket missed its deadline; the engines'
-                weights are then partially updated and the group is broken (close it and form a new one).
-        """
-        if self.group is None:
-            raise RuntimeError("call init_group() before send(): the engines have not joined the weight-update group")
-        if self.broken:
-            raise RuntimeError(f"weight-update group {self.group_name!r} broke in an earlier sync: close() it first")
-        if self.backend == "nccl":  # NCCL broadcasts from this process's GPU
-            device = torch.device("cuda", torch.cuda.current_device())
-            named_tensors = ((name, t.to(device)) for name, t in named_tensors)
-        start = time.monotonic()
-        buckets = tensors = nbytes = 0
-        for bucket in iter_buckets(named_tensors, self.max_bucket_bytes):
-            metas = [TensorMeta.of(name, t) for name, t in bucket]
-            futures = [
-                self._pool.submit(
-                    e.client.update_weights_from_distributed,
-                    names=[m.name for m in metas],
-                    dtypes=[m.dtype for m in metas],
-                    shapes=[m.shape for m in metas],
-                    group_name=self.group_name,
-                    flush_cache=False,
-                )
-                for e in self.engines
-            ]
-            deadline = time.monotonic() + bucket_timeout_s(sum(m.nbytes for m in metas), self.sync_timeout_s)
-            what = "update_weights_from_distributed"
-            with self._watchdog(deadline, what):
-                # every broadcast of the bucket enqueued at once (in order, as the server receives them), then
-                # watched together: waiting per tensor would cost a poll interval per tensor
-                sent = [t.contiguous() for _, t in bucket]  # held until their broadcasts completed
-                works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in sent]
-                self._until(functools.partial(_all_completed, works), futures, deadline, what)
-                try:
-                    for work in works:
-                        work.wait()  # raises what the backend saw (e.g. gloo: a peer closed its connection)
-                except Exception as err:  # an engine's own answer says more: give it a moment to arrive
-                    wait_futures(futures, timeout=ABORT_GRACE_S / 2, return_when=FIRST_EXCEPTION)
-                    self._fail_if_refused(futures, what)
-                    self._fail(f"{what} failed: the broadcast from the trainer broke off ({err})")
-                self._until(functools.partial(_all_done, futures), futures, deadline, what)
-            self._wait(futures, what)
-            buckets += 1
-            tensors += len(metas)
-            nbytes += sum(m.nbytes for m in metas)
-        if buckets == 0:
-            raise ValueError("no tensors to sync: named_tensors was empty")
-        for e in self.engines:
-            e.client.update_weight_version(weight_version)
-            e.client.flush_cache(timeout_s=self.flush_timeout_s)
-        return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version)
-
-    def close(self) -> None:
-        """Leave the group on every engine and here, concurrently: tearing down an NCCL communicator waits for its
-        peers, so an engine's destroy returns only once the trainer destroys its side too. Engines that are gone
-        are skipped with a warning."""
-        from miles_vl.rollout.sglang.client import SGLangError  # here: the sglang package imports this module
-
-        if self.broken:  # aborted: a destroy would wait for the broken peer, here and on the server
-            # and so would the group's destructor (gloo joins its worker threads, stuck until the group's timeout):
-            # the group is kept referenced until the process ends
-            _ABANDONED_GROUPS.append(self.group)
-            self.group = None
-            self._pool.shutdown(wait=False, cancel_futures=True)  # a stalled server's request may never return
-            return
-        if self.group is not None:
-            futures = [self._pool.submit(e.client.destroy_weights_update_group, self.group_name) for e in self.engines]
-            torch.distributed.destroy_process_group(self.group)
-            self.group = None
-            for e, f in zip(self.engines, futures, strict=True):
-                try:
-                    f.result()
-                except SGLangError as err:
-                    log.warning("could not destroy the weight-update group on %s: %s", e.client.base_url, err)
-        self._pool.shutdown(wait=True)
-
-    def _until(self, done, futures: list[Future], deadline: float, what: str) -> None:
-        """Wait until `done()`, but end the sync (`_fail`) as soon as an engine's call failed or `deadline` passed:
-        an engine that refused a bucket never joins its broadcasts, so waiting for them would never end."""
-        while not done():
-            self._fail_if_refused(futures, what)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waiting = [e.client.base_url for e, f in zip(self.engines, futures, strict=True) if not f.done()]
-                self._fail(
-                    f"{what} did not complete within its deadline ({self._bound_text()}); no answer from "
-                    f"{', '.join(f'{u}/{what}' for u in waiting) or 'none: the broadcast itself stalled'}. Raise "
-                    "rollout.sglang.sync_timeout_s if the link is this slow, else see the server's log"
-                )
-            wait_futures(futures, timeout=min(_POLL_S, left), return_when=FIRST_EXCEPTION)
-
-    def _fail_if_refused(self, futures: list[Future], what: str) -> None:
-        failed = [(e, f) for e, f in zip(self.engines, futures, strict=True) if f.done() and f.exception()]
-        if failed:
-            lines = [f"{e.client.base_url}/{what}: {f.exception()}" for e, f in failed]
-            self._fail(f"{what} failed on {len(failed)} engine(s):\n" + "\n".join(lines))
-
-    def _bound_text(self) -> str:
-        if self.sync_timeout_s is not None:
-            return f"rollout.sglang.sync_timeout_s={self.sync_timeout_s:g} s"
-        return f"{SYNC_FLOOR_S:g} s + its bytes at {SYNC_BYTES_PER_S / 1024**2:g} MiB/s"
-
-    def _fail(self, message: str):
-        """The group is unusable from here on: abort it (unblocks NCCL kernels already enqueued), mark it broken,
-        and raise one error with `message`."""
-        from miles_vl.rollout.sglang.client import SGLangError
-
-        self._abort()
-        raise SGLangError(message)
-
-    def _abort(self) -> None:
-        self.broken = True
-        if self.group is not None:
-            try:
-                torch.distributed.distributed_c10d._abort_process_group(self.group)
-            except Exception as err:  # noqa: BLE001  (a backend without abort: the group is dropped unused instead)
-                log.debug("could not abort weight-update group %r: %s", self.group_name, err)
-
-    @contextlib.contextmanager
-    def _watchdog(self, deadline: float, what: str) -> Iterator[None]:
-        """The backstop for a main thread stuck inside a C call past `deadline` (module docstring): abort the group
-        after ABORT_GRACE_S more, end the process after as long again."""
-        returned = threading.Event()
-
-        def watch() -> None:
-            if returned.wait(max(0.0, deadline - time.monotonic()) + ABORT_GRACE_S):
-                return
-            log.error("%s: stuck past its deadline (%s); aborting the weight-update group", what, self._bound_text())
-            self._abort()
-            if returned.wait(ABORT_GRACE_S):
-                return
-            sys.stderr.write(
-                f"miles-vl: the weight sync ({what} to {', '.join(e.client.base_url for e in self.engines)}) is stuck "
-                f"in the communication backend past its deadline ({self._bound_text()}) and an abort did not free "
-                "it; ending the train actor\n"
-            )
-            sys.stderr.flush()
-            os._exit(70)
-
-        watcher = threading.Thread(target=watch, name="weight-sync-watchdog", daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            returned.set()
-
-    def _wait(self, futures: list[Future], what: str) -> None:
-        from miles_vl.rollout.sglang.client import SGLangError
-
-        errors = []
-        for e, f in zip(self.engines, futures, strict=True):
-            try:
-                f.result()
-            except Exception as err:  # collect every engine's failure, then raise one error naming them all
-                errors.append(f"{e.client.base_url}: {err}")
-        if errors:
-            raise SGLangError(f"{what} failed on {len(errors)} engine(s):\n" + "\n".join(errors))
-
-
-def _all_done(futures: list[Future]) -> bool:
-    return all(f.done() for f in futures)
-
-
-def _all_completed(works: list) -> bool:
-    return all(w.is_completed() for w in works)
-
-
-@dataclass(frozen=True)
-class EngineAddress:
-    """How trainer rank 0 reaches one engine's server for the NCCL sync (`RolloutEngine.endpoint`)."""
-
-    url: str
-    api_key: str | None = field(repr=False)  # the server's key (every sglang server has one)
-    tp_size: int
-    node_ip: str
-    loopback: bool  # the server binds a loopback address: reachable from its own node only
-    nccl_cumem: str | None = None  # the server's NCCL_CUMEM_ENABLE (None: unknown); the trainer must run the same
-
-
-def check_cumem_agrees(engines: Sequence[EngineAddress], trainer_value: str | None) -> None:
-    """Refuse an NCCL group whose peers would open each other's buffers two ways (`server.nccl_peer_env`).
-
-    Raises:
-        ValueError: an engine's server runs with another NCCL_CUMEM_ENABLE than the trainer (unset = NCCL's default,
-            on); names both values and the fix.
-    """
-    mine = "1" if trainer_value is None else trainer_value
-    wrong = {i: e.nccl_cumem for i, e in enumerate(engines) if e.nccl_cumem is not None and e.nccl_cumem != mine}
-    if wrong:
-        raise ValueError(
-            f"the trainer runs NCCL with {CUMEM_ENV}={trainer_value if trainer_value is not None else '<unset: on>'} "
-            f"but the SGLang servers of engines {sorted(wrong)} with {sorted(set(wrong.values()))}: NCCL's P2P "
-            "transport fails between them at the first broadcast (\"Cuda failure 'invalid argument'\"). Set "
-            f"{CUMEM_ENV} to one value for every process of the job (miles-vl sets it to 0, SGLang's own choice, in "
-            "the job's Ray runtime env and every server's env, unless the driver's environment sets it)"
-        )
-
-
-def open_trainer_group(
-    engines: Sequence[EngineAddress],
-    *,
-    backend: str,
-    max_bucket_bytes: int,
-    request_timeout_s: float,
-    timeout_s: float = 600.0,
-    sync_timeout_s: float | None = None,
-) -> DistributedWeightSender:
-    """Trainer rank 0's weight-update group with every engine, formed (runs inside the train actor).
-
-    Args:
-        engines: the engines' addresses, in engine order.
-        backend: "nccl" (tensors go to this process's GPU first) or "gloo" (CPU; tests).
-        max_bucket_bytes: bound of one bucket (one `/update_weights_from_distributed` call).
-        request_timeout_s: per-attempt timeout of the HTTP calls to the servers.
-        timeout_s: the group's timeout (rendezvous and every broadcast).
-        sync_timeout_s: the deadline of one bucket; None: derived from its bytes (`bucket_timeout_s`).
-
-    Raises:
-        ValueError: an engine bound to loopback on another node (the trainer could not reach it); with NCCL, a server
-            whose NCCL_CUMEM_ENABLE differs from this process's (their first broadcast would fail).
-    """
-    import ray
-
-    from miles_vl.rollout.sglang.client import SGLangClient
-
-    if backend == "nccl":
-        check_cumem_agrees(engines, os.environ.get(CUMEM_ENV))
-    here = ray.util.get_node_ip_address()
-    far = [i for i, e in enumerate(engines) if e.loopback and e.node_ip != here]
-    if far:
-        raise ValueError(
-            f"engines {far} bind 127.0.0.1 on another node than the trainer ({here}), so the NCCL weight sync "
-            "cannot reach them; set rollout.sglang.host=0.0.0.0 and rollout.sglang.api_key"
-        )
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    sender = DistributedWeightSender(
-        [
-            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
-            for e in engines
-        ],
-        master_address="127.0.0.1" if all(e.node_ip == here for e in engines) else here,
-        master_port=port,
-        # a fresh name per group: a server that still holds a group broken by a failed sync can join the next one
-        group_name=f"miles_vl_weight_sync_{port}",
-        backend=backend,
-        max_bucket_bytes=max_bucket_bytes,
-        timeout_s=timeout_s,
-        sync_timeout_s=sync_timeout_s,
-    )
-    try:
-        sender.init_group()
-    except BaseException:
-        sender.close()
-        raise
-    return sender
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -694,10 +143,10 @@ class WeightSyncOptions:
     """How weights travel (production defaults; tests lower the bucket bound to see several buckets).
 
     Args:
-        bucket_bytes: bound of one bucket (an object-store object, or one `/update_weights_from_distributed`).
+        bucket_bytes: bound of one bucket (an object-store object, or one bucket of the group's broadcasts).
         buckets_ahead: buckets the trainer may export ahead of the engines (bounds the object store's share).
-        group_backend: backend of the NCCL path's group; None: nccl when the trainer has GPUs, else gloo.
-        timeout_s: the NCCL group's timeout (rendezvous and every broadcast).
+        group_backend: backend of the group path's group; None: nccl when the trainer has GPUs, else gloo.
+        timeout_s: the group's timeout (rendezvous and every broadcast).
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -709,27 +158,48 @@ class WeightSyncOptions:
 Failed = dict[int, BaseException]
 
 
-def make_weight_sync(
-    trainer,
-    *,
-    nccl: bool,
-    trainer_gpus: bool,
-    request_timeout_s: float,
-    options: WeightSyncOptions,
-    sync_timeout_s: float | None = None,
-) -> WeightSync:
+class WeightGroup(Protocol):
+    """Trainer rank 0's formed weight-update group with a set of engines (what `GroupSync.open_group` returns; it
+    lives in the train actor). sglang: `rollout.sglang.weights.DistributedWeightSender`."""
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
+        """Broadcast every tensor, bucket by bucket, each bucket within its deadline (`bucket_timeout_s`); then the
+        engines serve `weight_version`. Raises when an engine failed or a deadline passed (the group is then broken:
+        `close` it and open a new one)."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group on every engine and here; never waits for a peer of a broken group."""
+        ...
+
+
+# (engines' `endpoint()` results, *, backend, max_bucket_bytes, request_timeout_s, timeout_s, sync_timeout_s) -> a
+# formed group. A module-level function: it travels to the train actor by reference.
+GroupOpener = Callable[..., WeightGroup]
+
+
+@dataclass(frozen=True)
+class GroupSync:
+    """An engine kind's group path, as trainer rank 0 drives it (its row of orchestration/factories.py's table).
+
+    Args:
+        open_group: forms the group with the engines (sglang: `rollout.sglang.weights.open_trainer_group`).
+        request_timeout_s: per-attempt timeout of the calls to the engines' servers.
+        sync_timeout_s: the deadline of one bucket; None: derived from its bytes (`bucket_timeout_s`).
+    """
+
+    open_group: GroupOpener
+    request_timeout_s: float
+    sync_timeout_s: float | None = None
+
+
+def make_weight_sync(trainer, *, group: GroupSync | None, trainer_gpus: bool, options: WeightSyncOptions) -> WeightSync:
     """The sync from `trainer` (orchestration/trainer.py: `weight_buckets`, `open_weight_group`, `send_weights`,
-    `close_weight_group`) to the engines: over NCCL when `nccl` (each bucket within `sync_timeout_s`, None: derived
-    from its bytes, `bucket_timeout_s`), else through the driver."""
-    if nccl:
+    `close_weight_group`) to the engines: trainer rank 0 broadcasts over a group opened by `group.open_group` when
+    `group` is given (the engine kind has one and the placement is disaggregated), else through the driver."""
+    if group is not None:
         backend = options.group_backend or ("nccl" if trainer_gpus else "gloo")
-        return NcclWeightSync(
-            trainer,
-            backend=backend,
-            request_timeout_s=request_timeout_s,
-            options=options,
-            sync_timeout_s=sync_timeout_s,
-        )
+        return NcclWeightSync(trainer, group, backend=backend, options=options)
     return TensorWeightSync(trainer, options)
 
 
@@ -763,22 +233,14 @@ class TensorWeightSync:
 
 
 class NcclWeightSync:
-    """Trainer rank 0 broadcasts to every engine: one weight-update group, formed on the first push."""
+    """Trainer rank 0 broadcasts to every engine: one weight-update group (NCCL; gloo on CPU), formed on the first
+    push by the engine kind's `GroupSync.open_group`."""
 
-    def __init__(
-        self,
-        trainer,
-        *,
-        backend: str,
-        request_timeout_s: float,
-        options: WeightSyncOptions,
-        sync_timeout_s: float | None = None,
-    ):
+    def __init__(self, trainer, group: GroupSync, *, backend: str, options: WeightSyncOptions):
         self.trainer = trainer
+        self.group = group
         self.backend = backend
-        self.request_timeout_s = request_timeout_s
         self.options = options
-        self.sync_timeout_s = sync_timeout_s
         self.open = False
 
     def push(self, engines: Sequence, version: str) -> Failed:
@@ -794,12 +256,13 @@ class NcclWeightSync:
             if not self.open:
                 addresses = ray.get([e.endpoint.remote() for e in engines])
                 self.trainer.open_weight_group(
+                    self.group.open_group,
                     addresses,
                     backend=self.backend,
                     max_bucket_bytes=self.options.bucket_bytes,
                     timeout_s=self.options.timeout_s,
-                    request_timeout_s=self.request_timeout_s,
-                    sync_timeout_s=self.sync_timeout_s,
+                    request_timeout_s=self.group.request_timeout_s,
+                    sync_timeout_s=self.group.sync_timeout_s,
                 )
                 self.open = True
             report = self.trainer.send_weights(version)

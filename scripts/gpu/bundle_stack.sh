@@ -7,6 +7,9 @@
 #
 # usage: scripts/gpu/bundle_stack.sh OUT_DIR        (e.g. .bundle_stack: ignored by the repo's /.bundle*/ rule)
 #        then on the GPU machine: scripts/gpu/stack.sh (stages the parts, installs, runs a command)
+#        STACK_VARIANT=sglang0517 scripts/gpu/bundle_stack.sh .bundle_stack_sglang0517
+#        a variant: only the wheels of scripts/gpu/stack_requirements_<variant>.txt, each of which replaces the base's
+#        wheel of its distribution (all `always`); stack.sh installs it into a site folder of its own, before the base's
 #
 # How: the wheels are downloaded without dependency resolution (the list is the closure; bundle_stack.sh checks that
 # exactly one wheel per line arrives, at its version), rewritten uncompressed (ZIP_STORED: same members; RECORD hashes
@@ -15,13 +18,17 @@
 # off and runs no Java workers): 45 MB less to carry. The last part also holds MANIFEST (wheel, distribution,
 # policy) and SHA256SUMS (every part), which install_stack.py checks before it unpacks anything.
 # Environment: PART_MB (56), XZ_LEVEL (6), XZ_THREADS (2), PYTHON (python3), TE_WHEELS (the folder holding the
-# transformer_engine_torch 2.20.2 wheel built from its sdist against torch 2.11.0+cu130: docs/gpu.md says how).
+# transformer_engine_torch 2.20.2 wheel built from its sdist against torch 2.11.0+cu130: docs/gpu.md says how; only
+# read where the list names that wheel), STACK_VARIANT (empty: the base stack).
 set -euo pipefail
 out=${1:?usage: bundle_stack.sh OUT_DIR}
 part_mb=${PART_MB:-56}
 here=$(cd "$(dirname "$0")" && pwd)
 te_wheels=${TE_WHEELS:-$here/../../../shared/gpu/wheels}  # default: where this project's build machine keeps it
 py=${PYTHON:-python3}
+variant=${STACK_VARIANT:-}
+reqs_file=$here/stack_requirements${variant:+_$variant}.txt
+[ -f "$reqs_file" ] || { echo "bundle: no $reqs_file for STACK_VARIANT=$variant (expected one of: $(cd "$here" && ls stack_requirements*.txt | tr '\n' ' '))" >&2; exit 2; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -30,18 +37,19 @@ for n in 34 28 27 26 24 17 12 5; do plat+=(--platform "manylinux_2_${n}_x86_64")
 plat+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 
 # name==version of every line but transformer-engine-torch (built from its sdist: $TE_WHEELS)
-mapfile -t reqs < <(grep -v '^#' "$here/stack_requirements.txt" | awk 'NF {print $1}' | grep -v '^transformer-engine-torch==')
-echo "downloading ${#reqs[@]} wheels (no dependency resolution: stack_requirements.txt is the closure)"
+mapfile -t reqs < <(grep -v '^#' "$reqs_file" | awk 'NF {print $1}' | grep -v '^transformer-engine-torch==')
+echo "downloading ${#reqs[@]} wheels (no dependency resolution: $(basename "$reqs_file") is the closure)"
 "$py" -m pip download -q --no-deps "${plat[@]}" -d "$tmp/dl" "${reqs[@]}" 2> >(grep -v "is ignored" >&2)
-cp "$te_wheels"/transformer_engine_torch-2.20.2-*.whl "$tmp/dl/"
+if grep -q '^transformer-engine-torch==' "$reqs_file"; then cp "$te_wheels"/transformer_engine_torch-2.20.2-*.whl "$tmp/dl/"; fi
 
 mkdir -p "$tmp/stored" "$tmp/meta"
-"$py" - "$here/stack_requirements.txt" "$tmp/dl" "$tmp/stored" "$tmp/meta/MANIFEST" <<'EOF'
+"$py" - "$reqs_file" "$tmp/dl" "$tmp/stored" "$tmp/meta/MANIFEST" "$variant" <<'EOF'
 """Check the wheel set against the list (one wheel per line, right version), rewrite each uncompressed, write MANIFEST."""
 import copy, re, shutil, sys, zipfile
 from pathlib import Path
 
 reqs_file, src, dst, manifest = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+variant = sys.argv[5]
 norm = lambda s: re.sub(r"[-_.]+", "_", s).lower()
 want = {}
 for line in reqs_file.read_text().splitlines():
@@ -49,6 +57,8 @@ for line in reqs_file.read_text().splitlines():
         spec, policy = line.split()
         name, version = spec.split("==")
         assert policy in ("always", "if-missing"), line
+        if variant and policy != "always":  # a variant's wheel replaces the base's: "if-missing" would ask the machine
+            sys.exit(f"bundle: {reqs_file.name}: {line!r} is {policy!r}; a variant's lines are all 'always'")
         want[norm(name)] = (name, version, policy)
 wheels = {}
 for whl in sorted(src.glob("*.whl")):

@@ -1,6 +1,7 @@
 """Install the GPU stack made by scripts/gpu/bundle_stack.sh into a folder to put first on PYTHONPATH.
 
     python3 scripts/gpu/install_stack.py PARTS_DIR TARGET      # PARTS_DIR: the parts, flat or in part*/ folders
+    python3 scripts/gpu/install_stack.py --dist-info PYPROJECT TARGET   # miles_vl's metadata and entry points
 
 Standard library only (it runs before anything is installed), and with the machine's own packages on sys.path:
 PYTHONPATH must not point at TARGET, because the `if-missing` policy asks the machine's Python which
@@ -18,6 +19,15 @@ distributions it already has.
    once, and a changed bundle installs afresh.
 
 Exit status 2 with one line naming the problem for a missing/damaged part or a broken archive.
+
+A variant of the stack (scripts/gpu/stack_requirements_<variant>.txt: only the wheels that differ from the base) is
+installed the same way into a TARGET of its own, which stack.sh puts before the base's on PYTHONPATH.
+
+`--dist-info` (`write_dist_info`): on the GPU machine miles_vl is on PYTHONPATH, not installed, so
+`importlib.metadata.entry_points` would not see the entry points of its pyproject.toml, among them the SGLang plugin
+(group `sglang.srt.plugins`) that SGLang's `load_plugins` looks up in every server process. This writes a minimal
+`<name>-<version>.dist-info/` (METADATA and entry_points.txt, generated from pyproject.toml's `[project]` name,
+version, `scripts`, `gui-scripts` and `entry-points` tables) into TARGET, a folder on that PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import tomllib
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -110,9 +121,70 @@ def unpack_wheel(data: bytes, target: Path) -> int:
     return n
 
 
+def entry_point_groups(project: dict) -> dict[str, dict[str, str]]:
+    """The entry points of a pyproject.toml `[project]` table by group, as installers write them (`scripts` are
+    `console_scripts`, `gui-scripts` are `gui_scripts`)."""
+    groups = {"console_scripts": project.get("scripts", {}), "gui_scripts": project.get("gui-scripts", {})}
+    for group, entries in project.get("entry-points", {}).items():
+        if group in ("console_scripts", "gui_scripts"):  # PEP 621: these belong in `scripts` / `gui-scripts`
+            raise ValueError(f"[project.entry-points.{group}] is not allowed; use [project.{group.replace('_', '-')}]")
+        groups[group] = entries
+    out = {}
+    for group, entries in groups.items():
+        if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
+            raise ValueError(f"entry-point group {group!r} must map names to 'module:attr' strings, found {entries!r}")
+        if entries:
+            out[group] = dict(entries)
+    return out
+
+
+def write_dist_info(pyproject: Path, target: Path) -> Path:
+    """Write `<name>-<version>.dist-info/` (METADATA, entry_points.txt) for the project of `pyproject` into `target`
+    (module docstring); returns its path. Idempotent, and safe while other processes read `target`: each file is
+    replaced whole; a dist-info of another version of the same project there is removed (one version is visible).
+
+    Raises:
+        ValueError: `pyproject` has no `[project]` name or a static version, or a malformed entry-point table.
+    """
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    name, version = project.get("name"), project.get("version")
+    if not isinstance(name, str) or not isinstance(version, str):
+        raise ValueError(
+            f"{pyproject}: [project] needs a name and a static version to describe the installed project, "
+            f"found name={name!r}, version={version!r}"
+        )
+    groups = entry_point_groups(project)
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    dist_info = target / f"{stem}-{version}.dist-info"
+    for old in target.glob(f"{stem}-*.dist-info"):
+        if old != dist_info:
+            shutil.rmtree(old, ignore_errors=True)
+    dist_info.mkdir(parents=True, exist_ok=True)
+    files = {
+        "METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        "entry_points.txt": "".join(
+            f"[{group}]\n" + "".join(f"{key} = {value}\n" for key, value in entries.items()) + "\n"
+            for group, entries in groups.items()
+        ),
+        "INSTALLER": "miles_vl scripts/gpu/stack.sh (on PYTHONPATH, not installed)\n",
+    }
+    for file_name, text in files.items():
+        tmp = dist_info / f".{file_name}.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, dist_info / file_name)
+    return dist_info
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--dist-info":
+        try:
+            path = write_dist_info(Path(sys.argv[2]), Path(sys.argv[3]))
+        except (OSError, ValueError, tomllib.TOMLDecodeError) as e:
+            fail(f"--dist-info: {e}")
+        print(f"install_stack: {path} written (entry points: {(path / 'entry_points.txt').read_text().count(' = ')})")
+        return
     if len(sys.argv) != 3:
-        fail("usage: install_stack.py PARTS_DIR TARGET")
+        fail("usage: install_stack.py PARTS_DIR TARGET | install_stack.py --dist-info PYPROJECT TARGET")
     parts_dir, target = Path(sys.argv[1]), Path(sys.argv[2])
     t0 = time.time()
     parts, manifest, sums = find_parts(parts_dir)

@@ -12,6 +12,9 @@ model can learn it). Per shape:
     tiny  64 vision tokens per image, 8 prompts x 8 samples, 16 new tokens, lr 5e-4 (the same job on the embedded
           backends on CPU at lr 1e-3: reward 0.011 -> 0.757 at step 5 -> 1.0 at step 9)
     2b    Qwen3-VL-2B shapes, 196 vision tokens per image, 16 prompts x 8 samples, 256 new tokens, lr 1e-6
+    8b    configs/geo3k_qwen3vl_8b.yaml instead (Qwen3-VL-8B shapes) on 4 GPUs: Megatron TP=2 x CP=2 (DP=1), two
+          SGLang engines of 2 GPUs each, colocated; 196 vision tokens per image, 8 prompts x 8 samples, 128 new
+          tokens, one optimizer step per RL step, lr 1e-6, full recompute (memory estimate at SHAPES["8b"])
     2b_long16k, 2b_long32k, 2b_long64k  the long-context job (docs/long_context.md): Qwen3-VL-2B shapes on the
           `many_images` task, 1024x1024 images of 1024 vision tokens, as many as make samples of 16K / 32K / 64K tokens
           (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute; the train
@@ -27,11 +30,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "geo3k_qwen3vl_1gpu.yaml"
+CONFIGS = {"8b": REPO / "configs" / "geo3k_qwen3vl_8b.yaml"}  # the shipped config of a shape; others: CONFIG
 
 # The image processor's pixel range per shape: the run's data.min/max_pixels and the checkpoint's saved processor
 # must agree, because SGLang 0.5.16 counts each image's tokens with the checkpoint's processor (falling back to
 # re-tokenizing the decoded prompt when the counts disagree). 256x256 images: 64 tokens (tiny), 196 (2b, resized up).
-PIXELS = {"tiny": (16384, 65536), "2b": (196608, 262144)}
+PIXELS = {"tiny": (16384, 65536), "2b": (196608, 262144), "8b": (196608, 262144)}
 LONG_LENGTHS = {"2b_long16k": 16384, "2b_long32k": 32768, "2b_long64k": 65536}  # shape -> sample tokens
 LONG_RESPONSE = 128
 PIXELS |= {shape: (1024 * 1024, 1024 * 1024) for shape in LONG_LENGTHS}  # 1024x1024 images kept whole
@@ -58,6 +62,35 @@ SHAPES = {
         # measured on an H100: without recompute an 8192-token micro-batch needs more than the 80 GB (OOM at 75.7 GB
         # in the vocab-parallel backward, docs/gpu-runs/2026-11-23-loop-2b-oom); full recompute keeps only the
         # layer inputs
+        "train.recompute=full",
+    ),
+    # Colocated memory per GPU (80 GB card, 79.6 GiB), 8.77B parameters at TP=2 (the vision tower counted as if
+    # replicated: 4.67B local parameters), megatron's distributed optimizer sharding over DP x CP = 2:
+    #   bf16 weights 2 B + fp32 gradient buffer 4 B + fp32 main weights 4/2 B = 8 B/param = 35 GiB when the engines
+    #   start; Adam's two fp32 moments (8/2 B/param = 17.4 GiB) are allocated at the first optimizer step, after
+    #   which the trainer holds 52 GiB through every rollout (this build does not offload it; docs/cluster.md).
+    # An SGLang 0.5.16 engine takes mem_fraction_static of the memory FREE when it starts (~43.6 GiB) for weights
+    # (8.77B x 2 B / TP 2 = 8.2 GiB) + KV cache, and leaves the rest as its runtime slack: at 0.4, 17.4 GiB
+    # (9 GiB of KV, ~120K tokens of 73.7 KB per GPU; a step needs ~15K per engine) and 26 GiB left, which must hold
+    # the Adam moments added later (17.4 GiB) plus SGLang's CUDA graphs and prefill activations: rollout ~71 GiB.
+    # Train phase (engines released): 52 GiB + activations of a 8192-token micro-batch (4096 tokens per CP rank,
+    # full recompute; the vocab-parallel logprobs ~5 GiB) ~60 GiB. Without the distributed optimizer (12 B/param
+    # unsharded) the trainer alone would need 65 GiB: it does not fit next to an engine.
+    "8b": (
+        "train.num_gpus=4",
+        "train.tp=2",
+        "train.cp=2",
+        "rollout.num_engines=2",
+        "rollout.gpus_per_engine=2",
+        "data.max_prompt_len=1024",
+        "rollout.batch_size=8",
+        "rollout.n_samples_per_prompt=8",
+        "rollout.max_response_len=128",
+        "rollout.sglang.mem_fraction_static=0.4",
+        'rollout.sglang.extra_args=["--cuda-graph-max-bs-decode","32","--max-running-requests","64"]',
+        "train.global_batch_size=64",
+        "train.micro_batch_max_tokens=8192",
+        "train.optimizer.lr=1e-6",
         "train.recompute=full",
     ),
 }
@@ -129,7 +162,8 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     from miles_vl.cli import main as cli
 
-    return cli(["train", str(CONFIG), *overrides(shape, ckpt, runs, name, int(steps)), *extra])
+    config = CONFIGS.get(shape, CONFIG)
+    return cli(["train", str(config), *overrides(shape, ckpt, runs, name, int(steps)), *extra])
 
 
 if __name__ == "__main__":

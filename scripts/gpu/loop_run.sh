@@ -5,9 +5,10 @@
 #
 # usage: bash scripts/gpu/loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]
 #   --check    first: the stack's imports and a GPU probe (sglang, sgl_kernel, transformer_engine, megatron, ray)
-#   SHAPE      tiny | 2b | 2b_long16k | 2b_long32k | 2b_long64k  (scripts/gpu/loop_job.py; the checkpoint,
-#              scripts/gpu/make_tiny_qwen3vl.py --shape tiny|2b, is written once per machine to /tmp/ckpt_loop_<SHAPE>,
-#              one for the three 2b_long shapes: /tmp/ckpt_loop_2b_long, whose processor keeps 1024x1024 images whole)
+#   SHAPE      tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k  (scripts/gpu/loop_job.py; the checkpoint,
+#              scripts/gpu/make_tiny_qwen3vl.py --shape tiny|2b|8b, is written once per machine to
+#              /tmp/ckpt_loop_<SHAPE>, one for the three 2b_long shapes: /tmp/ckpt_loop_2b_long, whose processor keeps
+#              1024x1024 images whole; 8b runs configs/geo3k_qwen3vl_8b.yaml on 4 GPUs)
 #   NAME       run name: the run directory is $RUNS/NAME (RUNS=/tmp/gpu_runs); running NAME again with a larger
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
@@ -16,9 +17,11 @@
 # The job (scripts/gpu/loop_job.py): configs/geo3k_qwen3vl_1gpu.yaml with generated geo3k-style problems, wandb off,
 # and the learnable reward `benchmarks.learning_smoke:digit_fraction`, sized per SHAPE.
 # Output: $OUT/NAME.tar.gz holding NAME/metrics.jsonl, config.yaml, driver.log, sglang_0.log (the server's log,
-# trimmed) and summary.json (scripts/gpu/summarize_run.py); where `xz` is installed, the server's log and a driver.log
-# over 16 KB come xz-compressed (`.log.xz`, as docs/gpu-runs commits them: its README.md). The run is stopped (SIGINT,
-# which writes a checkpoint) when it would outlast $BUDGET_S (default 540 s from this script's start).
+# trimmed), gpu_memory.csv (nvidia-smi's samples every 2 s of the GPUs in CUDA_VISIBLE_DEVICES, else all, during the
+# run: the summary's memory per GPU) and summary.json (scripts/gpu/summarize_run.py); where `xz` is installed, the
+# server's log and a driver.log over 16 KB come xz-compressed (`.log.xz`, as docs/gpu-runs commits them: its
+# README.md). The run is stopped (SIGINT, which writes a checkpoint) when it would outlast $BUDGET_S (default 540 s
+# from this script's start).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
@@ -32,8 +35,8 @@ shape=${1:?usage: loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]}
 name=${2:?run name}
 steps=${3:?num_steps}
 shift 3
-case "$shape" in tiny | 2b | 2b_long16k | 2b_long32k | 2b_long64k) ;;
-  *) echo "loop_run: unknown shape $shape (tiny | 2b | 2b_long16k | 2b_long32k | 2b_long64k)" >&2; exit 2 ;; esac
+case "$shape" in tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k) ;;
+  *) echo "loop_run: unknown shape $shape (tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k)" >&2; exit 2 ;; esac
 model_shape=${shape%%_*}      # the checkpoint's architecture: 2b_long64k -> 2b
 ckpt_name=${shape%[0-9][0-9]k}  # one checkpoint for the 2b_long lengths: 2b_long64k -> 2b_long
 mkdir -p "$out/$name" "$runs"
@@ -72,8 +75,15 @@ fi
 t=$(( $(left) - 25 ))
 [ "$t" -lt 60 ] && { say "only ${t}s left: not starting the run"; exit 1; }
 say "train: $name to step $steps (timeout ${t}s, then SIGINT)"
+smi_pid=""
+if command -v nvidia-smi > /dev/null; then  # memory per GPU, by every process on it (the summary's maxima)
+  nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 2 \
+    ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} > "$out/$name/gpu_memory.csv" 2>> "$log" &
+  smi_pid=$!
+fi
 timeout -s INT -k 60 "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
 status=$?
+[ -n "$smi_pid" ] && kill "$smi_pid" 2> /dev/null
 say "train exited $status"
 
 run_dir=$runs/$name
@@ -84,7 +94,9 @@ if [ -n "$server_log" ] && [ "$(stat -c %s "$server_log")" -le 400000 ]; then  #
 elif [ -n "$server_log" ]; then
   { head -c 200000 "$server_log"; echo; echo "[... trimmed ...]"; tail -c 200000 "$server_log"; } > "$out/$name/sglang_0.log"
 fi
-"$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" > "$out/$name/summary.json" 2>> "$log" \
+mem_args=()
+[ -s "$out/$name/gpu_memory.csv" ] && mem_args=(--gpu-memory "$out/$name/gpu_memory.csv")
+"$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" "${mem_args[@]}" > "$out/$name/summary.json" 2>> "$log" \
   && say "summary: $(cat "$out/$name/summary.json")"
 if command -v xz > /dev/null; then  # as docs/gpu-runs commits them (its README.md)
   for f in "$out/$name"/*.log; do

@@ -1,6 +1,6 @@
 """Write a random-init Qwen3-VL checkpoint that SGLang (and transformers) can load with no network.
 
-    PYTHONPATH=. python scripts/gpu/make_tiny_qwen3vl.py OUT_DIR [--shape tiny|2b] [--seed 0] [--device auto]
+    PYTHONPATH=. python scripts/gpu/make_tiny_qwen3vl.py OUT_DIR [--shape tiny|2b|8b] [--seed 0] [--device auto]
 
 What goes into OUT_DIR:
 - `config.json` + `model.safetensors` (bf16): the real architecture, `Qwen3VLForConditionalGeneration` of
@@ -21,6 +21,12 @@ Shapes:
   real embedding size 151936 for realistic memory traffic while the tokenizer has 590 tokens. Ids >= 590 have no
   token string (they decode to nothing); that is fine for random weights and decode benchmarks, but prompts must be
   built with the offline processor (ids < 590) because SGLang decodes prompt ids to text and re-tokenizes them.
+- `8b`: Qwen3-VL-8B-Instruct's shapes (`benchmarks.bench_train_throughput.qwen3_vl_8b_config`: hidden 4096, 36
+  layers, 32 heads of 128, 8 KV heads, intermediate 12288, untied lm_head; vision depth 27, hidden 1152), 8.77B
+  parameters, the real embedding size as for `2b`. 17.5 GB in bf16, saved in safetensors shards with an index.
+  Built in fp32 (35 GB) then cast: on a GPU in seconds, or with `--device cpu` (no GPU needed, e.g. while the GPUs
+  run something else) in minutes (not measured at 8B: torch's normal_ drew 200M values in 5 s on 2 busy cores),
+  plus the write.
 
 The model is built on `--device` (auto: CUDA when available; a 2B model on a CPU takes minutes) and saved in bf16.
 Unless `--no-check`, the directory is read back with `AutoProcessor` and `AutoConfig` (local files only) and, for
@@ -67,27 +73,28 @@ TINY_SHAPE = dict(
 
 
 def checkpoint_config(shape: str, tokens: SpecialTokens, init_std: float | None):
-    """The `Qwen3VLConfig` of `shape` ("tiny" or "2b") with the processor's special-token ids.
+    """The `Qwen3VLConfig` of `shape` ("tiny", "2b" or "8b") with the processor's special-token ids.
 
     Args:
-        shape: "tiny" or "2b" (see the module docstring).
+        shape: "tiny", "2b" or "8b" (see the module docstring).
         tokens: the offline processor's ids (`special_tokens(processor)`).
-        init_std: `initializer_range` of text and vision weights; None: 0.1 for tiny, HF's 0.02 for 2b.
+        init_std: `initializer_range` of text and vision weights; None: 0.1 for tiny, HF's 0.02 for 2b and 8b.
 
     Raises:
         ValueError: an unknown shape.
     """
     if shape == "tiny":
         return tiny_config(tokens, initializer_range=0.1 if init_std is None else init_std, **TINY_SHAPE)
-    if shape == "2b":
-        from benchmarks.bench_train_throughput import qwen3_vl_2b_config
+    if shape in ("2b", "8b"):
+        from benchmarks.bench_train_throughput import qwen3_vl_2b_config, qwen3_vl_8b_config
 
-        cfg = qwen3_vl_2b_config(replace(tokens, vocab_size=REAL_VOCAB))
+        real_shapes = qwen3_vl_2b_config if shape == "2b" else qwen3_vl_8b_config
+        cfg = real_shapes(replace(tokens, vocab_size=REAL_VOCAB))
         if init_std is not None:
             cfg.text_config.initializer_range = init_std
             cfg.vision_config.initializer_range = init_std
         return cfg
-    raise ValueError(f"--shape must be tiny or 2b, found {shape!r}")
+    raise ValueError(f"--shape must be tiny, 2b or 8b, found {shape!r}")
 
 
 def write_checkpoint(
@@ -183,12 +190,12 @@ def check_checkpoint(path: str | Path, summary: dict, *, load_weights: bool, see
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
-    ap.add_argument("--shape", choices=("tiny", "2b"), default="tiny")
+    ap.add_argument("--shape", choices=("tiny", "2b", "8b"), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="where the model is built: auto (CUDA if any), cpu, cuda")
     ap.add_argument("--min-pixels", type=int, default=DEFAULT_MIN_PIXELS)
     ap.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
-    ap.add_argument("--init-std", type=float, default=None, help="weight init std (default: 0.1 tiny, 0.02 2b)")
+    ap.add_argument("--init-std", type=float, default=None, help="weight init std (default: 0.1 tiny, else 0.02)")
     ap.add_argument("--no-check", action="store_true", help="skip reading the checkpoint back")
     args = ap.parse_args()
     summary = write_checkpoint(

@@ -77,7 +77,7 @@ def child(url: str, variant: str, group_timeout_s: float, ckpt: str) -> None:
     from safetensors.torch import load_file
 
     from miles_vl.rollout.sglang.client import SGLangClient
-    from miles_vl.rollout.weight_sync import DistributedWeightSender, EngineEndpoint
+    from miles_vl.rollout.sglang.weights import DistributedWeightSender, EngineEndpoint
 
     out: dict = {
         "variant": variant,

@@ -5,6 +5,10 @@
 # usage (in the repository root on the GPU machine, inside scripts/gpu/stack.sh, which stages and installs SGLang):
 #   bash scripts/gpu/stack.sh bash scripts/gpu/run_sglang_checks.sh [--keep-going] [--skip-bench] [--skip-tests]
 #                                                                  [--bench-args "ARGS"] [-k EXPR]
+#   STACK_VARIANT=sglang0517 bash scripts/gpu/stack.sh bash scripts/gpu/run_sglang_checks.sh ...   # SGLang 0.5.17
+# Under a stack variant (STACK_VARIANT, set for stack.sh) its logs go to $OUT/<variant>/, its import check is its own
+# and its server pid file too, so that the base and a variant can run side by side (each on its own GPUs:
+# CUDA_VISIBLE_DEVICES); the import stage checks that SGLang comes from the variant's site folder.
 #
 # On a fresh machine the tests (SGLang's first import ~90 s, two servers) and the benchmark no longer fit one 10-minute
 # call together (2026-11-24: the tests got 262 s and the last one was cut): run them in two calls, --skip-bench then
@@ -24,6 +28,8 @@ start=$(date +%s)
 budget=${BUDGET_S:-570}
 py=${PYTHON:-python3}
 export OUT=${OUT:-$(mktemp -d)}
+variant=${STACK_VARIANT:-}
+[ -n "$variant" ] && export OUT=$OUT/$variant && mkdir -p "$OUT"
 log=$OUT/driver.log
 keep_going=0 skip_bench=0 skip_tests=0 bench_args="" select=()
 while [ $# -gt 0 ]; do
@@ -43,7 +49,7 @@ fail() { say "FAILED at stage '$1': $2 (log: $log)"; cleanup_servers; exit 1; }
 
 # The SGLang servers run in their own sessions (so that stopping one stops its workers); a stage killed by its
 # timeout may leave one behind, holding the GPU. The tests and the benchmark write each server's pid here.
-export MILES_VL_SGLANG_PIDFILE=/tmp/miles_vl_sglang_pids
+export MILES_VL_SGLANG_PIDFILE=/tmp/miles_vl_sglang_pids${variant:+_$variant}
 cleanup_servers() {
   [ -f "$MILES_VL_SGLANG_PIDFILE" ] || return 0
   while read -r pid; do
@@ -67,7 +73,7 @@ pack_outputs() {
 trap pack_outputs EXIT
 
 cleanup_servers
-site=${STACK_SITE:-/tmp/stack_site}
+site=${STACK_ACTIVE_SITE:-${STACK_SITE:-/tmp/stack_site}}  # the variant's site folder under a variant
 
 # -- stage: imports and prebuilt kernels --------------------------------------------------------------------------
 if [ -f "$site/.miles_vl_import_ok" ]; then
@@ -75,13 +81,17 @@ if [ -f "$site/.miles_vl_import_ok" ]; then
 else
   say "import: sglang, sgl_kernel (+FA3), flashinfer, xgrammar, the server modules"
   timeout -k 10 "$(( $(left) > 180 ? 180 : $(left) ))" "$py" - >> "$log" 2>&1 << 'EOF' || fail import "$(tail -5 "$log")"
-import importlib, time
+import importlib, os, time
 from importlib.metadata import version
 t0 = time.time()
 import torch, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "transformers", transformers.__version__)
 import sglang, sgl_kernel, flashinfer, xgrammar, tvm_ffi, torch_memory_saver  # noqa: F401
 print({d: version(d) for d in ("sglang", "sglang-kernel", "flashinfer-python", "xgrammar", "apache-tvm-ffi", "tokenizers")})
+active = os.environ.get("STACK_ACTIVE_SITE")  # set by stack.sh: the variant's site folder under a variant
+for module, dist in ((sglang, "sglang"), (flashinfer, "flashinfer-python")):
+    assert not active or module.__file__.startswith(active + os.sep), f"{dist} imported from {module.__file__}, not {active}"
+assert sglang.__version__ == version("sglang"), f"sglang {sglang.__version__} imported, metadata says {version('sglang')}"
 for m in ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner",
           "sglang.srt.models.qwen3_vl", "sglang.srt.multimodal.processors.qwen_vl",
           "sglang.srt.layers.attention.flashattention_backend", "sglang.srt.layers.sampler"):

@@ -1,7 +1,7 @@
 """Summarize a run of the production loop (scripts/gpu/loop_run.sh): the figures docs/gpu.md quotes, from the run's own
 metrics.jsonl and config.yaml, so that every figure can be checked against the committed run.
 
-    PYTHONPATH=. python scripts/gpu/summarize_run.py RUN_DIR [--ckpt CKPT] [--peak-tflops 989.4]
+    PYTHONPATH=. python scripts/gpu/summarize_run.py RUN_DIR [--ckpt CKPT] [--peak-tflops 989.4] [--gpu-memory CSV]
 
 Last stdout line: one JSON object with
 - `steps`, `first_step`, `last_step`; `reward_first` / `reward_last` (mean of the first and last 5 steps'
@@ -15,6 +15,9 @@ Last stdout line: one JSON object with
   both resident): maxima over the steps;
 - `sample_len_max` (the longest prompt + response any step generated, `rollout/sample_len_max`) and
   `train_tokens_per_s_per_gpu` (the median `perf/train_tokens_per_s` over `train_gpus`): the long-context figures;
+- with `--gpu-memory` (the `nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,
+  nounits -l 2` samples loop_run.sh takes of the job's GPUs): `gpu_mem_used_gib_max`, the largest memory in use on
+  each GPU (by every process on it) over the run, keyed by the GPU's index, and `gpu_mem_total_gib`;
 - `train_gpus` (`train.num_gpus`) and `job_gpus` (those plus the engines' own GPUs when `ray.placement=disaggregate`;
   colocated engines share the train GPUs);
 - `train_tflops_per_gpu`, `train_mfu`: useful FLOPs of the train phase over its median time, per train GPU, and over
@@ -143,13 +146,42 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
     return out
 
 
+def gpu_memory(csv_path: Path) -> dict:
+    """`gpu_mem_used_gib_max` {GPU index: GiB} and `gpu_mem_total_gib` of nvidia-smi's samples (module docstring).
+
+    Raises:
+        ValueError: a line that is not `timestamp, index, used MiB, total MiB` (named with its line number).
+    """
+    used: dict[str, float] = {}
+    total = 0.0
+    for n, line in enumerate(csv_path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            _, index, mib, total_mib = fields
+            gib, total = float(mib) / 1024, float(total_mib) / 1024
+        except ValueError:
+            raise ValueError(
+                f"{csv_path}:{n}: expected 'timestamp, index, memory.used, memory.total' (MiB, nvidia-smi's "
+                f"--format=csv,noheader,nounits), found {line!r}"
+            ) from None
+        used[index] = max(used.get(index, 0.0), gib)
+    by_index = dict(sorted(used.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0]))
+    return {"gpu_mem_used_gib_max": {k: round(v, 2) for k, v in by_index.items()}, "gpu_mem_total_gib": round(total, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--ckpt", default=None, help="the checkpoint the run started from (for the MFU)")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H100 SXM / H200)")
+    ap.add_argument("--gpu-memory", type=Path, default=None, help="nvidia-smi samples of the job's GPUs (CSV)")
     args = ap.parse_args()
-    print(json.dumps(summarize(args.run_dir, args.ckpt, args.peak_tflops)))
+    out = summarize(args.run_dir, args.ckpt, args.peak_tflops)
+    if args.gpu_memory is not None:
+        out.update(gpu_memory(args.gpu_memory))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

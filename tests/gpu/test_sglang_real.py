@@ -834,7 +834,7 @@ def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckp
     from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.rollout.sglang import checkpoint_names
     from miles_vl.rollout.sglang.verify import PROBE_MAX_NUMEL, parse_checksums, server_name
-    from miles_vl.rollout.weight_sync import send_tensor_bucket
+    from miles_vl.rollout.sglang.weights import send_tensor_bucket
     from miles_vl.train import OptimizerOptions, TorchTrainBackend, TrainOptions
     from tests.rollout.sglang.fake_server import sglang_parameter
 

@@ -1,11 +1,20 @@
 """Contract: the config picks the rollout engine, the train backend and the reward's options from one table each
-(orchestration/factories.py): `reward.kwargs` reach any reward, geo3k's own keys reach geo3k only."""
+(orchestration/factories.py): `reward.kwargs` reach any reward, geo3k's own keys reach geo3k only; an engine's row
+gives the weight sync its group opener and timeouts."""
 
 import pytest
 
-from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, actor_class, reward_options
+from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, EngineKind, actor_class, launch_hf, reward_options
 from miles_vl.reward import resolve_reward
 from miles_vl.rollout.sglang import SGLangRolloutHost
+from miles_vl.rollout.sglang.weights import open_trainer_group
+from miles_vl.rollout.weight_sync import (
+    GroupSync,
+    NcclWeightSync,
+    TensorWeightSync,
+    WeightSyncOptions,
+    make_weight_sync,
+)
 from tests.orchestration.jobs import tiny_job
 
 
@@ -32,3 +41,29 @@ def test_the_ray_actor_class_wraps_the_host_without_starting_ray():
     assert callable(actor.remote) and callable(actor.options)
     assert callable(actor.options(num_gpus=1, max_restarts=0).remote)  # launch_sglang's per-engine options
     assert not ray.is_initialized()
+
+
+def open_stand_in_group(engines, **options):
+    """A new engine's group opener (never called here: the train actor calls it)."""
+    raise AssertionError("not called in this test")
+
+
+def test_the_engine_row_gives_the_weight_sync_its_group_opener_and_timeouts(tmp_path):
+    """Issue 31.3: the trainer side of a broadcast sync comes from the engine's row of the table, not from
+    weight_sync.py: sglang's row gives SGLang's `open_trainer_group` with `rollout.sglang.request_timeout_s` and
+    `sync_timeout_s` when disaggregated; colocated, and for hf, the weights go through the driver; a new engine's row
+    with its own opener is taken as it is."""
+    sglang = ("rollout.backend=sglang", "rollout.gpus_per_engine=1")
+    timeouts = ("rollout.sglang.request_timeout_s=31", "rollout.sglang.sync_timeout_s=7")
+    apart = tiny_job(tmp_path, "x", *sglang, *timeouts, "ray.placement=disaggregate")
+    assert ENGINES["sglang"].weight_group(apart) == GroupSync(open_trainer_group, 31, 7)
+    assert ENGINES["sglang"].weight_group(tiny_job(tmp_path, "x", *sglang, "ray.placement=colocate")) is None
+    assert ENGINES["hf"].weight_group(tiny_job(tmp_path, "x", "ray.placement=disaggregate")) is None
+
+    new = EngineKind(launch_hf, group_sync=lambda cfg: GroupSync(open_stand_in_group, 5.0))
+    sync = make_weight_sync(object(), group=new.weight_group(apart), trainer_gpus=False, options=WeightSyncOptions())
+    assert isinstance(sync, NcclWeightSync) and sync.group.open_group is open_stand_in_group
+    assert sync.backend == "gloo"  # a CPU trainer
+    assert isinstance(
+        make_weight_sync(object(), group=None, trainer_gpus=False, options=WeightSyncOptions()), TensorWeightSync
+    )

@@ -83,3 +83,16 @@ def test_one_gpu_job_runs_resumes_and_reports(tmp_path, one_fake_gpu):
 def test_loop_job_refuses_an_unknown_shape():
     with pytest.raises(ValueError, match="shape must be one of"):
         loop_job.overrides("7b", "/ckpt", "/runs", "x", 1)
+
+
+def test_loop_job_8b_shape_is_the_8b_config_at_tp2_cp2_on_four_gpus(tmp_path):
+    """The `8b` shape of the GPU run (issue 32.4): configs/geo3k_qwen3vl_8b.yaml with the run's overrides validates
+    as 4 GPUs of Megatron TP=2 x CP=2 (DP=1) and two 2-GPU SGLang engines on the same GPUs, colocated."""
+    assert loop_job.CONFIGS["8b"].name == "geo3k_qwen3vl_8b.yaml"
+    cfg = load_config(loop_job.CONFIGS["8b"], loop_job.overrides("8b", tmp_path / "ckpt", tmp_path, "eight_b", 6))
+    assert (cfg.rollout.backend, cfg.train.backend, cfg.ray.placement) == ("sglang", "megatron", "colocate")
+    assert (cfg.train.num_gpus, cfg.train.tp, cfg.train.cp, cfg.train.sp) == (4, 2, 2, True)
+    assert (cfg.rollout.num_engines, cfg.rollout.gpus_per_engine) == (2, 2)
+    assert (cfg.data.min_pixels, cfg.data.max_pixels) == loop_job.PIXELS["8b"]
+    assert cfg.rollout.sglang.mem_fraction_static == 0.4 and cfg.train.recompute == "full"
+    assert cfg.num_steps == 6 and cfg.eval.interval == 0 and cfg.data.train_path is None

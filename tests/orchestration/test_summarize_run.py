@@ -73,3 +73,25 @@ def test_long_context_figures(tmp_path, train_gpus):
     assert out["train_tokens_per_s"] == 1250.0  # steps 2 and 3: 1000, 1500
     assert out["train_tokens_per_s_per_gpu"] == 1250.0 / train_gpus
     assert out["train_peak_mem_gib"] == 13.0 and out["sample_len_max"] == 60003.0
+
+
+def test_gpu_memory_is_the_largest_sample_per_gpu(tmp_path):
+    """Memory per GPU (issue 32.4): nvidia-smi's samples of each GPU reduced to their maximum, in GiB, by index."""
+    csv = tmp_path / "gpu_memory.csv"
+    csv.write_text(
+        "2026/11/26 14:00:00.000, 2, 1024, 81559\n"
+        "2026/11/26 14:00:00.000, 3, 2048, 81559\n"
+        "2026/11/26 14:00:02.000, 2, 61440, 81559\n"
+        "2026/11/26 14:00:02.000, 3, 512, 81559\n"
+        "\n"
+    )
+    got = summarize_run.gpu_memory(csv)
+    assert got == {"gpu_mem_used_gib_max": {"2": 60.0, "3": 2.0}, "gpu_mem_total_gib": 79.65}
+    assert list(got["gpu_mem_used_gib_max"]) == ["2", "3"]
+
+
+def test_gpu_memory_names_a_bad_line(tmp_path):
+    csv = tmp_path / "gpu_memory.csv"
+    csv.write_text("2026/11/26 14:00:00.000, 0, 1024, 81559\nNo devices were found\n")
+    with pytest.raises(ValueError, match=r"gpu_memory.csv:2: expected 'timestamp, index, memory.used"):
+        summarize_run.gpu_memory(csv)

@@ -6,9 +6,11 @@
 - `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
 - `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API.
 - `host`: `SGLangRolloutHost`, the `RolloutEngine`: launch + restart + engine in one object; Ray runs one per engine.
+- `weights`: SGLang's weight-sync wire: the `/update_weights_from_tensor` payload (colocated) and trainer rank 0's
+  NCCL group over `/init_weights_update_group` and `/update_weights_from_distributed` (`open_trainer_group`).
 
-Weight sync (buckets, the `/update_weights_from_tensor` and `/update_weights_from_distributed` sequences) lives in
-miles_vl/rollout/weight_sync.py.
+The engine-agnostic weight sync (buckets, deadlines, the two strategies the driver runs) is
+miles_vl/rollout/weight_sync.py; orchestration/factories.py's engine table gives it `weights.open_trainer_group`.
 """
 
 from miles_vl.rollout.sglang.client import (

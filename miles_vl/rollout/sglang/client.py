@@ -304,7 +304,7 @@ class SGLangClient:
         weight_version: str | None = None,
     ) -> None:
         """`POST /update_weights_from_tensor`: one base64 payload per TP rank of the server (see
-        miles_vl/rollout/weight_sync.py).
+        miles_vl/rollout/sglang/weights.py).
 
         Safe to retry: loading the same tensors twice gives the same weights.
         """

@@ -26,7 +26,7 @@ every sample to the scheduler at once, so they start decoding together instead o
 SGLang's own server takes such a request too, but waits for each prompt's prefill in turn, so the engine sends it one
 prompt per request.
 
-Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, miles_vl/rollout/weight_sync.py); a caller
+Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, rollout/sglang/weights.py); a caller
 that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
 `finish_weight_sync` (a server restart in between is detected and the sync must begin again); after an NCCL sync driven
 by the trainer (`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's
@@ -68,14 +68,9 @@ from miles_vl.rollout.sglang.generate import (
     vision_inputs,
 )
 from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
+from miles_vl.rollout.sglang.weights import finish_tensor_sync, send_tensor_bucket
 from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
-from miles_vl.rollout.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    SyncReport,
-    finish_tensor_sync,
-    iter_buckets,
-    send_tensor_bucket,
-)
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport, iter_buckets
 
 log = logging.getLogger(__name__)
 

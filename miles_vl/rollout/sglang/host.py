@@ -57,8 +57,9 @@ from miles_vl.rollout.sglang.server import (
     write_server_config,
 )
 from miles_vl.rollout.sglang.verify import checkpoint_names
+from miles_vl.rollout.sglang.weights import EngineAddress
 from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
-from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, EngineAddress, SyncReport
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport
 from miles_vl.sglang_launch import PIXEL_DIR_ENV
 
 log = logging.getLogger(__name__)

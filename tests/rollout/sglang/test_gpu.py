@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from miles_vl.rollout.sglang import SGLangRolloutEngine
-from miles_vl.rollout.weight_sync import DistributedWeightSender, EngineEndpoint, serialize_named_tensors
+from miles_vl.rollout.sglang.weights import DistributedWeightSender, EngineEndpoint, serialize_named_tensors
 from tests.rollout.sglang.conftest import FAKE_SERVER, TOKENS, free_port, quick_client
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -268,7 +268,7 @@ def test_the_whole_engine_path_runs_with_the_generated_key(tmp_path):
     info, health; and the trainer's NCCL sync (gloo here) to two servers with keys of their own, through the
     addresses the hosts hand it (`endpoint`). The stand-in refuses a call without the key (401), so a path that
     forgot it fails here; and it records that every call it got was authorized."""
-    from miles_vl.rollout.weight_sync import open_trainer_group
+    from miles_vl.rollout.sglang.weights import open_trainer_group
 
     h = host(tmp_path, api_key=None, colocated=True, max_restarts=0, cpu_tensors_by_name=True)
     other = host(tmp_path / "other", api_key=None)
