@@ -93,3 +93,19 @@ def test_long_sample_at_the_bounds_trains_whole_at_cp4(tmp_path, four_fake_gpus)
         job(tmp_path, ckpt, "x", tight[0], f"train.micro_batch_max_tokens={n + RESPONSE - 1}")
     with pytest.raises(DataError, match="prompt_too_long=4"):
         run_job(job(tmp_path, ckpt, "short", f"data.max_prompt_len={n - 1}"), hooks=stand_ins(sglang=True))
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("shape, length, images", [("2b_long16k", 16384, 15), ("2b_long32k", 32768, 31),
+                                                   ("2b_long64k", 65536, 62)])  # fmt: skip
+def test_long_shapes_validate_at_every_layout_on_four_gpus(tmp_path, shape, length, images, layout):
+    """The GPU runs' command lines (`loop_run.sh 2b_long64k NAME 2 train.num_gpus=4 train.cp=4`, docs/long_context.md)
+    validate: every bound holds the length, 1024x1024 images kept whole, one engine colocated on the train GPUs."""
+    tp, cp = layout
+    extra = ["train.num_gpus=4", f"train.tp={tp}", f"train.cp={cp}"]
+    cfg = load_config(loop_job.CONFIG, [*loop_job.overrides(shape, tmp_path / "ckpt", tmp_path, "x", 2), *extra])
+    assert (cfg.data.synthetic_task, cfg.data.synthetic_images) == ("many_images", images)
+    assert (cfg.data.min_pixels, cfg.data.max_pixels) == loop_job.PIXELS[shape] == (1024 * 1024, 1024 * 1024)
+    assert cfg.data.max_prompt_len + cfg.rollout.max_response_len == cfg.train.micro_batch_max_tokens == length
+    assert (cfg.train.backend, cfg.ray.placement, cfg.rollout.num_engines) == ("megatron", "colocate", 1)
+    assert cfg.dp_size == 4 // (tp * cp) and cfg.train.recompute == "full"
