@@ -1,25 +1,34 @@
-"""Megatron (megatron-bridge Qwen3VLModel, Transformer Engine) training throughput and memory: CP=1 vs CP=2.
+"""Megatron (megatron-bridge Qwen3VLModel, Transformer Engine) training throughput and memory per layout and length:
+CP=1, CP=2, CP=4, TP=2 x CP=2, each with and without `vision_dp_when_cp`, at 16K / 32K / 64K tokens.
 
-    python benchmarks/bench_megatron_cp.py [--lengths 8192,16384,32768] [--images 4] [--steps 4] [--gpus 2]
-                                           [--layouts cp1,cp2,cp2_vdp]
+    python benchmarks/bench_megatron_cp.py [--lengths 16384,32768,65536] [--images task] [--steps 2] [--gpus 2]
+                                           [--layouts cp1,cp2] [--recompute none|full] [--timeout-s 540] [--out F]
+    bash benchmarks/megatron_cp_ladder.sh     # the whole ladder on 4 GPUs (docs/long_context.md)
 
-Needs CUDA, Transformer Engine and megatron-bridge (scripts/gpu_check.sh --bench installs the bundle and runs it).
+Needs CUDA, Transformer Engine and megatron-bridge (inside scripts/gpu/stack.sh, or scripts/gpu_check.sh --bench).
 Model: random-init Qwen3-VL-2B shapes (`bench_train_throughput.qwen3_vl_2b_config`) through the production path
 `AutoBridge.from_hf_config(...).to_megatron_provider(load_weights=False)` + `miles_vl.patches.configure_provider`,
-bf16, TE specs, megatron DDP (fp32 grad buffers), no activation recompute.
+bf16, TE specs, megatron DDP (fp32 grad buffers); `--recompute full` recomputes every layer of both towers (the
+setting of the GPU loop jobs; megatron-bridge's vision config copies it).
 
-Samples: one long multimodal sample per packed row: `--images` images of 1024x1024 (4096 patches, 1024 vision tokens
-each) at the start, the rest text; total length L from `--lengths`. On `--gpus` GPUs (2):
+Samples: one long multimodal sample per packed row: images of 1024x1024 (4096 patches, 1024 vision tokens each) at
+the start, the rest text; total length L from `--lengths`. `--images task` (default) puts as many images as the
+`many_images` task's prompt of that length holds (15 / 31 / 62 at 16K / 32K / 64K: nearly all vision tokens), an int
+that many. Layouts (`LAYOUTS`: tp, cp, vision_dp_when_cp) over the launch's `--gpus` GPUs, the rest data parallel:
 
-- CP=1: data parallel, every GPU runs its own sample of length L (the whole sample's activations on one GPU);
-- CP=2: one sample split over 2 GPUs (zigzag THD shards from `miles_vl.packing.pack_thd`, rank-local positions);
-- CP=2 with `vision_dp_when_cp` (`cp2_vdp`, `train.vision_dp_when_cp`): the same, the vision tower's images split
-  across the CP ranks instead of every rank encoding all of them.
+- `cp1`: every GPU runs its own sample of length L (the whole sample's activations on one GPU);
+- `cp2`, `cp4`: one sample split over 2 / 4 GPUs (zigzag THD shards from `miles_vl.packing.pack_thd`, rank-local
+  positions); `tp2cp2`: tensor parallel 2 inside each of 2 CP ranks (no sequence parallelism: `train.sp` is off by
+  default);
+- `_vdp` (`train.vision_dp_when_cp`): the vision tower's images split across the CP ranks instead of every rank
+  encoding all of them.
 
 One step = forward with next-token labels (megatron's vocab-parallel cross entropy), backward, DDP grad sync; timed
-over `--steps` steps after one warm-up. Throughput counts real tokens processed by all GPUs per second; peak memory
-is `torch.cuda.max_memory_allocated` per GPU (max over GPUs). A length that runs out of memory is reported as "oom".
-Last stdout line: one JSON object.
+over `--steps` steps after one warm-up. Throughput counts real tokens processed by all GPUs per second (and per GPU);
+peak memory is `torch.cuda.max_memory_allocated` per GPU (max over GPUs). A length that runs out of memory on any
+rank is "oom" on all of them and the longer lengths of that layout are skipped ("skipped: oom at L"); the launch is
+killed after `--timeout-s` and reports what it measured until then ("timeout" for the rest; exit 1). Last stdout
+line: one JSON object (also appended to `--out`).
 """
 
 from __future__ import annotations
@@ -66,10 +75,79 @@ def long_sample(length: int, images: int, seed: int):
     return Sample(torch.tensor(ids), grid, None, length - 1024), pixels
 
 
-LAYOUTS = {"cp1": (1, False), "cp2": (2, False), "cp2_vdp": (2, True)}  # name -> (cp size, vision_dp_when_cp)
+# name -> (tp, cp, vision_dp_when_cp); the rest of the GPUs of a launch is data parallel
+LAYOUTS = {
+    "cp1": (1, 1, False),
+    "cp2": (1, 2, False),
+    "cp2_vdp": (1, 2, True),
+    "cp4": (1, 4, False),
+    "cp4_vdp": (1, 4, True),
+    "tp2cp2": (2, 2, False),
+    "tp2cp2_vdp": (2, 2, True),
+}
 
 
-def build(cp: int, vision_dp: bool = False):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (module docstring), checked: known layouts that fit --gpus, positive lengths.
+
+    Raises:
+        SystemExit: (argparse, exit 2) an unknown layout, a layout whose tp * cp does not divide --gpus, a bad length.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="16384,32768,65536", help="sample lengths in tokens, ascending")
+    parser.add_argument(
+        "--images",
+        default="task",
+        help="images per sample: an int, or `task` = the many_images task's count per length",
+    )
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per length, after one warm-up")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--layouts", default="cp1,cp2", help=f"which of {', '.join(LAYOUTS)} to run, in order")
+    parser.add_argument("--recompute", choices=("none", "full"), default="none", help="activation recompute")
+    parser.add_argument("--timeout-s", type=float, default=540.0, help="hard bound of the whole launch")
+    parser.add_argument("--out", default=None, help="also append the JSON line to this file")
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths: comma-separated integers, found {args.lengths!r}")
+    if any(n <= 0 for n in args.lengths) or args.lengths != sorted(args.lengths):
+        parser.error(f"--lengths must be positive and ascending (a length that runs out of memory skips the longer "
+                     f"ones), found {args.lengths}")  # fmt: skip
+    args.layouts = args.layouts.split(",")
+    if unknown := [name for name in args.layouts if name not in LAYOUTS]:
+        parser.error(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
+    for name in args.layouts:
+        tp, cp, _ = LAYOUTS[name]
+        if args.gpus % (tp * cp):
+            parser.error(f"--layouts {name} needs tp * cp = {tp * cp} to divide --gpus {args.gpus}")
+    if args.images != "task":
+        try:
+            args.images = int(args.images)
+        except ValueError:
+            parser.error(f"--images: an integer or `task`, found {args.images!r}")
+    for length in args.lengths:
+        images_for(length, args.images)  # an impossible length/images pair fails here, before any GPU work
+    return args
+
+
+def images_for(length: int, images: int | str) -> int:
+    """Images of a sample of `length` tokens: `images`, or with "task" as many as the many_images task puts in a prompt
+    of that length (`miles_vl.data.synth.many_images_count`: 1024 vision tokens each).
+
+    Raises:
+        SystemExit: the images do not fit the length.
+    """
+    from miles_vl.data.synth import many_images_count
+
+    n = many_images_count(length) if images == "task" else images
+    needed = n * (GRID[1] * GRID[2] // 4 + 2) + 1
+    if needed > length:
+        raise SystemExit(f"--images {n} need {needed} tokens, more than the length {length}; lower --images")
+    return n
+
+
+def build(tp: int, cp: int, vision_dp: bool = False, recompute: str = "none"):
     from megatron.bridge import AutoBridge
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -80,10 +158,12 @@ def build(cp: int, vision_dp: bool = False):
     config = qwen3_vl_2b_config()
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     provider = AutoBridge.from_hf_config(config).to_megatron_provider(load_weights=False)
-    provider.tensor_model_parallel_size = 1
+    provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = 1
     provider.bf16, provider.params_dtype = True, torch.bfloat16
     provider.gradient_accumulation_fusion = False  # needs APEX's fused_weight_gradient_mlp_cuda for the lm head
+    if recompute == "full":  # as miles_vl/train/megatron/build.py; the vision tower copies these settings
+        provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
     configure_provider(provider, cp_size=cp, vision_dp_when_cp=vision_dp)
     provider.finalize()
     ddp = DistributedDataParallelConfig(
@@ -92,21 +172,33 @@ def build(cp: int, vision_dp: bool = False):
     return provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True, bf16=True)[0]
 
 
-def job(ctx, lengths: list[int], images: int, steps: int, layouts: list[str]) -> dict:
+def job(ctx, lengths: list[int], images: int | str, steps: int, layouts: list[str], recompute: str, log_dir: str):
+    """Every layout, every length, on this rank; each result is also appended to `log_dir/rank{r}.jsonl` as soon as
+    it is known, so that a launch killed by its time bound still reports what it measured."""
     from megatron.core import parallel_state as ps
 
     from miles_vl.packing import pack_thd
     from tests.patches.harness.runner import thd_params
 
+    def record(key: str, value) -> None:
+        out[key] = value
+        with open(os.path.join(log_dir, f"rank{ctx.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"key": key, "value": value}) + "\n")
+
     out: dict = {}
     for layout in layouts:
-        cp, vision_dp = LAYOUTS[layout]
-        ctx.init_parallel(tp=1, cp=cp)
-        model = build(cp, vision_dp)
-        cp_rank = ps.get_context_parallel_rank()
+        tp, cp, vision_dp = LAYOUTS[layout]
+        ctx.init_parallel(tp=tp, cp=cp)
+        model = build(tp, cp, vision_dp, recompute)
+        cp_rank, dp = ps.get_context_parallel_rank(), ps.get_data_parallel_world_size()
+        failed_at = None
         for length in lengths:
-            # CP=1: each GPU its own sample (seed by DP rank); CP=2: one sample shared by the CP group.
-            sample, pixels = long_sample(length, images, seed=ps.get_data_parallel_rank())
+            key = f"{layout}_L{length}"
+            if failed_at is not None:  # longer than a length that ran out of memory: would too
+                record(key, f"skipped: oom at {failed_at}")
+                continue
+            # DP ranks: each its own sample (seed by DP rank); a TP x CP group shares one sample
+            sample, pixels = long_sample(length, images_for(length, images), seed=ps.get_data_parallel_rank())
             batch = pack_thd(
                 [sample], cp_size=cp, pad_token_id=PAD, spatial_merge_size=2, image_token_id=IMAGE,
                 video_token_id=VIDEO, vision_start_token_id=VSTART,
@@ -120,7 +212,7 @@ def job(ctx, lengths: list[int], images: int, steps: int, layouts: list[str]) ->
                 pixel_values=pixels.cuda().to(torch.bfloat16),
                 image_grid_thw=batch.image_grid_thw.cuda(),
             )
-            key = f"{layout}_L{length}"
+            oom = torch.zeros(1, device="cuda")
             try:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -136,67 +228,116 @@ def job(ctx, lengths: list[int], images: int, steps: int, layouts: list[str]) ->
                     torch.cuda.synchronize()
                     if i:  # the first step warms up
                         times.append(time.perf_counter() - t0)
-                step_s = sum(times) / len(times)
-                out[key] = {
-                    "step_s": step_s,
+                    del output, loss
+                result = {
+                    "step_s": sum(times) / len(times),
                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                    "tokens_per_step_all_gpus": length * ctx.world_size // cp,
+                    "tokens_per_step_all_gpus": length * dp,
+                    "images": images_for(length, images),
                 }
             except torch.OutOfMemoryError:
-                out[key] = "oom"
+                output = loss = None  # noqa: F841  (drop the failed step's tensors before the next length)
+                oom += 1
+                result = "oom"
             del inputs
+            model.zero_grad_buffer()
+            torch.cuda.empty_cache()
+            torch.distributed.all_reduce(oom)  # every rank agrees: one rank out of memory fails the length for all
+            if oom.item():
+                result, failed_at = "oom", length
+            record(key, result)
         del model
         torch.cuda.empty_cache()
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default="8192,16384,32768")
-    parser.add_argument("--images", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--layouts", default="cp1,cp2", help=f"which of {', '.join(LAYOUTS)} to run, in order")
-    args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    layouts = args.layouts.split(",")
-    if unknown := set(layouts) - set(LAYOUTS):
-        raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
-    per_rank = run_ranks(job, args.gpus, args=(lengths, args.images, args.steps, layouts), timeout_s=560)
-    results = {}
-    for key in per_rank[0]:
-        runs = [r[key] for r in per_rank]
-        if any(r == "oom" for r in runs):
-            results[key] = "oom"
-            continue
-        step_s = max(r["step_s"] for r in runs)  # the slowest GPU sets the pace
-        results[key] = {
-            "tokens_per_s": round(runs[0]["tokens_per_step_all_gpus"] / step_s),
-            "step_s": round(step_s, 4),
-            "peak_gib_per_gpu": round(max(r["peak_gib"] for r in runs), 2),
-        }
+def aggregate(per_rank: list[dict], lengths: list[int], layouts: list[str], gpus: int, missing: str) -> dict:
+    """The results over ranks: per layout and length tokens/s (all GPUs) and per GPU, the step time of the slowest
+    rank, the peak memory of the fullest; "oom" / "skipped: ..." as the ranks reported; `missing` (e.g. "timeout")
+    for a length no rank reported. Then each layout's ratios to cp1 / its layout without vision_dp."""
+    results: dict = {}
+    for layout in layouts:
+        tp, cp, _ = LAYOUTS[layout]
+        for length in lengths:
+            key = f"{layout}_L{length}"
+            runs = [r[key] for r in per_rank if key in r]
+            if not runs or len(runs) < len(per_rank):
+                results[key] = missing
+                continue
+            if any(isinstance(r, str) for r in runs):
+                results[key] = next(r for r in runs if isinstance(r, str))
+                continue
+            step_s = max(r["step_s"] for r in runs)  # the slowest GPU sets the pace
+            tokens_per_s = runs[0]["tokens_per_step_all_gpus"] / step_s
+            results[key] = {
+                "tokens_per_s": round(tokens_per_s),
+                "tokens_per_s_per_gpu": round(tokens_per_s / gpus),
+                "step_s": round(step_s, 4),
+                "peak_gib_per_gpu": round(max(r["peak_gib"] for r in runs), 2),
+                "images": runs[0]["images"],
+                "tp": tp,
+                "cp": cp,
+            }
     for length in lengths:
-        for new, base in (("cp2", "cp1"), ("cp2_vdp", "cp2")):
-            a, b = results.get(f"{base}_L{length}"), results.get(f"{new}_L{length}")
-            if isinstance(a, dict) and isinstance(b, dict):
-                results[f"L{length}_{new}_over_{base}"] = {
-                    "throughput": round(b["tokens_per_s"] / a["tokens_per_s"], 3),
+        for layout in layouts:
+            base = "cp1" if not layout.endswith("_vdp") else layout.removesuffix("_vdp")
+            a, b = results.get(f"{base}_L{length}"), results.get(f"{layout}_L{length}")
+            if layout != base and isinstance(a, dict) and isinstance(b, dict):
+                results[f"L{length}_{layout}_over_{base}"] = {
+                    "throughput_per_gpu": round(b["tokens_per_s_per_gpu"] / a["tokens_per_s_per_gpu"], 3),
                     "peak_memory": round(b["peak_gib_per_gpu"] / a["peak_gib_per_gpu"], 3),
                 }
-    print(
-        json.dumps(
-            {
-                "bench": "megatron_cp",
-                "gpu": torch.cuda.get_device_name(0),
-                "gpus": args.gpus,
-                "model": "Qwen3-VL-2B shapes, random init, bf16, TE",
-                "images_per_sample": args.images,
-                "vision_tokens_per_image": GRID[1] * GRID[2] // 4,
-                "steps": args.steps,
-                "results": results,
-            }
-        )
+    return results
+
+
+def read_partial(log_dir: str, world: int) -> list[dict]:
+    """What each rank recorded before the launch ended (`job`'s per-rank files)."""
+    per_rank = []
+    for r in range(world):
+        path = os.path.join(log_dir, f"rank{r}.jsonl")
+        rows = open(path).read().splitlines() if os.path.exists(path) else []
+        per_rank.append({row["key"]: row["value"] for row in map(json.loads, rows)})
+    return per_rank
+
+
+def main() -> None:
+    import tempfile
+
+    args = parse_args()
+    error = None
+    with tempfile.TemporaryDirectory() as log_dir:
+        try:
+            run_ranks(
+                job,
+                args.gpus,
+                args=(args.lengths, args.images, args.steps, args.layouts, args.recompute, log_dir),
+                timeout_s=args.timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001  (a timeout or a rank's error: report what was measured)
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        per_rank = read_partial(log_dir, args.gpus)
+    missing = "timeout" if error and error.startswith("TimeoutError") else "error"
+    line = json.dumps(
+        {
+            "bench": "megatron_cp",
+            "gpu": torch.cuda.get_device_name(0),
+            "gpus": args.gpus,
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "model": "Qwen3-VL-2B shapes, random init, bf16, TE",
+            "recompute": args.recompute,
+            "images_per_sample": args.images,
+            "vision_tokens_per_image": GRID[1] * GRID[2] // 4,
+            "steps": args.steps,
+            "error": error,
+            "results": aggregate(per_rank, args.lengths, args.layouts, args.gpus, missing),
+        }
     )
+    print(line)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
+    if error:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 - `train.num_gpus` must be divisible by `tp * pp * cp`; `train.global_batch_size` by the data-parallel size,
   and the samples of one step (`rollout.batch_size * rollout.n_samples_per_prompt`) by `train.global_batch_size`.
 - `algo.estimator: grpo` needs `rollout.n_samples_per_prompt >= 2`.
-- `train.micro_batch_max_tokens` must hold one sample of `data.max_prompt_len + rollout.max_response_len`.
+- `train.micro_batch_max_tokens` must hold one sample of `data.max_prompt_len + rollout.max_response_len`, padded
+  to a multiple of `2 * train.cp` (a sample's room in its packed row).
 - `rollout.sglang.vision_cache_mb > 0` needs `train.freeze_vision: true` (the cache outlives weight syncs).
 - `rollout.backend: sglang` needs `rollout.gpus_per_engine >= 1`.
 - `rollout.sglang.send_pixel_values: true` needs `rollout.sglang.share_copy_pixels: true` (miles_vl's launcher reads

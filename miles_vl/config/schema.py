@@ -90,7 +90,9 @@ class DataConfig(_Section):
     synthetic_n: int = Field(
         0, ge=0, description="generate this many rows of `synthetic_task` instead of reading a file."
     )
-    synthetic_task: Literal["geometry", "polygon_colour", "polygon_sides", "background_colour", "motion"] = Field(
+    synthetic_task: Literal[
+        "geometry", "polygon_colour", "polygon_sides", "background_colour", "motion", "many_images"
+    ] = Field(
         "geometry",
         description="what `synthetic_n` generates (data/synth.py, whose TASKS has the same names): `geometry` = "
         "find-x diagrams (angles, sides, circles); `background_colour` = 'What colour is the background? Choices: "
@@ -99,7 +101,12 @@ class DataConfig(_Section):
         "white); `polygon_sides` = 'How many sides does the polygon have? Choices: 3, 4, 5, 6.'. The three have the "
         "same text for every problem: the answer is in the pixels only. `motion` = a video: 'Which way does the "
         "shape move? Choices: A. left, B. right' over four frames of a moving polygon (`miles-vl data synth --task "
-        "motion`).",
+        "motion`). `many_images` = the long-context task: `synthetic_images` numbered 1024x1024 images, 'Which image "
+        "has a red background? Answer with its number.' (1024 vision tokens each at max_pixels >= 1048576: 15, 31 "
+        "and 62 images make 16K, 32K and 64K-token prompts; docs/long_context.md).",
+    )
+    synthetic_images: int = Field(
+        8, ge=2, description="images per prompt of `synthetic_task: many_images` (other tasks: one image or video)."
     )
     blank_images: bool = Field(
         False,
@@ -707,10 +714,15 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"algo.policy_loss=gspo averages each response's sequence-level loss over responses (the GSPO objective), "
             f"but algo.loss_reduction={a.loss_reduction}; set algo.loss_reduction=seq_mean_token_mean"
         )
-    if cfg.data.max_prompt_len + r.max_response_len > t.micro_batch_max_tokens:
+    longest = cfg.data.max_prompt_len + r.max_response_len
+    unit = 2 * t.cp  # a sample takes ceil(L / 2cp) * 2cp tokens of its packed row (packing/thd.py, padded_length)
+    padded = -(-longest // unit) * unit
+    if padded > t.micro_batch_max_tokens:
         errors.append(
             f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} cannot hold one sample of data.max_prompt_len "
-            f"({cfg.data.max_prompt_len}) + rollout.max_response_len ({r.max_response_len}); raise the budget"
+            f"({cfg.data.max_prompt_len}) + rollout.max_response_len ({r.max_response_len}) = {longest} tokens, "
+            f"padded to {padded} (a multiple of 2 * train.cp = {unit}) in its packed row; raise the budget to "
+            f">= {padded}"
         )
     if r.sglang.vision_cache_mb > 0 and not t.freeze_vision:
         errors.append(

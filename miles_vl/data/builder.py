@@ -4,7 +4,8 @@
     batch = splits.train.next_batch(cfg.rollout.batch_size)
 
 Sources: `train_path` (parquet/jsonl), or `synthetic_n` generated problems of `synthetic_task` (`synth`, seeded by
-the job seed): geometry diagrams or polygon questions, one image each, or with `synthetic_task=motion` short videos
+the job seed): geometry diagrams or polygon questions, one image each (`synthetic_task=many_images`: `synthetic_images`
+numbered images each), or with `synthetic_task=motion` short videos
 of a moving shape. `blank_images` makes the encoder replace every image and video frame by a white one (the control
 run). Eval: `eval_path`, else a seeded `eval_fraction` of the training rows, else none. Every load is counted and
 logged (`LoadReport`); a training set with no usable row is an error. Every problem with the files is a `DataError`
@@ -111,7 +112,10 @@ def build_datasets(
         )
         source = f"synthetic(n={cfg.synthetic_n}, seed={seed}, task={cfg.synthetic_task})"
         train_rows, report = load_prompt_records(
-            synth_records(cfg.synthetic_n, seed, cfg.synthetic_task), encoder, synthetic, source=source
+            synth_records(cfg.synthetic_n, seed, cfg.synthetic_task, cfg.synthetic_images),
+            encoder,
+            synthetic,
+            source=source,
         )
     reports = [report]
     if not train_rows:

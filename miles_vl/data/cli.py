@@ -40,7 +40,14 @@ def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.Argume
         choices=typing.get_args(task.annotation),
         default=task.default,
         help="one of %(choices)s (default %(default)s): the tasks of `data.synthetic_task` (docs/configs.md); "
-        "motion: 4-frame videos of a shape moving left or right, the others one image each",
+        "motion: 4-frame videos of a shape moving left or right, many_images: --images numbered images, the others "
+        "one image each",
+    )
+    synth.add_argument(
+        "--images",
+        type=int,
+        default=DataConfig.model_fields["synthetic_images"].default,
+        help="images per problem of --task many_images (default %(default)s; `data.synthetic_images`)",
     )
     synth.add_argument("--seed", type=int, default=0, help="the same seed gives the same file (default 0)")
     synth.set_defaults(data_handler=cmd_synth)
@@ -73,7 +80,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.n < 1:
         sys.stderr.write(f"error: --n must be >= 1, found {args.n}\n")
         return 2
-    path = write_synth_parquet(args.out, args.n, args.seed, args.task)
+    if args.task == "many_images" and args.images < 2:
+        sys.stderr.write(f"error: --images must be >= 2 for --task many_images, found {args.images}\n")
+        return 2
+    path = write_synth_parquet(args.out, args.n, args.seed, args.task, args.images)
     sys.stdout.write(f"wrote {args.n} problems ({args.task}, seed {args.seed}) to {path}\n")
     return 0
 

@@ -7,7 +7,7 @@ questions (one image each), and a video task (a short clip of a moving shape).
     problems = generate_problems(8, seed=0, task="polygon_sides")
     clip = generate_motion_problem(0, seed=0)                    # SynthVideoProblem: problem, answer, params, frames
 
-Five tasks (`TASKS`: the names `data.synthetic_task` and `miles-vl data synth --task` take), four of images and one
+Six tasks (`TASKS`: the names `data.synthetic_task` and `miles-vl data synth --task` take), five of images and one
 of videos. `geometry` (the default): four kinds, cycled (problem i has kind KINDS[i % 4]), every number drawn to
 scale:
 
@@ -44,6 +44,14 @@ random colour and rotation) that moves a fixed number of pixels per frame to the
 does the shape move? Choices: A. left, B. right", answer A or B. Every frame looks alike, so the answer needs two
 frames; the path's centre is drawn from one range for both directions. The row's video is its frame list (PNG
 bytes), recorded at one frame per `MOTION_FPS`-th of a second.
+
+`many_images`, the long-context task (docs/long_context.md): `images` images of MANY_IMAGES_SIZE pixels in one
+prompt, "Image 1: <image>\nImage 2: <image>\n... Which image has a red background? Answer with its number.", answer
+the number (1-based). Every image but one has a white background with a grey polygon; the one has a red background
+(the red covers most of its 1024 vision tokens, the property background_colour showed a tiny model learns). The
+prompt's length is set by `images` and the processor's pixel range: with Qwen3-VL-2B's processor at
+max_pixels = 1024 * 1024 each image is 1024 vision tokens + 2 (vision start/end) + about 11 label tokens, so 15, 31 and
+62 images make prompts of 15.6K, 32.2K and 64.3K tokens (`many_images_count` picks the count for a length).
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ TASKS = {  # task -> the kinds it cycles through
     "polygon_sides": ("polygon_sides",),
     "background_colour": ("background_colour",),
     "motion": ("motion",),  # the video task: generate_motion_problem, not generate_problem
+    "many_images": ("many_images",),  # the long multi-image task: generate_many_images_problem
 }
 POLYGON_SIDES_PROBLEM = "<image>How many sides does the polygon have? Choices: " + ", ".join(map(str, SIDES)) + "."
 COLOUR_CHOICES = {k: name for k, (name, _) in COLOURS.items()}  # letter -> colour name: the colour tasks' choices
@@ -84,6 +93,8 @@ _COLOUR_CHOICES_TEXT = ", ".join(f"{k}. {name}" for k, name in COLOUR_CHOICES.it
 POLYGON_COLOUR_PROBLEM = f"<image>What colour is the polygon? Choices: {_COLOUR_CHOICES_TEXT}."
 BACKGROUND_COLOUR_PROBLEM = f"<image>What colour is the background? Choices: {_COLOUR_CHOICES_TEXT}."
 IMAGE_SIZE = 256  # pixels, square
+MANY_IMAGES_SIZE = 1024  # pixels, square: 1024 vision tokens each at Qwen3-VL's patch 16, merge 2 (max_pixels >= 2**20)
+MANY_IMAGES_COLOUR = (214, 39, 40)  # the one red background of a many_images problem
 _MARGIN = 36
 _LINE = 2
 _FONT_SIZE = 15
@@ -113,6 +124,17 @@ class SynthVideoProblem:
     frames: list[Image.Image] = field(repr=False)  # RGB, MOTION_SIZE x MOTION_SIZE each
 
 
+@dataclass(frozen=True)
+class SynthMultiImageProblem:
+    """One generated many_images problem (`generate_many_images_problem`): numbered images, one of them red."""
+
+    kind: str  # "many_images"
+    problem: str  # "Image 1: <image>\n...Which image has a red background? Answer with its number."
+    answer: str  # the red image's number, 1-based
+    params: dict[str, Any]  # images, red (the answer as an int), and each image's background and polygon fill
+    images: list[Image.Image] = field(repr=False)  # RGB, MANY_IMAGES_SIZE x MANY_IMAGES_SIZE each
+
+
 def generate_problems(n: int, seed: int = 0, task: str = "geometry") -> list[SynthProblem]:
     """`n` problems of the image task `task`; the same (n, seed, task) always gives the same problems and pixels.
 
@@ -137,6 +159,11 @@ def generate_problem(i: int, seed: int = 0, task: str = "geometry") -> SynthProb
             "task 'motion' makes videos, not SynthProblems: use generate_motion_problem(i, seed) (or "
             "synth_records(n, seed, task='motion'))"
         )
+    if task == "many_images":
+        raise ValueError(
+            "task 'many_images' makes several images per problem, not SynthProblems: use "
+            "generate_many_images_problem(i, seed, images) (or synth_records(n, seed, task='many_images', images=N))"
+        )
     # str seeds hash with sha512: stable across Python versions; the geometry stream keeps its original seeds
     rng = random.Random(f"miles-vl-synth:{seed}:{i}" if task == "geometry" else f"miles-vl-synth:{task}:{seed}:{i}")
     kinds = TASKS[task]
@@ -148,6 +175,53 @@ def generate_problem(i: int, seed: int = 0, task: str = "geometry") -> SynthProb
     if kind == "background_colour":
         return _background_colour(rng, tuple(COLOURS)[i % len(COLOURS)])
     return _BUILDERS[kind](rng)
+
+
+def many_images_problem_text(images: int) -> str:
+    """The prompt of a many_images problem of `images` images (the same for every problem of that size)."""
+    listing = "".join(f"Image {k}: <image>\n" for k in range(1, images + 1))
+    return listing + "Which image has a red background? Answer with its number."
+
+
+def many_images_count(tokens: int, tokens_per_image: int = 1024, reserve: int = 512) -> int:
+    """The image count of a many_images prompt of about `tokens` tokens: images of `tokens_per_image` vision tokens
+    (plus 2 vision start/end and about 11 label tokens each: 14 counted) leaving `reserve` tokens for the question,
+    the chat template and the response.
+
+    Raises:
+        ValueError: fewer than 2 images fit.
+    """
+    count = (tokens - reserve) // (tokens_per_image + 14)
+    if count < 2:
+        raise ValueError(
+            f"a many_images prompt of {tokens} tokens holds {count} images of {tokens_per_image} tokens (needs >= 2); "
+            "give more tokens or smaller images"
+        )
+    return count
+
+
+def generate_many_images_problem(i: int, seed: int = 0, images: int = 8) -> SynthMultiImageProblem:
+    """Problem number `i` of the many_images stream (`seed`, `images`): `images` images, number i % images + 1 red
+    (every answer equally often), the others white, each with a polygon of random sides, size and grey fill.
+
+    Raises:
+        ValueError: images < 2.
+    """
+    if images < 2:
+        raise ValueError(f"a many_images problem needs at least 2 images, found {images}; set data.synthetic_images")
+    rng = random.Random(f"miles-vl-synth:many_images:{seed}:{images}:{i}")
+    red = i % images + 1
+    pictures, drawn = [], []
+    scale = MANY_IMAGES_SIZE / IMAGE_SIZE
+    for k in range(1, images + 1):
+        background = MANY_IMAGES_COLOUR if k == red else (255, 255, 255)
+        grey = rng.randint(60, 200)
+        small, params = _polygon(rng, rng.choice(SIDES), (grey, grey, grey), background=background)
+        # drawn at IMAGE_SIZE and scaled up: the same pictures as the polygon tasks, at 1024 vision tokens
+        pictures.append(small.resize((MANY_IMAGES_SIZE, MANY_IMAGES_SIZE), Image.NEAREST))
+        drawn.append({"background": list(background), "fill": params["fill"], "sides": params["sides"]})
+    params = {"images": images, "red": red, "size": MANY_IMAGES_SIZE, "scale": scale, "drawn": drawn}
+    return SynthMultiImageProblem("many_images", many_images_problem_text(images), str(red), params, pictures)
 
 
 def generate_motion_problem(i: int, seed: int = 0) -> SynthVideoProblem:
@@ -185,16 +259,20 @@ def generate_motion_problem(i: int, seed: int = 0) -> SynthVideoProblem:
     return SynthVideoProblem("motion", MOTION_PROBLEM, MOTION_ANSWERS[direction], params, frames)
 
 
-def synth_records(n: int, seed: int = 0, task: str = "geometry") -> list[dict[str, Any]]:
+def synth_records(n: int, seed: int = 0, task: str = "geometry", images: int = 8) -> list[dict[str, Any]]:
     """`n` problems as geometry3k-layout records: images [{bytes, path}], problem, answer, plus kind and params (JSON);
     with `task="motion"` the images are empty and `videos` holds one video, `{"frames": [{bytes, path}, ...], "fps":
-    MOTION_FPS}`.
+    MOTION_FPS}`; with `task="many_images"` each record has `images` images (`generate_many_images_problem`).
 
     Raises:
-        ValueError: n < 0, or a task not in TASKS.
+        ValueError: n < 0, a task not in TASKS, or (many_images) images < 2.
     """
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "many_images":
+        if n < 0:
+            raise ValueError(f"n must be >= 0, found {n}")
+        return [_many_images_record(generate_many_images_problem(i, seed, images), seed, i) for i in range(n)]
     if task == "motion":
         if n < 0:
             raise ValueError(f"n must be >= 0, found {n}")
@@ -211,9 +289,9 @@ def synth_records(n: int, seed: int = 0, task: str = "geometry") -> list[dict[st
     ]
 
 
-def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geometry") -> Path:
-    """Write `synth_records(n, seed, task)` to a parquet file (the hiyouga/geometry3k schema plus kind and params,
-    and for `task="motion"` a `videos` column: list<struct<frames: list<struct<bytes, path>>, fps>>).
+def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "geometry", images: int = 8) -> Path:
+    """Write `synth_records(n, seed, task, images)` to a parquet file (the hiyouga/geometry3k schema plus kind and
+    params, and for `task="motion"` a `videos` column: list<struct<frames: list<struct<bytes, path>>, fps>>).
 
     Returns:
         The path written (parent folders are created).
@@ -233,7 +311,7 @@ def write_synth_parquet(path: str | Path, n: int, seed: int = 0, task: str = "ge
         fields.append(("videos", pa.list_(pa.struct([("frames", pa.list_(image)), ("fps", pa.float64())]))))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(synth_records(n, seed, task), schema=pa.schema(fields)), path)
+    pq.write_table(pa.Table.from_pylist(synth_records(n, seed, task, images), schema=pa.schema(fields)), path)
     return path
 
 
@@ -242,6 +320,16 @@ def _png_ref(image: Image.Image, path: str) -> dict[str, Any]:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return {"bytes": buf.getvalue(), "path": path}
+
+
+def _many_images_record(p: SynthMultiImageProblem, seed: int, i: int) -> dict[str, Any]:
+    return {
+        "images": [_png_ref(image, f"synth_many_{seed}_{i:06d}_{k}.png") for k, image in enumerate(p.images)],
+        "problem": p.problem,
+        "answer": p.answer,
+        "kind": p.kind,
+        "params": json.dumps(p.params, sort_keys=True),
+    }
 
 
 def _motion_record(p: SynthVideoProblem, seed: int, i: int) -> dict[str, Any]:

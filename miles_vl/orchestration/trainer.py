@@ -52,6 +52,19 @@ def train_world_size(cfg: JobConfig) -> int:
 # the actor of one rank
 
 
+def merge_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics from every rank's: rank 0's (train_step reduces the train metrics over ranks), except
+    `perf/train_peak_mem_gib`, the maximum over ranks: under CP, TP or vision_dp_when_cp the ranks hold different
+    shards and images, and the fullest one is what must fit on a GPU (`perf/train_peak_mem_gib_rank0` keeps rank 0's).
+    """
+    metrics = dict(per_rank[0])
+    peaks = [m["perf/train_peak_mem_gib"] for m in per_rank if "perf/train_peak_mem_gib" in m]
+    if len(peaks) > 1:
+        metrics["perf/train_peak_mem_gib_rank0"] = metrics["perf/train_peak_mem_gib"]
+        metrics["perf/train_peak_mem_gib"] = max(peaks)
+    return metrics
+
+
 @ray.remote
 class TrainWorker:
     """Train rank `rank` of `world_size`: `setup` forms the process group and builds the backend with `build`."""
@@ -233,9 +246,10 @@ class Trainer:
         return self.workers[0]
 
     def train(self, samples: Sequence) -> dict[str, float]:
-        """One RL step on `samples` on every rank (one object-store copy); rank 0's metrics (reduced over ranks)."""
+        """One RL step on `samples` on every rank (one object-store copy); rank 0's metrics (reduced over ranks), with
+        the peak memory of the fullest rank (`merge_rank_metrics`)."""
         ref = ray.put(list(samples))
-        return ray.get([w.train.remote(ref) for w in self.workers])[0]
+        return merge_rank_metrics(ray.get([w.train.remote(ref) for w in self.workers]))
 
     def set_lr(self, lr: float) -> None:
         """The peak learning rate of every rank from the next optimizer step on (the format warm-up uses its own)."""

@@ -201,6 +201,13 @@ def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dy
         "rollout/truncated_fraction": mean([g.finish_reason == "length" for g in gens]),
         "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
         "rollout/visual_tokens_per_sample": mean([int(torch.isin(g.prompt_ids, media).sum()) for g in batch.generated]),
+        # the longest prompt + response: what a long-context run must carry through the trainer
+        "rollout/sample_len_max": float(
+            max(
+                (g.prompt_ids.numel() + r.response_ids.numel() for g in batch.generated for r in g.generations),
+                default=0,
+            )
+        ),
     }
     for part in ("accuracy", "format"):
         values = [getattr(r, part) for r in flat if getattr(r, part) is not None]

@@ -15,6 +15,10 @@ model can learn it). Per shape:
     8b    configs/geo3k_qwen3vl_8b.yaml instead (Qwen3-VL-8B shapes) on 4 GPUs: Megatron TP=2 x CP=2 (DP=1), two
           SGLang engines of 2 GPUs each, colocated; 196 vision tokens per image, 8 prompts x 8 samples, 128 new
           tokens, one optimizer step per RL step, lr 1e-6, full recompute (memory estimate at SHAPES["8b"])
+    2b_long16k, 2b_long32k, 2b_long64k  the long-context job (docs/long_context.md): Qwen3-VL-2B shapes on the
+          `many_images` task, 1024x1024 images of 1024 vision tokens, as many as make samples of 16K / 32K / 64K tokens
+          (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute; the train
+          layout comes from the command line (e.g. train.num_gpus=4 train.cp=4)
 Running NAME again with a larger NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto).
 tests/orchestration/test_one_gpu_job.py runs these same overrides on CPU stand-ins.
 """
@@ -32,6 +36,9 @@ CONFIGS = {"8b": REPO / "configs" / "geo3k_qwen3vl_8b.yaml"}  # the shipped conf
 # must agree, because SGLang 0.5.16 counts each image's tokens with the checkpoint's processor (falling back to
 # re-tokenizing the decoded prompt when the counts disagree). 256x256 images: 64 tokens (tiny), 196 (2b, resized up).
 PIXELS = {"tiny": (16384, 65536), "2b": (196608, 262144), "8b": (196608, 262144)}
+LONG_LENGTHS = {"2b_long16k": 16384, "2b_long32k": 32768, "2b_long64k": 65536}  # shape -> sample tokens
+LONG_RESPONSE = 128
+PIXELS |= {shape: (1024 * 1024, 1024 * 1024) for shape in LONG_LENGTHS}  # 1024x1024 images kept whole
 
 SHAPES = {
     "tiny": (
@@ -87,6 +94,32 @@ SHAPES = {
         "train.recompute=full",
     ),
 }
+
+
+def long_shape(length: int, tokens_per_image: int = 1024) -> tuple[str, ...]:
+    """The overrides of a 2b_long shape: `many_images` samples of up to `length` tokens (images of `tokens_per_image`
+    vision tokens), every bound that holds a sample (prompt filter, micro-batch budget) at `length`
+    (tests/orchestration/test_long_job.py runs it scaled down on CPU)."""
+    sys.path.insert(0, str(REPO))
+    from miles_vl.data.synth import many_images_count
+
+    return (
+        "data.synthetic_task=many_images",
+        f"data.synthetic_images={many_images_count(length, tokens_per_image)}",
+        "data.synthetic_n=8",  # 62 images of 1024x1024 are ~1 s of PIL per prompt: generate few
+        f"data.max_prompt_len={length - LONG_RESPONSE}",
+        # one prompt x 4 samples a step, one optimizer step: 4 samples of 64K are ~30 s of train phase at CP=4
+        "rollout.batch_size=1",
+        "rollout.n_samples_per_prompt=4",
+        f"rollout.max_response_len={LONG_RESPONSE}",
+        "train.global_batch_size=4",
+        f"train.micro_batch_max_tokens={length}",
+        "train.optimizer.lr=1e-6",
+        "train.recompute=full",
+    )
+
+
+SHAPES |= {shape: long_shape(length) for shape, length in LONG_LENGTHS.items()}
 
 
 def overrides(shape: str, ckpt: str | Path, runs: str | Path, name: str, num_steps: int) -> list[str]:

@@ -5,8 +5,10 @@
 #
 # usage: bash scripts/gpu/loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]
 #   --check    first: the stack's imports and a GPU probe (sglang, sgl_kernel, transformer_engine, megatron, ray)
-#   SHAPE      tiny | 2b | 8b  (scripts/gpu/make_tiny_qwen3vl.py; written once per machine to /tmp/ckpt_loop_<SHAPE>;
-#              8b runs configs/geo3k_qwen3vl_8b.yaml on 4 GPUs, scripts/gpu/loop_job.py)
+#   SHAPE      tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k  (scripts/gpu/loop_job.py; the checkpoint,
+#              scripts/gpu/make_tiny_qwen3vl.py --shape tiny|2b|8b, is written once per machine to
+#              /tmp/ckpt_loop_<SHAPE>, one for the three 2b_long shapes: /tmp/ckpt_loop_2b_long, whose processor keeps
+#              1024x1024 images whole; 8b runs configs/geo3k_qwen3vl_8b.yaml on 4 GPUs)
 #   NAME       run name: the run directory is $RUNS/NAME (RUNS=/tmp/gpu_runs); running NAME again with a larger
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
@@ -33,7 +35,10 @@ shape=${1:?usage: loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]}
 name=${2:?run name}
 steps=${3:?num_steps}
 shift 3
-case "$shape" in tiny | 2b | 8b) ;; *) echo "loop_run: unknown shape $shape (tiny | 2b | 8b)" >&2; exit 2 ;; esac
+case "$shape" in tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k) ;;
+  *) echo "loop_run: unknown shape $shape (tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k)" >&2; exit 2 ;; esac
+model_shape=${shape%%_*}      # the checkpoint's architecture: 2b_long64k -> 2b
+ckpt_name=${shape%[0-9][0-9]k}  # one checkpoint for the 2b_long lengths: 2b_long64k -> 2b_long
 mkdir -p "$out/$name" "$runs"
 log=$out/$name/driver.log
 say() { echo "[loop_run +$(( $(date +%s) - start ))s] $*" | tee -a "$log" >&2; }
@@ -58,11 +63,11 @@ EOF
   say "check: $(tail -1 "$log")"
 fi
 
-ckpt=/tmp/ckpt_loop_$shape
+ckpt=/tmp/ckpt_loop_$ckpt_name
 if [ ! -f "$ckpt/.complete" ]; then
   read -r min_px max_px < <("$py" scripts/gpu/loop_job.py --pixels "$shape")
   say "checkpoint: writing $shape to $ckpt (processor pixels $min_px..$max_px)"
-  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$shape" --min-pixels "$min_px" --max-pixels "$max_px" \
+  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$model_shape" --min-pixels "$min_px" --max-pixels "$max_px" \
     >> "$log" 2>&1 || { say "checkpoint FAILED"; exit 1; }
   touch "$ckpt/.complete"
 fi

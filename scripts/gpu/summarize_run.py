@@ -10,8 +10,11 @@ Last stdout line: one JSON object with
 - per phase (rollout = generation, reward, train, sync, step): the median seconds over the steps after the first
   (the first compiles kernels and allocates);
 - `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`;
-- `train_peak_mem_gib` (the train rank's peak allocated memory in the train phase) and `gpu_used_gib_rollout`
-  (everything on the GPU while the engine and trainer are both resident): maxima over the steps;
+- `train_peak_mem_gib` (the fullest train rank's peak allocated memory in the train phase: the trainer reports the
+  maximum over ranks) and `gpu_used_gib_rollout` (everything on train rank 0's GPU while the engine and trainer are
+  both resident): maxima over the steps;
+- `sample_len_max` (the longest prompt + response any step generated, `rollout/sample_len_max`) and
+  `train_tokens_per_s_per_gpu` (the median `perf/train_tokens_per_s` over `train_gpus`): the long-context figures;
 - with `--gpu-memory` (the `nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,
   nounits -l 2` samples loop_run.sh takes of the job's GPUs): `gpu_mem_used_gib_max`, the largest memory in use on
   each GPU (by every process on it) over the run, keyed by the GPU's index, and `gpu_mem_total_gib`;
@@ -125,7 +128,10 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
         response_len_mean=med("rollout/response_len_mean"),
         rollout_tokens_per_s=med("perf/rollout_tokens_per_s"),
         train_tokens_per_s=med("perf/train_tokens_per_s"),
+        sample_len_max=largest("rollout/sample_len_max"),
     )  # fmt: skip
+    if out["train_tokens_per_s"] is not None:
+        out["train_tokens_per_s_per_gpu"] = round(out["train_tokens_per_s"] / train_gpus, 1)
     if out["sync_bytes"] and out["sync_s"]:
         out["sync_gb_per_s"] = round(out["sync_bytes"] / 1e9 / out["sync_s"], 2)
     if ckpt:

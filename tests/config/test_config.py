@@ -156,6 +156,17 @@ def test_micro_batch_budget_must_hold_one_sample(tmp_path):
     assert any("cannot hold one sample" in p for p in found), found
 
 
+def test_micro_batch_budget_counts_the_cp_padding(tmp_path):
+    """Issue 32.3: a budget equal to max_prompt_len + max_response_len is refused when a sample of that length pads
+    past it (to a multiple of 2 * cp), as plan_micro_batches would refuse it only after the first rollout."""
+    base = ["data.max_prompt_len=65404", "rollout.max_response_len=128", "train.micro_batch_max_tokens=65532"]
+    load_config(write(tmp_path, MINIMAL), base)  # cp 1: the sample pads to 65532, which fits
+    megatron = ["train.backend=megatron", "train.num_gpus=4", "train.cp=4", "model.init=pretrained", "model.path=x"]
+    found = [p for p in problems(write(tmp_path, MINIMAL), [*base, *megatron]) if "cannot hold" in p]
+    assert found and "= 65532 tokens, padded to 65536 (a multiple of 2 * train.cp = 8)" in found[0], found
+    assert "raise the budget to >= 65536" in found[0]
+
+
 def test_missing_file_suggests_neighbour(tmp_path):
     write(tmp_path, MINIMAL, "geo3k_tiny.yaml")
     (msg,) = problems(tmp_path / "geo3k_tinny.yaml")

@@ -73,3 +73,12 @@ def test_inspect_reports_drops_with_the_config(tmp_path, capsys):
 
 def test_collapse_image_tokens():
     assert collapse_image_tokens("a<|image_pad|><|image_pad|>b<|image_pad|>") == "a<|image_pad|>×2b<|image_pad|>×1"
+
+
+def test_synth_many_images(tmp_path, capsys):
+    out = tmp_path / "many.parquet"
+    assert main(["data", "synth", str(out), "--n", "2", "--task", "many_images", "--images", "3"]) == 0
+    table = pq.read_table(out).to_pylist()
+    assert [len(row["images"]) for row in table] == [3, 3] and table[0]["problem"].count("<image>") == 3
+    assert main(["data", "synth", str(tmp_path / "x.parquet"), "--task", "many_images", "--images", "1"]) == 2
+    assert "--images must be >= 2" in capsys.readouterr().err and not (tmp_path / "x.parquet").exists()

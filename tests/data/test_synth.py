@@ -3,6 +3,7 @@ geometry alone (pixel coordinates and scale in `params`, not the generator's own
 holds the diagram: dark pixels along every drawn segment and circle."""
 
 import argparse
+import inspect
 import io
 import json
 import math
@@ -228,7 +229,8 @@ def test_one_task_vocabulary():
     (its choices are the schema's); every task generates rows of its own kinds."""
     field = DataConfig.model_fields["synthetic_task"]
     assert typing.get_args(field.annotation) == tuple(TASKS)
-    assert field.default == "geometry" == synth_records.__defaults__[-1] == generate_problem.__defaults__[-1]
+    task_default = inspect.signature(synth_records).parameters["task"].default
+    assert field.default == "geometry" == task_default == generate_problem.__defaults__[-1]
     parser = argparse.ArgumentParser()
     configure(parser)
     assert parser.parse_args(["synth", "out.parquet"]).task == "geometry"
@@ -240,3 +242,5 @@ def test_one_task_vocabulary():
         assert synth_records(1, seed=0, task=name)[0]["kind"] in TASKS[name]
     with pytest.raises(ValueError, match="generate_motion_problem"):
         generate_problems(1, task="motion")
+    with pytest.raises(ValueError, match="generate_many_images_problem"):
+        generate_problems(1, task="many_images")

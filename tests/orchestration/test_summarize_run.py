@@ -32,7 +32,8 @@ def write_run(run, *, train_gpus, placement, engines, gpus_per_engine):
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     rows = [
         {"step": s, "reward/mean": 0.5, "rollout/prompts": 4, "train/tokens": 1000, "time/train_s": 2.0,
-         "time/step_s": 5.0}
+         "time/step_s": 5.0, "perf/train_tokens_per_s": 500.0 * s, "perf/train_peak_mem_gib": 10.0 + s,
+         "rollout/sample_len_max": 60000.0 + s}
         for s in (1, 2, 3)
     ]  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -61,6 +62,17 @@ def test_mfu_is_per_gpu(tmp_path, fixed_params, train_gpus, placement, engines, 
     assert out["train_mfu"] == round(fixed_params / 2.0 / (train_gpus * PEAK * 1e12), 4)
     assert out["train_tflops_per_gpu"] == round(fixed_params / 2.0 / train_gpus / 1e12, 1)
     assert out["step_mfu"] == round(fixed_params / 5.0 / (job_gpus * PEAK * 1e12), 4)
+
+
+@pytest.mark.parametrize("train_gpus", [1, 4])
+def test_long_context_figures(tmp_path, train_gpus):
+    """Issue 32.3: tokens/s per train GPU (median over the steps after the first), the peak memory and the longest
+    sample (maxima over the steps)."""
+    run = write_run(tmp_path / "r", train_gpus=train_gpus, placement="colocate", engines=1, gpus_per_engine=1)
+    out = summarize_run.summarize(run, None, PEAK)
+    assert out["train_tokens_per_s"] == 1250.0  # steps 2 and 3: 1000, 1500
+    assert out["train_tokens_per_s_per_gpu"] == 1250.0 / train_gpus
+    assert out["train_peak_mem_gib"] == 13.0 and out["sample_len_max"] == 60003.0
 
 
 def test_gpu_memory_is_the_largest_sample_per_gpu(tmp_path):

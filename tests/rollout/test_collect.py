@@ -116,3 +116,6 @@ def test_a_step_that_keeps_nothing_logs_what_it_generated():
     assert stats["rollout/response_tokens"] == sum(n for _, n, _ in seen)
     assert stats["rollout/truncated_fraction"] == 0.5
     assert stats["rollout/visual_tokens_per_sample"] == sum(p // 3 for p in range(12)) / 12  # 1.5
+    assert (
+        stats["rollout/sample_len_max"] == max(1 + p // 3 + n for p, n, _ in seen) == 9
+    )  # prompt 9: 4 ids + 5 response tokens

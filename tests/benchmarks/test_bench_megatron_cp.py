@@ -1,0 +1,76 @@
+"""CPU parts of benchmarks/bench_megatron_cp.py (its GPU part runs on the GPU machine, docs/long_context.md): the
+command line refuses what cannot run before any GPU work; the samples have exactly the length and images asked (the
+many_images task's count per length by default); the layout table; the results over ranks (slowest step, fullest
+GPU, per-GPU throughput, "oom" / "skipped" / "timeout" passed through) and the per-rank files a killed launch leaves."""
+
+import json
+
+import pytest
+
+from benchmarks import bench_megatron_cp as bench
+from benchmarks.bench_train_throughput import IMAGE
+
+
+def test_layout_table():
+    assert bench.LAYOUTS["cp4"] == (1, 4, False) and bench.LAYOUTS["cp4_vdp"] == (1, 4, True)
+    assert bench.LAYOUTS["tp2cp2"] == (2, 2, False)
+    assert {"cp1", "cp2", "cp2_vdp", "cp4", "cp4_vdp", "tp2cp2"} <= set(bench.LAYOUTS)
+
+
+def test_parse_args_defaults_and_checks(capsys):
+    args = bench.parse_args(["--gpus", "4", "--layouts", "cp4,cp4_vdp,tp2cp2", "--recompute", "full"])
+    assert args.lengths == [16384, 32768, 65536] and args.images == "task" and args.recompute == "full"
+    assert args.layouts == ["cp4", "cp4_vdp", "tp2cp2"]
+    assert bench.parse_args(["--images", "4", "--lengths", "8192"]).images == 4
+    for argv, message in (
+        (["--layouts", "cp3"], "unknown ['cp3']"),
+        (["--gpus", "2", "--layouts", "cp4"], "tp * cp = 4 to divide --gpus 2"),
+        (["--gpus", "1", "--layouts", "cp2"], "tp * cp = 2 to divide --gpus 1"),
+        (["--lengths", "32768,16384"], "ascending"),
+        (["--lengths", "16k"], "comma-separated integers"),
+        (["--images", "many"], "an integer or `task`"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            bench.parse_args(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit, match="--images 8 need 8209 tokens, more than the length 8192"):
+        bench.parse_args(["--images", "8", "--lengths", "8192"])
+
+
+@pytest.mark.parametrize("length, images", [(16384, 15), (32768, 31), (65536, 62)])
+def test_samples_have_the_length_and_the_tasks_images(length, images):
+    assert bench.images_for(length, "task") == images
+    sample, pixels = bench.long_sample(length, images, seed=0)
+    assert sample.input_ids.numel() == length and sample.prompt_len == length - 1024
+    assert int((sample.input_ids == IMAGE).sum()) == images * 1024
+    assert sample.image_grid_thw.tolist() == [[1, 64, 64]] * images and pixels.shape[0] == images * 4096
+
+
+def rank(step_s, peak, tokens=65536, images=62):
+    return {"step_s": step_s, "peak_gib": peak, "tokens_per_step_all_gpus": tokens, "images": images}
+
+
+def test_aggregate_slowest_step_fullest_gpu_and_failures():
+    lengths, layouts = [32768, 65536], ["cp4", "cp4_vdp"]
+    per_rank = [
+        {"cp4_L32768": rank(2.0, 40.0, 32768), "cp4_L65536": "oom", "cp4_vdp_L32768": rank(1.0, 30.0, 32768)},
+        {"cp4_L32768": rank(4.0, 35.0, 32768), "cp4_L65536": "oom", "cp4_vdp_L32768": rank(1.6, 31.0, 32768)},
+    ]
+    out = bench.aggregate(per_rank, lengths, layouts, gpus=4, missing="timeout")
+    assert out["cp4_L32768"] == {
+        "tokens_per_s": 8192, "tokens_per_s_per_gpu": 2048, "step_s": 4.0, "peak_gib_per_gpu": 40.0, "images": 62,
+        "tp": 1, "cp": 4,
+    }  # fmt: skip
+    assert out["cp4_L65536"] == "oom" and out["cp4_vdp_L65536"] == "timeout"  # the launch ended before it
+    assert out["L32768_cp4_vdp_over_cp4"] == {"throughput_per_gpu": 2.5, "peak_memory": 0.775}
+    per_rank[0]["cp4_L65536"] = "skipped: oom at 32768"
+    per_rank[1]["cp4_L65536"] = "skipped: oom at 32768"
+    assert bench.aggregate(per_rank, lengths, ["cp4"], 4, "error")["cp4_L65536"] == "skipped: oom at 32768"
+
+
+def test_read_partial_keeps_what_each_rank_recorded(tmp_path):
+    (tmp_path / "rank0.jsonl").write_text(json.dumps({"key": "cp2_L16384", "value": rank(1.0, 20.0)}) + "\n")
+    # rank 1 was killed before it recorded anything
+    per_rank = bench.read_partial(str(tmp_path), 2)
+    assert per_rank == [{"cp2_L16384": rank(1.0, 20.0)}, {}]
+    assert bench.aggregate(per_rank, [16384], ["cp2"], 2, "timeout")["cp2_L16384"] == "timeout"
