@@ -67,7 +67,7 @@ from miles_vl.rollout.sglang.generate import (
     remove_files,
     request_input_ids,
 )
-from miles_vl.sglang_launch import FILE_KEY
+from miles_vl.sglang_plugin.wire import FILE_KEY
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]

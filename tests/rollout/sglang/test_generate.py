@@ -32,7 +32,7 @@ from miles_vl.rollout.sglang.generate import (
     vision_inputs,
 )
 from miles_vl.rollout.types import SamplingParams
-from miles_vl.sglang_launch import FILE_KEY, read_tensor
+from miles_vl.sglang_plugin.wire import FILE_KEY, read_tensor
 from tests.rollout.sglang.conftest import EOS, TOKENS, VEND, VIDEO, Prompt, make_prompt, make_video_prompt
 from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID
 
