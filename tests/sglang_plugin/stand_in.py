@@ -197,6 +197,21 @@ RELEASES["0.5.17"] = {
                     for name, value in fields.items():
                         setattr(self, name, value)
     """,
+    "sglang/srt/environ.py": """
+        import os
+
+        class _EnvBool:
+            def __init__(self, name):
+                self.name = name
+
+            def get(self):
+                return os.environ.get(self.name, "0") in ("1", "true")
+
+        class Envs:
+            SGLANG_RUST_SERVER = _EnvBool("SGLANG_RUST_SERVER")
+
+        envs = Envs()
+    """,
     "sglang/srt/runtime_context.py": """
         class _Parallel:
             enable_dp_attention = False

@@ -179,6 +179,14 @@ def test_a_changed_signature_is_refused(stand_in):
     )
 
 
+def test_0_5_17s_rust_tokenizer_is_refused(stand_in, monkeypatch):
+    """0.5.17's `SGLANG_RUST_SERVER=1` runs a Rust tokenizer in place of the TokenizerManager the hooks patch."""
+    stand_in("0.5.17")
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "1")
+    with pytest.raises(PluginRefused, match="SGLANG_RUST_SERVER=1"):
+        install(adapter_for("0.5.17"), PluginSettings(), launching=True)
+
+
 def test_a_hook_that_does_not_take_is_refused(stand_in, monkeypatch):
     """`install` looks at every attribute a hook patches again after it ran: one left as SGLang had it (here the
     receiver hook's `apply` does nothing) ends the server rather than running it half-patched."""

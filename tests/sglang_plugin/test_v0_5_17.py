@@ -2,9 +2,9 @@
 stand-ins of 0.5.17's classes (the mechanisms both share: test_v0_5_16.py).
 
 - tokenizer: a prompt's prefix and copies are children of its logical rid (`_init_child_req_state`, rids
-  `<logical>_<n>`, `_remove_req_state`), as 0.5.17's own parallel-sampling branch makes them, so that aborting the prompt
-  aborts them; a prompt aborted meanwhile stops its request, leaving only what 0.5.17 discards itself; 0.5.16's removal of
-  the unused `batch x n` rids is not carried (0.5.17 normalizes one rid per prompt);
+  `<logical>_<n>`, `_remove_req_state`), as 0.5.17's own parallel-sampling branch makes them, so that aborting the
+  prompt aborts them; a prompt aborted meanwhile stops its request, leaving only what 0.5.17 discards itself; 0.5.16's
+  removal of the unused `batch x n` rids is not carried (0.5.17 normalizes one rid per prompt);
 - receiver: one scheduler rank is read from 0.5.17's runtime context (`get_parallel().enable_dp_attention`);
 - vision: 0.5.17's server arguments are read-only once resolved, so the graphs' one argument goes through
   `ServerArgs.override`, and `--mm-attention-backend` is not pinned (0.5.17's runner reads the model's backend).
@@ -98,9 +98,13 @@ def _run(manager, batch) -> list:
 
 
 def _tokenizer_0517_patched(cls) -> None:
-    tokenizer_0517.apply(
-        {tokenizer_0517.TOKENIZER_MODULE: _tokenizer_module(cls), tokenizer_0517.MM_UTILS_MODULE: None}, _context()
-    )
+    environ = types.SimpleNamespace(envs=types.SimpleNamespace(SGLANG_RUST_SERVER=types.SimpleNamespace(get=bool)))
+    modules = {
+        tokenizer_0517.TOKENIZER_MODULE: _tokenizer_module(cls),
+        tokenizer_0517.MM_UTILS_MODULE: None,
+        tokenizer_0517.ENVIRON_MODULE: environ,  # SGLANG_RUST_SERVER off (`bool()` is False)
+    }
+    tokenizer_0517.apply(modules, _context())
 
 
 def test_a_prompts_prefix_and_copies_are_children_of_its_logical_request():
