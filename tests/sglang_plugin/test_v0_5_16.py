@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -1003,6 +1004,20 @@ def test_vision_graphs_keep_the_recent_layouts_and_leave_large_batches_eager():
     assert len(graphs.seen) == 8
 
 
+@dataclasses.dataclass
+class ServerArgs0516:
+    """The fields of 0.5.16's srt/server_args.py the vision hook reads and sets; `resolved` once constructed."""
+
+    mm_attention_backend: str | None = None
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    enable_deterministic_inference: bool = False
+    enable_precise_embedding_interpolation: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "resolved", True)
+
+
 def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(monkeypatch):
     """0.5.16's runner reads --mm-attention-backend (fa3 or triton_attn) instead of the backend the model chose; unset,
     the hook sets it to what 0.5.16 chooses on the GPU (fa3 on SM 9.x, fa4 on SM 10.x but 10.3, else triton_attn), so
@@ -1013,8 +1028,6 @@ def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(m
     resolved its arguments (after `ServerArgs.__post_init__`), in the launching process only. SGLang's own graphs are
     turned off (they replay wrong boundaries), and the variable the scheduler toggles exists before any child
     starts."""
-    import dataclasses
-
     from miles_vl.sglang_plugin.vision import SGLANG_VIT_GRAPH_ENV, stock_graphs_off, vision_graph_backend
 
     assert vision_graph_backend(None, (9, 0)) == "fa3"
@@ -1022,17 +1035,7 @@ def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(m
     assert vision_graph_backend(None, (10, 0)) is None  # fa4
     assert vision_graph_backend("triton_attn", (9, 0)) == "triton_attn" and vision_graph_backend("sdpa", (9, 0)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-
-    @dataclasses.dataclass
-    class ServerArgs:  # the fields of 0.5.16's srt/server_args.py the hook reads and sets
-        mm_attention_backend: str | None = None
-        tp_size: int = 1
-        base_gpu_id: int = 0
-        enable_deterministic_inference: bool = False
-        enable_precise_embedding_interpolation: bool = False
-
-        def __post_init__(self):
-            self.resolved = True
+    ServerArgs = ServerArgs0516
 
     settings = PluginSettings(vision_graphs=4)
     cases = (

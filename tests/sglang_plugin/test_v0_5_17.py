@@ -25,6 +25,7 @@ from miles_vl.sglang_plugin.v0_5_17 import receiver as receiver_0517
 from miles_vl.sglang_plugin.v0_5_17 import tokenizer as tokenizer_0517
 from miles_vl.sglang_plugin.v0_5_17 import vision as vision_0517
 from tests.sglang_plugin.test_v0_5_16 import (
+    ServerArgs0516,
     _Batch,
     _context,
     _Prompt,
@@ -178,18 +179,9 @@ def test_the_graphs_argument_goes_through_override_and_the_backend_is_not_pinned
     overrides = []
 
     @dataclasses.dataclass
-    class ServerArgs:  # 0.5.17: read-only once resolved (server_args.py:8582); `override` is the one way to change it
-        mm_attention_backend: str | None = None
-        tp_size: int = 1
-        base_gpu_id: int = 0
-        enable_deterministic_inference: bool = False
-        enable_precise_embedding_interpolation: bool = False
-
-        def __post_init__(self):
-            object.__setattr__(self, "_resolved", True)
-
+    class ServerArgs(ServerArgs0516):  # 0.5.17: read-only once resolved (server_args.py:8582); `override` changes it
         def __setattr__(self, name, value):
-            if getattr(self, "_resolved", False) and not getattr(self, "_in_override", False):
+            if getattr(self, "resolved", False) and not getattr(self, "_in_override", False):
                 raise AttributeError(f"server_args.{name} assigned after resolution")
             object.__setattr__(self, name, value)
 
