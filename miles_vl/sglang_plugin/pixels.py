@@ -230,8 +230,8 @@ def _linked_class(pointer_cls: type) -> type:
                 self.shape, self.dtype, self.precomputed_hash = tensor.shape, tensor.dtype, precomputed_hash
                 self.shm_name, self._shm_handle, self.tensor = shm_name, None, tensor
 
-            def __reduce__(self):
-                return copyreg.__newobj__, (pointer_cls,), self.__getstate__()
+            def __reduce__(self):  # unpickled as `pointer_cls`, by the standard library alone (no miles_vl needed)
+                return copyreg._reconstructor, (pointer_cls, object, None), self.__getstate__()
 
         linked = _linked_classes[pointer_cls] = LinkedShmPointer
     return linked

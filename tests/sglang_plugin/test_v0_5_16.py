@@ -1124,7 +1124,10 @@ def shm_dir():
 def test_a_pixel_file_reaches_the_scheduler_by_a_second_name_not_a_copy(shm_dir):
     """The tokenizer maps the engine's file (`read_tensor`); `link_pixel_files` gives it a second name in /dev/shm
     instead of copying it into a new segment; the scheduler's pickled pointer opens that name, copies the pixels out
-    and unlinks it, as it does a segment 0.5.16 filled. The engine's own name stays until the engine removes it."""
+    and unlinks it, as it does a segment 0.5.16 filled. The engine's own name stays until the engine removes it. The
+    pointer is a subclass with a constructor of its own (0.5.16's would copy), and it reaches the scheduler as exactly
+    0.5.16's class: the scheduler need not import miles_vl to read it."""
+    import pickle
     from multiprocessing import shared_memory
 
     from miles_vl.sglang_plugin.wire import read_tensor, write_tensor
@@ -1140,7 +1143,8 @@ def test_a_pixel_file_reaches_the_scheduler_by_a_second_name_not_a_copy(shm_dir)
     assert isinstance(pointer, _Pointer) and pointer.tensor is mapped and pointer.precomputed_hash == 0xABC
     segment = os.path.join(plugin_pixels.SHM_DIR, pointer.shm_name)
     assert os.stat(segment).st_ino == os.stat(path).st_ino and os.stat(path).st_nlink == 2  # one file, two names
-    received = copy.deepcopy(req)  # pickled to the scheduler
+    received = pickle.loads(pickle.dumps(req))  # to the scheduler (the message is pickled)
+    assert type(received.mm_inputs.mm_items[0].feature) is _Pointer
     restored = received.mm_inputs.mm_items[0].feature.materialize()
     assert torch.equal(restored, pixels) and restored.dtype == torch.bfloat16
     assert not os.path.exists(segment) and os.stat(path).st_nlink == 1
