@@ -317,3 +317,30 @@ def test_the_host_and_the_plugin_read_one_settings_format():
     env = build_server_env(ServerSpec(model_path="m", port=1, plugin=settings), base={SETTINGS_ENV: "stale"})
     assert from_env(env) == settings
     assert SETTINGS_ENV not in build_server_env(ServerSpec(model_path="m", port=1), base={SETTINGS_ENV: "stale"})
+
+
+def test_the_host_shows_the_refusal_of_a_server_that_died_at_start(tmp_path):
+    """What the user sees: the host's error for a server that ended at start ends with the server's last log lines,
+    whose last is the refusal (release, symbol, fix)."""
+    from miles_vl.rollout.sglang import ServerSpec, SGLangRolloutHost, SGLangServerDiedError
+    from tests.rollout.sglang.conftest import TOKENS, free_port
+
+    site = write_stand_in(tmp_path / "site", "0.5.15")
+    spec = ServerSpec(model_path="/ckpt/m", port=free_port(), plugin=PluginSettings())
+    with pytest.raises(SGLangServerDiedError) as died:
+        SGLangRolloutHost(
+            spec,
+            TOKENS,
+            startup_timeout_s=60,
+            log_path=tmp_path / "server.log",
+            env={"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])},
+            health_poll_s=0.05,
+        )
+    message = str(died.value)
+    assert "died while starting" in message and "exited with code 1" in message
+    assert message.rstrip().endswith(
+        "miles_vl SGLang plugin refused to start: SGLang 0.5.15 has no adapter in miles_vl.sglang_plugin (supported "
+        "releases: 0.5.16, 0.5.17); set rollout.sglang.launcher: sglang to run SGLang's own server without miles_vl's "
+        "patches (slower, and no pixel values from the engine), or install a supported SGLang release (docs/sglang.md, "
+        "'The plugin')"
+    )
