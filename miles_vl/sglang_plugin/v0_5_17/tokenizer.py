@@ -19,7 +19,8 @@ from miles_vl.sglang_plugin.v0_5_16.tokenizer import TARGETS as TARGETS_0_5_16
 ENVIRON_MODULE = "sglang.srt.environ"
 
 # 0.5.16's targets but its request-state methods, which 0.5.17 changed
-TARGETS = tuple(t for t in TARGETS_0_5_16 if t.attribute not in (f"{TM}._init_req_state",)) + (
+CHANGED = (f"{TM}._init_req_state", "GenerateReqInput.regenerate_rid")
+TARGETS = tuple(t for t in TARGETS_0_5_16 if t.attribute not in CHANGED) + (
     Target(TOKENIZER_MODULE, f"{TM}._init_child_req_state", ("self", "logical_rid", "obj")),
     Target(TOKENIZER_MODULE, f"{TM}._remove_req_state", ("self", "rid")),
     Target(IO_STRUCT_MODULE, "GenerateReqInput.regenerate_rid", ("self", "prefix")),
