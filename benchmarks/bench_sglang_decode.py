@@ -59,23 +59,19 @@ from miles_vl.models import SpecialTokens  # noqa: E402
 from miles_vl.models.qwen3_vl.model import build_model  # noqa: E402
 from miles_vl.models.qwen3_vl.tokens import special_tokens  # noqa: E402
 from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
-from miles_vl.rollout.sglang import (  # noqa: E402
-    MILES_VL_LAUNCH_MODULE,
-    SGLANG_LAUNCH_MODULE,
-    ServerSpec,
-    SGLangRolloutHost,
-)
+from miles_vl.rollout.sglang import SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost  # noqa: E402
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
     PromptMedia,
     batch_payload,
     build_generate_payload,
     parse_generate_response,
 )
-from miles_vl.sglang_launch import LINK_ENV, RECEIVE_THREADS_ENV, VISION_GRAPHS_ENV  # noqa: E402
+from miles_vl.sglang_plugin.settings import PluginSettings  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
 SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# Server variants (`--variants`): (extra flags, extra environment, whether requests carry `mm_hashes`, launch module).
+# Server variants (`--variants`): (extra flags, extra environment, whether requests carry `mm_hashes`, launch module,
+# the settings of miles_vl's SGLang plugin: None = SGLang's own server).
 # What each changes in 0.5.16's multimodal path (srt/multimodal/processors/base_processor.py, srt/managers/mm_utils.py,
 # srt/managers/schedule_batch.py):
 #   v0516       0.5.16 as shipped (what miles_vl ran before commit 437158a): pixel values sha256-hashed in the
@@ -94,29 +90,29 @@ SERVER_ENV = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "HF_HUB_OFFLINE": "1", "TRANSFOR
 #   skip_hash   SGLANG_MM_SKIP_COMPUTE_HASH=1: a random id instead of the content hash (no prefix sharing of images)
 #   timed       default, with benchmarks/sglang_timing/sitecustomize.py timing the tokenizer's and the scheduler's
 #               steps into $OUT/sglang_timing_<variant>.jsonl (with this script's call markers): where t(1) goes
-#   share       default, launched through miles_vl.sglang_launch (the engine's default): the `n` copies reach the
+#   share       default, with miles_vl's SGLang plugin (the engine's default): the `n` copies reach the
 #               scheduler without pixel values and get their prompt's tensor back there; a request's prefixes go out
 #               as they are tokenized and all its copies in one message (shape `batch`: all prompts in one request)
-#   share_nogroup  share with MILES_VL_SGLANG_GROUP_COPIES=0: 0.5.16's order of prefixes and copies (the launcher
+#   share_nogroup  share with the plugin's group_copies off: 0.5.16's order of prefixes and copies (the launcher
 #               of 2026-11-24, before the copies went in one message)
 #   tok4, tok8  default + `--tokenizer-worker-num 4` / `8`: that many tokenizer processes (uvicorn workers) share the
 #               per-request work (PNG decode, image processor, hash, the `n` copies' transfer to the scheduler);
 #               connections are spread over them by the kernel
-#   timed_share  timed, launched through miles_vl.sglang_launch: the breakdown of share
+#   timed_share  timed, with the plugin: the breakdown of share
 #   pixels      share, with each prompt sent as its canonical ids and its own pixel values (processor_output items whose
 #               pixels are files of the host's directory, in the model's dtype): no PNG decoding, no second run of the
 #               image processor, no re-tokenization in the server; the engine's default since 2026-11-25
-#   timed_pixels  timed, the launcher, pixel values: the breakdown of pixels
+#   timed_pixels  timed, the plugin, pixel values: the breakdown of pixels
 #   pixels_inline  pixels through sglang_launch_inline_prefixes.py: a batch message's pixel tensors pickled into it
 #               (each its own tensor) instead of moved into shared memory one segment each
 #               (since 2026-11-26 with the hand-over below: one-image items carry the engine's hash, pixel files
 #               reach the scheduler by a second name, the scheduler copies a receive's pixels out in threads)
 #   pixels_prev  pixels as before that hand-over: no item hash (SGLang's tokenizer SHA-256es each image), pixel files
-#               copied into new segments (MILES_VL_SGLANG_LINK_PIXELS=0), one request's copy out after another
-#               (MILES_VL_SGLANG_RECEIVE_THREADS=1); its `n` copies are built while the prefixes prefill, as in pixels
-#   graphs      pixels with the vision tower's CUDA graphs (MILES_VL_SGLANG_VISION_GRAPHS=4: a layout of images is
-#               captured at its second sighting, then replayed; miles_vl.sglang_launch.VisionGraphs), opt-in through
-#               rollout.sglang.vision_cuda_graphs (`pixels` is the same server with the tower eager)
+#               copied into new segments (the plugin's link_pixels off), one request's copy out after another
+#               (receive_threads 1); its `n` copies are built while the prefixes prefill, as in pixels
+#   graphs      pixels with the vision tower's CUDA graphs (the plugin's vision_graphs 4: a layout of images is
+#               captured at its second sighting, then replayed; miles_vl.sglang_plugin.vision.VisionGraphs), opt-in
+#               through rollout.sglang.vision_cuda_graphs (`pixels` is the same server with the tower eager)
 #   timed_graphs  timed, graphs: the breakdown of graphs (the timing hook's syncs skip a graph's capture)
 # (PNG data URLs, hashes and pixel files are made once per server before its calls, outside the timed calls.)
 BENCH_DIR = str(Path(__file__).resolve().parent)
@@ -133,11 +129,13 @@ class Variant:
     env: dict = field(default_factory=dict)
     hashes: bool = True  # requests carry mm_hashes (PNG images only)
     launch_module: str = SGLANG_LAUNCH_MODULE
-    pixels: bool = False  # prompts as ids + pixel values (miles_vl's launcher reads them)
+    plugin: PluginSettings | None = None  # miles_vl's SGLang plugin, opted in with these settings
+    pixels: bool = False  # prompts as ids + pixel values (miles_vl's plugin reads them)
     item_hash: bool = True  # one-image processor_output items keep the engine's `hash` (pixels only)
 
 
 TIMED_ENV = {"PYTHONPATH": "sglang_timing", "MILES_VL_SGLANG_TIMING": "sglang_timing.jsonl"}
+PLUGIN = PluginSettings()  # the host's defaults (rollout.sglang.launcher: miles_vl)
 VARIANTS = {
     "v0516": Variant(env={"SGLANG_MM_PRECOMPUTE_HASH": "0"}, hashes=False),
     "default": Variant(),
@@ -146,22 +144,15 @@ VARIANTS = {
     "cuda_ipc_big": Variant(flags=("--mm-feature-transport", "cuda_ipc"), env={"SGLANG_MM_FEATURE_CACHE_MB": "8192"}),
     "skip_hash": Variant(env={"SGLANG_MM_SKIP_COMPUTE_HASH": "1"}, hashes=False),
     "timed": Variant(env=TIMED_ENV),
-    "share": Variant(launch_module=MILES_VL_LAUNCH_MODULE),
-    "share_nogroup": Variant(env={"MILES_VL_SGLANG_GROUP_COPIES": "0"}, launch_module=MILES_VL_LAUNCH_MODULE),
-    "timed_share": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE),
-    "pixels": Variant(launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
-    "timed_pixels": Variant(env=TIMED_ENV, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
-    "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", pixels=True),
-    "pixels_prev": Variant(
-        env={LINK_ENV: "0", RECEIVE_THREADS_ENV: "1"},
-        launch_module=MILES_VL_LAUNCH_MODULE,
-        pixels=True,
-        item_hash=False,
-    ),
-    "graphs": Variant(env={VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True),
-    "timed_graphs": Variant(
-        env=TIMED_ENV | {VISION_GRAPHS_ENV: "4"}, launch_module=MILES_VL_LAUNCH_MODULE, pixels=True
-    ),
+    "share": Variant(plugin=PLUGIN),
+    "share_nogroup": Variant(plugin=PluginSettings(group_copies=False)),
+    "timed_share": Variant(env=TIMED_ENV, plugin=PLUGIN),
+    "pixels": Variant(plugin=PLUGIN, pixels=True),
+    "timed_pixels": Variant(env=TIMED_ENV, plugin=PLUGIN, pixels=True),
+    "pixels_inline": Variant(launch_module="sglang_launch_inline_prefixes", plugin=PLUGIN, pixels=True),
+    "pixels_prev": Variant(plugin=PluginSettings(link_pixels=False, receive_threads=1), pixels=True, item_hash=False),
+    "graphs": Variant(plugin=PluginSettings(vision_graphs=4), pixels=True),
+    "timed_graphs": Variant(env=TIMED_ENV, plugin=PluginSettings(vision_graphs=4), pixels=True),
     "tok4": Variant(flags=("--tokenizer-worker-num", "4")),
     "tok8": Variant(flags=("--tokenizer-worker-num", "8")),
 }
@@ -172,7 +163,7 @@ class Shape:
     """How a batch of sequences is asked for: `group` samples of each of batch / group prompts (GRPO's shape:
     rollout.batch_size x n_samples_per_prompt), sent as one request per sample ("single"), one request per
     prompt with sampling_params.n = group ("n": the engine with SGLang's own launch_server), or one request for all
-    the prompts, each with sampling_params.n = group ("batch": the engine with miles_vl's launcher,
+    the prompts, each with sampling_params.n = group ("batch": the engine with miles_vl's plugin,
     `prompts_per_request`)."""
 
     group: int
@@ -292,7 +283,7 @@ def bench_sglang(
     b, n = len(prompts), args.max_new_tokens
     v = VARIANTS[variant]
     flags, env, hashes, launch_module = v.flags, v.env, v.hashes, v.launch_module
-    if launch_module not in (SGLANG_LAUNCH_MODULE, MILES_VL_LAUNCH_MODULE):  # a prototype launcher in benchmarks/
+    if launch_module != SGLANG_LAUNCH_MODULE:  # a prototype launcher in benchmarks/
         env = env | {"PYTHONPATH": os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)}
     elif "PYTHONPATH" in env:  # a directory of benchmarks/ first on the server's path (the timing sitecustomize)
         first = os.path.join(BENCH_DIR, env["PYTHONPATH"])
@@ -309,6 +300,7 @@ def bench_sglang(
         random_seed=args.seed,
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
+        plugin=v.plugin,
         extra_args=(
             "--cuda-graph-max-bs-decode",
             str(max(8, b)),

@@ -163,7 +163,9 @@ def plugin_entry_points(site: Path) -> list[list[str]]:
 
 def test_the_generated_dist_info_carries_the_sglang_plugin_entry_point(tmp_path: Path):
     pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text((REPO / "pyproject.toml").read_text() + PLUGIN_TABLE)
+    text = (REPO / "pyproject.toml").read_text()
+    assert PLUGIN_TABLE.strip() in text  # the project declares its SGLang plugin
+    pyproject.write_text(text)
     site = tmp_path / "site"
     site.mkdir()
     assert not [ep for ep in plugin_entry_points(site) if ep[0] == "miles_vl"]  # not installed: nothing to find

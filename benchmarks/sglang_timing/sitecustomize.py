@@ -6,15 +6,16 @@ JSON line per timed call to <file>:
 
     {"t": <end, time.time()>, "pid": ..., "what": "sched.run_batch", "ms": 3.1, "n": 64, "mode": "DECODE"}
 
-Timed, once their module is imported (miles_vl.sglang_launch's meta-path hook patches the classes as they load,
-nothing is imported early; it needs miles_vl on the server's path, as the `share` launcher does):
+Timed, once their module is imported (`PatchOnImport`, a meta-path hook of this file, patches the classes as they
+load, nothing is imported early; miles_vl's SGLang plugin, where it is on, imports them from `load_plugins` and wraps
+what this file timed: the timed methods are SGLang's own, inside the plugin's):
 - tokenizer (`srt/managers/tokenizer_manager.py`): `_tokenize_one_request` (base64 + PNG decode, the image processor,
   the hash), `_send_one_request` (the shared-memory copy of the pixel values and the pickle to the scheduler);
 - scheduler (`srt/managers/scheduler.py`, `scheduler_components/request_receiver.py`): `recv_requests` (zmq receive,
   unpickling, the shared-memory copy back), `process_input_requests` (building `Req`s), `get_next_batch_to_run`
   (scheduling, prefix matching), `run_batch` (launch; with the overlap scheduler the GPU work is waited for in the
   next `process_batch_result`), `process_batch_result`; `_send_batch_request` (a batch's copies in one message,
-  miles_vl's launcher);
+  miles_vl's plugin);
 - model (`srt/models/qwen3_vl.py`), with the GPU work waited for: `forward` of extend batches (vision tower +
   language model; decode replays a CUDA graph and is not timed), `get_image_feature` (the pixel values' concatenation
   and cast, then the vision tower), inside it the tower's `forward`, `rot_pos_emb`, `fast_pos_embed_interpolate` and
@@ -26,6 +27,7 @@ The benchmark writes its own markers (`bench.call`) to the same file. Not used b
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import json
 import os
 import sys
@@ -173,7 +175,38 @@ PATCHES = {
 }
 
 
-if _PATH:
-    from miles_vl.sglang_launch import PatchOnImport  # the launcher's hook: patches each module as SGLang imports it
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds no module itself: for a module in `patches`, wraps the loader that would load it, so that the patch runs
+    right after the module has executed (nothing is imported earlier than SGLang imports it)."""
 
+    def __init__(self, patches):
+        self.patches = dict(patches)
+        self._searching: set[str] = set()
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.get(name)
+        if patch is None or name in self._searching:  # asked again by another hook of this kind that we asked
+            return None
+        self._searching.add(name)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)  # another PatchOnImport wraps its own patch in first
+                if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    exec_module = spec.loader.exec_module
+
+                    def exec_and_patch(module, _exec=exec_module):
+                        _exec(module)
+                        patch(module)
+
+                    spec.loader.exec_module = exec_and_patch
+                    del self.patches[name]  # once per process
+                    return spec
+            return None
+        finally:
+            self._searching.discard(name)
+
+
+if _PATH:
     sys.meta_path.insert(0, PatchOnImport(PATCHES))

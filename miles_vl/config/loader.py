@@ -45,6 +45,9 @@ MAX_ALIAS_NODES = 10_000
 REMOVED_KEYS = {
     "train.packing": "train.packing was removed: training always packs samples into THD rows (the only layout; "
     "nothing read the key); delete it from the config",
+    "rollout.sglang.share_copy_pixels": "rollout.sglang.share_copy_pixels was replaced by rollout.sglang.launcher "
+    "(SGLang's server now takes miles_vl's patches as a plugin): write launcher: miles_vl for true, launcher: sglang "
+    "for false",
 }
 
 

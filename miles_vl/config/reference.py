@@ -42,9 +42,9 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
   to a multiple of `2 * train.cp` (a sample's room in its packed row).
 - `rollout.sglang.vision_cache_mb > 0` needs `train.freeze_vision: true` (the cache outlives weight syncs).
 - `rollout.backend: sglang` needs `rollout.gpus_per_engine >= 1`.
-- `rollout.sglang.send_pixel_values: true` needs `rollout.sglang.share_copy_pixels: true` (miles_vl's launcher reads
+- `rollout.sglang.send_pixel_values: true` needs `rollout.sglang.launcher: miles_vl` (miles_vl's SGLang plugin reads
   them); video prompts (`data.synthetic_task: motion`) through `rollout.backend: sglang` need pixel values.
-- `rollout.sglang.vision_cuda_graphs > 0` needs `rollout.sglang.share_copy_pixels: true` (miles_vl's launcher makes
+- `rollout.sglang.vision_cuda_graphs > 0` needs `rollout.sglang.launcher: miles_vl` (miles_vl's SGLang plugin makes
   the graphs).
 - `algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`): TIS reweights by a sampling distribution.
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.

@@ -20,6 +20,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 REDACTED = "<redacted>"
+# rollout.sglang.prompts_per_request with miles_vl's SGLang plugin: a GRPO rollout batch of up to 16 prompts goes as one
+# request; larger rollouts go as several, in flight together, so the first ones decode while the tokenizer works on
+# the next.
+PLUGIN_PROMPTS_PER_REQUEST = 16
 
 
 class _Section(BaseModel):
@@ -245,19 +249,21 @@ class SGLangConfig(_Section):
         description="SGLang's cache of vision-tower embeddings by image, MiB; 0 = off. It survives weight syncs, so "
         "it needs train.freeze_vision.",
     )
-    share_copy_pixels: bool = Field(
-        True,
-        description="start the server through miles_vl.sglang_launch: the n samples of a prompt reach SGLang's "
-        "scheduler without their own copy of the prompt's pixel values, which the scheduler gives back from the "
-        "prompt's request (docs/sglang.md); false = SGLang's own launch_server.",
+    launcher: Literal["miles_vl", "sglang"] = Field(
+        "miles_vl",
+        description="miles_vl = SGLang's server with miles_vl's SGLang plugin (miles_vl/sglang_plugin/, "
+        "docs/sglang.md): the n samples of a prompt reach SGLang's scheduler without their own copy of the prompt's "
+        "pixel values, a request's prompts are prefilled as they are tokenized, pixel values come from the engine; "
+        "the server refuses to start on an SGLang release the plugin does not support. sglang = SGLang's own server "
+        "without the plugin.",
     )
     prompts_per_request: int | None = Field(
         None,
         ge=1,
         description="prompts (each with its n samples) sent in one request when a prompt's samples go together "
-        "(one_request_per_prompt): miles_vl's launcher prefills them as they are tokenized and starts all their "
-        "samples at once. null = 16 with miles_vl's launcher (share_copy_pixels), 1 with SGLang's own, which "
-        "prefills a batch's prompts one after another.",
+        "(one_request_per_prompt): miles_vl's plugin prefills them as they are tokenized and starts all their "
+        f"samples at once. null = resolved to {PLUGIN_PROMPTS_PER_REQUEST} with launcher miles_vl, 1 with sglang, "
+        "which prefills a batch's prompts one after another.",
     )
     vision_cuda_graphs: int = Field(
         0,
@@ -266,15 +272,26 @@ class SGLangConfig(_Section):
         "vision-tower CUDA graphs the server keeps: a layout is captured the second time it is seen and replayed "
         "after that. Pays off only when layouts repeat (images of one size in batches of one size: 40 % less vision "
         "time in docs/benchmarks.md); their memory is not released while the trainer runs. 0 = the vision tower runs "
-        "eagerly. Needs miles_vl's launcher (share_copy_pixels).",
+        "eagerly. Needs launcher miles_vl.",
     )
     send_pixel_values: bool | None = Field(
         None,
         description="send each prompt as the trainer sees it: its ids and its own pixel values (images and videos), "
         "handed to the server through a private shared-memory directory; SGLang then runs neither its image "
-        "processor nor its tokenizer on it. Needs miles_vl's launcher (share_copy_pixels). null = with the launcher. "
-        "false = one pad per image and PNG images, which SGLang decodes and processes again (no videos).",
+        "processor nor its tokenizer on it. Needs launcher miles_vl. null = resolved to true with launcher miles_vl, "
+        "false with sglang. false = one pad per image and PNG images, which SGLang decodes and processes again (no "
+        "videos).",
     )
+
+    @model_validator(mode="after")
+    def _resolve_launcher_defaults(self) -> SGLangConfig:
+        # the defaults that follow from the launcher, written into the resolved config (`miles-vl check` shows them)
+        plugin = self.launcher == "miles_vl"
+        if self.prompts_per_request is None:
+            self.prompts_per_request = PLUGIN_PROMPTS_PER_REQUEST if plugin else 1
+        if self.send_pixel_values is None:
+            self.send_pixel_values = plugin
+        return self
 
     @model_validator(mode="after")
     def _open_needs_key(self) -> SGLangConfig:
@@ -651,12 +668,6 @@ class JobConfig(_Section):
         return self
 
 
-def sends_pixel_values(s: SGLangConfig) -> bool:
-    """Whether sglang engines send prompts as ids + pixel values (`rollout.sglang.send_pixel_values`; null: with
-    miles_vl's launcher)."""
-    return s.share_copy_pixels if s.send_pixel_values is None else s.send_pixel_values
-
-
 def cross_field_errors(cfg: JobConfig) -> list[str]:
     """Every inconsistency between sections, as one message each (key, found, expected, fix)."""
     t, r, a = cfg.train, cfg.rollout, cfg.algo
@@ -730,23 +741,23 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             "which is only right when the vision tower does not train; set train.freeze_vision=true or "
             "rollout.sglang.vision_cache_mb=0"
         )
-    if r.sglang.send_pixel_values and not r.sglang.share_copy_pixels:
+    if r.sglang.send_pixel_values and r.sglang.launcher != "miles_vl":
         errors.append(
-            "rollout.sglang.send_pixel_values=true needs miles_vl's launcher, which reads the pixel values, but "
-            "rollout.sglang.share_copy_pixels=false starts SGLang's own launch_server; set share_copy_pixels=true or "
+            "rollout.sglang.send_pixel_values=true needs miles_vl's SGLang plugin, which reads the pixel values, but "
+            "rollout.sglang.launcher=sglang starts SGLang's own server; set launcher=miles_vl or "
             "send_pixel_values=false (or null)"
         )
-    if r.sglang.vision_cuda_graphs and not r.sglang.share_copy_pixels:
+    if r.sglang.vision_cuda_graphs and r.sglang.launcher != "miles_vl":
         errors.append(
-            f"rollout.sglang.vision_cuda_graphs={r.sglang.vision_cuda_graphs} needs miles_vl's launcher, which makes "
-            "the vision tower's graphs, but rollout.sglang.share_copy_pixels=false starts SGLang's own launch_server; "
-            "set share_copy_pixels=true or vision_cuda_graphs=0"
+            f"rollout.sglang.vision_cuda_graphs={r.sglang.vision_cuda_graphs} needs miles_vl's SGLang plugin, which "
+            "makes the vision tower's graphs, but rollout.sglang.launcher=sglang starts SGLang's own server; set "
+            "launcher=miles_vl or vision_cuda_graphs=0"
         )
-    if r.backend == "sglang" and cfg.data.synthetic_task == "motion" and not sends_pixel_values(r.sglang):
+    if r.backend == "sglang" and cfg.data.synthetic_task == "motion" and not r.sglang.send_pixel_values:
         errors.append(
             "data.synthetic_task=motion makes video prompts, which rollout.backend=sglang sends only as pixel values "
             "(SGLang 0.5.16 re-samples and re-times videos it processes itself: docs/sglang.md, section 4); set "
-            "rollout.sglang.send_pixel_values to null or true (with share_copy_pixels=true), or rollout.backend=hf"
+            "rollout.sglang.send_pixel_values to null or true (with launcher=miles_vl), or rollout.backend=hf"
         )
     if r.backend == "sglang" and r.gpus_per_engine == 0:
         errors.append(

@@ -25,17 +25,18 @@ from typing import Any
 import ray
 import torch
 
-from miles_vl.config import ConfigError, JobConfig, sends_pixel_values
+from miles_vl.config import ConfigError, JobConfig
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.reward import REWARD_CONFIG_KEYS, RewardResolutionError, WeightedReward, check_reward, resolve_reward
 from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
-from miles_vl.rollout.sglang import MILES_VL_LAUNCH_MODULE, SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost
+from miles_vl.rollout.sglang import SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.sglang.weights import open_trainer_group
 from miles_vl.rollout.weight_sync import GroupSync, WeightSyncOptions
+from miles_vl.sglang_plugin.settings import PluginSettings
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions
 from miles_vl.train.megatron.parallel import ParallelOptions
 
@@ -153,7 +154,7 @@ def server_spec(cfg: JobConfig, index: int) -> ServerSpec:
         image_min_pixels=cfg.data.min_pixels,
         image_max_pixels=cfg.data.max_pixels,
         vision_cache_mb=s.vision_cache_mb,
-        vision_cuda_graphs=s.vision_cuda_graphs,
+        plugin=PluginSettings(vision_graphs=s.vision_cuda_graphs) if s.launcher == "miles_vl" else None,
         extra_args=tuple(s.extra_args),
     )
 
@@ -181,11 +182,12 @@ def sglang_problems(cfg: JobConfig) -> list[str]:
 
 def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, launch_module: str | None = None):
     """An sglang engine: its server's log goes to `slot.log_dir/sglang_<index>.log` (on the actor's node);
-    `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags); None: miles_vl's
-    launcher (`rollout.sglang.share_copy_pixels`) or SGLang's own."""
+    `launch_module` is run with `python -m` (tests run a stand-in that takes SGLang's flags); None:
+    `sglang.launch_server` (with miles_vl's SGLang plugin where `rollout.sglang.launcher` is miles_vl:
+    `server_spec`)."""
     s = cfg.rollout.sglang
     if launch_module is None:
-        launch_module = MILES_VL_LAUNCH_MODULE if s.share_copy_pixels else SGLANG_LAUNCH_MODULE
+        launch_module = SGLANG_LAUNCH_MODULE
     return (
         actor_class(SGLangRolloutHost)
         .options(**slot.ray_options)
@@ -201,7 +203,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
             launch_module=launch_module,
             one_request_per_prompt=s.one_request_per_prompt,
             prompts_per_request=s.prompts_per_request,
-            send_pixel_values=sends_pixel_values(s),
+            send_pixel_values=s.send_pixel_values,
             env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
             cpu_tensors_by_name=True,
         )
@@ -220,7 +222,7 @@ ENGINES: Mapping[str, EngineKind] = {
     "sglang": EngineKind(
         launch_sglang,
         sglang_problems,
-        sends_pixels=lambda cfg: sends_pixel_values(cfg.rollout.sglang),
+        sends_pixels=lambda cfg: cfg.rollout.sglang.send_pixel_values,
         group_sync=sglang_group_sync,
     ),
 }

@@ -41,7 +41,12 @@ def test_parse_args_defaults_and_checks(capsys):
 def test_samples_have_the_length_and_the_tasks_images(length, images):
     assert bench.images_for(length, "task") == images
     sample, pixels = bench.long_sample(length, images, seed=0)
-    assert sample.input_ids.numel() == length and sample.prompt_len == length - 1024
+    assert sample.input_ids.numel() == length
+    # every vision block whole inside the prompt (the 16K sample's 15 blocks end 994 tokens before 16K - 1024, where
+    # a fixed 1024-token response would cut the last one), and the response as long as that allows, up to 1024
+    last_vision = int((sample.input_ids == IMAGE).nonzero().max()) + 1  # its vision-end token
+    assert last_vision < sample.prompt_len
+    assert length - sample.prompt_len == min(1024, length - (last_vision + 1) - 1)
     assert int((sample.input_ids == IMAGE).sum()) == images * 1024
     assert sample.image_grid_thw.tolist() == [[1, 64, 64]] * images and pixels.shape[0] == images * 4096
 

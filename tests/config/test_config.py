@@ -110,6 +110,22 @@ def test_removed_train_packing_names_the_fix(tmp_path):
     assert "train.packing was removed" in found[0] and "command-line override train.packing" in found[0], found
 
 
+def test_share_copy_pixels_names_its_successor_and_the_launchers_defaults_are_resolved(tmp_path):
+    """Issue 31: `rollout.sglang.share_copy_pixels` became `rollout.sglang.launcher` (SGLang's server takes miles_vl's
+    patches as a plugin); an old config that sets it is told the new key and both values. The defaults that follow
+    from the launcher are written into the resolved config (`miles-vl check` shows them): prompts_per_request 16 and
+    send_pixel_values true with the plugin, 1 and false without; a value the user gave is kept."""
+    for value, new in (("true", "launcher: miles_vl"), ("false", "launcher: sglang")):
+        found = problems(write(tmp_path, MINIMAL), [f"rollout.sglang.share_copy_pixels={value}"])
+        assert len(found) == 1 and "replaced by rollout.sglang.launcher" in found[0] and new in found[0], found
+    plugin = load_config(write(tmp_path, MINIMAL)).rollout.sglang
+    assert (plugin.launcher, plugin.prompts_per_request, plugin.send_pixel_values) == ("miles_vl", 16, True)
+    stock = load_config(write(tmp_path, MINIMAL), ["rollout.sglang.launcher=sglang"]).rollout.sglang
+    assert (stock.prompts_per_request, stock.send_pixel_values) == (1, False)
+    given = load_config(write(tmp_path, MINIMAL), ["rollout.sglang.prompts_per_request=4"]).rollout.sglang
+    assert given.prompts_per_request == 4
+
+
 def test_gpus_not_divisible_by_model_parallel(tmp_path):
     found = problems(write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=6", "train.tp=4"])
     assert any("train.num_gpus=6 is not divisible by tp*pp*cp=4" in p for p in found), found
@@ -250,14 +266,14 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "`algo.tis.enabled` refuses greedy rollouts",
         ),
         (
-            ["rollout.sglang.send_pixel_values=true", "rollout.sglang.share_copy_pixels=false"],
-            "rollout.sglang.send_pixel_values=true needs miles_vl's launcher",
-            "`rollout.sglang.send_pixel_values: true` needs `rollout.sglang.share_copy_pixels: true`",
+            ["rollout.sglang.send_pixel_values=true", "rollout.sglang.launcher=sglang"],
+            "rollout.sglang.send_pixel_values=true needs miles_vl's SGLang plugin",
+            "`rollout.sglang.send_pixel_values: true` needs `rollout.sglang.launcher: miles_vl`",
         ),
         (
-            ["rollout.sglang.vision_cuda_graphs=2", "rollout.sglang.share_copy_pixels=false"],
-            "rollout.sglang.vision_cuda_graphs=2 needs miles_vl's launcher",
-            "`rollout.sglang.vision_cuda_graphs > 0` needs `rollout.sglang.share_copy_pixels: true`",
+            ["rollout.sglang.vision_cuda_graphs=2", "rollout.sglang.launcher=sglang"],
+            "rollout.sglang.vision_cuda_graphs=2 needs miles_vl's SGLang plugin",
+            "`rollout.sglang.vision_cuda_graphs > 0` needs `rollout.sglang.launcher: miles_vl`",
         ),
         (
             ["rollout.backend=sglang", "data.synthetic_task=motion", "rollout.sglang.send_pixel_values=false"],

@@ -1,11 +1,14 @@
-"""Contract (GPU, real SGLang 0.5.16): `SGLangRolloutHost` launches a real server on 127.0.0.1 with a tiny random
+"""Contract (GPU, real SGLang 0.5.16 or 0.5.17): `SGLangRolloutHost` launches a real server on 127.0.0.1
+(`python -m sglang.launch_server` with miles_vl's SGLang plugin, miles_vl/sglang_plugin/, opted in as
+`rollout.sglang.launcher: miles_vl` does; the host checks the plugin's marker in `/server_info`) with a tiny random
 Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP contract holds against it:
+- the plugin: its marker names the installed release, its adapter and every patch live;
 
 - `/generate` with `input_ids` (one `<|image_pad|>` per image block) + `image_data` + `return_logprob`: SGLang's
   `prompt_token_ids` equal our canonical ids (decode -> re-process with the checkpoint's processor -> each pad expanded
   gives back our ids), one logprob per output token; the expanded ids are an HTTP 500 (StopIteration in the processor);
-- the engine's default request with miles_vl's launcher: the canonical ids and each prompt's own pixel values
-  (processor_output items whose pixels are files the launcher reads, generate.py `pixel_media`): our ids come back, a
+- the engine's default request with miles_vl's plugin: the canonical ids and each prompt's own pixel values
+  (processor_output items whose pixels are files the plugin reads, generate.py `pixel_media`): our ids come back, a
   batch's prompts are prefilled in one batch and their copies in another, the files are gone after the call, pixel
   values in a dtype the model would not cast from are a 400, and stock `sglang.launch_server` cannot read them (500);
   video prompts go the same way (our frames, grids and timestamps);
@@ -50,9 +53,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_vl.config.schema import PLUGIN_PROMPTS_PER_REQUEST
 from miles_vl.rollout import SamplingParams
 from miles_vl.rollout.sglang import (
-    SGLANG_LAUNCH_MODULE,
     EngineStateError,
     ServerSpec,
     SGLangRequestError,
@@ -67,7 +70,9 @@ from miles_vl.rollout.sglang.generate import (
     remove_files,
     request_input_ids,
 )
-from miles_vl.sglang_launch import FILE_KEY
+from miles_vl.sglang_plugin import MARKER_KEY, sglang_release
+from miles_vl.sglang_plugin.settings import PluginSettings
+from miles_vl.sglang_plugin.wire import FILE_KEY
 from tests.rollout.sglang.conftest import Prompt, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,9 +169,11 @@ def _start_host(
     mem_fraction=0.3,
     colocated=True,
     log_name="sglang_server",
-    launch_module=None,
+    plugin=True,
     vision_cuda_graphs=0,
 ):
+    """A host as `rollout.sglang.launcher: miles_vl` makes it (`plugin`: the plugin opted in, prompts_per_request 16,
+    pixel values), or as `launcher: sglang` (`plugin=False`: SGLang's own server, PNG images, one prompt a request)."""
     out = os.environ.get("OUT")
     spec = ServerSpec(
         model_path=str(ckpt),
@@ -176,7 +183,7 @@ def _start_host(
         random_seed=0,
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
-        vision_cuda_graphs=vision_cuda_graphs,
+        plugin=PluginSettings(vision_graphs=vision_cuda_graphs) if plugin else None,
         extra_args=extra_args,
     )
     host = SGLangRolloutHost(
@@ -189,7 +196,8 @@ def _start_host(
         log_path=Path(out) / f"{log_name}.log" if out else None,
         env=SERVER_ENV,
         health_poll_s=0.5,
-        **({} if launch_module is None else {"launch_module": launch_module}),
+        prompts_per_request=PLUGIN_PROMPTS_PER_REQUEST if plugin else 1,
+        send_pixel_values=plugin,
     )
     _note_pid(host)
     return host
@@ -234,6 +242,17 @@ def _greedy(host, prompt) -> tuple[list[int], torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_the_plugins_marker_names_the_release_its_adapter_and_every_patch(host):
+    """What the host checked at start (`SGLangRolloutHost._check_plugin`), in full: the release installed here, its
+    adapter from the plugin's table, every patch the settings ask for live (the schedulers' too: a scheduler whose
+    patches did not take ends the server at start)."""
+    marker = host.client.server_info()[MARKER_KEY]
+    release = sglang_release()
+    assert marker["release"] == release and marker["adapter"] == "v" + release.replace(".", "_")
+    assert marker["patches"] == dict.fromkeys(("tokenizer", "receiver", "marker"), "live")
+    assert marker["settings"]["share_copy_pixels"] and marker["settings"]["vision_graphs"] == 0
+
+
 def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     ids = prompts[0].prompt_ids.tolist()
     payload = build_generate_payload(
@@ -249,7 +268,7 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
     assert body["meta_info"]["prompt_tokens"] == len(ids)
     assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"]) >= 1
 
-    assert host.engine.pixel_dir is not None  # miles_vl's launcher: the engine sends ids + pixel values
+    assert host.engine.pixel_dir is not None  # miles_vl's plugin: the engine sends ids + pixel values
     params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=1)
     # the engine checks every response's prompt ids against ours (with pixel values 0.5.16 keeps the ids it is sent, so
     # that check is the request's shape; what shows the server used our image tokens is the logprob agreement below)
@@ -288,7 +307,7 @@ def test_a_prompts_n_samples_in_one_request(host, prompts, tokens):
 def test_a_batch_of_prompts_with_n_in_one_request(host, prompts, tokens):
     """What `prompts_per_request` sends (and the stand-in's batch answers), on the real server with miles_vl's
     launcher: `k x n` bodies, prompt by prompt, each with its own prompt's ids; every copy got its prompt's pixels
-    back, and all copies were prefilled in one batch (the launcher sends them in one message); a batch that mixes n
+    back, and all copies were prefilled in one batch (the plugin sends them in one message); a batch that mixes n
     is refused with 400."""
     import re
 
@@ -339,8 +358,8 @@ def _prefill_batches(host, since: int) -> list[int]:
 
 
 def test_pixel_values_of_a_batch_in_one_request(host, prompts, tokens):
-    """The engine's default request form with miles_vl's launcher, on the real server: k prompts with n samples each
-    as ids + pixel values (files the launcher reads): `k x n` bodies with our ids; the k prefixes are ready together
+    """The engine's default request form with miles_vl's plugin, on the real server: k prompts with n samples each
+    as ids + pixel values (files the plugin reads): `k x n` bodies with our ids; the k prefixes are ready together
     (nothing to decode or process) and prefilled in one batch, the copies in another; every copy got its prompt's
     pixels back; pixel values in a dtype the model does not cast from are refused with 400, naming both."""
     k, n = 3, 4
@@ -380,10 +399,11 @@ def test_pixel_values_of_a_batch_in_one_request(host, prompts, tokens):
 
 
 def test_a_request_naming_a_pixel_file_not_its_own_is_refused(host, prompts, tokens, tmp_path):
-    """Issue 30.6, on the real server: the engine's pixel files are 0600 in a 0700 directory, and the launcher's read
-    (`read_tensor`, what `test_sglang_launch.py::test_the_server_reads_only_its_own_private_pixel_files` tests on
-    stand-in classes) refuses a reference to a symbolic link (to a file of the right size outside the directory) or
-    to a file other users can read: HTTP 400 naming the file and why; the server serves on, its own file included."""
+    """Issue 30.6, on the real server: the engine's pixel files are 0600 in a 0700 directory, and the plugin's read
+    (`read_tensor`, what `tests/sglang_plugin/test_v0_5_16.py::test_the_server_reads_only_its_own_private_pixel_files`
+    tests on stand-in classes) refuses a reference to a symbolic link (to a file of the right size outside the
+    directory) or to a file other users can read: HTTP 400 naming the file and why; the server serves on, its own file
+    included."""
     (media,) = host.engine.prompt_media(prompts[:1])
     directory = Path(host.engine.pixel_dir)
     ref = media.image_data[0]["pixel_values"]
@@ -461,19 +481,19 @@ def _prompt_logprobs(body) -> torch.Tensor:
 
 
 def test_vision_graphs_replay_what_the_eager_tower_computes(ckpt, processor, tokens):
-    """miles_vl.sglang_launch.VisionGraphs on a real server of its own (`rollout.sglang.vision_cuda_graphs: 4`; off by
-    default): a prompt with one image of 8x16 patches and a prompt with its two halves (2 x 8x8 patches, one vision
-    batch: one request's images go through the tower together) have the same patch count and other image
-    boundaries, which 0.5.16's own runner confuses (it would replay the first layout's boundaries for the second).
-    Each layout runs eagerly at its first sighting, is captured at its second and replayed after, the two
-    interleaved; the prompt tokens' logprobs of every call equal those of the layout's eager call, far closer than
-    the same text gets with another image of that size (replayed by the one-image graph: a replay reads its new
-    pixels). Replays are not bitwise the eager tower: 0.5.16's graph path runs the rotary embedding uncompiled
+    """miles_vl.sglang_plugin.vision.VisionGraphs on a real server of its own (`rollout.sglang.vision_cuda_graphs: 4`;
+    off by default): a prompt with one image of 8x16 patches and a prompt with its two halves (2 x 8x8 patches, one
+    vision batch: one request's images go through the tower together) have the same patch count and other image
+    boundaries, which 0.5.16's own runner confuses (it would replay the first layout's boundaries for the second). Each
+    layout runs eagerly at its first sighting, is captured at its second and replayed after, the two interleaved; the
+    prompt tokens' logprobs of every call equal those of the layout's eager call, far closer than the same text gets
+    with another image of that size (replayed by the one-image graph: a replay reads its new pixels). Replays are not
+    bitwise the eager tower: 0.5.16's graph path runs the rotary embedding uncompiled
     (`apply_rotary_pos_emb_native_eager`, srt/layers/attention/vision.py:1345) and computes the bilinear position
     weights in numpy; measured max 0.024, mean 0.008 (H200, 2026-11-26). The bound sits between that and what a real
     difference gave: with 0.5.16's default `enable_precise_embedding_interpolation` off, the graph path samples the
-    position-embedding table at half-pixel centres where the eager tower (and transformers) use linspace, and this
-    test measured max 0.069, mean 0.014; the launcher turns the flag on with the graphs."""
+    position-embedding table at half-pixel centres where the eager tower (and transformers) use linspace, and this test
+    measured max 0.069, mean 0.014; the plugin turns the flag on with the graphs."""
     from PIL import Image
 
     from miles_vl.data import PromptEncoder, generate_problems
@@ -529,7 +549,7 @@ def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, token
     """What `image_hash` (generate.py) assumes of the real server: with n = 1 the `mm_hashes` we send, not the pixels,
     key an image's prefix: the same text with another image but the first image's hash reuses the cached prompt past
     the image; with its own hash it stops at the image. 0.5.16 drops `mm_hashes` from a request with n > 1 (its
-    `GenerateReqInput.__getitem__` does not copy them); miles_vl's launcher (the host's default) gives them back, so
+    `GenerateReqInput.__getitem__` does not copy them); miles_vl's plugin (the host's default) gives them back, so
     such a request caches the image under our hash too."""
     ids = prompts[0].prompt_ids.tolist()
     first_image_token = ids.index(tokens.image_token_id)
@@ -554,16 +574,16 @@ def test_mm_hashes_key_the_prefix_cache_for_single_requests(host, prompts, token
     assert cached(1, hash_of=0) >= len(ids) - 1  # another image under the same hash: the whole prompt is a hit
     assert cached(1, hash_of=1) <= first_image_token  # its own hash: the cache stops where the image starts
     host.client.flush_cache(timeout_s=60)
-    cached(0, hash_of=0, n=2)  # n > 1: the launcher keeps our hash, the prefix is cached under it
+    cached(0, hash_of=0, n=2)  # n > 1: the plugin keeps our hash, the prefix is cached under it
     assert cached(1, hash_of=0) >= len(ids) - 1
 
 
 def test_a_one_image_items_hash_keys_its_prefix_and_its_file_reaches_the_scheduler_by_link(host, prompts, tokens):
-    """What `pixel_hash` and `link_pixel_files` assume of the real server (miles_vl's launcher, pixel values): the
+    """What `pixel_hash` and `link_pixel_files` assume of the real server (miles_vl's plugin, pixel values): the
     `hash` of a one-image processor_output item is the image's hash in the prefix cache (another image's pixels under
     the first image's hash reuse the cached prompt past the image; under their own hash the cache stops at the image),
     so the tokenizer takes it instead of hashing the pixels; the pixel files reach the scheduler by a second name in
-    /dev/shm, which the scheduler removes once it has read it (no 0.5.16 segment name is left; the launcher's log line
+    /dev/shm, which the scheduler removes once it has read it (no 0.5.16 segment name is left; the plugin's log line
     is written once per server process, so it shows that this server links, not which request did)."""
     ids = prompts[0].prompt_ids.tolist()
     first_image_token = ids.index(tokens.image_token_id)
@@ -893,7 +913,7 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
         mem_fraction=0.2,
         colocated=False,
         log_name="sglang_server_deterministic",
-        launch_module=SGLANG_LAUNCH_MODULE,  # stock 0.5.16: also checks that it cannot read pixel files
+        plugin=False,  # stock SGLang: also checks that it cannot read pixel files
     )
     try:
         assert not det.engine.one_request_per_prompt and det.engine.pixel_dir is None
@@ -921,7 +941,7 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
 
         # stock 0.5.16 takes a pixel file reference for the pixel values (the stand-in's answers without the
         # launcher): it cannot hash it (HTTP 500), and a one-image item that brings its hash reaches the vision tower
-        # as the reference, which kills the scheduler; why send_pixel_values needs miles_vl's launcher
+        # as the reference, which kills the scheduler; why send_pixel_values needs miles_vl's plugin
         from miles_vl.rollout.sglang import SGLangUnavailableError
 
         directory = tempfile.mkdtemp(prefix="pixels_")  # stock 0.5.16 reads no file: the reference is enough

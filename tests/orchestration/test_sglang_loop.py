@@ -342,7 +342,11 @@ def test_server_spec_follows_the_config(tmp_path):
         config(tmp_path, checkpoint, "x", "rollout.sglang.vision_cache_mb=256")
     frozen = config(tmp_path, checkpoint, "x", "rollout.sglang.vision_cache_mb=256", "train.freeze_vision=true")
     assert build_server_env(server_spec(frozen, index=0), base={})["SGLANG_VLM_CACHE_SIZE_MB"] == "256"
-    graphs = "MILES_VL_SGLANG_VISION_GRAPHS"  # off unless asked for (they pay off only for repeated image layouts)
-    assert build_server_env(spec, base={})[graphs] == "0"
+    plugin = "MILES_VL_SGLANG_PLUGIN"  # the vision graphs: off unless asked for (they pay off for repeated layouts)
+    assert json.loads(build_server_env(spec, base={})[plugin])["vision_graphs"] == 0
     kept = config(tmp_path, checkpoint, "x", "rollout.sglang.vision_cuda_graphs=3")
-    assert build_server_env(server_spec(kept, index=0), base={})[graphs] == "3"
+    assert json.loads(build_server_env(server_spec(kept, index=0), base={})[plugin])["vision_graphs"] == 3
+    stock = config(tmp_path, checkpoint, "x", "rollout.sglang.launcher=sglang")
+    assert server_spec(stock, index=0).plugin is None and plugin not in build_server_env(
+        server_spec(stock, 0), {plugin: "{}"}
+    )

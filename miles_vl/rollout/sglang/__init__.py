@@ -5,7 +5,8 @@
 - `generate`: the `/generate` request and response, and the check that SGLang used our prompt ids.
 - `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
 - `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API.
-- `host`: `SGLangRolloutHost`, the `RolloutEngine`: launch + restart + engine in one object; Ray runs one per engine.
+- `host`: `SGLangRolloutHost`, the `RolloutEngine`: launch + restart + engine in one object; Ray runs one per engine;
+  it checks that a server meant to run miles_vl's SGLang plugin (miles_vl/sglang_plugin/) reports it.
 - `weights`: SGLang's weight-sync wire: the `/update_weights_from_tensor` payload (colocated) and trainer rank 0's
   NCCL group over `/init_weights_update_group` and `/update_weights_from_distributed` (`open_trainer_group`).
 
@@ -23,9 +24,8 @@ from miles_vl.rollout.sglang.client import (
 )
 from miles_vl.rollout.sglang.engine import EngineStateError, SGLangRolloutEngine, WeightVersionError
 from miles_vl.rollout.sglang.generate import PromptMismatchError
-from miles_vl.rollout.sglang.host import SGLangRolloutHost
+from miles_vl.rollout.sglang.host import SGLangPluginMissingError, SGLangRolloutHost
 from miles_vl.rollout.sglang.server import (
-    MILES_VL_LAUNCH_MODULE,
     SGLANG_LAUNCH_MODULE,
     ServerProcess,
     ServerSpec,
@@ -37,12 +37,12 @@ from miles_vl.rollout.sglang.server import (
 from miles_vl.rollout.sglang.verify import WeightSyncError, checkpoint_names
 
 __all__ = [
-    "MILES_VL_LAUNCH_MODULE",
     "SGLANG_LAUNCH_MODULE",
     "EngineStateError",
     "PromptMismatchError",
     "SGLangClient",
     "SGLangError",
+    "SGLangPluginMissingError",
     "SGLangRequestError",
     "SGLangResponseError",
     "SGLangRolloutEngine",

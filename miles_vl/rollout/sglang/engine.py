@@ -3,9 +3,9 @@
     engine = SGLangRolloutEngine(SGLangClient("http://127.0.0.1:30000"), tokens, weight_version="base")
     groups = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))   # prompts carry `.images`
 
-Prompts (`PromptLike`): with `pixel_dir` (a server started by miles_vl's launcher, which reads pixel values from that
+Prompts (`PromptLike`): with `pixel_dir` (a server with miles_vl's SGLang plugin, which reads pixel values from that
 directory) the engine sends each prompt's canonical ids, `pixel_values` / `pixel_values_videos` and grids, as the
-trainer sees them (generate.py, `pixel_media`); videos go too. Without it (SGLang's own launch_server), every prompt
+trainer sees them (generate.py, `pixel_media`); videos go too. Without it (SGLang's own server), every prompt
 with images needs `images`: the decoded images (PIL, or encoded bytes) in the order their blocks appear in
 `prompt_ids`, which SGLang processes again (`png_media`); videos are refused there. Every response is checked to
 have used exactly our prompt ids (`PromptMismatchError` names the first differing position).
@@ -20,11 +20,11 @@ samples would be the same: there each sample is its own request, with its own se
 `params.seed`, the prompt index and the sample index), reproducible per sample; the shared prompt prefix is still
 computed once per batch wave by SGLang's radix cache. Either way results come back in a fixed order.
 
-With `prompts_per_request` > 1 (miles_vl's launcher only: `miles_vl/sglang_launch.py`), up to that many prompts, each
-with its `n` samples, go out as one batched request: the launcher prefills them as they are tokenized and then sends
-every sample to the scheduler at once, so they start decoding together instead of trickling in (docs/sglang.md).
-SGLang's own server takes such a request too, but waits for each prompt's prefill in turn, so the engine sends it one
-prompt per request.
+With `prompts_per_request` > 1 (miles_vl's SGLang plugin: `miles_vl/sglang_plugin/grouping.py`), up to that many
+prompts, each with its `n` samples, go out as one batched request: the plugin prefills them as they are tokenized and
+then sends every sample to the scheduler at once, so they start decoding together instead of trickling in
+(docs/sglang.md). SGLang's own server takes such a request too, but waits for each prompt's prefill in turn, so the
+engine sends it one prompt per request.
 
 Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, rollout/sglang/weights.py); a caller
 that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
@@ -128,9 +128,9 @@ class SGLangRolloutEngine:
         one_request_per_prompt: send a prompt's `n` samples as one request (module docstring); None: yes unless
             `deterministic` (where it is refused: the samples would be identical).
         prompts_per_request: with `one_request_per_prompt`, how many prompts (each with its `n` samples) one request
-            carries; more than 1 only for a server started by miles_vl's launcher (module docstring).
-        pixel_dir: the server's pixel directory (`MILES_VL_SGLANG_PIXEL_DIR` of a server started by miles_vl's
-            launcher): prompts go as their own ids and pixel values; None: as one pad per image and PNG images.
+            carries; more than 1 only for a server with miles_vl's SGLang plugin (module docstring).
+        pixel_dir: the server's pixel directory (`MILES_VL_SGLANG_PIXEL_DIR` of a server with miles_vl's SGLang
+            plugin): prompts go as their own ids and pixel values; None: as one pad per image and PNG images.
         pixel_dtype: the dtype pixel values are written in: the server model's dtype (the model casts them to it),
             or float32.
         spatial_merge_size: the vision tower's merge (vision_config.spatial_merge_size): checks ids against grids.

@@ -39,14 +39,14 @@ bodies, each as for one request, in order; an abort with a status code fails the
 Images are sent as PNG data URLs of the decoded pixels: lossless, and the server never decodes a JPEG with nvJPEG
 (0.5.16 does so on the GPU in `python/sglang/srt/utils/common.py:_load_image`), whose output can differ from PIL's.
 
-With miles_vl's launcher (`miles_vl/sglang_launch.py`) a prompt goes as what the trainer sees instead (`pixel_media`):
-its canonical ids (image and video tokens expanded), and one `processor_output` item per modality holding its grids
-and a reference to its pixel values, which the engine writes into the server's pixel directory (`write_tensor`) in
-the server model's dtype. SGLang then runs neither its image processor nor its tokenizer on the prompt; its MRoPE
-positions come from our ids and grids (`QwenVLImageProcessor.process_mm_data_async`, `qwen_vl.py:770-810`), and
-videos keep our frames and timestamps. The ids are checked here against the grids (`vision_inputs`), since the server
-no longer re-derives them. A one-image item also carries our hash of its pixels (`pixel_hash`), which SGLang takes as
-the image's hash instead of computing its own.
+With miles_vl's SGLang plugin (`miles_vl/sglang_plugin/`) a prompt goes as what the trainer sees instead
+(`pixel_media`): its canonical ids (image and video tokens expanded), and one `processor_output` item per modality
+holding its grids and a reference to its pixel values, which the engine writes into the server's pixel directory
+(`write_tensor`) in the server model's dtype. SGLang then runs neither its image processor nor its tokenizer on the
+prompt; its MRoPE positions come from our ids and grids (`QwenVLImageProcessor.process_mm_data_async`,
+`qwen_vl.py:770-810`), and videos keep our frames and timestamps. The ids are checked here against the grids
+(`vision_inputs`), since the server no longer re-derives them. A one-image item also carries our hash of its pixels
+(`pixel_hash`), which SGLang takes as the image's hash instead of computing its own.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from torch import Tensor
 from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang.client import SGLangResponseError
 from miles_vl.rollout.types import Generation, SamplingParams
-from miles_vl.sglang_launch import FEATURE_GRIDS, FILE_KEY, write_tensor
+from miles_vl.sglang_plugin.wire import FEATURE_GRIDS, FILE_KEY, write_tensor
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BANNED_LOGIT_BIAS = -1.0e9  # JSON has no -inf; exp(-1e9) is exactly 0 in fp32
@@ -148,8 +148,8 @@ def prompt_images(prompt: Any, index: int, video_token_id: int | None = None) ->
         raise ValueError(
             f"prompt {index} holds a video, and this engine sends PNG images (SGLang 0.5.16 re-samples and re-sizes "
             "`video_data` its own way and writes other frame timestamps, so its prompt ids would not be ours: "
-            "docs/sglang.md, section 4, Pixel values). Send pixel values (rollout.sglang.send_pixel_values: true or "
-            "null, with share_copy_pixels: true, miles_vl's launcher), or use rollout.backend=hf for video prompts"
+            "docs/sglang.md, section 4, Pixel values). Send pixel values (rollout.sglang.send_pixel_values: true, "
+            "with launcher: miles_vl, miles_vl's SGLang plugin), or use rollout.backend=hf for video prompts"
         )
     grid = getattr(prompt, "image_grid_thw", None)
     n_grid = 0 if grid is None else int(grid.shape[0])
@@ -507,9 +507,9 @@ def parse_generate_response(
         raise SGLangResponseError(
             f"{where}: the response has no prompt_token_ids, which the request asked for (return_prompt_token_ids), "
             "so the engine cannot check that SGLang saw our prompt ids. SGLang 0.5.16 returns them on every path; "
-            "a server that leaves them out is another release, or a patch of its tokenizer (miles_vl's launcher: "
-            "the grouped copies of `handle_grouped`) did not set them: run sglang==0.5.16, or SGLang's own launcher "
-            "(rollout.sglang.share_copy_pixels=false) to tell the two apart"
+            "a server that leaves them out is another release, or a patch of its tokenizer (miles_vl's SGLang plugin: "
+            "the grouped copies of `handle_grouped`) did not set them: run a supported SGLang release, or SGLang's own "
+            "server (rollout.sglang.launcher=sglang) to tell the two apart"
         )
     check_prompt_tokens(prompt_ids, theirs, prompt_index=prompt_index)
     prompt_tokens = meta.get("prompt_tokens")

@@ -42,7 +42,6 @@ from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, 
 from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (
     LOOPBACK_HOSTS,
-    MILES_VL_LAUNCH_MODULE,
     SGLANG_LAUNCH_MODULE,
     ServerProcess,
     ServerSpec,
@@ -60,30 +59,17 @@ from miles_vl.rollout.sglang.verify import checkpoint_names
 from miles_vl.rollout.sglang.weights import EngineAddress
 from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
 from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport
-from miles_vl.sglang_launch import PIXEL_DIR_ENV
+from miles_vl.sglang_plugin.marker import marker_problem
+from miles_vl.sglang_plugin.wire import PIXEL_DIR_ENV
 
 log = logging.getLogger(__name__)
 
 DYING_GRACE_S = 5.0  # how long an unreachable server's process may take to exit and count as dead
-# Prompts per request with miles_vl's launcher: a GRPO rollout batch of up to 16 prompts goes as one request; larger
-# rollouts go as several, in flight together, so the first ones decode while the tokenizer works on the next.
-LAUNCHER_PROMPTS_PER_REQUEST = 16
 
 
-def default_prompts_per_request(launch_module: str, prompts_per_request: int | None) -> int:
-    """`prompts_per_request` for a server run by `launch_module` (None: the module's default). SGLang's own
-    launch_server prefills the prompts of a batched request one after another (miles_vl/sglang_launch.py), so more
-    than 1 there is slower than one request per prompt: allowed, with a warning."""
-    if prompts_per_request is None:
-        return LAUNCHER_PROMPTS_PER_REQUEST if launch_module == MILES_VL_LAUNCH_MODULE else 1
-    if prompts_per_request > 1 and launch_module == SGLANG_LAUNCH_MODULE:
-        log.warning(
-            "prompts_per_request=%d with SGLang's own launch_server: 0.5.16 prefills the prompts of a batch one after "
-            "another and sends every sample alone; miles_vl's launcher (rollout.sglang.share_copy_pixels) sends them "
-            "together",
-            prompts_per_request,
-        )
-    return prompts_per_request
+class SGLangPluginMissingError(RuntimeError):
+    """A server that should run miles_vl's SGLang plugin (`ServerSpec.plugin`) reports no marker of it, or not every
+    patch asked for (`miles_vl.sglang_plugin.marker.marker_problem` names what and the likely cause)."""
 
 
 class SGLangRolloutHost(RolloutEngine):
@@ -102,20 +88,19 @@ class SGLangRolloutHost(RolloutEngine):
         max_concurrency: requests in flight at once.
         weight_bucket_bytes: bound of one weight bucket.
         python: the interpreter that runs the server.
-        launch_module: the module run with `python -m`: miles_vl's launcher of SGLang (`miles_vl/sglang_launch.py`:
-            the `n` copies of a prompt share its pixel values), `sglang.launch_server`, or a stand-in that takes
-            SGLang's flags (tests).
+        launch_module: the module run with `python -m`: `sglang.launch_server` (with miles_vl's plugin where
+            `spec.plugin` opts in), or a stand-in that takes SGLang's flags (tests).
         env: extra environment variables for the server process.
         health_poll_s: pause between health polls while starting.
         verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
             names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
         one_request_per_prompt: send a prompt's n samples as one request (`SGLangRolloutEngine`); None: unless the
             server's flags make it deterministic.
-        prompts_per_request: prompts (each with its n samples) in one request (`SGLangRolloutEngine`); None:
-            `LAUNCHER_PROMPTS_PER_REQUEST` with miles_vl's launcher, 1 with any other launch module.
+        prompts_per_request: prompts (each with its n samples) in one request (`SGLangRolloutEngine`;
+            rollout.sglang.prompts_per_request resolves it); more than 1 without the plugin is slower (a warning).
         send_pixel_values: send prompts as their ids and pixel values through a private directory the server reads
-            (`SGLangRolloutEngine.pixel_dir`; the server must be miles_vl's launcher, or a stand-in of it); None: with
-            miles_vl's launcher. False: PNG images, which SGLang processes again.
+            (`SGLangRolloutEngine.pixel_dir`; needs `spec.plugin`, or a stand-in that reads them). False: PNG images,
+            which SGLang processes again.
         cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
             (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
     """
@@ -135,13 +120,13 @@ class SGLangRolloutHost(RolloutEngine):
         max_concurrency: int = 128,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         python: str = sys.executable,
-        launch_module: str = MILES_VL_LAUNCH_MODULE,
+        launch_module: str = SGLANG_LAUNCH_MODULE,
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
         verify_weights: bool = True,
         one_request_per_prompt: bool | None = None,
-        prompts_per_request: int | None = None,
-        send_pixel_values: bool | None = None,
+        prompts_per_request: int = 1,
+        send_pixel_values: bool = False,
         cpu_tensors_by_name: bool = False,
     ):
         if cpu_tensors_by_name and not torch.cuda.is_available():
@@ -155,8 +140,19 @@ class SGLangRolloutHost(RolloutEngine):
         self.max_restarts = max_restarts
         self.health_poll_s = health_poll_s
         self.restarts = 0
-        if send_pixel_values is None:
-            send_pixel_values = launch_module == MILES_VL_LAUNCH_MODULE
+        if send_pixel_values and spec.plugin is None and launch_module == SGLANG_LAUNCH_MODULE:
+            raise ValueError(
+                "send_pixel_values=True needs miles_vl's SGLang plugin to read the pixel files, but spec.plugin is "
+                "None (rollout.sglang.launcher: sglang); set rollout.sglang.send_pixel_values=false or launcher: "
+                "miles_vl"
+            )
+        if prompts_per_request > 1 and spec.plugin is None:
+            log.warning(
+                "prompts_per_request=%d without miles_vl's SGLang plugin: SGLang prefills the prompts of a batch one "
+                "after another and sends every sample alone; the plugin (rollout.sglang.launcher: miles_vl) sends them "
+                "together",
+                prompts_per_request,
+            )
         self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
         self.pixel_dir: Path | None = None
         try:
@@ -196,7 +192,7 @@ class SGLangRolloutHost(RolloutEngine):
                 known_names=checkpoint_names(spec.model_path),
                 verify_weights=verify_weights,
                 one_request_per_prompt=one_request_per_prompt,
-                prompts_per_request=default_prompts_per_request(launch_module, prompts_per_request),
+                prompts_per_request=prompts_per_request,
                 pixel_dir=None if self.pixel_dir is None else str(self.pixel_dir),
                 pixel_dtype=pixel_wire_dtype(spec),
                 spatial_merge_size=spatial_merge_size(spec.model_path),
@@ -225,6 +221,17 @@ class SGLangRolloutHost(RolloutEngine):
             self.client, self.server, timeout_s=self.startup_timeout_s, poll_s=self.health_poll_s
         )
         log.info("SGLang server %s healthy after %.1fs (pid %s)", self.url, waited, self.server.pid)
+        if self.spec.plugin is not None:
+            self._check_plugin()
+
+    def _check_plugin(self) -> None:
+        """Refuse a server that should run miles_vl's plugin but reports no marker of it, or lacks a patch asked for
+        (`marker_problem`): it would run, slower or unable to read pixel files, without saying so."""
+        problem = marker_problem(
+            self.client.server_info(), self.spec.plugin.patches(), (self.server.env or os.environ).get("SGLANG_PLUGINS")
+        )
+        if problem is not None:
+            raise SGLangPluginMissingError(f"SGLang server {self.url}: {problem} (log: {self.server.log_path})")
 
     def _restart(self, why: str) -> None:
         if self.restarts >= self.max_restarts:

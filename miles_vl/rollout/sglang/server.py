@@ -59,15 +59,14 @@ import torch
 
 from miles_vl.gpu_env import NO_MULTICAST_ENV, nccl_peer_env
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
-from miles_vl.sglang_launch import VISION_GRAPHS_ENV
+from miles_vl.sglang_plugin.settings import SETTINGS_ENV, PluginSettings
 
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-# What `python -m` runs: SGLang's own entry point, or miles_vl's launcher of it (miles_vl/sglang_launch.py: the `n`
-# copies of a prompt share its pixel values; rollout.sglang.share_copy_pixels), which takes the same flags.
+# What `python -m` runs: SGLang's own entry point. miles_vl's patches come as SGLang's plugin (miles_vl/sglang_plugin/,
+# opted in by `ServerSpec.plugin`; rollout.sglang.launcher).
 SGLANG_LAUNCH_MODULE = "sglang.launch_server"
-MILES_VL_LAUNCH_MODULE = "miles_vl.sglang_launch"
 
 # Flags that miles_vl sets from the spec; `extra_args` may not set them again (argparse would silently keep the
 # last one). Values: the spec field (and config key) that owns the flag.
@@ -119,9 +118,8 @@ class ServerSpec:
         image_max_pixels: likewise `max_pixels`.
         vision_cache_mb: `SGLANG_VLM_CACHE_SIZE_MB`; 0 (default) disables the vision-embedding cache that weight
             syncs do not invalidate (see the module docstring). Only > 0 when the vision tower is frozen.
-        vision_cuda_graphs: image layouts whose vision-tower CUDA graphs a server run by miles_vl's launcher keeps
-            (`MILES_VL_SGLANG_VISION_GRAPHS`, `miles_vl.sglang_launch.VisionGraphs`); 0: the vision tower runs eagerly.
-            SGLang's own launch_server ignores it.
+        plugin: the settings of miles_vl's SGLang plugin for this server (`miles_vl.sglang_plugin`, opted in through
+            `MILES_VL_SGLANG_PLUGIN`); None: SGLang's own server, without the plugin (rollout.sglang.launcher: sglang).
         extra_args: passed verbatim after ours; may not repeat a flag of `OWNED_FLAGS`.
     """
 
@@ -138,7 +136,7 @@ class ServerSpec:
     image_min_pixels: int | None = None
     image_max_pixels: int | None = None
     vision_cache_mb: int = 0
-    vision_cuda_graphs: int = 0
+    plugin: PluginSettings | None = None
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -155,8 +153,6 @@ class ServerSpec:
             raise ValueError(f"ServerSpec.tp_size={self.tp_size}; an engine needs >= 1 GPU (rollout.gpus_per_engine)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"ServerSpec.mem_fraction_static={self.mem_fraction_static} is outside (0, 1]")
-        if self.vision_cuda_graphs < 0:
-            raise ValueError(f"ServerSpec.vision_cuda_graphs={self.vision_cuda_graphs}; 0 turns them off")
         if self.vision_cache_mb < 0:
             raise ValueError(f"ServerSpec.vision_cache_mb={self.vision_cache_mb} < 0; use 0 to disable the cache")
         if isinstance(self.extra_args, str):
@@ -311,12 +307,14 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
 
     Returns:
         A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0),
-        `MILES_VL_SGLANG_VISION_GRAPHS` is `spec.vision_cuda_graphs`, `SGLANG_MM_PRECOMPUTE_HASH` is 1 and
-        `NCCL_CUMEM_ENABLE` is 0 unless `base` sets them (`nccl_peer_env`).
+        `MILES_VL_SGLANG_PLUGIN` holds `spec.plugin` (absent without one, whatever `base` had),
+        `SGLANG_MM_PRECOMPUTE_HASH` is 1 and `NCCL_CUMEM_ENABLE` is 0 unless `base` sets them (`nccl_peer_env`).
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
-    env[VISION_GRAPHS_ENV] = str(spec.vision_cuda_graphs)
+    env.pop(SETTINGS_ENV, None)  # an opt-in inherited from our own environment is not this server's
+    if spec.plugin is not None:
+        env[SETTINGS_ENV] = spec.plugin.to_env()
     env.setdefault("SGLANG_MM_PRECOMPUTE_HASH", "1")  # hash once per request, not once per `n` copy (docstring)
     for key, value in NO_MULTICAST_ENV.items():  # NVLink multicast off unless the caller decided otherwise
         env.setdefault(key, value)

@@ -19,15 +19,17 @@ of lists, `image_data` one list per prompt, `sampling_params` one dict or one pe
 answered as 0.5.16 answers it: `prompts x n` bodies, prompt by prompt (`_batch_prompts`); a single prompt with
 `n > 1` is a batch of one there, so its `image_data` must be one entry (0.5.16's ValueError, HTTP 400, otherwise).
 
-Pixel values as miles_vl's launcher takes them (`miles_vl/sglang_launch.py`, the default server): a prompt's
-`image_data` / `video_data` may be one `processor_output` item (0.5.16 refuses more than one item per modality then,
-400) whose pixel values are files in `$MILES_VL_SGLANG_PIXEL_DIR`; they are read with the launcher's own
-`resolve_item` (the launcher is the server here; its reading is tested on its own, and the real server confirms the
-pair), against the model dtype of `--dtype` (float32 without it: the stand-in's models run in float32, where 0.5.16
-would run a float32 checkpoint in float16), and the ids are used as sent (0.5.16's fast path for preprocessed
-input). Without the launcher (`FakeState(launcher=False)`, `--fake-stock`) such an item is what stock 0.5.16 makes
-of it: the file reference becomes the item's feature, which its hashing cannot read (TypeError in the tokenizer:
-HTTP 500).
+Pixel values as 0.5.16 with miles_vl's SGLang plugin takes them (`miles_vl/sglang_plugin/`, the default server): a
+prompt's `image_data` / `video_data` may be one `processor_output` item (0.5.16 refuses more than one item per modality
+then, 400) whose pixel values are files in `$MILES_VL_SGLANG_PIXEL_DIR`; they are read with the plugin's own
+`resolve_item` (the plugin is the server here; its reading is tested on its own, and the real server confirms the pair),
+against the model dtype of `--dtype` (float32 without it: the stand-in's models run in float32, where 0.5.16 would run a
+float32 checkpoint in float16), and the ids are used as sent (0.5.16's fast path for preprocessed input). The process
+stand-in runs "with the plugin" where its environment opts in as the host does (`MILES_VL_SGLANG_PLUGIN`, parsed by the
+plugin's own `from_env`), and then reports the plugin's marker in `/server_info` as the real plugin does; `--fake-stock`
+makes it an install where the plugin does not load although asked for (no marker: the host must refuse it). Without the
+plugin (`FakeState(launcher=False)`) such an item is what stock 0.5.16 makes of it: the file reference becomes the
+item's feature, which its hashing cannot read (TypeError in the tokenizer: HTTP 500).
 
 Weights as 0.5.16's Qwen3-VL takes them: a name the server does not know (the model's names with hf_server.py;
 `FakeState.param_names` here, None = every name) is skipped without an error and only reported (log, journal,
@@ -83,6 +85,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
+
+from miles_vl.sglang_plugin.marker import MARKER_KEY, new_marker
+from miles_vl.sglang_plugin.settings import from_env
 
 VERSION = "0.5.16"
 IMAGE_TOKEN_ID = 151655  # Qwen3-VL <|image_pad|>
@@ -211,7 +216,8 @@ class FakeState:
     initial_weight_version: str = "default"
     startup_delay_s: float = 0.0
     exit_file: str | None = None  # see --fake-exit-file
-    launcher: bool = True  # run by miles_vl's launcher: processor_output items with pixel files are read
+    launcher: bool = True  # with miles_vl's SGLang plugin: processor_output items with pixel files are read
+    marker: dict | None = None  # what /server_info reports under the plugin's MARKER_KEY (None: no marker)
     pixel_dir: str | None = None  # $MILES_VL_SGLANG_PIXEL_DIR
     model_dtype: str = "float32"  # --dtype (the stand-in's models run in float32)
     allow_exit: bool = False  # os._exit on an "exit" fault: only when this is its own process
@@ -621,8 +627,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def server_info(self, body, query):
         s = self.server.state
-        self._json(200, {"model_path": s.model_path, "tp_size": s.tp_size, "weight_version": s.weight_version,
-                         "internal_states": [{}], "version": VERSION})  # fmt: skip
+        info = {"model_path": s.model_path, "tp_size": s.tp_size, "weight_version": s.weight_version,
+                "internal_states": [{}], "version": VERSION}  # fmt: skip
+        if s.marker is not None:  # as the plugin's marker hook adds it (miles_vl/sglang_plugin/marker.py)
+            info[MARKER_KEY] = s.marker
+        self._json(200, info)
 
     def generate(self, body, query):
         s = self.server.state
@@ -703,18 +712,17 @@ class Handler(BaseHTTPRequestHandler):
                 raise SchedulerCrash(
                     "TypeError: expected Tensor as element 0 in argument 0, but got dict (get_image_feature: a "
                     "processor_output item with its own hash keeps its file reference to the vision tower; stock "
-                    "0.5.16 does not read miles_vl's pixel files; start the server with "
-                    "python -m miles_vl.sglang_launch)"
+                    "0.5.16 does not read miles_vl's pixel files; start the server with miles_vl's SGLang plugin)"
                 )
             if not s.launcher:
                 raise ServerError(
                     "TypeError: object supporting the buffer API required (MultimodalDataItem.set_pad_value -> "
                     "hash_feature of a processor_output feature that is a file reference: stock 0.5.16 does not "
-                    "read miles_vl's pixel files; start the server with python -m miles_vl.sglang_launch)"
+                    "read miles_vl's pixel files; start the server with miles_vl's SGLang plugin)"
                 )
             import torch
 
-            from miles_vl.sglang_launch import resolve_item
+            from miles_vl.sglang_plugin.wire import resolve_item
 
             try:
                 item = resolve_item(items[0], getattr(torch, s.model_dtype), s.pixel_dir)
@@ -1283,7 +1291,9 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--rl-on-policy-target", default=None, help="0.5.16 turns deterministic inference on with it")
     parser.add_argument("--dtype", default="auto", help="the model dtype pixel values are read in (auto: float32)")
-    parser.add_argument("--fake-stock", action="store_true", help="0.5.16 without miles_vl's launcher")
+    parser.add_argument(
+        "--fake-stock", action="store_true", help="the plugin does not load although asked for (an old install)"
+    )
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
@@ -1306,6 +1316,7 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
     logged = ", ".join(f"{k}={v!r}" for k, v in (vars(args) | {"api_key": api_key}).items())
     sys.stderr.write(f"fake-sglang: server_args=ServerArgs({logged})\n")
     image = (json.loads(args.mm_process_config) if args.mm_process_config else {}).get("image", {})
+    plugin = None if args.fake_stock else from_env(os.environ)  # what the plugin's register() reads (None: off)
     state = FakeState(
         model_path=args.model_path,
         api_key=api_key,
@@ -1318,7 +1329,10 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
         startup_delay_s=args.fake_startup_delay,
         exit_file=args.fake_exit_file,
         allow_exit=True,
-        launcher=not args.fake_stock,
+        launcher=plugin is not None,
+        marker=None
+        if plugin is None
+        else new_marker("fake", "stand-in", dict.fromkeys(plugin.patches(), "live"), vars(plugin)),
         pixel_dir=os.environ.get("MILES_VL_SGLANG_PIXEL_DIR"),
         model_dtype={"auto": "float32", "half": "float16", "float": "float32"}.get(args.dtype, args.dtype),
     )

@@ -502,7 +502,7 @@ def test_with_a_pixel_directory_prompts_go_as_their_ids_and_pixel_values(pixel_f
     """Images, several images, no image and a video, batched and single: every body carries the canonical ids and the
     prompt's own pixel values (read back by the stand-in with the launcher's reader, which refuses anything else),
     prompts need no `images`, the server ran those ids, and the directory is empty afterwards."""
-    from miles_vl.sglang_launch import FILE_KEY
+    from miles_vl.sglang_plugin.wire import FILE_KEY
     from tests.rollout.sglang.conftest import make_video_prompt
 
     ps = [make_prompt([11, 12], 1, color=1, with_images=False), make_prompt([21, 22, 23]),

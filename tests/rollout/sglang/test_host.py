@@ -1,8 +1,9 @@
 """Contract: `SGLangRolloutHost` launches its server from `build_server_argv` (here with
 `-m tests.rollout.sglang.fake_server` in place of `-m sglang.launch_server`: every flag and the API-key config file
-are the real ones), waits for health, serves the `RolloutEngine` calls, and relaunches a dead server transparently
-while no weights were synced; once weights were synced, a relaunch makes the engine refuse to generate until they
-are synced again; restarts are bounded."""
+are the real ones), waits for health, checks that a server meant to run miles_vl's SGLang plugin reports its marker,
+serves the `RolloutEngine` calls, and relaunches a dead server transparently while no weights were synced; once
+weights were synced, a relaunch makes the engine refuse to generate until they are synced again; restarts are
+bounded."""
 
 from __future__ import annotations
 
@@ -16,17 +17,25 @@ import pytest
 import torch
 
 from miles_vl.gpu_env import nccl_peer_env
-from miles_vl.rollout.sglang import EngineStateError, ServerSpec, SGLangRolloutHost, SGLangServerDiedError
+from miles_vl.rollout.sglang import (
+    EngineStateError,
+    ServerSpec,
+    SGLangPluginMissingError,
+    SGLangRolloutHost,
+    SGLangServerDiedError,
+)
 from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.types import SamplingParams
+from miles_vl.sglang_plugin.settings import PluginSettings
 from tests.rollout.sglang.conftest import MAX_PIXELS, MIN_PIXELS, TOKENS, free_port, make_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=3)
+PLUGIN = PluginSettings()  # the production default (rollout.sglang.launcher: miles_vl)
 
 
-def host(tmp_path, *, extra_args=(), api_key="k3y", colocated=False, **kwargs) -> SGLangRolloutHost:
+def host(tmp_path, *, extra_args=(), api_key="k3y", colocated=False, plugin=PLUGIN, **kwargs) -> SGLangRolloutHost:
     """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang."""
     spec = ServerSpec(
         model_path="/ckpt/m",
@@ -37,6 +46,7 @@ def host(tmp_path, *, extra_args=(), api_key="k3y", colocated=False, **kwargs) -
         image_min_pixels=MIN_PIXELS,
         image_max_pixels=MAX_PIXELS,
         extra_args=("--enable-deterministic-inference", *extra_args),  # responses are compared across restarts
+        plugin=plugin,
     )
     kwargs.setdefault("max_restarts", 2)
     return SGLangRolloutHost(
@@ -48,7 +58,7 @@ def host(tmp_path, *, extra_args=(), api_key="k3y", colocated=False, **kwargs) -
         retry_backoff_s=0.01,
         log_path=tmp_path / "server.log",
         launch_module="tests.rollout.sglang.fake_server",
-        env={"PYTHONPATH": str(REPO_ROOT)},
+        env=kwargs.pop("env", {"PYTHONPATH": str(REPO_ROOT)}),
         health_poll_s=0.05,
         **kwargs,
     )
@@ -171,10 +181,10 @@ def test_which_server_flags_make_the_seed_count():
 def test_a_host_that_sends_pixel_values_owns_their_directory(tmp_path):
     """With send_pixel_values the host makes a private directory (0700, in /dev/shm where there is one), names it to
     the server (MILES_VL_SGLANG_PIXEL_DIR: the stand-in process reads the engine's files there, video included) and
-    removes it with the server; by default only miles_vl's launcher gets pixel values."""
+    removes it with the server; by default (send_pixel_values: false) PNG images go."""
     from tests.rollout.sglang.conftest import make_video_prompt
 
-    png = host(tmp_path / "png")  # a stand-in module, not miles_vl's launcher
+    png = host(tmp_path / "png")
     try:
         assert png.pixel_dir is None and png.engine.pixel_dir is None
     finally:
@@ -306,3 +316,35 @@ def test_the_whole_engine_path_runs_with_the_generated_key(tmp_path):
     finally:
         h.shutdown()
         other.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "env", "cause"),
+    [
+        (("--fake-stock",), {}, "predates the plugin's entry point"),  # asked for, but the install does not load it
+        (("--fake-stock",), {"SGLANG_PLUGINS": "other"}, "SGLANG_PLUGINS='other' in its environment does not name"),
+    ],
+)
+def test_a_server_without_the_plugins_marker_is_refused(tmp_path, extra_args, env, cause):
+    """A server that should run miles_vl's plugin but reports no marker in /server_info (an install without the entry
+    point, SGLANG_PLUGINS naming other plugins, another release) would run slower or fail on pixel files without
+    saying so: the host stops it at start with an error naming the missing marker, the likely cause and the fix, and
+    leaves nothing running."""
+    with pytest.raises(SGLangPluginMissingError, match="no 'miles_vl_plugin'") as refused:
+        host(tmp_path, extra_args=extra_args, env={"PYTHONPATH": str(REPO_ROOT), **env})
+    assert cause in str(refused.value) and "rollout.sglang.launcher: sglang" in str(refused.value)
+    stock = host(tmp_path / "stock", extra_args=extra_args, plugin=None)  # launcher sglang: no marker expected
+    stock.shutdown()
+
+
+def test_a_server_lacking_a_patch_the_config_asked_for_is_refused():
+    """The marker must list every patch the host's settings ask for (vision graphs only when asked)."""
+    from miles_vl.sglang_plugin.marker import MARKER_KEY, marker_problem, new_marker
+
+    asked = PluginSettings(vision_graphs=2).patches()
+    live = new_marker("0.5.16", "v0_5_16", dict.fromkeys(PluginSettings().patches(), "live"), {})
+    problem = marker_problem({MARKER_KEY: live, "version": "0.5.16"}, asked, None)
+    assert problem is not None and "lacks the plugin patches ['vision']" in problem
+    assert marker_problem({MARKER_KEY: live}, PluginSettings().patches(), None) is None
+    off = new_marker("0.5.16", "v0_5_16", dict.fromkeys(asked, "live") | {"vision": "off: --tp-size 2"}, {})
+    assert marker_problem({MARKER_KEY: off}, asked, None) is None  # the plugin's own decision, reported

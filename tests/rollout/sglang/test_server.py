@@ -142,7 +142,6 @@ def test_env_disables_the_vision_embedding_cache_by_default():
     assert env == {
         "PATH": "/bin",
         "SGLANG_VLM_CACHE_SIZE_MB": "0",
-        "MILES_VL_SGLANG_VISION_GRAPHS": "0",
         "SGLANG_MM_PRECOMPUTE_HASH": "1",
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

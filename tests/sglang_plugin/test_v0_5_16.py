@@ -1,4 +1,6 @@
-"""Contract: miles_vl/sglang_launch.py (the server launcher behind rollout.sglang.share_copy_pixels).
+"""Contract: the SGLang 0.5.16 adapter of miles_vl's SGLang plugin (miles_vl/sglang_plugin/v0_5_16/ over the shared
+mechanisms of miles_vl/sglang_plugin/), its hooks applied to stand-ins of 0.5.16's classes (rollout.sglang.launcher:
+miles_vl).
 
 - tokenizer side: the copies of a parallel-sampling request lose the pixel values of their hashed image items; the
   prompt's own request (max_new_tokens 0), unhashed items and requests without `n > 1` keep theirs;
@@ -8,9 +10,10 @@
   tokenized, the copies of all prompts leave after every prefix has answered, in one batch message, prompt by prompt,
   each with sampling parameters of its own and without the pixels the scheduler gives back; the prompts get the
   client's `mm_hashes` back; the answers come prompt by prompt;
-- the patches reach processes started with the `spawn` start method (how SGLang 0.5.16 starts its scheduler and
-  tokenizer workers): a stand-in SGLang package whose `run_server` spawns a child that imports the two patched modules.
-The real server with this launcher: tests/gpu/test_sglang_real.py and the GPU runs in docs/gpu-runs (docs/sglang.md).
+- pixel files: written by the engine, read only from the server's private directory, linked into /dev/shm rather than
+  copied; the vision tower's graphs keep one runner per image layout.
+How the plugin is loaded and refuses: test_plugin.py; 0.5.17's differences: test_v0_5_17.py. The real server with the
+plugin: tests/gpu/test_sglang_real.py and the GPU runs in docs/gpu-runs (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import dataclasses
 import itertools
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 import types
 from pathlib import Path
@@ -31,8 +32,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_vl import sglang_launch
-from miles_vl.sglang_launch import PixelMemory, drop_copy_pixels
+from miles_vl.sglang_plugin import grouping, vision, wire
+from miles_vl.sglang_plugin import pixels as plugin_pixels
+from miles_vl.sglang_plugin.adapter import Context
+from miles_vl.sglang_plugin.pixels import PixelMemory, drop_copy_pixels
+from miles_vl.sglang_plugin.settings import SETTINGS_ENV, PluginSettings
+from miles_vl.sglang_plugin.v0_5_16 import receiver as receiver_0516
+from miles_vl.sglang_plugin.v0_5_16 import tokenizer as tokenizer_0516
+from miles_vl.sglang_plugin.v0_5_16 import vision as vision_0516
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,7 +54,29 @@ def _tokenizer_module(cls, wrap_shm_features=lambda obj: obj) -> types.SimpleNam
     for name in ("_send_one_request", "_send_batch_request"):  # 0.5.16's send methods the patch wraps
         if not hasattr(cls, name):
             setattr(cls, name, lambda self, obj: None)
+    if not hasattr(cls, "server_args"):
+        cls.server_args = _PLAIN_SERVER
     return types.SimpleNamespace(TokenizerManager=cls, wrap_shm_features=wrap_shm_features)
+
+
+# a server without sharing blockers (`pixels.sharing_blockers`), as the stand-in tokenizers' `server_args`
+_PLAIN_SERVER = types.SimpleNamespace(dp_size=1, use_ray=False, mm_feature_transport="cpu")
+SETTINGS = PluginSettings()  # the host's defaults
+
+
+def _context(settings: PluginSettings = SETTINGS, launching: bool = True) -> Context:
+    return Context(settings, launching, {"patches": {}})
+
+
+def _patch_tokenizer(module, settings: PluginSettings = SETTINGS, mm_utils=None) -> None:
+    """0.5.16's tokenizer hook (the adapter's own `apply`) on a stand-in tokenizer_manager module."""
+    modules = {tokenizer_0516.TOKENIZER_MODULE: module, tokenizer_0516.MM_UTILS_MODULE: mm_utils}
+    tokenizer_0516.apply(modules, _context(settings))
+
+
+def _patch_receiver(module, settings: PluginSettings = SETTINGS) -> None:
+    """0.5.16's receiver hook on a stand-in request_receiver module."""
+    receiver_0516.apply({receiver_0516.RECEIVER_MODULE: module}, _context(settings))
 
 
 def _req(items, max_new_tokens, rid="r"):
@@ -110,7 +139,6 @@ def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(m
     """The two patches together on stand-in classes with 0.5.16's method names: the parallel-sampling handler sends
     the prompt, then its copies (copies of the items, as 0.5.16 makes them); the objects cross a process boundary
     (deep copies); the receiver hands them to the scheduler. (0.5.16's own handler: the grouped one is off.)"""
-    monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
     sent = []
 
     class TokenizerManager:
@@ -135,8 +163,8 @@ def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(m
         def _finalize_shm_features(self, recv_reqs):  # 0.5.16's: segments to tensors (none here)
             pass
 
-    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
-    sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
+    _patch_tokenizer(_tokenizer_module(TokenizerManager), PluginSettings(group_copies=False))
+    _patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
     pixels = torch.randn(8, 4)
 
     async def run():
@@ -156,84 +184,11 @@ def test_patched_classes_carry_a_prompts_pixels_from_its_request_to_its_copies(m
     assert SchedulerRequestReceiver.miles_vl_pixel_memory.restored == 3
 
 
-STAND_IN = {
-    "sglang/__init__.py": "",
-    "sglang/srt/__init__.py": "",
-    "sglang/srt/managers/__init__.py": "",
-    "sglang/srt/managers/scheduler_components/__init__.py": "",
-    "sglang/srt/managers/tokenizer_manager.py": """
-        class TokenizerManager:
-            async def _tokenize_one_request(self, obj):
-                return obj
-            async def _handle_batch_request(self, obj, request=None):
-                yield None
-            def _send_one_request(self, tokenized_obj):
-                pass
-            def _send_batch_request(self, tokenized_objs):
-                pass
-
-        def wrap_shm_features(obj):
-            return obj
-    """,
-    "sglang/srt/managers/scheduler_components/request_receiver.py": """
-        class SchedulerRequestReceiver:
-            def recv_requests(self):
-                return []
-            def _finalize_shm_features(self, recv_reqs):
-                pass
-    """,
-    "sglang/srt/plugins.py": "def load_plugins():\n    pass\n",
-    "sglang/srt/server_args.py": "def prepare_server_args(argv):\n    return argv\n",
-    "sglang/srt/utils.py": "def kill_process_tree(pid, include_parent=True):\n    pass\n",
-    "sglang/launch_server.py": """
-        import json, multiprocessing as mp
-
-        def report():
-            from sglang.srt.managers.tokenizer_manager import TokenizerManager
-            from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
-            return {"tokenizer": TokenizerManager._send_one_request.__name__,
-                    "receiver": hasattr(SchedulerRequestReceiver, "miles_vl_pixel_memory")}
-
-        def child(path):
-            with open(path, "w") as f:
-                json.dump(report(), f)
-
-        def run_server(argv):
-            ctx = mp.get_context("spawn")
-            p = ctx.Process(target=child, args=(argv[1],))
-            p.start()
-            p.join()
-            with open(argv[1] + ".parent", "w") as f:
-                json.dump(report(), f)
-    """,
-}
-
-
-def test_the_patches_reach_spawned_server_processes(tmp_path):
-    for rel, text in STAND_IN.items():
-        path = tmp_path / "site" / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    out = tmp_path / "child.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
-    done = subprocess.run(
-        [sys.executable, "-m", "miles_vl.sglang_launch", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    patched = {"tokenizer": "send_one_request", "receiver": True}
-    assert json.loads(out.read_text()) == patched  # the scheduler-like child, started with spawn
-    assert json.loads(Path(str(out) + ".parent").read_text()) == patched
-
-
 def test_settings_that_could_lose_a_copys_pixels_keep_sglangs_own_transfer(monkeypatch):
     """--dp-size > 1 routes a prompt and its copies to different schedulers, --use-ray starts schedulers this module
-    does not reach, CUDA IPC sends proxies: there the launcher sets MILES_VL_SGLANG_SHARE_COPY_PIXELS=0 and the copies
-    keep their pixels (0.5.16 server_args.py: dp_size, use_ray, mm_feature_transport)."""
-    from miles_vl.sglang_launch import ENABLED_ENV, sharing_blockers
+    does not reach, CUDA IPC sends proxies: there the copies keep their pixels (0.5.16 server_args.py: dp_size,
+    use_ray, mm_feature_transport), as they do where the host's settings say so (share_copy_pixels: false)."""
+    from miles_vl.sglang_plugin.pixels import sharing_blockers
 
     ok = types.SimpleNamespace(dp_size=1, use_ray=False, mm_feature_transport="cpu")
     assert sharing_blockers(ok) == [] and sharing_blockers(types.SimpleNamespace(mm_feature_transport=None)) == []
@@ -245,9 +200,9 @@ def test_settings_that_could_lose_a_copys_pixels_keep_sglangs_own_transfer(monke
         (blocker,) = sharing_blockers(types.SimpleNamespace(**(vars(ok) | {field: value})))
         assert word in blocker
     px = torch.randn(2, 2)
-    monkeypatch.setenv(ENABLED_ENV, "0")
     kept = _req([_item(1, px)], max_new_tokens=8)
-    assert drop_copy_pixels(kept, parallel_sampling=True) == 0 and kept.mm_inputs.mm_items[0].feature is px
+    assert drop_copy_pixels(kept, parallel_sampling=True, enabled=False) == 0
+    assert kept.mm_inputs.mm_items[0].feature is px
 
 
 def test_only_plain_tensors_are_remembered():
@@ -262,7 +217,6 @@ def test_only_plain_tensors_are_remembered():
 def test_the_parallel_sampling_flag_ends_with_its_request(monkeypatch):
     """An in-process caller (Engine.async_generate) may send n > 1 and then n = 1 in one task: the second request's
     pixels must travel. (0.5.16's own handler; the grouped one runs in the same context, below.)"""
-    monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
 
     class TokenizerManager:
         async def _tokenize_one_request(self, obj):
@@ -274,31 +228,14 @@ def test_the_parallel_sampling_flag_ends_with_its_request(monkeypatch):
         def _send_one_request(self, tokenized_obj):
             pass
 
-    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
+    _patch_tokenizer(_tokenizer_module(TokenizerManager), PluginSettings(group_copies=False))
 
     async def run():
         async for _ in TokenizerManager()._handle_batch_request(types.SimpleNamespace(parallel_sample_num=4)):
-            assert sglang_launch._PARALLEL_SAMPLING.get()
-        return sglang_launch._PARALLEL_SAMPLING.get()
+            assert grouping.PARALLEL_SAMPLING.get()
+        return grouping.PARALLEL_SAMPLING.get()
 
     assert asyncio.run(run()) is False
-
-
-def test_two_import_hooks_on_one_module_both_patch_it(tmp_path, monkeypatch):
-    """benchmarks/sglang_timing (the `timed` bench variant) chains its own PatchOnImport with the launcher's: each
-    must wrap the module once, neither may recurse into the other."""
-    from miles_vl.sglang_launch import PatchOnImport
-
-    (tmp_path / "hooked_mod.py").write_text("calls = []\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "hooked_mod", raising=False)
-    first = PatchOnImport({"hooked_mod": lambda m: m.calls.append("first")})
-    second = PatchOnImport({"hooked_mod": lambda m: m.calls.append("second")})
-    monkeypatch.setattr(sys, "meta_path", [first, second, *sys.meta_path])
-    import hooked_mod
-
-    assert sorted(hooked_mod.calls) == ["first", "second"]
-    assert first.patches == {} and second.patches == {}
 
 
 class _Prompt:
@@ -435,8 +372,8 @@ def test_a_batchs_prefixes_are_pipelined_and_its_copies_leave_in_one_message():
         def _finalize_shm_features(self, recv_reqs):
             pass
 
-    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
-    sglang_launch._patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
+    _patch_tokenizer(_tokenizer_module(TokenizerManager))
+    _patch_receiver(types.SimpleNamespace(SchedulerRequestReceiver=SchedulerRequestReceiver))
     pixels = [torch.randn(4, 6) for _ in range(3)]
     prompts = [_Prompt(f"p{i}", [i, i + 1], pixels[i]) for i in range(3)]
     hashes = [["a1"], ["b2"], ["c3"]]
@@ -503,29 +440,41 @@ def test_every_copy_answers_with_its_prompts_ids_which_the_engine_requires():
 
 def test_which_requests_the_grouped_handler_takes(monkeypatch):
     prompts = [_Prompt("p0", [1], None)]
-    assert sglang_launch.groups_batch(_Batch(prompts, 2, None))
-    assert not sglang_launch.groups_batch(_Batch(prompts, 1, None))  # no parallel sampling: 0.5.16's path
-    assert not sglang_launch.groups_batch(_Batch(prompts, 2, None, stream=True))
-    monkeypatch.setenv(sglang_launch.GROUP_ENV, "0")
-    assert not sglang_launch.groups_batch(_Batch(prompts, 2, None))
+    assert grouping.groups_batch(_Batch(prompts, 2, None))
+    assert not grouping.groups_batch(_Batch(prompts, 1, None))  # no parallel sampling: 0.5.16's path
+    assert not grouping.groups_batch(_Batch(prompts, 2, None, stream=True))
+    assert not grouping.groups_batch(_Batch(prompts, 2, None), enabled=False)  # the setting group_copies
 
 
-async def _collect(manager, batch) -> list:
-    return [x async for x in sglang_launch.handle_grouped(manager, batch)]
+async def _collect(manager, batch, share: bool = True) -> list:
+    return [x async for x in grouping.handle_grouped(manager, batch, states=tokenizer_0516.STATES, share=share)]
 
 
-def _grouped(manager, batch):
-    return asyncio.run(_collect(manager, batch))
+def _grouped(manager, batch, share: bool = True):
+    return asyncio.run(_collect(manager, batch, share))
 
 
 def test_under_a_sharing_blocker_the_copies_keep_their_pixels_and_go_one_by_one(monkeypatch):
     """--dp-size > 1 and the like (sharing_blockers): the prefixes are still pipelined, but every copy carries its
-    prompt's pixels and is sent on its own, as 0.5.16 sends it."""
-    monkeypatch.setenv(sglang_launch.ENABLED_ENV, "0")
+    prompt's pixels and is sent on its own, as 0.5.16 sends it. Through the patched class: the blocker is read from
+    the tokenizer's own server arguments."""
     pixels = torch.randn(4, 6)
-    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.0})
+
+    class TokenizerManager(_StandInTokenizer):
+        server_args = types.SimpleNamespace(dp_size=2, use_ray=False, mm_feature_transport="cpu")
+
+        async def _handle_batch_request(self, obj, request=None):  # 0.5.16's path: must not run here
+            raise AssertionError("the grouped handler should take a non-streaming batch with n > 1")
+            yield
+
+    _patch_tokenizer(_tokenizer_module(TokenizerManager))
+    manager = TokenizerManager({"p0": 0.0, "p1": 0.0})
     batch = _Batch([_Prompt("p0", [1], pixels), _Prompt("p1", [2], pixels)], 2, [["a1"], ["b2"]])
-    [answers] = _grouped(manager, batch)
+
+    async def run():
+        return [x async for x in manager._handle_batch_request(batch)]
+
+    [answers] = asyncio.run(run())
     assert len(answers) == 4
     kinds = [kind for kind, _ in manager.log if kind in ("prefix", "one", "batch")]
     assert kinds == ["batch", "one", "one", "one", "one"]  # the two prefixes were ready together
@@ -542,7 +491,7 @@ def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state(
 
     async def fail_then_wait():
         with pytest.raises(ValueError, match="cannot be tokenized"):
-            [x async for x in sglang_launch.handle_grouped(manager, batch)]
+            [x async for x in grouping.handle_grouped(manager, batch, states=tokenizer_0516.STATES)]
         await asyncio.sleep(0.1)  # the server goes on: a prompt still running would finish now
 
     asyncio.run(fail_then_wait())
@@ -562,10 +511,10 @@ def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state(
 
 def test_a_single_prompts_flat_hashes_and_odd_shapes():
     one = [_Prompt("p0", [1], None)]
-    sglang_launch._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), one)
+    grouping._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), one)
     assert one[0].mm_hashes == ["ab", "cd"]  # a single prompt with n > 1: the client's flat list
     two = [_Prompt("p0", [1], None), _Prompt("p1", [2], None)]
-    sglang_launch._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), two)  # not one list per prompt
+    grouping._own_mm_hashes(types.SimpleNamespace(mm_hashes=["ab", "cd"]), two)  # not one list per prompt
     assert [p.mm_hashes for p in two] == [None, None]
 
 
@@ -575,7 +524,7 @@ def test_a_single_prompts_flat_hashes_and_odd_shapes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_tensor_written_by_the_engine_is_read_back_bit_for_bit(tmp_path, dtype):
-    from miles_vl.sglang_launch import FILE_KEY, read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import FILE_KEY, read_tensor, write_tensor
 
     t = (torch.randn(37, 1536) * 3).to(dtype)
     ref = write_tensor(str(tmp_path), t)
@@ -590,7 +539,7 @@ def test_a_tensor_written_by_the_engine_is_read_back_bit_for_bit(tmp_path, dtype
 
 
 def test_reading_refuses_anything_but_a_pixel_file_of_its_own_directory(tmp_path):
-    from miles_vl.sglang_launch import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
 
     ref = write_tensor(str(tmp_path / ""), torch.ones(2, 3))
     (tmp_path / "sub").mkdir()
@@ -620,7 +569,7 @@ def test_the_server_reads_only_its_own_private_pixel_files(tmp_path, monkeypatch
     another user's file; and no file at all of a directory that is not this user's alone (open to others, a symbolic
     link to the private one, another user's). The patched tokenizer (`resolve_media`, before 0.5.16 tokenizes) refuses
     the same, and the request goes no further."""
-    from miles_vl.sglang_launch import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import FILE_KEY, PIXEL_DIR_ENV, read_tensor, write_tensor
 
     own = tmp_path / "pixels"
     own.mkdir(mode=0o700)
@@ -679,7 +628,7 @@ def test_the_server_reads_only_its_own_private_pixel_files(tmp_path, monkeypatch
         async def _handle_batch_request(self, obj, request=None):
             yield None
 
-    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
+    _patch_tokenizer(_tokenizer_module(TokenizerManager))
     item = {
         "format": "processor_output",
         "pixel_values": {**ref, FILE_KEY: "passwd.bin"},
@@ -701,7 +650,8 @@ def test_pixel_files_their_directory_and_their_shm_links_are_private():
     import stat
 
     from miles_vl.rollout.sglang.server import pixel_directory
-    from miles_vl.sglang_launch import FILE_KEY, SHM_DIR, read_tensor, write_tensor
+    from miles_vl.sglang_plugin.pixels import SHM_DIR
+    from miles_vl.sglang_plugin.wire import FILE_KEY, read_tensor, write_tensor
 
     directory = pixel_directory()
     segment = None
@@ -717,7 +667,7 @@ def test_pixel_files_their_directory_and_their_shm_links_are_private():
         if directory.parent != Path(SHM_DIR):
             pytest.skip("no /dev/shm: pixel files are not linked")
         req = _req([_item(1, read_tensor(ref, str(directory)))], 0)
-        assert sglang_launch.link_pixel_files(req, _Pointer, _names()) == 1
+        assert plugin_pixels.link_pixel_files(req, _Pointer, _names()) == 1
         segment = os.path.join(SHM_DIR, req.mm_inputs.mm_items[0].feature.shm_name)
         linked = os.stat(segment)
         assert linked.st_ino == os.stat(path).st_ino and stat.S_IMODE(linked.st_mode) == 0o600
@@ -731,7 +681,7 @@ def test_pixel_values_are_cast_as_the_model_casts_them_or_refused(tmp_path):
     """The model casts pixel values to its dtype (qwen3_vl.py:1334 `.type(self.visual.dtype)`): float32 is cast the
     same way here, the model's own dtype passes, a third dtype would lose precision and is refused; the grids become
     int64 [n, 3] and must cover the pixel rows."""
-    from miles_vl.sglang_launch import resolve_item, write_tensor
+    from miles_vl.sglang_plugin.wire import resolve_item, write_tensor
 
     d = str(tmp_path)
     pixels = torch.randn(8 + 4, 6)
@@ -762,7 +712,7 @@ def test_the_tokenizer_reads_a_requests_pixel_files_before_sglang_tokenizes_it(t
     """The patched `_tokenize_one_request` of a stand-in TokenizerManager sees tensors in the model's dtype where the
     request held file references: in a prompt's image list (shared by its n copies in 0.5.16's normalized request:
     read once, in place), in the unwrapped video item 0.5.16 hands a prompt of a batch; data URLs are left alone."""
-    from miles_vl.sglang_launch import PIXEL_DIR_ENV, write_tensor
+    from miles_vl.sglang_plugin.wire import PIXEL_DIR_ENV, write_tensor
 
     monkeypatch.setenv(PIXEL_DIR_ENV, str(tmp_path))
     seen = []
@@ -780,7 +730,7 @@ def test_the_tokenizer_reads_a_requests_pixel_files_before_sglang_tokenizes_it(t
         def _send_one_request(self, tokenized_obj):
             pass
 
-    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager))
+    _patch_tokenizer(_tokenizer_module(TokenizerManager))
     pixels, frames = torch.randn(4, 6), torch.randn(8, 6)
     images = [{"format": "processor_output", "pixel_values": write_tensor(str(tmp_path), pixels),
                "image_grid_thw": [[1, 2, 2]]}]  # fmt: skip
@@ -800,7 +750,7 @@ def test_the_tokenizer_reads_a_requests_pixel_files_before_sglang_tokenizes_it(t
     assert im1[0]["pixel_values"].dtype == torch.bfloat16 and im1[0]["image_grid_thw"].tolist() == [[1, 2, 2]]
     assert torch.equal(vid1["pixel_values_videos"], frames.to(torch.bfloat16))
     assert url_images == ["data:image/png;base64,AAAA"]
-    assert sglang_launch.resolve_media(second, torch.bfloat16) == 0  # already read: nothing left to read
+    assert wire.resolve_media(second, torch.bfloat16) == 0  # already read: nothing left to read
 
 
 def test_prefixes_ready_together_leave_in_one_message():
@@ -849,7 +799,7 @@ def test_a_batch_message_moves_pixels_into_shared_memory_as_a_single_send_does()
             raise AssertionError("the grouped handler should take a non-streaming batch with n > 1")
             yield
 
-    sglang_launch._patch_tokenizer(_tokenizer_module(TokenizerManager, wrap))
+    _patch_tokenizer(_tokenizer_module(TokenizerManager, wrap))
     pixels = torch.randn(4, 6)
     manager = TokenizerManager({"p0": 0.0, "p1": 0.0})
     [answers] = _grouped(manager, _Batch([_Prompt("p0", [1], pixels), _Prompt("p1", [2], pixels)], 2, [["a1"], ["b2"]]))
@@ -890,7 +840,7 @@ def test_a_request_cancelled_while_its_prefix_leaves(send_fails):
 def test_a_remembered_view_counts_the_storage_it_keeps():
     """A tensor that arrived inline as a view (one image of a multi-image prompt) keeps its whole storage alive."""
     whole = torch.randn(100, 10)
-    memory = sglang_launch.PixelMemory(max_bytes=whole.untyped_storage().nbytes() + 1)
+    memory = plugin_pixels.PixelMemory(max_bytes=whole.untyped_storage().nbytes() + 1)
     memory.remember(1, whole[:10])
     memory.remember(2, whole[10:20])
     assert list(memory.tensors) == [2] and memory.bytes == whole.untyped_storage().nbytes()
@@ -912,14 +862,14 @@ def test_a_batch_messages_pixels_move_to_shared_memory_side_by_side():
 
     with_pixels = [_req([_item(k, torch.randn(2, 2))], 0, rid=f"p{k}") for k in range(4)]
     without = _req([_item(9, None)], 16, rid="copy")
-    sglang_launch.move_to_shared_memory(wrap, [*with_pixels, without])
+    plugin_pixels.move_to_shared_memory(wrap, [*with_pixels, without])
     assert sorted(moved) == ["p0", "p1", "p2", "p3"]
 
     def broken(obj):
         raise MemoryError("no memory for the copy")
 
     with pytest.raises(MemoryError, match="no memory"):
-        sglang_launch.move_to_shared_memory(broken, with_pixels[:2])
+        plugin_pixels.move_to_shared_memory(broken, with_pixels[:2])
 
 
 def test_a_failed_move_leaves_no_shared_memory_segment():
@@ -943,7 +893,7 @@ def test_a_failed_move_leaves_no_shared_memory_segment():
 
     reqs = [_req([_item(k, torch.randn(4, 4))], 0, rid=rid) for k, rid in enumerate(("a", "bad", "b"))]
     with pytest.raises(MemoryError):
-        sglang_launch.move_to_shared_memory(wrap, reqs)
+        plugin_pixels.move_to_shared_memory(wrap, reqs)
     assert len(made) == 2
     for name in made:
         with pytest.raises(FileNotFoundError):
@@ -991,12 +941,12 @@ def _vision_module():
             self.eager_calls = 0
 
         def forward(self, x, grid_thw):  # 0.5.16 goes to forward_with_cuda_graph when the variable is on
-            assert os.environ.get(sglang_launch.SGLANG_VIT_GRAPH_ENV, "0") == "0"
+            assert os.environ.get(vision.SGLANG_VIT_GRAPH_ENV, "0") == "0"
             self.eager_calls += 1
             return _segment_sums(x, grid_thw.tolist())[1]
 
         def forward_with_cuda_graph(self, x, grid_thw):  # the attention backends need the variable on here
-            assert os.environ.get(sglang_launch.SGLANG_VIT_GRAPH_ENV) == "1"
+            assert os.environ.get(vision.SGLANG_VIT_GRAPH_ENV) == "1"
             return self.graph_runners.run(x, _segment_sums(x, grid_thw.tolist())[0])
 
     return types.SimpleNamespace(
@@ -1011,17 +961,16 @@ def test_vision_graphs_replay_each_layout_with_its_own_boundaries(monkeypatch):
     #29216 is the same class: a graph reading what another capture left). Through the patch every call equals the
     eager forward, a layout's first call runs eagerly, its second captures, and what a call returned stays as it was
     after later replays."""
-    monkeypatch.setenv(sglang_launch.VISION_GRAPHS_ENV, "2")
     module = _vision_module()
     stock = module.Qwen3VLMoeVisionModel()
     one, two, big = torch.tensor([[1, 2, 4]]), torch.tensor([[1, 2, 2], [1, 2, 2]]), torch.tensor([[2, 2, 4]])
     x8, x16 = torch.randn(8, 3), torch.randn(16, 3)
-    monkeypatch.setenv(sglang_launch.SGLANG_VIT_GRAPH_ENV, "1")  # 0.5.16's own graphs
+    monkeypatch.setenv(vision.SGLANG_VIT_GRAPH_ENV, "1")  # 0.5.16's own graphs
     stock.forward_with_cuda_graph(x8, one)
     assert not torch.equal(stock.forward_with_cuda_graph(x8, two), _segment_sums(x8, [[1, 2, 2], [1, 2, 2]])[1])
-    monkeypatch.setenv(sglang_launch.SGLANG_VIT_GRAPH_ENV, "0")  # as the launcher leaves it
+    monkeypatch.setenv(vision.SGLANG_VIT_GRAPH_ENV, "0")  # as the launcher leaves it
 
-    sglang_launch._patch_vision(module)
+    vision.patch_vision_forward(module.Qwen3VLMoeVisionModel, module.graph_runners_dict, max_graphs=2)
     vit = module.Qwen3VLMoeVisionModel()
     outputs = []
     for grid, x in ((one, x8), (one, x8), (two, x8), (two, x8), (big, x16), (big, x16), (one, x8), (two, x8)):
@@ -1036,7 +985,7 @@ def test_vision_graphs_replay_each_layout_with_its_own_boundaries(monkeypatch):
 
 
 def test_vision_graphs_keep_the_recent_layouts_and_leave_large_batches_eager():
-    graphs = sglang_launch.VisionGraphs(max_graphs=2, max_patches=100)
+    graphs = vision.VisionGraphs(max_graphs=2, max_patches=100)
     made = []
 
     def make():
@@ -1055,41 +1004,72 @@ def test_vision_graphs_keep_the_recent_layouts_and_leave_large_batches_eager():
     assert len(graphs.seen) == 8
 
 
+@dataclasses.dataclass
+class ServerArgs0516:
+    """The fields of 0.5.16's srt/server_args.py the vision hook reads and sets; `resolved` once constructed."""
+
+    mm_attention_backend: str | None = None
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    enable_deterministic_inference: bool = False
+    enable_precise_embedding_interpolation: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "resolved", True)
+
+
 def test_vision_graphs_run_under_the_backend_sglang_would_choose_or_not_at_all(monkeypatch):
     """0.5.16's runner reads --mm-attention-backend (fa3 or triton_attn) instead of the backend the model chose; unset,
-    the launcher sets it to what 0.5.16 chooses on the GPU (fa3 on SM 9.x, fa4 on SM 10.x but 10.3, else
-    triton_attn), so the numerics stay; where that is another backend, or the server is deterministic, the tower
-    stays eager, as it does with tensor parallelism. With the graphs on, the graph path's position embeddings are
-    made to sample the table as the eager tower does (`enable_precise_embedding_interpolation`: linspace, not
-    half-pixel centres). SGLang's own graphs are turned off (they replay wrong boundaries), and the variable the
-    scheduler toggles exists before any child starts."""
-    from miles_vl.sglang_launch import SGLANG_VIT_GRAPH_ENV, VISION_GRAPHS_ENV, vision_graph_backend
+    the hook sets it to what 0.5.16 chooses on the GPU (fa3 on SM 9.x, fa4 on SM 10.x but 10.3, else triton_attn), so
+    the numerics stay; where that is another backend, or the server is deterministic, the tower stays eager, as it
+    does with tensor parallelism: the schedulers the launcher starts inherit settings with vision_graphs 0 and the
+    marker says why. With the graphs on, the graph path's position embeddings are made to sample the table as the
+    eager tower does (`enable_precise_embedding_interpolation`: linspace, not half-pixel centres). Applied once SGLang
+    resolved its arguments (after `ServerArgs.__post_init__`), in the launching process only. SGLang's own graphs are
+    turned off (they replay wrong boundaries), and the variable the scheduler toggles exists before any child
+    starts."""
+    from miles_vl.sglang_plugin.vision import SGLANG_VIT_GRAPH_ENV, stock_graphs_off, vision_graph_backend
 
     assert vision_graph_backend(None, (9, 0)) == "fa3"
     assert vision_graph_backend(None, (8, 0)) == vision_graph_backend(None, (10, 3)) == "triton_attn"
     assert vision_graph_backend(None, (10, 0)) is None  # fa4
     assert vision_graph_backend("triton_attn", (9, 0)) == "triton_attn" and vision_graph_backend("sdpa", (9, 0)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ServerArgs = ServerArgs0516
+
+    settings = PluginSettings(vision_graphs=4)
     cases = (
-        ({}, "4", "fa3", True),
-        ({"mm_attention_backend": "sdpa"}, "0", "sdpa", False),
-        ({"enable_deterministic_inference": True}, "0", None, False),
-        ({"tp_size": 2}, "0", None, False),
+        ({}, 4, "fa3", True),
+        ({"mm_attention_backend": "sdpa"}, 0, "sdpa", False),
+        ({"enable_deterministic_inference": True}, 0, None, False),
+        ({"tp_size": 2}, 0, None, False),
     )
     for fields, graphs, backend, precise in cases:
-        monkeypatch.setenv(VISION_GRAPHS_ENV, "4")
-        monkeypatch.setenv(SGLANG_VIT_GRAPH_ENV, "1")
-        base = {"mm_attention_backend": None, "tp_size": 1, "enable_precise_embedding_interpolation": False}
-        args = types.SimpleNamespace(**(base | fields))
-        sglang_launch._configure_vision_graphs(args)
-        assert (os.environ[VISION_GRAPHS_ENV], args.mm_attention_backend) == (graphs, backend), fields
-        assert args.enable_precise_embedding_interpolation is precise, fields
-        assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"
-    monkeypatch.setenv(VISION_GRAPHS_ENV, "0")
+        monkeypatch.setenv(SETTINGS_ENV, settings.to_env())
+        modules = {
+            vision_0516.VISION_MODULE: _vision_module(),
+            vision_0516.SERVER_ARGS_MODULE: types.SimpleNamespace(ServerArgs=type("ServerArgs", (ServerArgs,), {})),
+        }
+        context = _context(settings)
+        vision_0516.apply(modules, context)
+        args = modules[vision_0516.SERVER_ARGS_MODULE].ServerArgs(**fields)
+        assert args.resolved and (args.mm_attention_backend, args.enable_precise_embedding_interpolation) == (
+            backend,
+            precise,
+        ), fields
+        assert json.loads(os.environ[SETTINGS_ENV])["vision_graphs"] == graphs, fields  # what the schedulers inherit
+        assert ("vision" in context.patches) is (graphs == 0), context.patches  # "off: why" in the marker
+    modules[vision_0516.VISION_MODULE] = _vision_module()
+    forward = modules[vision_0516.VISION_MODULE].Qwen3VLMoeVisionModel.forward
+    post_init = modules[vision_0516.SERVER_ARGS_MODULE].ServerArgs.__post_init__
+    vision_0516.apply(modules, _context(settings, launching=False))  # a scheduler: its tower only
+    assert modules[vision_0516.VISION_MODULE].Qwen3VLMoeVisionModel.forward is not forward
+    assert modules[vision_0516.SERVER_ARGS_MODULE].ServerArgs.__post_init__ is post_init
+    monkeypatch.setenv(SGLANG_VIT_GRAPH_ENV, "1")
+    stock_graphs_off()
+    assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"
     monkeypatch.delenv(SGLANG_VIT_GRAPH_ENV)
-    args = types.SimpleNamespace(mm_attention_backend=None, enable_precise_embedding_interpolation=False)
-    sglang_launch._configure_vision_graphs(args)  # off: the arguments are left as they are
-    assert args.mm_attention_backend is None and not args.enable_precise_embedding_interpolation
+    stock_graphs_off()
     assert os.environ[SGLANG_VIT_GRAPH_ENV] == "0"  # set all the same
 
 
@@ -1128,39 +1108,43 @@ def _names():
 @pytest.fixture
 def shm_dir():
     """A pixel directory in /dev/shm, as the engine's host makes it (`pixel_directory`)."""
-    if not os.path.isdir(sglang_launch.SHM_DIR):
+    if not os.path.isdir(plugin_pixels.SHM_DIR):
         pytest.skip("no /dev/shm")
     import shutil
     import tempfile
 
-    path = tempfile.mkdtemp(prefix="miles_vl_test_pixels_", dir=sglang_launch.SHM_DIR)
+    path = tempfile.mkdtemp(prefix="miles_vl_test_pixels_", dir=plugin_pixels.SHM_DIR)
     yield path
     shutil.rmtree(path, ignore_errors=True)
-    for name in os.listdir(sglang_launch.SHM_DIR):  # names a failed test left (`_names`)
+    for name in os.listdir(plugin_pixels.SHM_DIR):  # names a failed test left (`_names`)
         if name.startswith(f"miles_vl_test_mm_{os.getpid()}_"):
-            os.unlink(os.path.join(sglang_launch.SHM_DIR, name))
+            os.unlink(os.path.join(plugin_pixels.SHM_DIR, name))
 
 
 def test_a_pixel_file_reaches_the_scheduler_by_a_second_name_not_a_copy(shm_dir):
     """The tokenizer maps the engine's file (`read_tensor`); `link_pixel_files` gives it a second name in /dev/shm
     instead of copying it into a new segment; the scheduler's pickled pointer opens that name, copies the pixels out
-    and unlinks it, as it does a segment 0.5.16 filled. The engine's own name stays until the engine removes it."""
+    and unlinks it, as it does a segment 0.5.16 filled. The engine's own name stays until the engine removes it. The
+    pointer is a subclass with a constructor of its own (0.5.16's would copy), and it reaches the scheduler as exactly
+    0.5.16's class: the scheduler need not import miles_vl to read it."""
+    import pickle
     from multiprocessing import shared_memory
 
-    from miles_vl.sglang_launch import read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import read_tensor, write_tensor
 
     pixels = torch.randn(16, 24).to(torch.bfloat16)
     ref = write_tensor(shm_dir, pixels)
-    path = os.path.join(shm_dir, ref[sglang_launch.FILE_KEY])
+    path = os.path.join(shm_dir, ref[wire.FILE_KEY])
     mapped = read_tensor(ref, shm_dir)
     assert torch.equal(mapped, pixels)
     req = _req([_item(0xABC, mapped)], 0)
-    assert sglang_launch.link_pixel_files(req, _Pointer, _names()) == 1
+    assert plugin_pixels.link_pixel_files(req, _Pointer, _names()) == 1
     pointer = req.mm_inputs.mm_items[0].feature
     assert isinstance(pointer, _Pointer) and pointer.tensor is mapped and pointer.precomputed_hash == 0xABC
-    segment = os.path.join(sglang_launch.SHM_DIR, pointer.shm_name)
+    segment = os.path.join(plugin_pixels.SHM_DIR, pointer.shm_name)
     assert os.stat(segment).st_ino == os.stat(path).st_ino and os.stat(path).st_nlink == 2  # one file, two names
-    received = copy.deepcopy(req)  # pickled to the scheduler
+    received = pickle.loads(pickle.dumps(req))  # to the scheduler (the message is pickled)
+    assert type(received.mm_inputs.mm_items[0].feature) is _Pointer
     restored = received.mm_inputs.mm_items[0].feature.materialize()
     assert torch.equal(restored, pixels) and restored.dtype == torch.bfloat16
     assert not os.path.exists(segment) and os.stat(path).st_nlink == 1
@@ -1172,30 +1156,31 @@ def test_only_a_whole_mapped_file_is_linked_the_rest_is_left_to_sglangs_copy(shm
     """Left as they are (0.5.16's `wrap_shm_features` copies them): a view of one image of a mapped file, a tensor
     that was cast (not the file), a file the engine already removed, a directory on another file system than
     /dev/shm, and everything with MILES_VL_SGLANG_LINK_PIXELS=0."""
-    from miles_vl.sglang_launch import linked_segment, read_tensor, write_tensor
+    from miles_vl.sglang_plugin.pixels import linked_segment
+    from miles_vl.sglang_plugin.wire import read_tensor, write_tensor
 
     names = _names()
     mapped = read_tensor(ref := write_tensor(shm_dir, torch.randn(16, 24)), shm_dir)
-    tag = getattr(mapped, sglang_launch.LINKED_FILE)
+    tag = getattr(mapped, wire.LINKED_FILE)
     assert linked_segment(mapped[:8], _Pointer, names) is None
     for part in (mapped[:8], mapped[8:], mapped[:, :12]):  # even if a view carried the file's tag
-        setattr(part, sglang_launch.LINKED_FILE, tag)
+        setattr(part, wire.LINKED_FILE, tag)
         assert linked_segment(part, _Pointer, names) is None
     other = read_tensor(write_tensor(shm_dir, torch.randn(16, 24)), shm_dir)
-    setattr(other, sglang_launch.LINKED_FILE, (tag[0], tag[1] + 1))  # a name that is not the mapped file
+    setattr(other, wire.LINKED_FILE, (tag[0], tag[1] + 1))  # a name that is not the mapped file
     assert linked_segment(other, _Pointer, names) is None
     assert linked_segment(mapped.to(torch.bfloat16), _Pointer, names) is None
     assert linked_segment(torch.randn(4, 4), _Pointer, names) is None
     gone = read_tensor(ref := write_tensor(shm_dir, torch.randn(4, 4)), shm_dir)
-    os.unlink(os.path.join(shm_dir, ref[sglang_launch.FILE_KEY]))
+    os.unlink(os.path.join(shm_dir, ref[wire.FILE_KEY]))
     assert linked_segment(gone, _Pointer, names) is None
-    if os.stat(tmp_path).st_dev != os.stat(sglang_launch.SHM_DIR).st_dev:
+    if os.stat(tmp_path).st_dev != os.stat(plugin_pixels.SHM_DIR).st_dev:
         on_disk = read_tensor(write_tensor(str(tmp_path), torch.randn(4, 4)), str(tmp_path))
         assert linked_segment(on_disk, _Pointer, names) is None  # EXDEV: no link across file systems
-    monkeypatch.setenv(sglang_launch.LINK_ENV, "0")
     req = _req([_item(1, mapped)], 0)
-    assert sglang_launch.link_pixel_files(req, _Pointer, names) == 0 and req.mm_inputs.mm_items[0].feature is mapped
-    left = [n for n in os.listdir(sglang_launch.SHM_DIR) if n.startswith(f"miles_vl_test_mm_{os.getpid()}_")]
+    assert plugin_pixels.link_pixel_files(req, _Pointer, names, enabled=False) == 0  # the setting link_pixels
+    assert req.mm_inputs.mm_items[0].feature is mapped
+    left = [n for n in os.listdir(plugin_pixels.SHM_DIR) if n.startswith(f"miles_vl_test_mm_{os.getpid()}_")]
     assert left == []  # a refused link leaves no second name behind
 
 
@@ -1203,10 +1188,10 @@ def test_a_pixel_file_removed_before_it_is_mapped_is_an_error_and_stays_removed(
     """The engine removes a request's files when it gives up on it: if that happens between the tokenizer's size check
     and its mapping, the request fails (400) and no file comes back (a read-write mapping would make a zero-filled one,
     whose pixels would then go under the engine's hash of the real image)."""
-    from miles_vl.sglang_launch import read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import read_tensor, write_tensor
 
     ref = write_tensor(shm_dir, torch.randn(4, 4))
-    path = os.path.join(shm_dir, ref[sglang_launch.FILE_KEY])
+    path = os.path.join(shm_dir, ref[wire.FILE_KEY])
     real_lstat = os.lstat
 
     def lstat_then_remove(p, *args, **kwargs):
@@ -1215,11 +1200,15 @@ def test_a_pixel_file_removed_before_it_is_mapped_is_an_error_and_stays_removed(
             os.unlink(path)  # the engine, just after the size check
         return out
 
-    monkeypatch.setattr(sglang_launch.os, "lstat", lstat_then_remove)
+    monkeypatch.setattr(wire.os, "lstat", lstat_then_remove)
     with pytest.raises(ValueError, match="could not be mapped"):
         read_tensor(ref, shm_dir)
     monkeypatch.undo()
     assert not os.path.exists(path)
+
+
+def _kind(feature) -> str:
+    return "pointer" if isinstance(feature, _Pointer) else type(feature).__name__
 
 
 def _tokenizer_patched_over(monkeypatch, wrap_shm_features, default_transport=lambda: False) -> types.SimpleNamespace:
@@ -1229,8 +1218,6 @@ def _tokenizer_patched_over(monkeypatch, wrap_shm_features, default_transport=la
     mm_utils.ShmPointerMMData, mm_utils.make_shm_name = _Pointer, _names()
     mm_utils._get_is_default_transport = default_transport
     mm_utils.get_server_args = lambda: types.SimpleNamespace(skip_tokenizer_init=False)
-    wrap_shm_features.__module__ = mm_utils.__name__
-    monkeypatch.setitem(sys.modules, mm_utils.__name__, mm_utils)
 
     class TokenizerManager:
         async def _handle_batch_request(self, obj, request=None):
@@ -1240,14 +1227,14 @@ def _tokenizer_patched_over(monkeypatch, wrap_shm_features, default_transport=la
             return obj
 
     module = _tokenizer_module(TokenizerManager, wrap_shm_features)
-    sglang_launch._patch_tokenizer(module)
+    _patch_tokenizer(module, mm_utils=mm_utils)
     return module
 
 
 def test_names_linked_for_a_request_that_is_not_sent_are_removed(shm_dir, monkeypatch):
     """0.5.16's copy of a request's other tensors fails after its pixel file was linked: the request is not sent, so
     no scheduler will read (and remove) the linked name; the patched `wrap_shm_features` removes it."""
-    from miles_vl.sglang_launch import read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import read_tensor, write_tensor
 
     def wrap_shm_features(obj):
         raise OSError(28, "No space left on device")
@@ -1257,20 +1244,20 @@ def test_names_linked_for_a_request_that_is_not_sent_are_removed(shm_dir, monkey
     with pytest.raises(OSError, match="No space"):
         module.wrap_shm_features(req)
     pointer = req.mm_inputs.mm_items[0].feature
-    assert isinstance(pointer, _Pointer) and not os.path.exists(os.path.join(sglang_launch.SHM_DIR, pointer.shm_name))
+    assert isinstance(pointer, _Pointer) and not os.path.exists(os.path.join(plugin_pixels.SHM_DIR, pointer.shm_name))
 
 
 def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir, monkeypatch):
     """The patched module's `wrap_shm_features` (what 0.5.16's `_send_one_request` calls) links first and then calls
     0.5.16's, which copies what is left; where 0.5.16 keeps tensors inline ("default" transport with
     --dist-init-addr, --skip-tokenizer-init) nothing is linked, since its scheduler would not read segments."""
-    from miles_vl.sglang_launch import read_tensor, write_tensor
+    from miles_vl.sglang_plugin.wire import read_tensor, write_tensor
 
     calls = []
     default_transport = [False]
 
     def wrap_shm_features(obj):  # 0.5.16's: copies the plain tensors left
-        calls.append([type(item.feature).__name__ for item in obj.mm_inputs.mm_items])
+        calls.append([_kind(item.feature) for item in obj.mm_inputs.mm_items])
         return obj
 
     module = _tokenizer_patched_over(monkeypatch, wrap_shm_features, lambda: default_transport[0])
@@ -1280,7 +1267,7 @@ def test_the_tokenizer_links_only_where_sglang_itself_would_use_segments(shm_dir
         module.wrap_shm_features(req)
         if not default:
             copy.deepcopy(req).mm_inputs.mm_items[0].feature.materialize()  # the scheduler's read removes the name
-    assert calls == [["_Pointer", "NoneType"], ["Tensor", "NoneType"]]
+    assert calls == [["pointer", "NoneType"], ["Tensor", "NoneType"]]
 
 
 def test_a_receives_pixels_are_copied_out_side_by_side():
@@ -1297,11 +1284,11 @@ def test_a_receives_pixels_are_copied_out_side_by_side():
         done.append(req.rid)
 
     reqs = [_req([_item(k, object())], 0, rid=f"p{k}") for k in range(4)]
-    assert sglang_launch.materialize_side_by_side(unwrap, reqs, threads=8) and sorted(done) == ["p0", "p1", "p2", "p3"]
-    assert not sglang_launch.materialize_side_by_side(unwrap, reqs[:1], threads=8)
-    assert not sglang_launch.materialize_side_by_side(unwrap, reqs, threads=1)
+    assert plugin_pixels.materialize_side_by_side(unwrap, reqs, threads=8) and sorted(done) == ["p0", "p1", "p2", "p3"]
+    assert not plugin_pixels.materialize_side_by_side(unwrap, reqs[:1], threads=8)
+    assert not plugin_pixels.materialize_side_by_side(unwrap, reqs, threads=1)
     shared = object()
-    assert not sglang_launch.materialize_side_by_side(
+    assert not plugin_pixels.materialize_side_by_side(
         unwrap, [_req([_item(1, shared)], 0), _req([_item(1, [shared])], 0)], threads=8
     )
     finished = []
@@ -1313,7 +1300,7 @@ def test_a_receives_pixels_are_copied_out_side_by_side():
         finished.append(req.rid)
 
     with pytest.raises(MemoryError):
-        sglang_launch.materialize_side_by_side(broken, reqs, threads=8)
+        plugin_pixels.materialize_side_by_side(broken, reqs, threads=8)
     assert sorted(finished) == ["p1", "p2", "p3"]
 
 
@@ -1360,8 +1347,8 @@ def test_the_receiver_copies_out_in_threads_only_on_a_single_rank(ranks, monkeyp
         has_shm_features=has_shm_features,
         unwrap_shm_features=unwrap_shm_features,
     )
-    monkeypatch.setattr(sglang_launch, "_receive_pool", None)
-    sglang_launch._patch_receiver(module)
+    monkeypatch.setattr(plugin_pixels, "_receive_pool", None)
+    _patch_receiver(module)
     SchedulerRequestReceiver().recv_requests()
     if ranks == "one":
         assert sorted(seen) == [("a", True), ("b", True), ("c", True)]

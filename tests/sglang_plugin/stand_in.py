@@ -1,0 +1,248 @@
+"""A stand-in SGLang package on disk, for the plugin's tests: every module and symbol an adapter's hooks patch or read
+(miles_vl/sglang_plugin/v0_5_*/), with the release's names and signatures and no behaviour, plus the two pieces of
+SGLang's plugin system the plugin relies on: `load_plugins()` runs each entry point of the group
+`sglang.srt.plugins` and logs, without re-raising, an `Exception` it raises (as 0.5.16/0.5.17's
+`srt/plugins/__init__.py` do), and `python -m sglang.launch_server` calls it before anything else and starts a
+`spawn` child (a scheduler) that calls it again. That the real releases have these symbols:
+test_plugin.py::test_every_target_exists_in_its_releases_source (the unpacked wheels) and tests/gpu/test_sglang_real.py.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+COMMON = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/managers/__init__.py": "",
+    "sglang/srt/managers/scheduler_components/__init__.py": "",
+    "sglang/srt/entrypoints/__init__.py": "",
+    "sglang/srt/models/__init__.py": "",
+    "sglang/srt/managers/mm_utils.py": """
+        class ShmPointerMMData:
+            def __getstate__(self):
+                return {}
+
+            def __setstate__(self, state):
+                pass
+
+        def make_shm_name(kind):
+            return kind
+
+        def _get_is_default_transport():
+            return False
+
+        def get_server_args():
+            return None
+
+        def wrap_shm_features(obj):
+            return obj
+
+        def has_shm_features(recv_reqs):
+            return False
+
+        def unwrap_shm_features(obj):
+            return obj
+    """,
+    "sglang/srt/managers/scheduler_components/request_receiver.py": """
+        from sglang.srt.managers.mm_utils import has_shm_features, unwrap_shm_features
+
+        class SchedulerRequestReceiver:
+            def recv_requests(self):
+                return []
+
+            def _finalize_shm_features(self, recv_reqs):
+                pass
+    """,
+    "sglang/srt/entrypoints/http_server.py": """
+        import dataclasses
+
+        @dataclasses.dataclass
+        class _GlobalState:
+            tokenizer_manager: object
+            template_manager: object
+            scheduler_info: dict
+
+        _global_state = None
+
+        def set_global_state(global_state):
+            global _global_state
+            _global_state = global_state
+    """,
+    "sglang/srt/models/qwen3_vl.py": """
+        graph_runners_dict = {}
+
+        class Qwen3VLMoeVisionModel:
+            def forward(self, x, grid_thw):
+                return x
+
+            def forward_with_cuda_graph(self, x, grid_thw):
+                return x
+    """,
+    "sglang/srt/plugins/__init__.py": """
+        import logging
+        from importlib.metadata import entry_points
+
+        _loaded = False
+
+        def load_plugins():
+            global _loaded
+            if _loaded:
+                return
+            _loaded = True
+            for ep in entry_points(group="sglang.srt.plugins"):
+                try:
+                    ep.load()()
+                except Exception:
+                    logging.getLogger(__name__).exception("Failed to execute general plugin: %s", ep.name)
+    """,
+    "sglang/launch_server.py": """
+        import json, multiprocessing as mp, os, sys
+
+        from sglang.srt.plugins import load_plugins
+
+        def report():
+            from sglang.srt.managers.tokenizer_manager import TokenizerManager
+            from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
+            return {"tokenizer": TokenizerManager._send_one_request.__qualname__,
+                    "receiver": SchedulerRequestReceiver.recv_requests.__qualname__}
+
+        def scheduler(path):
+            load_plugins()  # as run_scheduler_process does
+            with open(path, "w") as f:
+                json.dump(report(), f)
+
+        if __name__ == "__main__":
+            load_plugins()
+            out = sys.argv[sys.argv.index("--out") + 1]
+            child = mp.get_context("spawn").Process(target=scheduler, args=(out + ".scheduler",))
+            child.start()
+            child.join()
+            with open(out, "w") as f:
+                json.dump(report(), f)
+            sys.exit(child.exitcode)
+    """,
+}
+
+RELEASES = {
+    "0.5.16": {
+        "sglang/srt/managers/io_struct.py": """
+            class GenerateReqInput:
+                def regenerate_rid(self):
+                    pass
+
+                def __getitem__(self, i):
+                    pass
+        """,
+        "sglang/srt/managers/tokenizer_manager.py": """
+            from sglang.srt.managers.mm_utils import wrap_shm_features
+
+            class TokenizerManager:
+                async def _handle_batch_request(self, obj, request=None):
+                    yield None
+
+                def _send_one_request(self, tokenized_obj):
+                    pass
+
+                def _send_batch_request(self, tokenized_objs):
+                    pass
+
+                async def _tokenize_one_request(self, obj):
+                    return obj
+
+                def _init_req_state(self, obj, request=None):
+                    pass
+
+                async def _wait_one_response(self, obj, request=None):
+                    yield None
+        """,
+        "sglang/srt/server_args.py": """
+            import dataclasses
+
+            @dataclasses.dataclass
+            class ServerArgs:
+                enable_dp_attention: bool = False
+                tp_size: int = 1
+                base_gpu_id: int = 0
+                mm_attention_backend: str = None
+                enable_deterministic_inference: bool = False
+                enable_precise_embedding_interpolation: bool = False
+
+                def __post_init__(self):
+                    pass
+        """,
+    },
+}
+RELEASES["0.5.17"] = {
+    "sglang/srt/managers/io_struct.py": """
+        class GenerateReqInput:
+            def regenerate_rid(self, prefix=None):
+                pass
+
+            def __getitem__(self, i):
+                pass
+    """,
+    "sglang/srt/managers/tokenizer_manager.py": RELEASES["0.5.16"]["sglang/srt/managers/tokenizer_manager.py"]
+    + """
+                def _init_child_req_state(self, logical_rid, obj, request=None):
+                    pass
+
+                def _remove_req_state(self, rid, lifecycle_id=None):
+                    pass
+    """,
+    "sglang/srt/server_args.py": RELEASES["0.5.16"]["sglang/srt/server_args.py"]
+    + """
+                def override(self, source, **fields):
+                    for name, value in fields.items():
+                        setattr(self, name, value)
+    """,
+    "sglang/srt/environ.py": """
+        import os
+
+        class _EnvBool:
+            def __init__(self, name):
+                self.name = name
+
+            def get(self):
+                return os.environ.get(self.name, "0") in ("1", "true")
+
+        class Envs:
+            SGLANG_RUST_SERVER = _EnvBool("SGLANG_RUST_SERVER")
+
+        envs = Envs()
+    """,
+    "sglang/srt/runtime_context.py": """
+        class _Parallel:
+            enable_dp_attention = False
+
+        def get_parallel():
+            return _Parallel()
+    """,
+}
+
+
+def write_stand_in(site: Path, release: str, *, drop: tuple[str, ...] | None = None, plugin_entry: bool = True) -> Path:
+    """Write the stand-in of `release` under `site` (a directory to put on `sys.path`), with its dist-info (so that
+    `importlib.metadata.version("sglang")` is `release`) and, with `plugin_entry`, a distribution that declares
+    miles_vl's entry point as pyproject.toml does. `drop`: (file, line) to remove a symbol (the line that defines it
+    is renamed away), or (file, line, new line) to change it. Returns `site`."""
+    files = COMMON | RELEASES.get(release, RELEASES["0.5.16"])
+    for rel, text in files.items():
+        text = textwrap.dedent(text)
+        if drop is not None and drop[0] == rel:
+            assert drop[1] in text, drop
+            gone = drop[1].replace("def ", "def _gone_", 1)
+            text = text.replace(drop[1], drop[2] if len(drop) == 3 else gone)
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    meta = site / f"sglang-{release}.dist-info"
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {release}\n")
+    if plugin_entry:
+        entry = site / "miles_vl_plugin_entry-0.dist-info"
+        entry.mkdir(exist_ok=True)
+        (entry / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-vl-plugin-entry\nVersion: 0\n")
+        (entry / "entry_points.txt").write_text("[sglang.srt.plugins]\nmiles_vl = miles_vl.sglang_plugin:register\n")
+    return site
