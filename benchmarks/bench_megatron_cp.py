@@ -51,7 +51,9 @@ GRID = (1, 64, 64)  # one 1024x1024 image: 64x64 patches of 16 px, 1024 merged t
 
 
 def long_sample(length: int, images: int, seed: int):
-    """A sample of exactly `length` tokens: `images` image blocks, then text (prompt = all but the last 1024)."""
+    """A sample of exactly `length` tokens: `images` image blocks, then text. The response is the last 1024 tokens, or
+    fewer where the images leave less text: a vision block always lies whole inside the prompt (the packing refuses a
+    block cut by the prompt's end)."""
     from dataclasses import dataclass
 
     @dataclass
@@ -69,10 +71,11 @@ def long_sample(length: int, images: int, seed: int):
         ids += [VSTART] + [IMAGE] * n_vision + [VEND]
     if len(ids) >= length:
         raise ValueError(f"--images {images} need {len(ids)} tokens, more than the length {length}")
+    response = min(1024, length - len(ids) - 1)  # at least one text token of prompt after the last image
     ids += torch.randint(0, 151000, (length - len(ids),), generator=g).tolist()
     grid = torch.tensor([GRID] * images)
     pixels = torch.randn(images * GRID[0] * GRID[1] * GRID[2], PATCH_DIM, generator=g)
-    return Sample(torch.tensor(ids), grid, None, length - 1024), pixels
+    return Sample(torch.tensor(ids), grid, None, length - response), pixels
 
 
 # name -> (tp, cp, vision_dp_when_cp); the rest of the GPUs of a launch is data parallel
