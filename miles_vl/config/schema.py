@@ -540,7 +540,10 @@ class WandbConfig(_Section):
     project: str = "miles-vl"
     entity: str | None = None
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
-        "auto", description="auto: online when WANDB_API_KEY is set, else offline."
+        "auto",
+        description="auto: online when wandb has an API key, from WANDB_API_KEY or a `wandb login` (the netrc file "
+        "for the wandb host), else offline. A resume continues the run's wandb run (its id is kept in "
+        "<run dir>/wandb_run_id); a fresh start begins a new one.",
     )
 
 
@@ -565,6 +568,11 @@ class LoggingConfig(_Section):
     )
     samples_shown: int = Field(2, ge=0, description="how many of those samples the console shows (truncated).")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: bool = Field(
+        False,
+        description="also write every step's metrics as TensorBoard scalars to <run dir>/tensorboard "
+        "(`tensorboard --logdir runs/<name>/tensorboard`; writing needs no tensorboard package).",
+    )
 
 
 class SaveHFConfig(_Section):

@@ -58,7 +58,16 @@ from miles_vl.algo import TrainSample, to_train_samples
 from miles_vl.config import ConfigError, JobConfig, redacted
 from miles_vl.config.schema import RESUME_MAY_CHANGE
 from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, video_settings
-from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
+from miles_vl.logs import run_log
+from miles_vl.metrics import (
+    METRICS_FILE,
+    JsonlSink,
+    Sinks,
+    TensorBoardSink,
+    WandbSink,
+    read_metrics,
+    write_report,
+)
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
@@ -143,39 +152,40 @@ def run_job(
         if resume_state:  # a cursor saved for other data fails here, before Ray starts
             splits.train.load_state_dict(resume_state["data"])
         write_run_files(run_dir, cfg, processor_metadata(processor))
-    r = cfg.reward
-    with (
-        WeightedRewards(
-            reward_terms, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
-        ) as rewards,
-        ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
-        StopSignals() as signals,
-    ):
-        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
-        try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
-            start = job.restore(resume, resume_state) if resume else 0
-            job.open_sinks(start)
-            if start == 0 and cfg.train.format_warmup_steps:
-                job.log(format_warmup(job))  # supervised format steps (no image information), then eval: step 0
-            for step in range(start, cfg.num_steps):
-                batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
-                with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
-                    metrics = job.train_and_sync(step, batch)
-                    metrics |= job.evaluate_if_due(step)
-                    job.log(metrics)
-                    job.commit(step + 1)
-                    job.save_if_due()
+    with run_log(run_dir):  # from here on, the console's lines also go to <run dir>/driver.log
+        r = cfg.reward
+        with (
+            WeightedRewards(
+                reward_terms, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
+            ) as rewards,
+            ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
+            StopSignals() as signals,
+        ):
+            job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
+            try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
+                start = job.restore(resume, resume_state) if resume else 0
+                job.open_sinks(start)
+                if start == 0 and cfg.train.format_warmup_steps:
+                    job.log(format_warmup(job))  # supervised format steps (no image information), then eval: step 0
+                for step in range(start, cfg.num_steps):
+                    batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
+                    with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
+                        metrics = job.train_and_sync(step, batch)
+                        metrics |= job.evaluate_if_due(step)
+                        job.log(metrics)
+                        job.commit(step + 1)
+                        job.save_if_due()
+                        job.save_hf_if_due()
+                with signals.deferred():
+                    job.save()
                     job.save_hf_if_due()
-            with signals.deferred():
-                job.save()
-                job.save_hf_if_due()
-        except BaseException as err:
-            job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
-            raise
-        finally:
-            job.close()
-    write_report(run_dir)
-    log.info("run finished: %s", run_dir)
+            except BaseException as err:
+                job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
+                raise
+            finally:
+                job.close()
+        write_report(run_dir)
+        log.info("run finished: %s", run_dir)
     return run_dir
 
 
@@ -793,8 +803,11 @@ class Job:
                     mode=w.mode,
                     name=self.run_dir.name,
                     config=redacted(self.cfg),
+                    resume=start > 0,
                 )
             )
+        if self.cfg.logging.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir, resume_step=start + 1 if start else None))
         self.sinks = Sinks(sinks)
         self.progress = Progress(self.cfg.num_steps, start, enabled=self.cfg.logging.progress)
 
