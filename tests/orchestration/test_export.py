@@ -150,7 +150,7 @@ def miles_vl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
 def test_exported_files_are_readable_as_the_users_other_files(run, tmp_path, umask):
     """Issue 35.5: safetensors writes its files 0600, so a model exported for others to load could not be read by
     them. Every file of an export gets the mode of a file written the ordinary way: 0644 under umask 022, 0600 under
