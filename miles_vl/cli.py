@@ -100,6 +100,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     resolved = redacted(cfg)
     sys.stdout.write(yaml.safe_dump(resolved, sort_keys=False))
     sys.stdout.write("# derived\n" + yaml.safe_dump({"derived": cfg.derived()}, sort_keys=False))
+    if not args.config_only:  # the run directory of this machine: what `train` would do there
+        from miles_vl.orchestration.checkpoint import CheckpointError
+        from miles_vl.orchestration.loop import describe_start
+
+        try:
+            start = describe_start(cfg, args.config)
+        except CheckpointError as e:
+            return _bad_input(e)
+        sys.stdout.write("# start\n" + yaml.safe_dump({"start": start}, sort_keys=False))
     log.info("config OK%s: %s", "" if args.config_only else " and this machine can run it", args.config)
     return 0
 

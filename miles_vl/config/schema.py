@@ -30,6 +30,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+# Keys (or sections) a resume may change without `checkpoint.accept_changes`: none changes what a step computes.
+RESUME_MAY_CHANGE = (
+    "num_steps",
+    "logging",
+    "checkpoint",
+    "eval.interval",
+    "ray",
+    "reward.num_workers",
+    "reward.async_concurrency",
+    "rollout.max_restarts",
+    "rollout.sglang.host",
+    "rollout.sglang.port",
+    "rollout.sglang.api_key",
+    "rollout.sglang.startup_timeout_s",
+    "rollout.sglang.request_timeout_s",
+    "rollout.sglang.sync_timeout_s",
+    "rollout.sglang.max_retries",
+)
+
+
 def secret_field(description: str) -> Any:
     """A `str | None` field whose value is never written out (`redacted`); the schema marks it once, here."""
     return Field(
@@ -544,7 +564,10 @@ class WandbConfig(_Section):
     project: str = "miles-vl"
     entity: str | None = None
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
-        "auto", description="auto: online when WANDB_API_KEY is set, else offline."
+        "auto",
+        description="auto: online when wandb has an API key, from WANDB_API_KEY or a `wandb login` (the netrc file "
+        "for the wandb host), else offline. A resume continues the run's wandb run (its id is kept in "
+        "<run dir>/wandb_run_id); a fresh start begins a new one.",
     )
 
 
@@ -569,6 +592,11 @@ class LoggingConfig(_Section):
     )
     samples_shown: int = Field(2, ge=0, description="how many of those samples the console shows (truncated).")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: bool = Field(
+        False,
+        description="also write every step's metrics as TensorBoard scalars to <run dir>/tensorboard "
+        "(`tensorboard --logdir runs/<name>/tensorboard`; writing needs no tensorboard package).",
+    )
 
 
 class SaveHFConfig(_Section):
@@ -602,6 +630,16 @@ class CheckpointConfig(_Section):
         "starts a branch in this run directory (one without metrics).",
     )
     save_hf: SaveHFConfig = Field(default_factory=SaveHFConfig)
+    accept_changes: list[str] = Field(
+        default_factory=list,
+        description="dotted keys (or sections) whose change from the checkpoint's recorded config a resume of this "
+        "run accepts, e.g. `[train.optimizer.lr]`. A resume whose resolved config differs on any other key is refused "
+        "before Ray, listing the changed keys (old -> new): resume it with those keys here, or start a new run "
+        "(another logging.run_name). These may change on a resume without being listed: "
+        + ", ".join(f"`{k}`" for k in RESUME_MAY_CHANGE)
+        + " (how long, what is logged, where and how often it is saved, the cluster and the servers' limits: none "
+        "changes what a step computes).",
+    )
 
 
 class EvalConfig(_Section):

@@ -1,5 +1,6 @@
-"""Where step metrics go: a JSONL file in the run dir (always), wandb (offline unless a key is set), and a rich
-progress line. Metrics are flat `{name: float}` dicts, one per RL step, with `step` set.
+"""Where step metrics go: a JSONL file in the run dir (always), wandb (offline unless a key or a `wandb login` is at
+hand; a resume continues the run's wandb run), TensorBoard (`logging.tensorboard`), and a rich progress line.
+Metrics are flat `{name: float}` dicts, one per RL step, with `step` set.
 
 metrics.jsonl is appended one whole line per step. A writer killed mid-line leaves a torn last line (no newline):
 readers skip it with a warning that names the file (its step is past the last checkpoint, so a resume writes it
@@ -12,9 +13,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import netrc
 import os
+import secrets
+import string
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from miles_vl.metrics.tfevents import EventFileWriter
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +98,13 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+WANDB_RUN_ID = "wandb_run_id"  # in the run directory: the id a resume continues
+WANDB_HOST = "https://api.wandb.ai"
+
+
 class WandbSink:
-    """wandb in offline mode unless `mode=online`, or `mode=auto` with WANDB_API_KEY set."""
+    """wandb, online or offline as `wandb_mode` decides. A run directory keeps its wandb run id (`wandb_run_id`), and a
+    resume continues that wandb run (`resume`: the job resumed from a checkpoint); a fresh start begins a new one."""
 
     def __init__(
         self,
@@ -103,24 +115,26 @@ class WandbSink:
         mode: str,
         name: str,
         config: dict[str, Any],
-        resume_step: int = 0,
+        resume: bool = False,
     ):
         import wandb
 
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        self.resume_step = resume_step
+        mode, why = wandb_mode(mode)
+        run_id, continued = _wandb_run_id(Path(run_dir), resume)
         self.run = wandb.init(
             project=project,
             entity=entity,
             mode=mode,
             name=name,
+            id=run_id,
+            resume="allow",
             dir=str(run_dir),
             config=config,
             reinit="finish_previous",
             settings=wandb.Settings(silent=True),
         )
-        log.info("wandb: %s mode, files under %s", mode, Path(run_dir) / "wandb")
+        what = "continuing" if continued else "new"
+        log.info("wandb: %s mode (%s), %s run %s, files under %s", mode, why, what, run_id, Path(run_dir) / "wandb")
 
     def log(self, metrics: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
@@ -135,6 +149,67 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class TensorBoardSink:
+    """Every numeric metric of a step as a TensorBoard scalar, in `<run_dir>/tensorboard` (tfevents.py: no tensorboard
+    package needed to write it; `tensorboard --logdir <run dir>/tensorboard` to read it). `resume_step`: the first step
+    a resumed run writes (TensorBoard then drops the earlier files' points from that step on)."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None):
+        self.writer = EventFileWriter(Path(run_dir) / TENSORBOARD_DIR, first_step=resume_step)
+        log.info("tensorboard: %s", self.writer.path)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        values = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items() if k != "step"}
+        self.writer.add_scalars(
+            int(metrics["step"]), {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
+        )
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def wandb_mode(mode: str) -> tuple[str, str]:
+    """The mode wandb runs in for `logging.wandb.mode`, and why. `auto` is online when wandb has an API key at hand:
+    WANDB_API_KEY, or the one `wandb login` stored in the netrc file (NETRC, else ~/.netrc) for the wandb host
+    (WANDB_BASE_URL, else api.wandb.ai); else offline. A netrc file that does not parse is named in a warning."""
+    if mode != "auto":
+        return mode, f"logging.wandb.mode={mode}"
+    if os.environ.get("WANDB_API_KEY"):
+        return "online", "auto: WANDB_API_KEY is set"
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_HOST).netloc
+    try:
+        entry = netrc.netrc(path).authenticators(host) if path.is_file() else None
+    except (netrc.NetrcParseError, OSError, UnicodeDecodeError) as err:
+        log.warning("wandb: %s cannot be read (%s), so a `wandb login` there is not seen: running offline", path, err)
+        entry = None
+    if entry and entry[2]:
+        return "online", f"auto: the `wandb login` for {host} in {path}"
+    return "offline", f"auto: no WANDB_API_KEY and no `wandb login` for {host} in {path}"
+
+
+def _wandb_run_id(run_dir: Path, resume: bool) -> tuple[str, bool]:
+    """The wandb run id of this start and whether it continues the run directory's wandb run: a resume continues the
+    id in `run_dir/wandb_run_id`; a fresh start (or a resume of a run from before the file existed) records a new one.
+    A fresh start in a directory that has one is a run started again after it left no checkpoint: its earlier wandb
+    run stays in wandb, named in a warning."""
+    path = run_dir / WANDB_RUN_ID
+    earlier = path.read_text().strip() if path.is_file() else None
+    if resume and earlier:
+        return earlier, True
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # as wandb's ids
+    if earlier:
+        log.warning(
+            "wandb: %s starts again from step 0 as wandb run %s; the earlier one was %s", run_dir, run_id, earlier
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id, False
 
 
 def _cell(value: Any) -> Any:

@@ -296,8 +296,9 @@ def resolve_resume(root: str | Path, resume: str) -> Path | None:
     return find_resume_point(root, resume).path
 
 
-def find_resume_point(root: str | Path, resume: str) -> ResumePoint:
-    """`resolve_resume` with what `auto` skipped. Module docstring for the rules.
+def find_resume_point(root: str | Path, resume: str, set_aside: bool = True) -> ResumePoint:
+    """`resolve_resume` with what `auto` skipped. Module docstring for the rules. `set_aside=False`: the broken
+    checkpoints `auto` skips stay where they are (a dry run: `miles-vl check`).
 
     Raises:
         CheckpointError: an explicit path that does not verify (names the file and the checkpoints that do), or
@@ -310,7 +311,7 @@ def find_resume_point(root: str | Path, resume: str) -> ResumePoint:
         for _, path in reversed(list_checkpoints(root)):
             problems = verify_checkpoint(path)
             if not problems:
-                for bad, why in skipped:
+                for bad, why in skipped if set_aside else ():
                     _set_aside(bad, why, path)
                 return ResumePoint(path, skipped)
             skipped.append((path, problems))

@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -123,6 +124,7 @@ def write_hf_dir(
         processor.save_pretrained(tmp)
         if model_path and (Path(model_path) / GENERATION_CONFIG).is_file():
             shutil.copyfile(Path(model_path) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        _readable_like(tmp / EXPORT_MARKER, tmp)
         _move_into_place(tmp, out_dir, force)
     except BaseException as err:
         full = out_of_space(err, tmp)  # before the partial files go: a probe must meet the disk as the writer did
@@ -136,6 +138,17 @@ def write_hf_dir(
         raise
     log.info("wrote the Hugging Face model %s", out_dir)
     return out_dir
+
+
+def _readable_like(reference: Path, directory: Path) -> None:
+    """Give every file under `directory` the mode of `reference`, a file written the ordinary way (0666 less the
+    umask: 0644 under the usual 022, 0600 under 077). safetensors writes its files 0600, so that a model exported for
+    others to load could not be read by them; the files are weights, config and tokenizer, no secret (a run's
+    config.yaml, where a secret would be redacted anyway, is not copied here)."""
+    mode = stat.S_IMODE(reference.stat().st_mode)
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def _move_into_place(tmp: Path, out_dir: Path, force: bool) -> None:

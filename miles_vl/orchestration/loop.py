@@ -30,7 +30,11 @@ only `checkpoint.resume=never` adds a timestamp (a new directory each start, cla
 starts in the same second get `<stem>-<time>` and `<stem>-<time>-2`). A resume continues its own directory
 from its newest checkpoint: metrics.jsonl keeps the steps before the checkpoint, and an earlier config.yaml that differs
 is kept beside it. An older checkpoint of the run is resumed only into a new directory (a branch: `checkpoint.resume=
-<path> logging.run_name=<new name>`), which leaves the run it came from as it was.
+<path> logging.run_name=<new name>`), which leaves the run it came from as it was. A resume of the run under a
+config that differs from the checkpoint's recorded one (driver.json) is refused, listing the changed keys, unless they
+are keys a resume may change (`schema.RESUME_MAY_CHANGE`: num_steps, logging, checkpoint, ...) or the user accepts
+them (`checkpoint.accept_changes`); at num_steps nothing runs and the changes are only reported. `describe_start` is
+what `miles-vl check` prints: the run directory and whether it would start fresh or resume, from which step.
 """
 
 from __future__ import annotations
@@ -52,12 +56,23 @@ import yaml
 
 from miles_vl.algo import TrainSample, to_train_samples
 from miles_vl.config import ConfigError, JobConfig, redacted
+from miles_vl.config.schema import RESUME_MAY_CHANGE
 from miles_vl.data import PromptDataset, build_datasets, load_processor, processor_metadata, video_settings
-from miles_vl.metrics import METRICS_FILE, JsonlSink, Sinks, WandbSink, read_metrics, write_report
+from miles_vl.logs import run_log
+from miles_vl.metrics import (
+    METRICS_FILE,
+    JsonlSink,
+    Sinks,
+    TensorBoardSink,
+    WandbSink,
+    read_metrics,
+    write_report,
+)
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     CheckpointError,
+    find_resume_point,
     list_checkpoints,
     read_driver_state,
     resolve_resume,
@@ -121,6 +136,12 @@ def run_job(
         resume_state = check_start(cfg, run_dir, ckpt_root, resume)
         if resume_state and resume_state["step"] == cfg.num_steps:
             log.info("nothing to do: %s already holds step %d of num_steps=%d", resume, cfg.num_steps, cfg.num_steps)
+            if changed := unaccepted_changes(cfg, resume_state):
+                log.warning(
+                    "this config differs from the one %s was trained with (nothing was run with it): %s",
+                    resume,
+                    format_changes(changed),
+                )
             return run_dir
         reward_terms = build_rewards(cfg, reward_fn)
         processor = load_processor(
@@ -131,39 +152,40 @@ def run_job(
         if resume_state:  # a cursor saved for other data fails here, before Ray starts
             splits.train.load_state_dict(resume_state["data"])
         write_run_files(run_dir, cfg, processor_metadata(processor))
-    r = cfg.reward
-    with (
-        WeightedRewards(
-            reward_terms, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
-        ) as rewards,
-        ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
-        StopSignals() as signals,
-    ):
-        job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
-        try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
-            start = job.restore(resume, resume_state) if resume else 0
-            job.open_sinks(start)
-            if start == 0 and cfg.train.format_warmup_steps:
-                job.log(format_warmup(job))  # supervised format steps (no image information), then eval: step 0
-            for step in range(start, cfg.num_steps):
-                batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
-                with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
-                    metrics = job.train_and_sync(step, batch)
-                    metrics |= job.evaluate_if_due(step)
-                    job.log(metrics)
-                    job.commit(step + 1)
-                    job.save_if_due()
+    with run_log(run_dir):  # from here on, the console's lines also go to <run dir>/driver.log
+        r = cfg.reward
+        with (
+            WeightedRewards(
+                reward_terms, timeout_s=r.timeout_s, num_workers=r.num_workers, async_concurrency=r.async_concurrency
+            ) as rewards,
+            ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, dashboard=cfg.ray.dashboard),
+            StopSignals() as signals,
+        ):
+            job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
+            try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
+                start = job.restore(resume, resume_state) if resume else 0
+                job.open_sinks(start)
+                if start == 0 and cfg.train.format_warmup_steps:
+                    job.log(format_warmup(job))  # supervised format steps (no image information), then eval: step 0
+                for step in range(start, cfg.num_steps):
+                    batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
+                    with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
+                        metrics = job.train_and_sync(step, batch)
+                        metrics |= job.evaluate_if_due(step)
+                        job.log(metrics)
+                        job.commit(step + 1)
+                        job.save_if_due()
+                        job.save_hf_if_due()
+                with signals.deferred():
+                    job.save()
                     job.save_hf_if_due()
-            with signals.deferred():
-                job.save()
-                job.save_hf_if_due()
-        except BaseException as err:
-            job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
-            raise
-        finally:
-            job.close()
-    write_report(run_dir)
-    log.info("run finished: %s", run_dir)
+            except BaseException as err:
+                job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
+                raise
+            finally:
+                job.close()
+        write_report(run_dir)
+        log.info("run finished: %s", run_dir)
     return run_dir
 
 
@@ -223,8 +245,42 @@ def _removed_if_unused(run_dir: Path, claimed: bool) -> Iterator[None]:
         raise
 
 
-def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None) -> dict[str, Any] | None:
-    """The driver state to resume from (None: a fresh start), after checking that the start is safe.
+def describe_start(cfg: JobConfig, config_path: str | None) -> dict[str, Any]:
+    """What `miles-vl train` would do with `cfg`, for `miles-vl check`: the run directory and whether the job starts
+    fresh or resumes, from which step and checkpoint. Writes nothing (a broken checkpoint `auto` would set aside, a
+    metrics.jsonl a restart would keep aside: named, left in place).
+
+    Raises:
+        CheckpointError: the start `check_start` refuses (e.g. a resume whose config changed: the changed keys).
+    """
+    if _new_dir_each_start(cfg):
+        stem = Path(config_path).stem if config_path else "job"
+        run_dir = f"{Path(cfg.logging.output_dir) / stem}-<YYYYmmdd-HHMMSS> (a new directory)"
+        return {"run_dir": run_dir, "start": "fresh"}
+    run_dir = choose_run_dir(cfg, config_path)
+    ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    point = find_resume_point(ckpt_root, cfg.checkpoint.resume, set_aside=False)
+    out: dict[str, Any] = {"run_dir": str(run_dir)}
+    state = check_start(cfg, run_dir, ckpt_root, point.path, dry_run=True)
+    if state is None:
+        records = _metric_records(run_dir)
+        out["start"] = "fresh" + (f" (again: the {records} logged steps' metrics.jsonl kept aside)" * bool(records))
+        return out
+    out |= {"start": "resume", "from_step": state["step"], "checkpoint": str(point.path)}
+    if point.skipped:
+        out["broken_checkpoints_to_set_aside"] = [str(p) for p, _ in point.skipped]
+    if state["step"] == cfg.num_steps:
+        out["start"] = f"nothing to do (step {state['step']} of num_steps={cfg.num_steps} is done)"
+        if changed := unaccepted_changes(cfg, state):
+            out["config_changed"] = format_changes(changed)
+    return out
+
+
+def check_start(
+    cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None, dry_run: bool = False
+) -> dict[str, Any] | None:
+    """The driver state to resume from (None: a fresh start), after checking that the start is safe. `dry_run`:
+    only check (a run restarted by `auto` keeps its metrics.jsonl in place).
 
     `checkpoint.resume=auto` in a directory whose run logged steps but left no checkpoint (it died before its first
     one) starts that run again; its metrics.jsonl is kept as `metrics.<time>.jsonl`. A resume from the newest
@@ -233,13 +289,15 @@ def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | N
 
     Raises:
         CheckpointError: a fresh start in a directory that holds another run (metrics or checkpoints), a resume of
+            this run whose config differs from the checkpoint's on a key a resume may not change by itself
+            (`unaccepted_changes`; not at num_steps, where nothing runs), a resume of
             another directory's checkpoint into one that holds metrics, a resume of a checkpoint of this run that has
             a newer one (it would drop the newer steps' records and mix two histories: resume the newest, or branch
             into a new run directory), a resume from a checkpoint past `num_steps` (its state would be saved under an
             earlier label), or a resume whose metrics.jsonl has a bad line (it is rewritten on resume).
     """
     if resume is None:
-        _check_fresh_start(cfg, run_dir, ckpt_root)
+        _check_fresh_start(cfg, run_dir, ckpt_root, dry_run)
         return None
     same_run = resume.resolve().parent == ckpt_root.resolve()
     if not same_run and _metric_records(run_dir):
@@ -271,6 +329,15 @@ def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | N
             f"its state would be saved as step {cfg.num_steps}: raise num_steps to {state['step']} or more"
             + (f", or resume an earlier one (checkpoint.resume={earlier[-1]})" if earlier else "")
         )
+    changed = unaccepted_changes(cfg, state) if same_run else []
+    if changed and state["step"] < cfg.num_steps:  # at num_steps nothing runs: run_job says so, with the changes
+        keys = ",".join(key for key, _, _ in changed)
+        raise CheckpointError(
+            f"the config differs from the one {run_dir} was trained with up to step {state['step']} ({resume}): "
+            f"{format_changes(changed)}; resuming would continue that run under other settings. Start a new run "
+            f"with these settings (logging.run_name=<new name>), or resume this one accepting the change "
+            f"(checkpoint.accept_changes=[{keys}])"
+        )
     if (run_dir / METRICS_FILE).is_file():  # the resume rewrites it (JsonlSink), once Ray is up: read it here
         try:
             read_metrics(run_dir)
@@ -279,12 +346,44 @@ def check_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | N
     return state
 
 
-def _check_fresh_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path) -> None:
+def unaccepted_changes(cfg: JobConfig, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, recorded, now) for each key on which `cfg` differs from the config recorded in a checkpoint's
+    driver `state`, except the keys a resume may change (`schema.RESUME_MAY_CHANGE`) and those
+    `checkpoint.accept_changes` lists. Both sides are redacted (a secret reads `<redacted>` on both)."""
+    free = (*RESUME_MAY_CHANGE, *cfg.checkpoint.accept_changes)
+    return [
+        change
+        for change in config_changes(state.get("config") or {}, redacted(cfg))
+        if not any(change[0] == k or change[0].startswith(k + ".") for k in free)
+    ]
+
+
+def config_changes(recorded: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, recorded, now) for every key both configs hold whose value differs (dicts compared key by key,
+    lists whole). A key only one of them holds is no change: one added to or removed from miles_vl since (as
+    `write_run_files` treats it)."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        return [c for k in recorded if k in now for c in config_changes(recorded[k], now[k], f"{prefix}{k}.")]
+    return [] if recorded == now else [(prefix.rstrip("."), recorded, now)]
+
+
+def format_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """`key: old -> new` per change, values as YAML flow text."""
+    return "; ".join(f"{key}: {_flow(old)} -> {_flow(new)}" for key, old, new in changes)
+
+
+def _flow(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
+
+
+def _check_fresh_start(cfg: JobConfig, run_dir: Path, ckpt_root: Path, dry_run: bool = False) -> None:
     """A fresh start: refused in a directory that holds another run; `auto` restarts a run that left no checkpoint
     (check_start)."""
     records = _metric_records(run_dir)
     others = [p.name for _, p in list_checkpoints(ckpt_root)]
     if cfg.checkpoint.resume == "auto" and records and not others:
+        if dry_run:
+            return
         kept = run_dir / f"{Path(METRICS_FILE).stem}.{datetime.now():%Y%m%d-%H%M%S}.jsonl"
         os.replace(run_dir / METRICS_FILE, kept)
         log.warning(
@@ -702,8 +801,11 @@ class Job:
                     mode=w.mode,
                     name=self.run_dir.name,
                     config=redacted(self.cfg),
+                    resume=start > 0,
                 )
             )
+        if self.cfg.logging.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir, resume_step=start + 1 if start else None))
         self.sinks = Sinks(sinks)
         self.progress = Progress(self.cfg.num_steps, start, enabled=self.cfg.logging.progress)
 

@@ -9,6 +9,7 @@ import pytest
 
 from miles_vl.cli import main
 from miles_vl.metrics import JsonlSink, read_metrics
+from miles_vl.metrics.sinks import wandb_mode
 
 RECORDS = [{"step": s, "reward/mean": s / 10} for s in (1, 2, 3)]
 
@@ -48,3 +49,26 @@ def test_report_plots_a_run_with_a_torn_last_line(tmp_path, capsys):
     write(tmp_path / "metrics.jsonl", lines(RECORDS) + '{"step": 4, "rew')
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "plots" / "reward.png").is_file()
+
+
+def test_wandb_auto_is_online_with_a_wandb_login_and_offline_without(tmp_path, monkeypatch, caplog):
+    """Issue 35.5: `auto` looked at WANDB_API_KEY only, so a user who ran `wandb login` logged offline. The key that
+    login stores (the netrc entry of the wandb host) now counts; another host's entry does not, and a netrc that does
+    not parse is named in a warning."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    netrc_file = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert wandb_mode("auto")[0] == "offline"  # no file
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert wandb_mode("auto") == ("online", f"auto: the `wandb login` for api.wandb.ai in {netrc_file}")
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert wandb_mode("auto")[0] == "offline"  # a login for another host
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_mode("auto") == ("online", "auto: WANDB_API_KEY is set")
+    assert wandb_mode("offline") == ("offline", "logging.wandb.mode=offline")
+    monkeypatch.delenv("WANDB_API_KEY")
+    netrc_file.write_text("garbage here\n")
+    with caplog.at_level(logging.WARNING):
+        assert wandb_mode("auto")[0] == "offline"
+    assert f"{netrc_file} cannot be read" in caplog.text

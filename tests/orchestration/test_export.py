@@ -150,6 +150,22 @@ def miles_vl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_exported_files_are_readable_as_the_users_other_files(run, tmp_path, umask):
+    """Issue 35.5: safetensors writes its files 0600, so a model exported for others to load could not be read by
+    them. Every file of an export gets the mode of a file written the ordinary way: 0644 under umask 022, 0600 under
+    077 (a user who keeps files private keeps this too). The save_hf directories of the run alike."""
+    env = dict(os.environ, COLUMNS="300")
+    cmd = [sys.executable, "-m", "miles_vl.cli", "export", str(run), str(tmp_path / "out")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(umask))
+    assert done.returncode == 0, done.stderr[-3000:]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    assert any(name.endswith(".safetensors") for name in modes) and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    ordinary = oct((run / "config.yaml").stat().st_mode & 0o777)  # written by the same process as hf/step_N
+    for step in (run / "hf").iterdir():
+        assert {oct(p.stat().st_mode & 0o777) for p in step.rglob("*") if p.is_file()} == {ordinary}
+
+
 def tree(root: Path) -> dict[str, bytes | None]:
     """Every file (its bytes) and folder (None) under `root`, by relative path."""
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from miles_vl.data import build_datasets, load_processor
@@ -36,6 +37,7 @@ from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.loop import JobInterrupted, check_start
 from miles_vl.orchestration.trainer import Trainer
 from tests.disks import with_tmpfs
+from tests.metrics.test_tensorboard import read_events, scalars
 from tests.orchestration.jobs import REPO, metrics, tiny_job
 
 STEPS = 5
@@ -410,6 +412,103 @@ def test_a_branch_from_an_older_checkpoint_runs_in_its_own_directory_and_leaves_
     assert [comparable(r) for r in metrics(branch)] == [comparable(r) for r in metrics(straight)[2:]]
     assert [s for s, _ in list_checkpoints(branch / "checkpoints")] == [4, 5]
     assert_same_state(branch / "checkpoints" / "step_00000005", straight / "checkpoints" / "step_00000005")
+
+
+def test_a_resume_with_a_changed_config_is_refused_listing_the_changed_keys(tmp_path, straight, capsys):
+    """Issue 35.2: the run directory is named after the config file, so the same command with a changed override
+    resumed the old run under the new settings. Now the start is refused before Ray, listing each changed key (old ->
+    new) and both ways out, with every file unchanged; keys a resume may change (num_steps, logging, checkpoint: here
+    run_name, wandb mode, the interval) and a secret (set in the straight run, unset here) are not listed.
+    `checkpoint.accept_changes` resumes it; at num_steps the same command does nothing (exit 0) and says what changed.
+    `miles-vl check` says the same before: the run directory, resume or not, from which step, or the refusal."""
+    run_dir = copy_of(straight, tmp_path / "changed", steps=4)
+    before = snapshot(run_dir)
+    changes = ("rollout.temperature=0.5", "train.optimizer.lr=2e-4", "checkpoint.interval=3")
+    error = refused(train_cli(tmp_path, "changed", *changes))
+    assert "rollout.temperature: 1.0 -> 0.5; train.optimizer.lr: 0.0001 -> 0.0002;" in error, error
+    assert f"differs from the one {run_dir} was trained with up to step 4" in error
+    assert "logging.run_name=<new name>" in error
+    assert "checkpoint.accept_changes=[rollout.temperature,train.optimizer.lr])" in error
+    assert "api_key" not in error and "wandb" not in error and "interval" not in error
+    assert snapshot(run_dir) == before
+
+    from miles_vl.cli import main
+
+    where = (*tiny_overrides(tmp_path, "changed"), f"num_steps={STEPS}")
+    config_file = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
+    assert main(["check", config_file, *where, *changes]) == 2
+    assert "rollout.temperature: 1.0 -> 0.5" in capsys.readouterr().err
+    assert main(["check", config_file, *where]) == 0
+    start = yaml.safe_load(capsys.readouterr().out)["start"]
+    assert start == {"run_dir": str(run_dir), "start": "resume", "from_step": 4,
+                     "checkpoint": str(run_dir / "checkpoints" / "step_00000004")}  # fmt: skip
+    assert main(["check", config_file, *where, "logging.run_name=new"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["start"] == {"run_dir": str(tmp_path / "new"), "start": "fresh"}
+    assert snapshot(run_dir) == before and not (tmp_path / "new").exists()
+
+    accept = "checkpoint.accept_changes=[rollout.temperature,train.optimizer]"  # a key, or a whole section
+    out = train_cli(tmp_path, "changed", *changes, accept)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert_nothing_lost(before, run_dir)  # the config.yaml it started with is kept beside the new one
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["temperature"] == 0.5
+
+    done = snapshot(run_dir)
+    out = train_cli(tmp_path, "changed", "rollout.temperature=0.7", "train.optimizer.lr=2e-4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "nothing to do" in out.stderr and "(nothing was run with it): rollout.temperature: 0.5 -> 0.7" in out.stderr
+    assert snapshot(run_dir) == done
+
+
+def test_the_driver_log_is_kept_in_the_run_directory(tmp_path, straight):
+    """Issue 35.5: the driver's log was only on the console. `miles-vl train` writes what the console shows to
+    <run dir>/driver.log as plain text (no ANSI codes), 0600, from its first line: the lines logged before the run
+    directory was known (the machine check, the data) come first; a resume appends."""
+    run_dir = copy_of(straight, tmp_path / "logged", steps=4)  # with the driver.log of the straight run (in-process:
+    path = run_dir / "driver.log"  # what its logging level let through)
+    copied = path.read_text()
+    out = train_cli(tmp_path, "logged")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.read_text().startswith(copied)
+    first = path.read_text()[len(copied) :]
+    lines = ["checking this machine for the job", "synthetic(n=24, seed=1234", f"resumed from {run_dir}/checkpoints",
+             "step 5: 100% of the responses hit rollout.max_response_len", f"run finished: {run_dir}"]  # fmt: skip
+    positions = [first.find(line) for line in lines]
+    assert -1 not in positions and positions == sorted(positions), first
+    assert all(line in out.stderr for line in lines)  # as the console showed them
+    assert "\x1b" not in first
+    out = train_cli(tmp_path, "logged", "num_steps=6")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = path.read_text()
+    assert text.startswith(copied + first) and "step_00000005 at step 5" in text[len(copied + first) :]
+
+
+def wandb_run_ids(run_dir: Path) -> list[str]:
+    """The ids of the offline wandb runs under `run_dir`, as wandb names their files (run-<id>.wandb)."""
+    return sorted(p.stem.removeprefix("run-") for p in (run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_a_resume_continues_the_runs_wandb_run(tmp_path, straight):
+    """Issue 35.5: a resume started a new wandb run. The run directory keeps its wandb run id (wandb_run_id), and a
+    resume continues that run (wandb offline here: the id read back from wandb's own files); a fresh start gets a
+    new one."""
+    run_id = (straight / "wandb_run_id").read_text().strip()
+    assert wandb_run_ids(straight) == [run_id]
+    run_dir = copy_of(straight, tmp_path / "wandb-resume", steps=4)  # without straight's wandb/ folder
+    run_job(config(tmp_path, "wandb-resume", "logging.wandb.mode=offline"))
+    assert wandb_run_ids(run_dir) == [run_id] and (run_dir / "wandb_run_id").read_text().strip() == run_id
+    fresh = run_job(
+        config(tmp_path, "wandb-fresh", "logging.wandb.mode=offline", "num_steps=2", "logging.tensorboard=true")
+    )
+    (new_id,) = wandb_run_ids(fresh)
+    assert new_id != run_id and (fresh / "wandb_run_id").read_text().strip() == new_id
+    # logging.tensorboard: every numeric metric of each step, as metrics.jsonl has it (float32)
+    (events,) = (fresh / "tensorboard").glob("events.out.tfevents.*")
+    written = {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in metrics(fresh)}
+    got = scalars(read_events(events))
+    assert got.keys() == written.keys() == {1, 2}
+    assert all(got[step] == pytest.approx(written[step], rel=1e-6) for step in written)
 
 
 def test_a_bad_metrics_line_before_the_last_stops_a_resume_before_ray(tmp_path, straight):
