@@ -107,7 +107,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate, run the same checks as `check`, then hand the config to the driver loop."""
     cfg = _load(args)
-    _preflight(cfg, args.config)
+    _preflight(cfg, args.config, fetch=True)
     try:
         from miles_vl.orchestration import run_job
         from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError
@@ -133,14 +133,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(cfg: JobConfig, config_path: str) -> None:
-    """`orchestration.preflight`: raises one ConfigError with every problem of the job on this machine."""
+def _preflight(cfg: JobConfig, config_path: str, *, fetch: bool = False) -> None:
+    """`orchestration.preflight`: raises one ConfigError with every problem of the job on this machine. `fetch`
+    (`train`): first download the hub ids the job loads into the Hugging Face cache (`fetch_hub_models`)."""
     try:
-        from miles_vl.orchestration.preflight import preflight
+        from miles_vl.orchestration.preflight import fetch_hub_models, preflight
     except ImportError as e:  # a core package is missing or broken
         raise ConfigError(
             [f"miles_vl's driver does not import here ({e}); `miles-vl doctor` says what is missing"]
         ) from None
+    if fetch:
+        fetch_hub_models(cfg, config_path)
     log.info("checking this machine for the job: packages, data files, reward, model")
     preflight(cfg, config_path)
 
