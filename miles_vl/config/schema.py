@@ -112,7 +112,11 @@ class DataConfig(_Section):
         description="the training rows are given in Python, `run_job(cfg, dataset=[{...}, ...])` (the columns of "
         "`format`); train_path must be null and synthetic_n 0.",
     )
-    format: Literal["auto", "geometry3k", "geo3k_imgurl", "generic"] = "auto"
+    format: Literal["auto", "geometry3k", "geo3k_imgurl", "verl", "generic"] = Field(
+        "auto",
+        description="the file's layout (docs/data.md): auto picks geometry3k, geo3k_imgurl or verl by the columns, "
+        "else generic.",
+    )
     dataset_fn: str | None = Field(None, description="custom row mapper `module:function` (see examples/).")
     prompt_key: str = "problem"
     answer_key: str = "answer"

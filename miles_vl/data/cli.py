@@ -6,10 +6,11 @@
     miles-vl data inspect geo3k/train.parquet --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024
     miles-vl data inspect --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024 geo3k/train.parquet
 
-`inspect` prints (stdout) the layout, row counts, images per row, every drop reason with examples, the first rows,
-and the first rendered prompt with its token count (runs of `<|image_pad|>` shown as `<|image_pad|>×N`). With
-`--config` it uses that job's data settings and processor; without, the schema defaults and the offline processor.
-Heavy imports (torch, transformers) happen inside the commands, so `miles-vl --help` stays fast.
+`inspect` prints (stdout) the layout it read the file as (recognised from the columns, or as `data.format` named it),
+row counts, images per row, every drop reason with examples, the first rows, and the first rendered prompt with its
+token count (runs of `<|image_pad|>` shown as `<|image_pad|>×N`). With `--config` it uses that job's data settings
+and processor; without, the schema defaults and the offline processor. Heavy imports (torch, transformers) happen
+inside the commands, so `miles-vl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -106,7 +107,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out = sys.stdout.write
     meta = processor_metadata(processor)
     out(f"file: {path}\n")
-    out(f"layout: {report.layout}  rows: {report.n_rows}  kept: {report.n_kept}  dropped: {report.n_dropped}\n")
+    how = f"data.dataset_fn={data.dataset_fn}" if data.dataset_fn else f"data.format={data.format}"
+    if data.format == "auto" and not data.dataset_fn:
+        how = "recognised from its columns (data.format=auto)"
+    out(f"layout: {report.layout}, {how}\n")
+    out(f"rows: {report.n_rows}  kept: {report.n_kept}  dropped: {report.n_dropped}\n")
     for reason, count in sorted(report.dropped.items()):
         out(f"  {reason.value}: {count}\n")
         for ex in (e for e in report.examples if e.reason == reason):
