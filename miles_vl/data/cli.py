@@ -1,7 +1,8 @@
-"""`miles-vl data ...`: generate a synthetic file, or inspect a dataset the way training will load it.
+"""`miles-vl data ...`: generate a synthetic file, fetch a public one, or inspect a dataset the way training loads it.
 
     miles-vl data synth data/synth.parquet --n 256 --seed 0
     miles-vl data synth data/motion.parquet --n 256 --task motion             # the video task
+    miles-vl data fetch geo3k data/geometry3k                                 # the hub's geometry3k, by split
     miles-vl data inspect data/synth.parquet                                  # offline processor, default settings
     miles-vl data inspect geo3k/train.parquet --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024
     miles-vl data inspect --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024 geo3k/train.parquet
@@ -26,7 +27,8 @@ from miles_vl.config.schema import DataConfig
 
 
 def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
-    """Add the `synth` and `inspect` subcommands to the `data` parser (`parents`: options every command takes)."""
+    """Add the `synth`, `fetch` and `inspect` subcommands to the `data` parser (`parents`: options every command
+    takes)."""
     sub = parser.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
     synth = sub.add_parser(
         "synth",
@@ -45,6 +47,15 @@ def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.Argume
     )
     synth.add_argument("--seed", type=int, default=0, help="the same seed gives the same file (default 0)")
     synth.set_defaults(data_handler=cmd_synth)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="download a public dataset from the Hugging Face hub into the files the shipped configs read",
+        parents=list(parents),
+    )
+    fetch.add_argument("name", choices=["geo3k"], help="geo3k: hiyouga/geometry3k (train, validation, test)")
+    fetch.add_argument("out_dir", metavar="OUT_DIR", help="folder for <split>.parquet (existing files are refused)")
+    fetch.set_defaults(data_handler=cmd_fetch)
 
     inspect = sub.add_parser(
         "inspect", help="load a dataset as training would and print what it holds", parents=list(parents)
@@ -76,6 +87,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
         return 2
     path = write_synth_parquet(args.out, args.n, args.seed, args.task)
     sys.stdout.write(f"wrote {args.n} problems ({args.task}, seed {args.seed}) to {path}\n")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download dataset NAME into the HF cache and write OUT_DIR/<split>.parquet in the layout the configs read."""
+    from miles_vl.data.fetch import fetch_dataset
+
+    written = fetch_dataset(args.name, args.out_dir)
+    for path, rows in written.values():
+        sys.stdout.write(f"wrote {path} ({rows} rows)\n")
+    train, test = written.get("train"), written.get("test")
+    if train and test:
+        sys.stdout.write(f"use them with: data.train_path={train[0]} data.eval_path={test[0]}\n")
     return 0
 
 
