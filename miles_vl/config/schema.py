@@ -60,7 +60,11 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     """Which Qwen3-VL to train and how to build its processor."""
 
-    path: str | None = Field(None, description="HF checkpoint directory (or hub id when a local cache has it).")
+    path: str | None = Field(
+        None,
+        description="HF checkpoint directory, or a hub id (`Qwen/Qwen3-VL-2B-Instruct`): `train` downloads it into "
+        "the Hugging Face cache when the hub can be reached, else uses the cached copy (docs/data.md).",
+    )
     init: Literal["pretrained", "random"] = "pretrained"
     processor: str | None = Field(
         None, description="Processor directory; defaults to `path`. `offline` uses the built-in offline processor."
