@@ -3,7 +3,7 @@
 #
 # usage: scripts/gpu_check.sh [--bundle PARTS_DIR] [--bench] [pytest args ...]
 #        bash scripts/gpu/stack.sh bash scripts/gpu_check.sh [...]   # on a machine without a package index: inside
-#                                                                   # the offline GPU stack (docs/install-gpu.md)
+#                                                                   # the offline GPU stack (docs/gpu.md)
 #
 #   --bundle PARTS_DIR  first install the offline wheel bundle made by ../shared/gpu/bundle.sh (Transformer Engine,
 #                       megatron-core, megatron-bridge) into $GPU_SITE (default /tmp/miles_vl_gpu_site) and put it on

@@ -15,7 +15,7 @@
 # off and runs no Java workers): 45 MB less to carry. The last part also holds MANIFEST (wheel, distribution,
 # policy) and SHA256SUMS (every part), which install_stack.py checks before it unpacks anything.
 # Environment: PART_MB (56), XZ_LEVEL (6), XZ_THREADS (2), PYTHON (python3), TE_WHEELS (the folder holding the
-# transformer_engine_torch 2.20.2 wheel built from its sdist against torch 2.11.0+cu130: docs/install-gpu.md says how).
+# transformer_engine_torch 2.20.2 wheel built from its sdist against torch 2.11.0+cu130: docs/gpu.md says how).
 set -euo pipefail
 out=${1:?usage: bundle_stack.sh OUT_DIR}
 part_mb=${PART_MB:-56}

@@ -1,4 +1,4 @@
-"""Summarize a run of the production loop (scripts/gpu/loop_run.sh): the figures docs/gpu-runs/README.md quotes, from the run's own
+"""Summarize a run of the production loop (scripts/gpu/loop_run.sh): the figures docs/gpu.md quotes, from the run's own
 metrics.jsonl and config.yaml, so that every figure can be checked against the committed run.
 
     PYTHONPATH=. python scripts/gpu/summarize_run.py RUN_DIR [--ckpt CKPT] [--peak-tflops 989.4]

@@ -5,10 +5,10 @@ tests/rollout/sglang/hf_server.py, colocated in that GPU's slot.
 
 Contract: the shipped config and the GPU run's overrides validate and run the whole loop (rollout, reward, train with
 release/resume around it, sync); a second run with a larger num_steps resumes from the Megatron checkpoint and
-continues the metrics; every step reports the figures docs/gpu-runs/README.md quotes (per-phase seconds with the reward timed on
+continues the metrics; every step reports the figures docs/gpu.md quotes (per-phase seconds with the reward timed on
 its own, what each sync moved), and the bytes synced are the checkpoint's trainable weights (an independent count:
 the tensors of model.safetensors, every one trainable here). scripts/gpu/summarize_run.py reads the run.
-The GPU run itself is the real-component check of these stand-ins (docs/gpu-runs/README.md, "The production loop on one GPU").
+The GPU run itself is the real-component check of these stand-ins (docs/gpu.md, "The production loop on one GPU").
 """
 
 from __future__ import annotations
