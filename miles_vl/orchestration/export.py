@@ -1,7 +1,7 @@
 """Hugging Face model directories from a run: `miles-vl export` after training, `checkpoint.save_hf` during it.
 
-    miles-vl export outputs/geo3k_tiny_cpu hf_out            # the newest checkpoint that verifies
-    miles-vl export outputs/geo3k_tiny_cpu --step 4 hf_out   # that step's checkpoint
+    miles-vl export runs/geo3k_tiny_cpu hf_out            # the newest checkpoint that verifies
+    miles-vl export runs/geo3k_tiny_cpu --step 4 hf_out   # that step's checkpoint
 
     python -c "from transformers import AutoModelForImageTextToText as M; M.from_pretrained('hf_out')"
     python -m sglang.launch_server --model-path hf_out
