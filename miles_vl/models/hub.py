@@ -36,6 +36,15 @@ def hub_offline() -> bool:
     return constants.is_offline_mode()
 
 
+def cached_model_dir(path: str | Path) -> Path | None:
+    """The local directory `path` names (a directory, or a hub id's cached snapshot), or None; no network, no error.
+    For readers of a checkpoint's files (its config.json, its tensor names) that work with a hub id too."""
+    try:
+        return local_model_dir(str(path))
+    except ModelNotFoundError:
+        return None
+
+
 def local_model_dir(path: str, *, download: bool = False, key: str = "model.path") -> Path:
     """The local directory `path` names: an existing directory, or the cached snapshot of the hub id `path`.
 

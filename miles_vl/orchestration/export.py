@@ -50,7 +50,7 @@ import miles_vl
 from miles_vl.config import JobConfig, load_config
 from miles_vl.data import load_processor, processor_metadata, video_settings
 from miles_vl.metrics import METRICS_FILE
-from miles_vl.models.hub import ModelNotFoundError, local_model_dir
+from miles_vl.models.hub import cached_model_dir
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     DRIVER_STATE,
@@ -82,14 +82,6 @@ class ExportError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # one directory
-
-
-def _model_dir(model_path: str | None) -> Path | None:
-    """The directory of the checkpoint the run started from (a hub id: its snapshot in the local cache), if any."""
-    try:
-        return local_model_dir(model_path) if model_path else None
-    except ModelNotFoundError:  # a random-init run's path, or a cache cleared since the run: nothing to copy
-        return None
 
 
 def write_hf_dir(
@@ -130,7 +122,8 @@ def write_hf_dir(
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1))  # first: a leftover of this write is known
         write_weights(tmp)
         processor.save_pretrained(tmp)
-        if (source := _model_dir(model_path)) and (source / GENERATION_CONFIG).is_file():
+        source = cached_model_dir(model_path) if model_path else None  # a hub id: its snapshot in the local cache
+        if source and (source / GENERATION_CONFIG).is_file():
             shutil.copyfile(source / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
         _move_into_place(tmp, out_dir, force)
     except BaseException as err:

@@ -137,3 +137,23 @@ def test_train_asks_the_hub_for_an_id_not_in_the_cache_and_says_it_cannot_be_rea
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 0, err[-3000:]
     assert "acme/not-downloaded is a hub id not in the local Hugging Face cache: `miles-vl train` downloads it" in err
+
+
+def test_readers_of_the_checkpoint_files_find_a_hub_id_in_the_cache(tmp_path, cache, monkeypatch):
+    """The weight-sync name check, the pixel dtype and the merge size read the checkpoint's own files; with a hub id
+    they read the cached snapshot instead of silently falling back (no name check, float32 pixels)."""
+    from huggingface_hub import constants
+
+    from miles_vl.rollout.sglang.server import _checkpoint_config, spatial_merge_size
+    from miles_vl.rollout.sglang.verify import checkpoint_names
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot = cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT
+    assert _checkpoint_config(REPO_ID) == json.loads((snapshot / "config.json").read_text())
+    assert (
+        spatial_merge_size(REPO_ID)
+        == json.loads((snapshot / "config.json").read_text())["vision_config"]["spatial_merge_size"]
+    )
+    assert checkpoint_names(REPO_ID) == checkpoint_names(snapshot) and "lm_head.weight" in checkpoint_names(REPO_ID)
+    assert checkpoint_names("acme/not-downloaded") is None
