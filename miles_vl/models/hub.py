@@ -64,10 +64,15 @@ def local_model_dir(path: str, *, download: bool = False, key: str = "model.path
     if Path(path).is_dir():
         return Path(path)
     if not is_hub_id(path):
-        raise ModelNotFoundError(
-            f"{key}={path!r}: no such directory, and not a hub id (owner/name); set {key} to the directory of a "
-            "Hugging Face checkpoint or to a hub id such as Qwen/Qwen3-VL-2B-Instruct"
-        )
+        name = Path(path).name
+        if name.lower().startswith("qwen"):  # the directory is named after the hub repository: say how to fill it
+            fix = (
+                f"download it there (`hf download Qwen/{name} --local-dir {path}`), or set {key}=Qwen/{name} (a hub "
+                "id: `miles-vl train` downloads it into the Hugging Face cache)"
+            )
+        else:
+            fix = f"set {key} to the directory of a Hugging Face checkpoint, or to a hub id (owner/name)"
+        raise ModelNotFoundError(f"{key}={path!r}: no such directory, and not a hub id (owner/name); {fix}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 

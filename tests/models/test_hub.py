@@ -83,8 +83,19 @@ def test_hub_id_shapes(tmp_path):
     (tmp_path / "own" / "dir").mkdir(parents=True)
     assert not is_hub_id(str(tmp_path / "own" / "dir"))
     assert local_model_dir(str(tmp_path / "own" / "dir")) == tmp_path / "own" / "dir"
-    with pytest.raises(ModelNotFoundError, match="no such directory, and not a hub id"):
+    with pytest.raises(ModelNotFoundError, match="no such directory, and not a hub id") as nowhere:
         local_model_dir(str(tmp_path / "nowhere"))
+    assert "hf download" not in str(nowhere.value)
+
+
+def test_the_missing_model_hint_names_the_configured_model(tmp_path):
+    """Issue 35.3: the hint for a missing checkpoint directory always said `huggingface-cli download
+    Qwen/Qwen3-VL-2B-Instruct`, whatever model the config named; it now names the configured one."""
+    path = str(tmp_path / "models" / "Qwen3-VL-8B-Instruct")
+    with pytest.raises(ModelNotFoundError) as missing:
+        local_model_dir(path)
+    assert f"`hf download Qwen/Qwen3-VL-8B-Instruct --local-dir {path}`" in str(missing.value)
+    assert "model.path=Qwen/Qwen3-VL-8B-Instruct" in str(missing.value) and "2B" not in str(missing.value)
 
 
 def test_train_from_a_hub_id_in_the_cache_when_the_hub_cannot_be_reached(tmp_path, cache):
