@@ -4,7 +4,7 @@
     miles-vl train configs/geo3k_tiny_cpu.yaml                                 # run the RL job
     miles-vl doctor                                                            # the installed stack; what can run
     miles-vl configs geo3k_tiny_cpu my_job.yaml                                # copy a shipped config to edit
-    miles-vl export outputs/geo3k_tiny_cpu hf_model [--step N]                 # a checkpoint as an HF model
+    miles-vl export runs/geo3k_tiny_cpu hf_model [--step N]                 # a checkpoint as an HF model
 
 Every subcommand that takes a config accepts `key.sub=value` overrides after it, and `--log-level` before or after
 the subcommand (else the config's `logging.level`). Bad input exits with status 2 and one message listing every
@@ -62,7 +62,7 @@ examples:
   miles-vl configs                                      the configs that ship with miles-vl
   miles-vl configs geo3k_tiny_cpu my_job.yaml           copy one to edit (from a wheel install too)
   miles-vl doctor                                       what is installed, and which backends can run
-  miles-vl export outputs/geo3k_tiny_cpu hf_model       the newest checkpoint as a Hugging Face model directory
+  miles-vl export runs/geo3k_tiny_cpu hf_model       the newest checkpoint as a Hugging Face model directory
 
 Overrides are key.sub=value pairs with YAML values: train.optimizer.lr=1e-6, data.system_prompt=null.
 Every key, its default and its meaning: miles_vl/config/schema.py (docs/configs.md).
@@ -116,7 +116,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate, run the same checks as `check`, then hand the config to the driver loop."""
     cfg = _load(args)
-    _preflight(cfg, args.config)
+    _preflight(cfg, args.config, fetch=True)
     try:
         from miles_vl.orchestration import run_job
         from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError
@@ -142,14 +142,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(cfg: JobConfig, config_path: str) -> None:
-    """`orchestration.preflight`: raises one ConfigError with every problem of the job on this machine."""
+def _preflight(cfg: JobConfig, config_path: str, *, fetch: bool = False) -> None:
+    """`orchestration.preflight`: raises one ConfigError with every problem of the job on this machine. `fetch`
+    (`train`): first download the hub ids the job loads into the Hugging Face cache (`fetch_hub_models`)."""
     try:
-        from miles_vl.orchestration.preflight import preflight
+        from miles_vl.orchestration.preflight import fetch_hub_models, preflight
     except ImportError as e:  # a core package is missing or broken
         raise ConfigError(
             [f"miles_vl's driver does not import here ({e}); `miles-vl doctor` says what is missing"]
         ) from None
+    if fetch:
+        fetch_hub_models(cfg, config_path)
     log.info("checking this machine for the job: packages, data files, reward, model")
     preflight(cfg, config_path)
 
@@ -180,7 +183,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _configure_export(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.yaml, checkpoints/)")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory (config.yaml, checkpoints/), e.g. runs/geo3k_tiny_cpu"
+    )
     p.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face model directory to write")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
     p.add_argument(

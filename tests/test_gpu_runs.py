@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "docs" / "gpu-runs"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "docs" / "gpu-runs" / "README.md"]
 PLAIN_LIMIT = 64 * 1024  # bytes; metrics.jsonl of a 30-step loop run is about 45 KB
 LOG_LIMIT = 16 * 1024
 

@@ -84,7 +84,11 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     """Which Qwen3-VL to train and how to build its processor."""
 
-    path: str | None = Field(None, description="HF checkpoint directory (or hub id when a local cache has it).")
+    path: str | None = Field(
+        None,
+        description="HF checkpoint directory, or a hub id (`Qwen/Qwen3-VL-2B-Instruct`): `train` downloads it into "
+        "the Hugging Face cache when the hub can be reached, else uses the cached copy (docs/data.md).",
+    )
     init: Literal["pretrained", "random"] = "pretrained"
     processor: str | None = Field(
         None, description="Processor directory; defaults to `path`. `offline` uses the built-in offline processor."
@@ -143,7 +147,11 @@ class DataConfig(_Section):
         description="the training rows are given in Python, `run_job(cfg, dataset=[{...}, ...])` (the columns of "
         "`format`); train_path must be null and synthetic_n 0.",
     )
-    format: Literal["auto", "geometry3k", "geo3k_imgurl", "generic"] = "auto"
+    format: Literal["auto", "geometry3k", "geo3k_imgurl", "verl", "generic"] = Field(
+        "auto",
+        description="the file's layout (docs/data.md): auto picks geometry3k, geo3k_imgurl or verl by the columns, "
+        "else generic.",
+    )
     dataset_fn: str | None = Field(None, description="custom row mapper `module:function` (see examples/).")
     prompt_key: str = "problem"
     answer_key: str = "answer"

@@ -8,7 +8,8 @@ Modules: `records` (PromptRow, VideoRef, PromptSample, LoadReport, DropReason), 
 `videos` (frame lists and files, frame sampling), `layouts` (files and column layouts), `prompt` (messages, chat
 template, encoding), `loading` (validation and drop counting, with `LoadOptions`), `dataset` (seeded order, resumable
 cursor, eval split), `processor` (loading it, its settings), `synth` (procedural problems: geometry diagrams, polygon
-questions, the motion video task), `builder` (the only reader of `DataConfig`), `cli` (`miles-vl data`).
+questions, the motion video task), `fetch` (public datasets from the hub: geometry3k), `builder` (the only reader of
+`DataConfig`), `cli` (`miles-vl data`).
 The model family's special tokens and offline processor are in miles_vl/models/qwen3_vl/.
 
 Names are imported on first use (PEP 562), so `miles-vl --help` does not pay for torch and transformers.
@@ -34,6 +35,8 @@ _EXPORTS = {
     "TASKS": "synth",
     "build_datasets": "builder",
     "build_messages": "prompt",
+    "convert_geo3k": "fetch",
+    "fetch_dataset": "fetch",
     "generate_problems": "synth",
     "load_dataset_fn": "layouts",
     "load_processor": "processor",

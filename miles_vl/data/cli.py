@@ -1,15 +1,17 @@
-"""`miles-vl data ...`: generate a synthetic file, or inspect a dataset the way training will load it.
+"""`miles-vl data ...`: generate a synthetic file, fetch a public one, or inspect a dataset the way training loads it.
 
     miles-vl data synth data/synth.parquet --n 256 --seed 0
     miles-vl data synth data/motion.parquet --n 256 --task motion             # the video task
+    miles-vl data fetch geo3k data/geometry3k                                 # the hub's geometry3k, by split
     miles-vl data inspect data/synth.parquet                                  # offline processor, default settings
     miles-vl data inspect geo3k/train.parquet --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024
     miles-vl data inspect --config configs/geo3k_tiny_cpu.yaml data.max_prompt_len=1024 geo3k/train.parquet
 
-`inspect` prints (stdout) the layout, row counts, images per row, every drop reason with examples, the first rows,
-and the first rendered prompt with its token count (runs of `<|image_pad|>` shown as `<|image_pad|>×N`). With
-`--config` it uses that job's data settings and processor; without, the schema defaults and the offline processor.
-Heavy imports (torch, transformers) happen inside the commands, so `miles-vl --help` stays fast.
+`inspect` prints (stdout) the layout it read the file as (recognised from the columns, or as `data.format` named it),
+row counts, images per row, every drop reason with examples, the first rows, and the first rendered prompt with its
+token count (runs of `<|image_pad|>` shown as `<|image_pad|>×N`). With `--config` it uses that job's data settings
+and processor; without, the schema defaults and the offline processor. Heavy imports (torch, transformers) happen
+inside the commands, so `miles-vl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from miles_vl.config.schema import DataConfig
 
 
 def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
-    """Add the `synth` and `inspect` subcommands to the `data` parser (`parents`: options every command takes)."""
+    """Add the `synth`, `fetch` and `inspect` subcommands to the `data` parser (`parents`: options every command
+    takes)."""
     sub = parser.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
     synth = sub.add_parser(
         "synth",
@@ -51,6 +54,15 @@ def configure(parser: argparse.ArgumentParser, parents: Sequence[argparse.Argume
     )
     synth.add_argument("--seed", type=int, default=0, help="the same seed gives the same file (default 0)")
     synth.set_defaults(data_handler=cmd_synth)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="download a public dataset from the Hugging Face hub into the files the shipped configs read",
+        parents=list(parents),
+    )
+    fetch.add_argument("name", choices=["geo3k"], help="geo3k: hiyouga/geometry3k (train, validation, test)")
+    fetch.add_argument("out_dir", metavar="OUT_DIR", help="folder for <split>.parquet (existing files are refused)")
+    fetch.set_defaults(data_handler=cmd_fetch)
 
     inspect = sub.add_parser(
         "inspect", help="load a dataset as training would and print what it holds", parents=list(parents)
@@ -88,6 +100,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download dataset NAME into the HF cache and write OUT_DIR/<split>.parquet in the layout the configs read."""
+    from miles_vl.data.fetch import fetch_dataset
+
+    written = fetch_dataset(args.name, args.out_dir)
+    for path, rows in written.values():
+        sys.stdout.write(f"wrote {path} ({rows} rows)\n")
+    train, test = written.get("train"), written.get("test")
+    if train and test:
+        sys.stdout.write(f"use them with: data.train_path={train[0]} data.eval_path={test[0]}\n")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Load PATH with the job's (or default) data settings and print rows, drops and the first prompt."""
     from miles_vl.data.builder import load_options, video_settings
@@ -116,7 +141,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out = sys.stdout.write
     meta = processor_metadata(processor)
     out(f"file: {path}\n")
-    out(f"layout: {report.layout}  rows: {report.n_rows}  kept: {report.n_kept}  dropped: {report.n_dropped}\n")
+    how = f"data.dataset_fn={data.dataset_fn}" if data.dataset_fn else f"data.format={data.format}"
+    if data.format == "auto" and not data.dataset_fn:
+        how = "recognised from its columns (data.format=auto)"
+    out(f"layout: {report.layout}, {how}\n")
+    out(f"rows: {report.n_rows}  kept: {report.n_kept}  dropped: {report.n_dropped}\n")
     for reason, count in sorted(report.dropped.items()):
         out(f"  {reason.value}: {count}\n")
         for ex in (e for e in report.examples if e.reason == reason):

@@ -4,11 +4,17 @@ Files: `.parquet` (pyarrow) or `.jsonl` (one JSON object per line). Layouts:
 
     geometry3k    hiyouga/geometry3k: `problem` (with `<image>`), `images` = list of {bytes, path}, `answer`
     geo3k_imgurl  chenhegu/geo3k_imgurl: the same columns, `images` = list of strings (paths, file:// or data URLs)
+    verl          verl's geo3k preprocessing (examples/data_preprocess/geo3k.py): `prompt` = chat messages, a list of
+                  {role, content} with one `user` message (its content the problem: a string with `<image>`, or a list
+                  of {type: text, text} / {type: image} parts), `images` as in geometry3k,
+                  `reward_model` = {ground_truth: answer, ...}; `data_source`, `ability` become metadata
     generic       any columns: the prompt, answer and image columns are named by `prompt_key`, `answer_key`,
                   `image_key` (the image column may be absent for text-only prompts, or hold one image per row)
 
 `auto` picks geometry3k or geo3k_imgurl when the file has `problem`, `answer` and `images` and the keys are the
-defaults (by the type of the first image value), else generic. Any image value `images.image_ref` understands works
+defaults (by the type of the first image value), verl when it has `prompt` and `reward_model` (and no `problem`) and
+the keys are the defaults, else generic. A verl prompt with a `system` or `assistant` message is a `DataError`: the
+system prompt is `data.system_prompt`, one for every row. Any image value `images.image_ref` understands works
 in every layout; the layout fixes the columns. Videos are read from the `video_key` column (default `videos`) in
 every layout when it holds a list: one entry per `<video>` placeholder, each a frame list or a file path (see
 `videos`); a scalar in that column is metadata. A custom
@@ -30,9 +36,10 @@ from typing import Any, Literal
 
 from miles_vl.import_path import shadowing_problem
 
-Layout = Literal["geometry3k", "geo3k_imgurl", "generic"]
-LAYOUT_CHOICES = ("auto", "geometry3k", "geo3k_imgurl", "generic")
-GEO3K_KEYS = ("problem", "answer", "images")  # prompt, answer, image columns of both geo3k layouts
+Layout = Literal["geometry3k", "geo3k_imgurl", "verl", "generic"]
+LAYOUT_CHOICES = ("auto", "geometry3k", "geo3k_imgurl", "verl", "generic")
+GEO3K_KEYS = ("problem", "answer", "images")  # prompt, answer, image columns of both geo3k layouts (the defaults)
+VERL_KEYS = ("prompt", "reward_model", "images")  # chat messages, {ground_truth: ...}, images
 
 # A custom row mapper: one raw record -> {"problem": str, "answer": str, "images": list?, "videos": list?,
 # "metadata": dict?} or None.
@@ -127,7 +134,7 @@ def resolve_layout(
 
     Args:
         records: the raw records (only their keys and the first image value are looked at).
-        layout: auto | geometry3k | geo3k_imgurl | generic.
+        layout: auto | geometry3k | geo3k_imgurl | verl | generic.
         prompt_key, answer_key, image_key: the columns of the generic layout.
         video_key: the video column, in every layout (it may be absent).
         source: the file name, for messages.
@@ -143,19 +150,23 @@ def resolve_layout(
         raise DataError(f"unknown data format {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
     keys = (prompt_key, answer_key, image_key)
     columns = sorted({k for r in records for k in r})
-    if layout in ("geometry3k", "geo3k_imgurl") and keys != GEO3K_KEYS:
+    if layout in ("geometry3k", "geo3k_imgurl", "verl") and keys != GEO3K_KEYS:
         raise DataError(
-            f"data.format={layout} reads the columns {GEO3K_KEYS}, but prompt_key/answer_key/image_key are {keys}; "
-            "set data.format=generic to use your own column names"
+            f"data.format={layout} reads fixed columns, but prompt_key/answer_key/image_key are {keys}, not the "
+            f"defaults {GEO3K_KEYS}; leave them at the defaults, or set data.format=generic for your own column names"
         )
     if layout == "auto":
         layout = "generic"
-        if keys == GEO3K_KEYS and set(GEO3K_KEYS) <= set(columns):
+        if keys == GEO3K_KEYS and {"prompt", "reward_model"} <= set(columns) and "problem" not in columns:
+            layout = "verl"
+        elif keys == GEO3K_KEYS and set(GEO3K_KEYS) <= set(columns):
             first = next((v for r in records for v in as_image_list(r.get("images"))), None)
             if isinstance(first, dict):
                 layout = "geometry3k"
             elif isinstance(first, str):
                 layout = "geo3k_imgurl"
+    if layout == "verl":
+        prompt_key, answer_key, image_key = VERL_KEYS
     for what, key in (("prompt", prompt_key), ("answer", answer_key)):
         if records and key not in columns:
             raise DataError(
@@ -175,13 +186,57 @@ def row_fields(record: Mapping[str, Any], keys: LayoutKeys) -> RowFields:
     has_videos = isinstance(videos, list | tuple)
     taken = (keys.prompt_key, keys.answer_key, keys.image_key) + ((keys.video_key,) if has_videos else ())
     metadata = {k: v for k, v in record.items() if k not in taken and _is_scalar(v)}
+    problem, answer = record.get(keys.prompt_key), record.get(keys.answer_key)
+    if keys.layout == "verl":
+        problem = verl_problem(problem)
+        answer = answer.get("ground_truth") if isinstance(answer, Mapping) else None
     return RowFields(
-        problem=record.get(keys.prompt_key),
+        problem=problem,
         images=as_image_list(record.get(keys.image_key)),
-        answer=record.get(keys.answer_key),
+        answer=answer,
         metadata=metadata,
         videos=list(videos) if has_videos else [],
     )
+
+
+def verl_problem(messages: Any) -> str | None:
+    """The problem text of a verl `prompt`: the content of its one `user` message, a string, or a list of parts
+    ({type: text, text} kept as text, {type: image} as `<image>`, in order). None (the row is dropped as
+    `missing_field`) when the prompt is missing or has no user message.
+
+    Raises:
+        DataError: a message that is not {role, content}, a `system` or `assistant` message (the system prompt is
+            `data.system_prompt`, for every row), more than one user message, a content part of another type.
+    """
+    if messages is None:
+        return None
+    if not isinstance(messages, list | tuple) or not all(isinstance(m, Mapping) and "role" in m for m in messages):
+        raise DataError(
+            f"the verl column 'prompt' must be a list of chat messages {{role, content}}, found "
+            f"{type(messages).__name__}: {str(messages)[:80]!r}; fix the file or set data.format"
+        )
+    roles = [m["role"] for m in messages]
+    if set(roles) - {"user"} or len(roles) > 1:
+        raise DataError(
+            f"the verl prompt has the messages {roles}, expected one 'user' message; the system prompt is "
+            "data.system_prompt (one for every row) and a prompt has no assistant turns: remove the others from the "
+            "file, or map the rows with data.dataset_fn"
+        )
+    if not roles:
+        return None
+    content = messages[0].get("content")
+    if isinstance(content, list | tuple):
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind not in ("text", "image"):
+                raise DataError(
+                    f"the verl user message has a content part {str(part)[:80]!r}; expected {{type: text, text}} or "
+                    "{type: image}; fix the file or map the rows with data.dataset_fn"
+                )
+            parts.append((part.get("text") or "") if kind == "text" else "<image>")
+        return "".join(parts)
+    return content
 
 
 def as_image_list(value: Any) -> list[Any]:

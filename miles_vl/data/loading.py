@@ -46,7 +46,7 @@ class LoadOptions:
 
     Attributes:
         max_prompt_len: longest allowed canonical prompt, in tokens; longer rows are dropped.
-        layout: auto | geometry3k | geo3k_imgurl | generic (ignored with `dataset_fn`).
+        layout: auto | geometry3k | geo3k_imgurl | verl | generic (ignored with `dataset_fn`).
         prompt_key, answer_key, image_key: columns of the generic layout.
         video_key: the video column (every layout; it may be absent).
         dataset_fn: custom mapper from a raw record to the geometry3k shape (or None to skip it).
@@ -125,6 +125,8 @@ def load_prompt_records(
     for index, record in enumerate(records):
         try:
             fields = row_fields(record, keys) if keys else apply_dataset_fn(options.dataset_fn, record)
+        except DataError as err:  # a record the layout cannot read (a verl prompt with a system message)
+            raise DataError(f"{source}: row {index}: {err}") from err
         except Exception as err:
             raise DataError(f"{source}: row {index}: dataset_fn failed: {type(err).__name__}: {err}") from err
         if fields is None:

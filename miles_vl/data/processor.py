@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_vl.data.layouts import DataError
 from miles_vl.data.videos import VideoSettings
+from miles_vl.models.hub import is_hub_id
 from miles_vl.models.qwen3_vl.processor import OFFLINE_PROCESSOR_DIR
 
 if TYPE_CHECKING:
@@ -68,9 +69,14 @@ def load_processor(
             "(the build that matches your torch, e.g. torchvision==0.26.0 for torch 2.11)"
         ) from err
     except OSError as err:
+        fetch = (
+            f"fetch the hub id with `hf download {path_or_offline}` (or `miles-vl train`, which does), "
+            if is_hub_id(path_or_offline)
+            else ""
+        )
         raise DataError(
-            f"cannot load a processor from {path_or_offline!r} with local files only ({err}); point model.processor "
-            "(or model.path) at a local checkpoint directory with its processor files, or use 'offline'"
+            f"cannot load a processor from {path_or_offline!r} with local files only ({err}); {fetch}point "
+            "model.processor (or model.path) at a local checkpoint directory with its processor files, or use 'offline'"
         ) from err
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None:

@@ -126,7 +126,7 @@ class LoadReport:
     """Counts of one load: rows read, kept, and dropped per reason (with the first few examples of each)."""
 
     source: str  # file path, or "synthetic(n=..., seed=..., task=...)"
-    layout: str  # geometry3k | geo3k_imgurl | generic | custom (dataset_fn)
+    layout: str  # geometry3k | geo3k_imgurl | verl | generic | custom (dataset_fn)
     n_rows: int = 0
     n_kept: int = 0
     dropped: dict[DropReason, int] = field(default_factory=dict)

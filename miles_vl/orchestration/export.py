@@ -1,7 +1,7 @@
 """Hugging Face model directories from a run: `miles-vl export` after training, `checkpoint.save_hf` during it.
 
-    miles-vl export outputs/geo3k_tiny_cpu hf_out            # the newest checkpoint that verifies
-    miles-vl export outputs/geo3k_tiny_cpu --step 4 hf_out   # that step's checkpoint
+    miles-vl export runs/geo3k_tiny_cpu hf_out            # the newest checkpoint that verifies
+    miles-vl export runs/geo3k_tiny_cpu --step 4 hf_out   # that step's checkpoint
 
     python -c "from transformers import AutoModelForImageTextToText as M; M.from_pretrained('hf_out')"
     python -m sglang.launch_server --model-path hf_out
@@ -51,6 +51,7 @@ import miles_vl
 from miles_vl.config import JobConfig, load_config
 from miles_vl.data import load_processor, processor_metadata, video_settings
 from miles_vl.metrics import METRICS_FILE
+from miles_vl.models.hub import cached_model_dir
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     DRIVER_STATE,
@@ -122,8 +123,9 @@ def write_hf_dir(
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1))  # first: a leftover of this write is known
         write_weights(tmp)
         processor.save_pretrained(tmp)
-        if model_path and (Path(model_path) / GENERATION_CONFIG).is_file():
-            shutil.copyfile(Path(model_path) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        source = cached_model_dir(model_path) if model_path else None  # a hub id: its snapshot in the local cache
+        if source and (source / GENERATION_CONFIG).is_file():
+            shutil.copyfile(source / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
         _readable_like(tmp / EXPORT_MARKER, tmp)
         _move_into_place(tmp, out_dir, force)
     except BaseException as err:

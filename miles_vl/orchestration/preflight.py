@@ -12,7 +12,9 @@ What it checks, each problem one line with its fix:
   layout reads (the rows themselves are validated when the job loads them);
 - `model.path` is a checkpoint directory (config.json and weights), or a hub id in the local Hugging Face cache,
   when the job loads it (`model.init=pretrained`, or an SGLang rollout); the processor (`model.processor`, else
-  `model.path`) loads from local files, unless it is `offline`;
+  `model.path`) loads from local files, unless it is `offline`. A hub id not in the cache is a problem only where
+  the hub cannot be reached (`HF_HUB_OFFLINE=1`); else `fetch_hub_models`, which `miles-vl train` runs before this,
+  downloads it, and `check` says so (`models.hub`);
 - `checkpoint.resume`, when it names a checkpoint, is a complete one;
 - the run directory (`logging.output_dir`/`logging.run_name`) and the checkpoint directory (`checkpoint.dir`, else
   `<run dir>/checkpoints`) can be created and written: a directory is made and removed there, or in the nearest
@@ -26,17 +28,21 @@ engine do not reach.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from miles_vl.config import ConfigError, JobConfig
 from miles_vl.data import load_processor, video_settings
 from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
 from miles_vl.data.processor import OFFLINE
+from miles_vl.models.hub import ModelNotFoundError, hub_offline, is_hub_id, local_model_dir
 from miles_vl.orchestration.checkpoint import verify_checkpoint, write_problem
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.orchestration.placement import private_session_problem
 from miles_vl.stack import backend_problems, captured_output
+
+log = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
 
@@ -106,12 +112,16 @@ def data_problems(cfg: JobConfig) -> list[str]:
 def model_problems(cfg: JobConfig) -> list[str]:
     m = cfg.model
     problems = []
+    to_download = [p for p in hub_models(cfg) if not _cached(p) and not hub_offline()]
+    for path in to_download:
+        log.info("%s is a hub id not in the local Hugging Face cache: `miles-vl train` downloads it first", path)
     loads_path = m.path and (m.init == "pretrained" or cfg.rollout.backend == "sglang")
-    path_problem = checkpoint_dir_problem(m.path) if loads_path else None
+    path_problem = checkpoint_dir_problem(m.path) if loads_path and m.path not in to_download else None
     if path_problem:
         problems.append(path_problem)
     processor = m.processor or m.path
-    if processor and processor != OFFLINE and not (path_problem and processor == m.path):
+    checkable = processor not in to_download and not (path_problem and processor == m.path)
+    if processor and processor != OFFLINE and checkable:
         with captured_output():
             try:
                 load_processor(processor, cfg.data.min_pixels, cfg.data.max_pixels, video_settings(cfg.data))
@@ -120,20 +130,47 @@ def model_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
+def hub_models(cfg: JobConfig) -> list[str]:
+    """The hub ids among `model.path` (when the job loads it) and `model.processor`, in that order, each once."""
+    m = cfg.model
+    loads_path = m.path and (m.init == "pretrained" or cfg.rollout.backend == "sglang")
+    candidates = ([m.path] if loads_path else []) + [m.processor or m.path]
+    return list(dict.fromkeys(p for p in candidates if p and p != OFFLINE and is_hub_id(p)))
+
+
+def fetch_hub_models(cfg: JobConfig, config_path: str | None = None) -> None:
+    """Download the hub ids the job loads (`hub_models`) into the Hugging Face cache, or find them there when the hub
+    cannot be reached; `miles-vl train` runs it before `preflight`, which then checks the cached files.
+
+    Raises:
+        ConfigError: an id that is neither cached nor downloadable (each message names the id and how to fetch it).
+    """
+    problems = []
+    for path in hub_models(cfg):
+        key = "model.path" if path == cfg.model.path else "model.processor"
+        log.info("%s=%s: resolving the hub id (downloading into the Hugging Face cache what it lacks)", key, path)
+        try:
+            log.info("%s=%s: using %s", key, path, local_model_dir(path, download=True, key=key))
+        except ModelNotFoundError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError(problems, config_path)
+
+
+def _cached(path: str) -> bool:
+    try:
+        local_model_dir(path)
+    except ModelNotFoundError:
+        return False
+    return True
+
+
 def checkpoint_dir_problem(path: str) -> str | None:
     """What keeps `path` (a directory, or a hub id in the local Hugging Face cache) from loading as an HF checkpoint."""
-    directory = Path(path)
-    if not directory.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-
-            directory = Path(snapshot_download(path, local_files_only=True))
-        except Exception:  # not a valid repo id, or not in the cache
-            return (
-                f"model.path={path!r}: no such directory, nor a hub id in the local Hugging Face cache; download the "
-                f"checkpoint (e.g. `huggingface-cli download Qwen/Qwen3-VL-2B-Instruct --local-dir {path}`) or set "
-                "model.path to the directory that holds it"
-            )
+    try:
+        directory = local_model_dir(path)
+    except ModelNotFoundError as err:
+        return str(err)
     missing = []
     if not (directory / "config.json").is_file():
         missing.append("config.json")

@@ -207,7 +207,7 @@ def dry_run_problems(tmp_path: Path) -> tuple[list[str], list[str]]:
         "data.dataset_fn='no_such_data_module:row': cannot import 'no_such_data_module'",
         f"data.train_path: dataset file not found: {tmp_path / 'missing.parquet'}",
         f"data.eval_path: {tmp_path / 'broken.parquet'}: cannot read it as parquet",
-        f"model.path='{tmp_path / 'no_model'}': no such directory, nor a hub id in the local Hugging Face cache",
+        f"model.path='{tmp_path / 'no_model'}': no such directory, and not a hub id (owner/name)",
         f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}: ",
         "checkpoint.dir: the job writes /proc/miles_vl_checkpoints, but a directory cannot be created in /proc",
     ]

@@ -54,3 +54,39 @@ def write_geometry3k_parquet(path: Path, records: list[dict[str, Any]]) -> Path:
     )
     pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
     return path
+
+
+# verl's geo3k preprocessing output (verl examples/data_preprocess/geo3k.py, written by `datasets.to_parquet`): chat
+# messages, the images as HF Image structs, the answer nested in `reward_model`, the rest as metadata or extra info.
+VERL_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        (
+            "extra_info",
+            pa.struct(
+                [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+            ),
+        ),
+    ]
+)
+
+
+def verl_record(index: int, problem: str, answer: str, n_images: int = 1, role: str = "user") -> dict[str, Any]:
+    """One row as verl's geo3k preprocessing writes it (its instruction appended to the problem)."""
+    return {
+        "data_source": "hiyouga/geometry3k",
+        "prompt": [{"role": role, "content": problem + " You FIRST think about the reasoning process."}],
+        "images": [{"bytes": png_bytes(seed=index + k), "path": None} for k in range(n_images)],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "train", "index": index, "answer": answer, "question": problem},
+    }
+
+
+def write_verl_parquet(path: Path, records: list[dict[str, Any]], schema: pa.Schema = VERL_SCHEMA) -> Path:
+    pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    return path

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from miles_vl.cli import main
 from miles_vl.data import synth_records
 from miles_vl.data.cli import collapse_image_tokens
-from tests.data.helpers import png_bytes, write_geometry3k_parquet
+from tests.data.helpers import png_bytes, verl_record, write_geometry3k_parquet, write_verl_parquet
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "geo3k_tiny_cpu.yaml")
 
@@ -24,7 +24,7 @@ def test_synth_then_inspect(tmp_path, capsys):
 
     assert main(["data", "inspect", str(out), "--rows", "2"]) == 0
     text = capsys.readouterr().out
-    assert "layout: geometry3k  rows: 6  kept: 6  dropped: 0" in text
+    assert "layout: geometry3k, recognised from its columns (data.format=auto)\nrows: 6  kept: 6  dropped: 0" in text
     assert "images per row (kept rows): {1: 6}" in text
     assert text.count("\nrow ") == 2
     first = re.search(
@@ -69,6 +69,18 @@ def test_inspect_reports_drops_with_the_config(tmp_path, capsys):
     assert main(["data", "inspect", str(path), "--config", TINY, "data.max_prompt_len=5"]) == 1
     text = capsys.readouterr().out
     assert "prompt_too_long: 1" in text and "no usable rows" in text
+
+
+def test_inspect_says_which_layout_it_recognised(tmp_path, capsys):
+    """Issue 35.3: a verl parquet is recognised from its columns, and inspect says so (and which format a config named
+    instead)."""
+    path = write_verl_parquet(tmp_path / "train.parquet", [verl_record(i, "<image>Find x.", str(i)) for i in range(2)])
+    assert main(["data", "inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "layout: verl, recognised from its columns (data.format=auto)\nrows: 2  kept: 2  dropped: 0" in text
+    assert "answer '1': '<image>Find x. You FIRST think" in text
+    assert main(["data", "inspect", str(path), "--config", TINY, "data.format=verl"]) == 0
+    assert "layout: verl, data.format=verl\n" in capsys.readouterr().out
 
 
 def test_collapse_image_tokens():

@@ -19,7 +19,15 @@ from miles_vl.data import (
     read_records,
 )
 from miles_vl.data.builder import load_options
-from tests.data.helpers import data_url, png_bytes, write_geometry3k_parquet, write_jsonl, write_png
+from tests.data.helpers import (
+    data_url,
+    png_bytes,
+    verl_record,
+    write_geometry3k_parquet,
+    write_jsonl,
+    write_png,
+    write_verl_parquet,
+)
 
 
 def load(path, encoder, max_prompt_len=512, **kw):
@@ -71,6 +79,46 @@ def test_generic_layout_with_custom_keys(tmp_path, encoder):
         load(path, encoder)
     with pytest.raises(ValueError, match="set data.format=generic"):
         load(path, encoder, layout="geometry3k", prompt_key="question")
+
+
+def test_verl_parquet_is_recognised_and_read(tmp_path, encoder):
+    """Issue 35.3: verl's geo3k parquet (chat-message `prompt`, `reward_model.ground_truth`) loads as the `verl`
+    layout: the user message is the problem, the nested ground truth the answer, the scalar columns metadata."""
+    records = [verl_record(0, "<image>Find x.", "5"), verl_record(1, "Two: <image> <image>", "12", n_images=2)]
+    records.append(verl_record(2, "<image>Find y.", "7") | {"reward_model": {"style": "rule", "ground_truth": None}})
+    path = write_verl_parquet(tmp_path / "train.parquet", records)
+    for layout in ("auto", "verl"):
+        rows, report = load(path, encoder, layout=layout)
+        assert report.layout == "verl"
+        assert [r.index for r in rows] == [0, 1] and report.dropped == {DropReason.MISSING_FIELD: 1}
+        assert rows[0].problem == "<image>Find x. You FIRST think about the reasoning process." and rows[0].label == "5"
+        assert rows[1].images == (png_bytes(seed=1), png_bytes(seed=2)) and rows[1].label == "12"
+        assert rows[0].metadata == {"data_source": "hiyouga/geometry3k", "ability": "math"}
+    with pytest.raises(ValueError, match="set data.format=generic"):
+        load(path, encoder, layout="verl", answer_key="reward_model")
+
+
+def test_verl_prompt_parts_and_refused_messages(tmp_path, encoder):
+    """A content given as typed parts reads as text with `<image>` where the image part is; a system or assistant
+    message, or two user messages, is one DataError naming the file, the row and the fix (the system prompt is
+    data.system_prompt), never a row silently read without it."""
+    parts = [{"type": "image"}, {"type": "text", "text": "Find x."}]
+    record = {"prompt": [{"role": "user", "content": parts}], "images": [data_url(png_bytes())]}
+    record["reward_model"] = {"ground_truth": "5"}
+    rows, report = load(write_jsonl(tmp_path / "parts.jsonl", [record]), encoder)
+    assert report.layout == "verl" and rows[0].problem == "<image>Find x." and rows[0].label == "5"
+
+    system = {"role": "system", "content": "Be brief."}
+    for i, prompt in enumerate(
+        [[system, {"role": "user", "content": "<image>Find x."}], [{"role": "user", "content": "a"}] * 2]
+    ):
+        bad = [verl_record(0, "<image>Find x.", "5"), verl_record(1, "<image>Find y.", "6")]
+        bad[1]["prompt"] = prompt
+        path = write_verl_parquet(tmp_path / f"bad{i}.parquet", bad)
+        with pytest.raises(
+            DataError, match=rf"bad{i}.parquet: row 1: the verl prompt has the messages .*data.system_prompt"
+        ):
+            load(path, encoder)
 
 
 def test_every_drop_reason_is_counted_and_logged(tmp_path, encoder, caplog):

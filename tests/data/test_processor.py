@@ -114,8 +114,12 @@ def test_pixel_range_decides_the_grid(tmp_path):
 
 
 def test_load_processor_errors(tmp_path):
-    with pytest.raises(DataError, match="model.processor"):
+    with pytest.raises(DataError, match="model.processor") as nope:
         load_processor(str(tmp_path / "nope"), 1024, 4096)
+    assert "hf download" not in str(nope.value)  # a path, not a hub id
+    # a hub id not in the cache (issue 35.3): the message says how to fetch it; local files only, so no network
+    with pytest.raises(DataError, match=r"fetch the hub id with `hf download acme/not-cached-vl`"):
+        load_processor("acme/not-cached-vl", 1024, 4096)
     with pytest.raises(ValueError, match="min_pixels <= max_pixels"):
         load_processor("offline", 4096, 1024)
 

@@ -58,6 +58,7 @@ from typing import BinaryIO
 import torch
 
 from miles_vl.gpu_env import NO_MULTICAST_ENV, nccl_peer_env
+from miles_vl.models.hub import cached_model_dir
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
 from miles_vl.sglang_plugin.settings import SETTINGS_ENV, PluginSettings
 
@@ -264,7 +265,7 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
 
 
 def _checkpoint_config(model_path: str) -> dict | None:
-    path = Path(model_path) / "config.json"
+    path = (cached_model_dir(model_path) or Path(model_path)) / "config.json"  # a hub id: its cached snapshot
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

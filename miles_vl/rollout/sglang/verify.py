@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles_vl.models.hub import cached_model_dir
 from miles_vl.models.qwen3_vl import HF_VISION_PREFIX, SGLANG_RENAMES
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError, SGLangResponseError
 
@@ -66,10 +67,10 @@ def checkpoint_names(model_path: str | Path) -> frozenset[str] | None:
     `lm_head.weight` when `config.json` ties it to the embedding (`tie_word_embeddings`, top level or `text_config`).
 
     Returns:
-        The names, or None when `model_path` is not a local directory with safetensors files (e.g. a hub id): then
-        sent names cannot be checked.
+        The names, or None when `model_path` is neither a local directory nor a cached hub id with safetensors
+        files: then sent names cannot be checked.
     """
-    path = Path(model_path)
+    path = cached_model_dir(model_path) or Path(model_path)  # a hub id: its snapshot in the local cache
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         return None
