@@ -216,13 +216,13 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
         return "no GPU in this job (train.backend torch, rollout.backend hf)"
     if cfg.model.path is None:
         return "model.path is unset (a random-init model)"
-    config, source = hf_config_dict(cfg.model.path)
-    if config is None:
-        return f"the model's shape is unknown: {source}"
     try:
+        config, source = hf_config_dict(cfg.model.path)
+        if config is None:
+            return f"the model's shape is unknown: {source}"
         shape = model_shape(config)
-    except ValueError as e:
-        return str(e)
+    except (OSError, ValueError) as e:  # an unreadable or foreign config.json: no estimate, `check` goes on
+        return f"the model's shape could not be read from {cfg.model.path}: {e}"
     colocated = cfg.ray.placement == "colocate"
     trainer = None
     if megatron:

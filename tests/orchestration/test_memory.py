@@ -169,6 +169,11 @@ def test_the_shape_comes_from_a_local_config_json(tmp_path):
     missing = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", f"model.path={tmp_path / 'My-Model'}"), 80.0)
     assert isinstance(missing, str) and "is not on this machine" in missing
     assert hf_config_dict("Qwen/Qwen3-VL-8B-Thinking")[0] is RELEASED_SHAPES["Qwen3-VL-8B"]
+    (tmp_path / "config.json").write_text("{not json")
+    broken = estimate_memory(cfg, 80.0)
+    assert isinstance(broken, str) and broken.startswith(f"the model's shape could not be read from {tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "model_type must be qwen3_vl or qwen3_vl_moe" in estimate_memory(cfg, 80.0)
 
 
 def test_check_prints_the_estimate_and_warns(capsys):
