@@ -81,6 +81,23 @@ def _add_check_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only validate the config (e.g. a cluster's config on a laptop): skip the checks of this machine",
     )
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=_positive_gib,
+        default=80.0,
+        metavar="GIB",
+        help="memory of the GPUs the job will run on, for the memory estimate (default 80: an H100 80GB; 141 for H200)",
+    )
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB (e.g. 80 or 141), found {text!r}")
+    return value
 
 
 def _load(args: argparse.Namespace) -> JobConfig:
@@ -109,8 +126,23 @@ def cmd_check(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             return _bad_input(e)
         sys.stdout.write("# start\n" + yaml.safe_dump({"start": start}, sort_keys=False))
+    _print_memory(cfg, args.gpu_memory_gib)
     log.info("config OK%s: %s", "" if args.config_only else " and this machine can run it", args.config)
     return 0
+
+
+def _print_memory(cfg: JobConfig, gpu_gib: float) -> None:
+    """`check`'s estimate of memory per GPU (orchestration/memory.py), as YAML comments; a warning when it does not
+    fit. An estimate, so never an error: the job may still be started."""
+    from miles_vl.orchestration.memory import estimate_memory
+
+    estimate = estimate_memory(cfg, gpu_gib)
+    if isinstance(estimate, str):
+        sys.stdout.write(f"# memory per GPU: not estimated: {estimate}\n")
+        return
+    sys.stdout.write("# memory per GPU (estimate)\n" + "".join(f"#   {line}\n" for line in estimate.lines()))
+    for problem in estimate.problems():
+        log.warning("memory estimate: %s", problem)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

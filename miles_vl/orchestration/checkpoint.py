@@ -426,3 +426,36 @@ def read_driver_state(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise CheckpointError(f"{file}: expected a JSON object with an integer 'step'")
     return state
+
+
+# The train.* sizes a megatron checkpoint is tied to: its optimizer state is saved in megatron's "dp_reshardable"
+# format (train/megatron/checkpoint.py), resharded over another data-parallel size (train.num_gpus) on load, but laid
+# out per TP/PP/CP/EP rank.
+MODEL_PARALLEL_KEYS = ("tp", "pp", "cp", "ep")
+
+
+def parallel_layout_problem(state: dict[str, Any], train_backend: str, sizes: dict[str, int]) -> str | None:
+    """Why a megatron checkpoint cannot be resumed at the model-parallel `sizes` (train.tp/pp/cp/ep of this job), or
+    None (another train.num_gpus is fine; a checkpoint whose driver.json records no config is not judged here).
+
+    Args:
+        state: the checkpoint's driver state (`read_driver_state`), whose `config` is the run's config.
+        train_backend: this job's train.backend.
+        sizes: this job's {"tp": .., "pp": .., "cp": .., "ep": ..}.
+    """
+    saved = (state.get("config") or {}).get("train") or {}
+    if train_backend != "megatron" or saved.get("backend") != "megatron":
+        return None
+    changed = {k: (saved[k], sizes[k]) for k in MODEL_PARALLEL_KEYS if k in saved and saved[k] != sizes[k]}
+    if not changed:
+        return None
+    was = " ".join(f"train.{k}={a}" for k, (a, _) in changed.items())
+    now = " ".join(f"train.{k}={b}" for k, (_, b) in changed.items())
+    step = state["step"]
+    return (
+        f"the checkpoint of step {step} was saved at {was}, this job has {now}: a megatron checkpoint resumes on "
+        "another number of GPUs (train.num_gpus: another data-parallel size) but only at the tensor/pipeline/context/"
+        f"expert-parallel sizes it was saved with (its optimizer state is laid out per rank of those). Resume with "
+        f"{was}, or export the step (miles-vl export RUN_DIR OUT_DIR --step {step}) and start a new run from it "
+        "(model.path=OUT_DIR; the optimizer state starts afresh)"
+    )

@@ -71,9 +71,11 @@ from miles_vl.metrics import (
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
+    MODEL_PARALLEL_KEYS,
     CheckpointError,
     find_resume_point,
     list_checkpoints,
+    parallel_layout_problem,
     read_driver_state,
     resolve_resume,
     save_checkpoint,
@@ -294,7 +296,8 @@ def check_start(
             another directory's checkpoint into one that holds metrics, a resume of a checkpoint of this run that has
             a newer one (it would drop the newer steps' records and mix two histories: resume the newest, or branch
             into a new run directory), a resume from a checkpoint past `num_steps` (its state would be saved under an
-            earlier label), or a resume whose metrics.jsonl has a bad line (it is rewritten on resume).
+            earlier label), a resume whose metrics.jsonl has a bad line (it is rewritten on resume), or a megatron
+            checkpoint resumed at other train.tp/pp/cp/ep (`parallel_layout_problem`).
     """
     if resume is None:
         _check_fresh_start(cfg, run_dir, ckpt_root, dry_run)
@@ -311,6 +314,9 @@ def check_start(
             f"resume into a new logging.run_name{own}"
         )
     state = read_driver_state(resume)
+    sizes = {k: getattr(cfg.train, k) for k in MODEL_PARALLEL_KEYS}
+    if problem := parallel_layout_problem(state, cfg.train.backend, sizes):  # another train.num_gpus is fine
+        raise CheckpointError(f"checkpoint.resume: {resume}: {problem}")
     newer = [(s, p) for s, p in list_checkpoints(ckpt_root) if s > state["step"]] if same_run else []
     if newer:
         step, (last, last_path) = state["step"], newer[-1]

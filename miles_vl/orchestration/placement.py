@@ -5,6 +5,8 @@ RAY_ADDRESS environment variable names (how `ray job submit` and a launcher tell
 else a private Ray of its own. Never the one Ray's address file names (`ray_current_cluster` in Ray's temp folder,
 /tmp/ray by default: a folder any local user can write, where a planted address made jobs retry it for minutes):
 a private Ray starts with `address="local"`, which reads neither. The log says which cluster was joined and why.
+Inside `ray job submit`, Ray merges the job's runtime environment with the driver's and refuses a key both set: the
+driver leaves to the job what it sets alike and refuses (preflight) what it sets otherwise (`job_runtime_env_problem`).
 
 A private Ray keeps its sockets, logs and spilled objects in a folder of its own, `<RAY_TMPDIR or the system temp
 folder>/ray-XXXXXXXX` (mode 0700: Ray makes its own folders world-writable, this one shuts them off), removed when
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import shutil
@@ -66,16 +69,10 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         return
     # Workers inherit this: keep Ray's own usage stats off on machines with no outside network.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    runtime_env = {
-        # Every worker of the job (train ranks, engine actors and the SGLang servers they start) keeps NVLink
-        # multicast off, also on a cluster whose Ray was started elsewhere: on shared hosts a program that uses it can
-        # take the GPUs out of service. And every NCCL peer of an SGLang server (the trainer, in the disaggregated
-        # weight sync) runs with the server's NCCL_CUMEM_ENABLE (`gpu_env.nccl_peer_env`), else their first broadcast
-        # fails.
-        "env_vars": {**NO_MULTICAST_ENV, **nccl_peer_env(), DRIVER_WORKING_DIR_ENV: os.getcwd()},
-        # before Ray puts the driver's working directory first on a worker's sys.path (import_path)
-        "worker_process_setup_hook": "miles_vl.import_path.ray_worker_setup",
-    }
+    runtime_env = driver_runtime_env()
+    if problem := job_runtime_env_problem(runtime_env):
+        raise RuntimeError(problem)  # preflight says so first, as a config problem
+    runtime_env = without_job_settings(runtime_env)
     cluster, source = cluster_address(address)
     if not cluster and (problem := private_session_problem(address)):
         raise RuntimeError(problem)  # preflight says so first, as a config problem
@@ -92,6 +89,66 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, dashboard: 
         ray.shutdown()
         if private is not None:
             _remove(private)
+
+
+def driver_runtime_env() -> dict:
+    """The runtime environment every Ray worker of the job gets."""
+    return {
+        # Every worker of the job (train ranks, engine actors and the SGLang servers they start) keeps NVLink
+        # multicast off, also on a cluster whose Ray was started elsewhere: on shared hosts a program that uses it can
+        # take the GPUs out of service. And every NCCL peer of an SGLang server (the trainer, in the disaggregated
+        # weight sync) runs with the server's NCCL_CUMEM_ENABLE (`gpu_env.nccl_peer_env`), else their first broadcast
+        # fails.
+        "env_vars": {**NO_MULTICAST_ENV, **nccl_peer_env(), DRIVER_WORKING_DIR_ENV: os.getcwd()},
+        # before Ray puts the driver's working directory first on a worker's sys.path (import_path)
+        "worker_process_setup_hook": "miles_vl.import_path.ray_worker_setup",
+    }
+
+
+# Set by Ray's job manager in a `ray job submit` entrypoint: the job's config, its runtime environment included.
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def _job_runtime_env() -> dict:
+    raw = os.environ.get(RAY_JOB_CONFIG_ENV)
+    return (json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
+def job_runtime_env_problem(runtime_env: dict) -> str | None:
+    """Why the runtime environment of the Ray job this driver runs in (`ray job submit --runtime-env-json`) cannot
+    hold the driver's (`driver_runtime_env`), or None. Ray merges the two per key and refuses the job when both set
+    one; the same value is fine (`without_job_settings` leaves it to the job), another is not: NVLink multicast must
+    stay off and the import hook in place."""
+    job = _job_runtime_env()
+    job_vars = job.get("env_vars") or {}
+    clashes = [
+        f"env_vars {k}={job_vars[k]!r} (miles_vl sets {v!r})"
+        for k, v in runtime_env["env_vars"].items()
+        if k in job_vars and str(job_vars[k]) != v
+    ]
+    clashes += [
+        f"{k}={job[k]!r} (miles_vl sets {v!r})"
+        for k, v in runtime_env.items()
+        if k != "env_vars" and k in job and job[k] != v
+    ]
+    if not clashes:
+        return None
+    return (
+        f"the Ray job's runtime environment sets {'; '.join(clashes)}, which the driver sets for every worker of the "
+        "job: remove them from `ray job submit --runtime-env-json` (or give miles_vl's values)"
+    )
+
+
+def without_job_settings(runtime_env: dict) -> dict:
+    """`runtime_env` less what the Ray job this driver runs in already sets (Ray refuses a key set twice, even to the
+    same value; `job_runtime_env_problem` has checked that the values agree). Outside a Ray job: `runtime_env`."""
+    job = _job_runtime_env()
+    if not job:
+        return runtime_env
+    job_vars = job.get("env_vars") or {}
+    out = {k: v for k, v in runtime_env.items() if k != "env_vars" and k not in job}
+    out["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items() if k not in job_vars}
+    return out
 
 
 def cluster_address(address: str | None) -> tuple[str | None, str]:

@@ -19,7 +19,8 @@ What it checks, each problem one line with its fix:
 - the run directory (`logging.output_dir`/`logging.run_name`) and the checkpoint directory (`checkpoint.dir`, else
   `<run dir>/checkpoints`) can be created and written: a directory is made and removed there, or in the nearest
   parent that exists;
-- a private Ray (no `ray.address`) has room for its unix sockets under its temp folder (`placement`).
+- a private Ray (no `ray.address`) has room for its unix sockets under its temp folder (`placement`);
+- inside `ray job submit`, the job's runtime environment does not contradict the driver's (`placement`).
 
 Nothing is left written: no run directory, no Ray, no model weights read. The driver (`run_job`) runs `check_backends`
 again itself, as its callers need not be the CLI; the package check stays here, where tests that stand in for an
@@ -39,7 +40,7 @@ from miles_vl.models.hub import ModelNotFoundError, hub_offline, is_hub_id, loca
 from miles_vl.orchestration.checkpoint import verify_checkpoint, write_problem
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
-from miles_vl.orchestration.placement import private_session_problem
+from miles_vl.orchestration.placement import driver_runtime_env, job_runtime_env_problem, private_session_problem
 from miles_vl.stack import backend_problems, captured_output
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ def preflight_problems(cfg: JobConfig) -> list[str]:
     problems += resume_problems(cfg)
     problems += output_problems(cfg)
     if problem := private_session_problem(cfg.ray.address):
+        problems.append(problem)
+    if problem := job_runtime_env_problem(driver_runtime_env()):
         problems.append(problem)
     return problems
 

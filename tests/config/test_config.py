@@ -1,6 +1,7 @@
 """Contract: a YAML job config + `key=value` overrides validate into `JobConfig`, or fail with one
 `ConfigError` whose lines name the key, where it came from, and the fix (DESIGN §6)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,43 @@ def test_pretrained_without_path(tmp_path):
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates(path):
     load_config(path)
+
+
+def has_run_line(text: str) -> str:
+    """The header comment's `# Has run:` entry, its continuation lines (`#   ...`) joined, or ""."""
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    for i, line in enumerate(header):
+        if line.startswith("# Has run:"):
+            entry = [line.removeprefix("# Has run:")]
+            for rest in header[i + 1 :]:
+                if not rest.startswith("#   "):
+                    break
+                entry.append(rest.removeprefix("#"))
+            return " ".join(part.strip() for part in entry)
+    return ""
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_says_whether_it_has_run(path):
+    """Issue 35.4: every shipped config's header says whether it has run, where and when, so that an untried layout
+    is not taken for a tested one: a `# Has run:` entry that says "not run" or names the record of the run (a GPU
+    run's folder under docs/gpu-runs/, the test or document that runs it), every path it names existing; a GPU job's
+    entry that does not say "not run" names a docs/gpu-runs/ folder and a date."""
+    entry = has_run_line(path.read_text())
+    assert entry, f"{path.name}: no '# Has run:' line in its header comment"
+    named = re.findall(r"(?:docs/gpu-runs/[\w.-]*[\w-]|tests/[\w/]+\.py|README\.md|configs/[\w.]+\.yaml)", entry)
+    missing = [name for name in named if not (REPO / name).exists()]
+    assert not missing, f"{path.name}: '# Has run:' names {missing}, which do not exist"
+    cfg = load_config(path)
+    on_gpus = cfg.train.backend == "megatron" or cfg.rollout.backend == "sglang"
+    if "not run" not in entry:
+        assert named, f"{path.name}: '# Has run: {entry}' names no record of the run"
+        if on_gpus:
+            assert any(n.startswith("docs/gpu-runs/") for n in named) and re.search(r"20\d\d-\d\d-\d\d", entry), entry
 
 
 def test_several_cross_field_problems_are_separate_lines(tmp_path):

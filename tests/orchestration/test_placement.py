@@ -5,6 +5,7 @@ every worker runs with NVLink multicast off. Issue 30: a job without `ray.addres
 cluster of Ray's world-writable address file) in a 0700 folder removed after it, Ray's token file is 0600, Ray's
 workers import installed packages before the working directory, and Ray records the redacted command line."""
 
+import json
 import logging
 import os
 import shutil
@@ -196,3 +197,59 @@ def test_a_temp_folder_too_long_for_rays_sockets_is_named_before_ray(monkeypatch
     assert placement.private_session_problem("10.0.0.2:6379") is None  # joining a cluster: its own folders
     monkeypatch.setenv("RAY_TMPDIR", "/tmp")
     assert placement.private_session_problem(None) is None
+
+
+# a driver inside `ray job submit` with a runtime environment of its own (issue 35.4)
+
+
+def job_config(monkeypatch, runtime_env: dict) -> None:
+    """What Ray's job manager sets in a `ray job submit --runtime-env-json ...` entrypoint."""
+    monkeypatch.setenv(placement.RAY_JOB_CONFIG_ENV, json.dumps({"runtime_env": runtime_env}))
+
+
+def test_a_ray_jobs_runtime_env_that_sets_the_drivers_keys_alike_is_merged(monkeypatch):
+    """Ray merges the job's runtime environment with the driver's and refused the job ("Failed to merge the Job's
+    runtime env") whenever both set one key, even to the same value: a job submitted with NCCL_NVLS_ENABLE=0 or
+    NCCL_CUMEM_ENABLE in its env_vars could not start. The driver now leaves such keys to the job; every worker sees
+    the job's variables and the driver's."""
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")  # the entrypoint inherits the job's env_vars
+    hook = placement.driver_runtime_env()["worker_process_setup_hook"]
+    job_config(
+        monkeypatch,
+        {
+            "env_vars": {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "1", "MY_JOB_VAR": "x"},
+            "worker_process_setup_hook": hook,
+        },
+    )
+    assert placement.job_runtime_env_problem(placement.driver_runtime_env()) is None
+    with placement.ray_session(None, num_cpus=1):
+
+        @ray.remote(num_cpus=0)
+        def worker_env() -> dict:
+            keys = ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "NCCL_CUMEM_ENABLE", "MY_JOB_VAR")
+            return {k: os.environ.get(k) for k in keys}
+
+        assert ray.get(worker_env.remote()) == {
+            "NCCL_NVLS_ENABLE": "0",
+            "NVSHMEM_DISABLE_NVLS": "1",
+            "NCCL_CUMEM_ENABLE": "1",
+            "MY_JOB_VAR": "x",
+        }
+    assert not ray.is_initialized()
+
+
+def test_a_ray_jobs_runtime_env_that_contradicts_the_driver_is_one_problem(monkeypatch):
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    job_config(monkeypatch, {"env_vars": {"NCCL_NVLS_ENABLE": "1"}, "worker_process_setup_hook": "mine.hook"})
+    problem = placement.job_runtime_env_problem(placement.driver_runtime_env())
+    assert problem.startswith(
+        "the Ray job's runtime environment sets env_vars NCCL_NVLS_ENABLE='1' (miles_vl sets '0')"
+    )
+    assert "worker_process_setup_hook='mine.hook' (miles_vl sets 'miles_vl.import_path.ray_worker_setup')" in problem
+    assert "remove them from `ray job submit --runtime-env-json`" in problem
+    with pytest.raises(RuntimeError, match="NCCL_NVLS_ENABLE='1'"):
+        with placement.ray_session(None, num_cpus=1):
+            pass
+    assert not ray.is_initialized()

@@ -1,0 +1,196 @@
+"""Issue 35.4: `miles-vl check`'s memory estimate per GPU, against hand computations for the shipped 2B and 8B configs.
+
+Parameter counts come from transformers' Qwen3-VL classes (the model built on the meta device), never typed in; the
+rest of each computation is written out below with the config's numbers, in bytes, as the formulas in
+miles_vl/orchestration/memory.py's docstring state them.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from miles_vl.cli import main
+from miles_vl.config import load_config
+from miles_vl.models.qwen3_vl.shapes import RELEASED_SHAPES, hf_config_dict, model_shape
+from miles_vl.orchestration.memory import estimate_memory, trainer_memory
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 1024**3
+
+
+def transformers_params(name: str) -> tuple[int, int]:
+    """(all parameters, vision tower's) of the released shape `name`, counted by transformers' own model class."""
+    shape = {k: v for k, v in RELEASED_SHAPES[name].items() if k != "model_type"}
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**shape))
+    params = sum(p.numel() for p in model.parameters())
+    return params, sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+
+
+def config(name: str, *overrides: str):
+    return load_config(str(REPO / "configs" / name), list(overrides))
+
+
+def test_the_2b_shape_is_the_one_the_benchmarks_build():
+    """The 2B entry matches the architecture bench_train_throughput.py builds as Qwen3-VL-2B-Instruct's config.json."""
+    from benchmarks.bench_train_throughput import qwen3_vl_2b_config
+
+    bench = qwen3_vl_2b_config()
+    mine = Qwen3VLConfig(**{k: v for k, v in RELEASED_SHAPES["Qwen3-VL-2B"].items() if k != "model_type"})
+    for sub in ("text_config", "vision_config"):
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if hasattr(getattr(bench, sub), key):
+                assert getattr(getattr(mine, sub), key) == getattr(getattr(bench, sub), key), (sub, key)
+    assert mine.tie_word_embeddings == bench.tie_word_embeddings
+    assert model_shape(RELEASED_SHAPES["Qwen3-VL-2B"]).params == transformers_params("Qwen3-VL-2B")[0]
+
+
+def test_2b_on_one_gpu_by_hand():
+    """configs/geo3k_qwen3vl_1gpu.yaml: 1 GPU, TP=PP=CP=1, micro-batch 8192 tokens, full recompute, one colocated
+    engine at mem_fraction_static 0.35, 80 GiB."""
+    p, _ = transformers_params("Qwen3-VL-2B")
+    h, q, kv, m, layers, vocab = 2048, 16 * 128, 8 * 128, 6144, 28, 151936
+    weights, grads, optimizer = 2 * p, 4 * p, 12 * p  # bf16; fp32 grads; fp32 main + 2 Adam moments over 1 rank
+    tokens = 8192
+    layer_token = 8 * h + 6 * (q + kv + m)
+    activations = layers * tokens * 2 * h + tokens * layer_token  # full recompute: layer inputs + one layer
+    logits = tokens * vocab * 16
+    peak = (weights + grads + optimizer + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, released engine
+    free = 80 - (weights + grads + optimizer) / GIB - 3.0
+    share = 0.35 * free
+    kv_gib = share - 2 * p / GIB
+    kv_tokens = int(kv_gib * GIB / (2 * 2 * layers * 8 * 128))
+
+    est = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml"), 80.0)
+    assert est.trainer.weights == pytest.approx(weights / GIB)
+    assert est.trainer.gradients == pytest.approx(grads / GIB)
+    assert est.trainer.optimizer == pytest.approx(optimizer / GIB)
+    assert est.trainer.activations == pytest.approx(activations / GIB)
+    assert est.trainer.logits == pytest.approx(logits / GIB)
+    assert est.train_phase_gib() == pytest.approx(peak)
+    assert est.engine.share == pytest.approx(share)
+    assert est.engine.kv_tokens == kv_tokens
+    assert est.engine.step_tokens == 16 * 8 * (1024 + 1024)
+    assert est.problems() == []  # measured: it ran (train peak 54.4 GiB allocated)
+
+
+def test_2b_on_one_gpu_without_recompute_does_not_fit():
+    """The same job without recompute ran out of memory on an H100 (docs/gpu-runs/2026-11-23-loop-2b-oom-h100): the
+    estimate says so; every layer keeps its activations."""
+    p, _ = transformers_params("Qwen3-VL-2B")
+    h, q, kv, m, layers, vocab, tokens = 2048, 2048, 1024, 6144, 28, 151936, 8192
+    activations = layers * tokens * (8 * h + 6 * (q + kv + m))
+    peak = (18 * p + activations + tokens * vocab * 16) / GIB + 3.0 + 2.0
+    est = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute=none"), 80.0)
+    assert est.train_phase_gib() == pytest.approx(peak)
+    assert peak > 0.9 * 80
+    (problem,) = est.problems()
+    assert f"about {peak:.1f} GiB per GPU" in problem and "train.recompute=full" in problem
+    assert estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute=none"), 141.0).problems() == []
+
+
+def test_2b_on_eight_gpus_by_hand():
+    """configs/geo3k_qwen3vl_2b.yaml: 8 GPUs, TP=2 (sequence parallel) x CP=2 x DP=2, 16384 tokens per CP group,
+    selective recompute (counted as none: flash attention), 4 colocated engines of 2 GPUs at 0.6."""
+    p, _ = transformers_params("Qwen3-VL-2B")
+    h, q, kv, m, layers, vocab, tp = 2048, 2048, 1024, 6144, 28, 151936, 2
+    weights, grads, optimizer = 2 * p / tp, 4 * p / tp, 12 * p / 8  # the optimizer's state over all 8 ranks
+    tokens = 16384 / 2  # per CP rank
+    activations = layers * tokens * (8 * h / tp + 6 * (q + kv + m) / tp)
+    logits = tokens * vocab / tp * 16
+    est = estimate_memory(config("geo3k_qwen3vl_2b.yaml"), 80.0)
+    assert est.trainer.optimizer == pytest.approx(optimizer / GIB)
+    assert est.train_phase_gib() == pytest.approx((weights + grads + optimizer + activations + logits) / GIB + 5.0)
+    free = 80 - (weights + grads + optimizer) / GIB - 3.0
+    assert est.engine.weights == pytest.approx(2 * p / 2 / GIB)  # TP=2 engine
+    assert est.engine.kv_tokens == int((0.6 * free - p / GIB) * GIB / (2 * 2 * layers * (8 // 2) * 128))
+    assert est.engine.step_tokens == 64 * 8 // 4 * (2048 + 2048)
+
+
+def test_8b_on_eight_gpus_by_hand():
+    """configs/geo3k_qwen3vl_8b.yaml: 8 GPUs, TP=4 (SP) x CP=2, DP=1, 16384 tokens per CP group, full recompute,
+    4 colocated engines of 2 GPUs at the default mem_fraction_static 0.6."""
+    p, vision = transformers_params("Qwen3-VL-8B")
+    assert 8.5e9 < p < 9e9 and vision > 0  # the released card says 8.77B
+    h, q, kv, m, layers, vocab, tp = 4096, 32 * 128, 8 * 128, 12288, 36, 151936, 4
+    weights, grads, optimizer = 2 * p / tp, 4 * p / tp, 12 * p / 8
+    tokens = 16384 / 2
+    activations = layers * tokens * 2 * h / tp + tokens * (8 * h / tp + 6 * (q + kv + m) / tp)
+    logits = tokens * vocab / tp * 16
+    cfg = config("geo3k_qwen3vl_8b.yaml")
+    assert (cfg.rollout.num_engines, cfg.rollout.gpus_per_engine) == (4, 2)
+    est = estimate_memory(cfg, 80.0)
+    assert est.trainer.activations == pytest.approx(activations / GIB)
+    assert est.train_phase_gib() == pytest.approx((weights + grads + optimizer + activations + logits) / GIB + 5.0)
+    share = 0.6 * (80 - (weights + grads + optimizer) / GIB - 3.0)
+    engine_weights = 2 * p / 2 / GIB
+    assert est.engine.share == pytest.approx(share)
+    assert est.engine.kv_cache == pytest.approx(share - engine_weights)
+    assert est.engine.kv_tokens == int((share - engine_weights) * GIB / (2 * 2 * layers * (8 // 2) * 128))
+    assert est.problems() == []
+
+
+def test_frozen_vision_and_the_optimizer_without_distribution():
+    """train.freeze_vision: the vision tower has no gradients nor optimizer state; without megatron's distributed
+    optimizer every data-parallel rank would hold the whole state of its model-parallel shard."""
+    p, vision = transformers_params("Qwen3-VL-8B")
+    shape = model_shape(RELEASED_SHAPES["Qwen3-VL-8B"])
+    common = dict(num_gpus=8, tp=4, pp=1, cp=2, ep=1, sp=True, micro_batch_max_tokens=16384, recompute="full")
+    frozen = trainer_memory(shape, freeze_vision=True, **common)
+    assert frozen.weights == pytest.approx(2 * p / 4 / GIB)
+    assert frozen.gradients == pytest.approx(4 * (p - vision) / 4 / GIB)
+    assert frozen.optimizer == pytest.approx(12 * (p - vision) / 8 / GIB)
+    plain = trainer_memory(shape, distributed_optimizer=False, **common)
+    assert plain.optimizer == pytest.approx(12 * p / 4 / GIB)
+
+
+def test_engine_weights_that_do_not_fit_their_share():
+    est = estimate_memory(
+        config("geo3k_qwen3vl_8b.yaml", "rollout.gpus_per_engine=1", "rollout.sglang.mem_fraction_static=0.2"), 80.0
+    )
+    assert est.engine.kv_cache < 0 and est.engine.kv_tokens == 0
+    (problem,) = est.problems()
+    assert "rollout.sglang.mem_fraction_static" in problem
+
+
+def test_the_shape_comes_from_a_local_config_json(tmp_path):
+    """A model.path on this machine: its config.json, whatever its name; unknown elsewhere: no estimate, saying why."""
+    shape = dict(RELEASED_SHAPES["Qwen3-VL-2B"], text_config=dict(RELEASED_SHAPES["Qwen3-VL-2B"]["text_config"]))
+    shape["text_config"]["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = config("geo3k_qwen3vl_1gpu.yaml", f"model.path={tmp_path}")
+    est = estimate_memory(cfg, 80.0)
+    assert est.source == str(tmp_path / "config.json")
+    assert est.trainer.weights < estimate_memory(config("geo3k_qwen3vl_1gpu.yaml"), 80.0).trainer.weights
+    missing = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", f"model.path={tmp_path / 'My-Model'}"), 80.0)
+    assert isinstance(missing, str) and "is not on this machine" in missing
+    assert hf_config_dict("Qwen/Qwen3-VL-8B-Thinking")[0] is RELEASED_SHAPES["Qwen3-VL-8B"]
+    (tmp_path / "config.json").write_text("{not json")
+    broken = estimate_memory(cfg, 80.0)
+    assert isinstance(broken, str) and broken.startswith(f"the model's shape could not be read from {tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "model_type must be qwen3_vl or qwen3_vl_moe" in estimate_memory(cfg, 80.0)
+
+
+def test_check_prints_the_estimate_and_warns(capsys):
+    """`check` prints the estimate as YAML comments, warns (exit 0: an estimate is no error) when it does not fit, and
+    takes the GPUs' memory from --gpu-memory-gib."""
+    one_gpu = str(REPO / "configs" / "geo3k_qwen3vl_1gpu.yaml")
+    assert main(["check", "--config-only", one_gpu, "train.recompute=none"]) == 0
+    captured = capsys.readouterr()
+    yaml.safe_load(captured.out)  # still YAML: the estimate is in comments
+    assert "# memory per GPU (estimate)" in captured.out and "fits 80 GiB GPUs: NO" in captured.out
+    assert "memory estimate: the trainer needs about" in " ".join(captured.err.split())
+    assert main(["check", "--config-only", "--gpu-memory-gib", "141", one_gpu, "train.recompute=none"]) == 0
+    captured = capsys.readouterr()
+    assert "fits 141 GiB GPUs: yes" in captured.out and "memory estimate" not in captured.err
+    assert main(["check", "--config-only", str(REPO / "configs" / "geo3k_tiny_cpu.yaml")]) == 0
+    assert "# memory per GPU: not estimated: no GPU in this job" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["check", "--config-only", "--gpu-memory-gib", "0", one_gpu])
+    assert stop.value.code == 2
+    assert "expected a positive number of GiB (e.g. 80 or 141), found '0'" in capsys.readouterr().err
