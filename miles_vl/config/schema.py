@@ -37,6 +37,8 @@ RESUME_MAY_CHANGE = (
     "checkpoint",
     "eval.interval",
     "ray",
+    "train.num_gpus",  # the data-parallel size: a megatron checkpoint reshards it (train.tp/pp/cp/ep: refused)
+    "rollout.num_engines",
     "reward.num_workers",
     "reward.async_concurrency",
     "rollout.max_restarts",
@@ -645,8 +647,9 @@ class CheckpointConfig(_Section):
         "before Ray, listing the changed keys (old -> new): resume it with those keys here, or start a new run "
         "(another logging.run_name). These may change on a resume without being listed: "
         + ", ".join(f"`{k}`" for k in RESUME_MAY_CHANGE)
-        + " (how long, what is logged, where and how often it is saved, the cluster and the servers' limits: none "
-        "changes what a step computes).",
+        + " (how long, what is logged, where and how often it is saved, the cluster, the number of train GPUs and "
+        "engines, and the servers' limits: none changes what a step computes; other train GPUs change only the order "
+        "of the data-parallel reduction).",
     )
 
 

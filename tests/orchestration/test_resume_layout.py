@@ -51,5 +51,6 @@ def test_a_torch_checkpoint_is_not_judged(tmp_path):
     state = json.loads((step / "driver.json").read_text())
     state["config"]["train"]["backend"] = "torch"
     (step / "driver.json").write_text(json.dumps(state))
-    cfg = load_config(CONFIG, ["train.tp=4", "train.cp=1", "rollout.num_engines=2"])
+    accept = "checkpoint.accept_changes=[train]"  # backend and layout differ: config changes the resume accepts
+    cfg = load_config(CONFIG, ["train.tp=4", "train.cp=1", "rollout.num_engines=2", accept])
     assert check_start(cfg, run_dir, root, step)["step"] == 3
