@@ -16,9 +16,11 @@ schedulers get the resolved arguments from the launcher (pickled, not resolved a
 `SGLANG_USE_CUDA_IPC_TRANSPORT=0`, which SGLang sets from the resolved value. The marker reports the transport
 (`mm_feature_transport`).
 
-Why pinned here and not by the host passing `--mm-feature-transport cpu`: the plugin is what needs cpu, so every
-server that runs it gets it (the host's or one started by hand with the settings variable), and it reads the user's
-arguments as SGLang parsed them, so an explicit cuda_ipc, however given, is refused rather than overridden.
+The host also passes `--mm-feature-transport cpu` to every server it starts (miles_vl/rollout/sglang/server.py,
+`MM_TRANSPORT_FLAG`: SGLang's own server dies the same way under cuda_ipc). The plugin does not rely on that: it is
+what needs cpu, so every server that runs it gets it (one started by hand with the settings variable too), and it reads
+the user's arguments as SGLang parsed them, so a cuda_ipc however given (`extra_args`, the deprecated flag or
+variable) is refused rather than overridden.
 """
 
 from __future__ import annotations
