@@ -245,12 +245,16 @@ def _greedy(host, prompt) -> tuple[list[int], torch.Tensor]:
 def test_the_plugins_marker_names_the_release_its_adapter_and_every_patch(host):
     """What the host checked at start (`SGLangRolloutHost._check_plugin`), in full: the release installed here, its
     adapter from the plugin's table, every patch the settings ask for live (the schedulers' too: a scheduler whose
-    patches did not take ends the server at start)."""
-    marker = host.client.server_info()[MARKER_KEY]
+    patches did not take ends the server at start). Under 0.5.17 the multimodal feature transport is cpu (0.5.17
+    would resolve cuda_ipc: the host passes cpu, the plugin checks it, v0_5_17/transport.py)."""
+    info = host.client.server_info()
+    marker = info[MARKER_KEY]
     release = sglang_release()
     assert marker["release"] == release and marker["adapter"] == "v" + release.replace(".", "_")
     assert marker["patches"] == dict.fromkeys(("tokenizer", "receiver", "marker"), "live")
     assert marker["settings"]["share_copy_pixels"] and marker["settings"]["vision_graphs"] == 0
+    if release == "0.5.17":
+        assert marker["mm_feature_transport"] == info["mm_feature_transport"] == "cpu"
 
 
 def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):

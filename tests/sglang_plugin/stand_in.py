@@ -2,9 +2,11 @@
 (miles_vl/sglang_plugin/v0_5_*/), with the release's names and signatures and no behaviour, plus the two pieces of
 SGLang's plugin system the plugin relies on: `load_plugins()` runs each entry point of the group
 `sglang.srt.plugins` and logs, without re-raising, an `Exception` it raises (as 0.5.16/0.5.17's
-`srt/plugins/__init__.py` do), and `python -m sglang.launch_server` calls it before anything else and starts a
-`spawn` child (a scheduler) that calls it again. That the real releases have these symbols:
-test_plugin.py::test_every_target_exists_in_its_releases_source (the unpacked wheels) and tests/gpu/test_sglang_real.py.
+`srt/plugins/__init__.py` do), and `python -m sglang.launch_server` calls it before anything else, then builds its
+`ServerArgs` (0.5.17's resolves an unset `mm_feature_transport` to cuda_ipc, as the real one does on one CUDA node),
+and starts a `spawn` child (a scheduler) that is handed those arguments and calls it again. That the real releases have
+these symbols: test_plugin.py::test_every_target_exists_in_its_releases_source (the unpacked wheels) and
+tests/gpu/test_sglang_real.py.
 """
 
 from __future__ import annotations
@@ -108,19 +110,32 @@ COMMON = {
             return {"tokenizer": TokenizerManager._send_one_request.__qualname__,
                     "receiver": SchedulerRequestReceiver.recv_requests.__qualname__}
 
-        def scheduler(path):
+        def transport(path, server_args):  # what this process runs with: the resolved argument and the variable
+            with open(path + ".transport", "w") as f:
+                json.dump([getattr(server_args, "mm_feature_transport", None),
+                           os.environ.get("SGLANG_USE_CUDA_IPC_TRANSPORT")], f)
+
+        def scheduler(path, server_args):
             load_plugins()  # as run_scheduler_process does
             with open(path, "w") as f:
                 json.dump(report(), f)
+            transport(path, server_args)
 
         if __name__ == "__main__":
             load_plugins()
+            from sglang.srt.server_args import ServerArgs  # built after load_plugins, from the command line
+
             out = sys.argv[sys.argv.index("--out") + 1]
-            child = mp.get_context("spawn").Process(target=scheduler, args=(out + ".scheduler",))
+            flag = "--mm-feature-transport"
+            server_args = ServerArgs(**({"mm_feature_transport": sys.argv[sys.argv.index(flag) + 1]}
+                                        if flag in sys.argv else {}))
+            # the scheduler gets the resolved arguments pickled, as SGLang's launcher hands them over
+            child = mp.get_context("spawn").Process(target=scheduler, args=(out + ".scheduler", server_args))
             child.start()
             child.join()
             with open(out, "w") as f:
                 json.dump(report(), f)
+            transport(out, server_args)
             sys.exit(child.exitcode)
     """,
 }
@@ -191,11 +206,43 @@ RELEASES["0.5.17"] = {
                 def _remove_req_state(self, rid, lifecycle_id=None):
                     pass
     """,
-    "sglang/srt/server_args.py": RELEASES["0.5.16"]["sglang/srt/server_args.py"]
-    + """
-                def override(self, source, **fields):
-                    for name, value in fields.items():
-                        setattr(self, name, value)
+    "sglang/srt/server_args.py": """
+        import dataclasses, os
+
+        @dataclasses.dataclass
+        class ServerArgs:
+            enable_dp_attention: bool = False
+            tp_size: int = 1
+            base_gpu_id: int = 0
+            mm_attention_backend: str = None
+            enable_deterministic_inference: bool = False
+            enable_precise_embedding_interpolation: bool = False
+            mm_feature_transport: str = None
+            keep_mm_feature_on_device: bool = False
+
+            def __post_init__(self):
+                # 0.5.17's _handle_multimodal_feature_transport (server_args.py:7564) on one node with CUDA: unset
+                # resolves to cuda_ipc (0.5.16: cpu); the deprecated flag and variable still choose
+                transport = "cuda_ipc" if self.keep_mm_feature_on_device else self.mm_feature_transport
+                legacy = os.environ.get("SGLANG_USE_CUDA_IPC_TRANSPORT")
+                if transport is None:
+                    transport = "cuda_ipc" if legacy is None or legacy in ("1", "true") else "cpu"
+                self.mm_feature_transport, self.keep_mm_feature_on_device = transport, False
+                os.environ["SGLANG_USE_CUDA_IPC_TRANSPORT"] = "1" if transport == "cuda_ipc" else "0"
+                self._declarations_materialized = True
+
+            def __setattr__(self, name, value):  # read-only once resolved (server_args.py:8582)
+                if not name.startswith("_") and getattr(self, "_declarations_materialized", False) and not getattr(
+                    self, "_in_override", False
+                ):
+                    raise AttributeError(f"server_args.{name} assigned after resolution")
+                object.__setattr__(self, name, value)
+
+            def override(self, source, **fields):
+                object.__setattr__(self, "_in_override", True)
+                for name, value in fields.items():
+                    setattr(self, name, value)
+                object.__setattr__(self, "_in_override", False)
     """,
     "sglang/srt/environ.py": """
         import os
@@ -207,8 +254,12 @@ RELEASES["0.5.17"] = {
             def get(self):
                 return os.environ.get(self.name, "0") in ("1", "true")
 
+            def is_set(self):
+                return self.name in os.environ
+
         class Envs:
             SGLANG_RUST_SERVER = _EnvBool("SGLANG_RUST_SERVER")
+            SGLANG_USE_CUDA_IPC_TRANSPORT = _EnvBool("SGLANG_USE_CUDA_IPC_TRANSPORT")
 
         envs = Envs()
     """,

@@ -8,6 +8,8 @@ adapter.py, settings.py, marker.py).
   SGLang's `load_plugins` does not swallow: the server process ends at start with the message;
 - each hook is checked to have taken; the marker in `/server_info` lists the release, the adapter and the patches;
 - loaded through the entry point in the launching process and in a `spawn` child (a scheduler), as SGLang loads it;
+- under 0.5.17 the multimodal feature transport is cpu (an unset one pinned, in the launcher and so in its
+  schedulers; an explicit cuda_ipc refused with the fix) and the marker reports it;
 - every target of each adapter exists, with the parameters it relies on, in that release's own source (the unpacked
   wheels, where this machine has them).
 """
@@ -187,6 +189,80 @@ def test_0_5_17s_rust_tokenizer_is_refused(stand_in, monkeypatch):
         install(adapter_for("0.5.17"), PluginSettings(), launching=True)
 
 
+def test_0_5_17s_feature_transport_is_pinned_to_cpu_and_reported(stand_in, monkeypatch):
+    """0.5.17 resolves an unset --mm-feature-transport to cuda_ipc on one CUDA node (0.5.16: cpu); the plugin's pixel
+    handling is written for cpu, and under cuda_ipc every server died in its warmup request (GPU run of 2026-11-26).
+    With the plugin an unset transport resolves to cpu, SGLang's own switch for its children says so, and the marker
+    reports it; an explicit cpu is kept."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # the vision hook's graphs
+    monkeypatch.delenv("SGLANG_USE_CUDA_IPC_TRANSPORT", raising=False)  # the stand-in's resolution sets it
+    stand_in("0.5.17")
+    from sglang.srt.server_args import ServerArgs
+
+    assert ServerArgs().mm_feature_transport == "cuda_ipc"  # the stand-in resolves as 0.5.17 does
+    monkeypatch.delenv("SGLANG_USE_CUDA_IPC_TRANSPORT")
+    marker = install(adapter_for("0.5.17"), ALL_HOOKS, launching=True)
+    assert "mm_feature_transport" not in marker  # not resolved yet
+    args = ServerArgs()
+    assert args.mm_feature_transport == "cpu" and os.environ["SGLANG_USE_CUDA_IPC_TRANSPORT"] == "0"
+    assert marker["mm_feature_transport"] == "cpu"
+    assert args.enable_precise_embedding_interpolation  # the vision hook's wrapper still runs after this one
+    assert ServerArgs(mm_feature_transport="cpu").mm_feature_transport == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("fields", "env", "given", "undo"),
+    [
+        ({"mm_feature_transport": "cuda_ipc"}, None, "--mm-feature-transport cuda_ipc", "drop --mm-feature-transport"),
+        ({"keep_mm_feature_on_device": True}, None, "--keep-mm-feature-on-device", "drop --keep-mm-feature-on-device"),
+        ({}, "1", "SGLANG_USE_CUDA_IPC_TRANSPORT=1", "unset SGLANG_USE_CUDA_IPC_TRANSPORT"),
+    ],
+)
+def test_0_5_17s_cuda_ipc_transport_is_refused_naming_the_setting_and_the_fix(
+    stand_in, monkeypatch, fields, env, given, undo
+):
+    """A transport the user set to cuda_ipc (the flag, 0.5.17's deprecated flag or variable) is not overridden
+    silently: the server ends at start with the plugin's refusal naming what was given, what is needed and the fix."""
+    if env is None:
+        monkeypatch.delenv("SGLANG_USE_CUDA_IPC_TRANSPORT", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_USE_CUDA_IPC_TRANSPORT", env)
+    stand_in("0.5.17")
+    marker = install(adapter_for("0.5.17"), PluginSettings(), launching=True)
+    from sglang.srt.server_args import ServerArgs
+
+    with pytest.raises(PluginRefused) as refused:
+        ServerArgs(**fields)
+    message = str(refused.value)
+    assert message.startswith("miles_vl SGLang plugin refused to start: SGLang 0.5.17 with " + given), message
+    assert "resolves the multimodal feature transport to 'cuda_ipc'" in message
+    assert (
+        "needs --mm-feature-transport cpu" in message and f"{undo}, or set rollout.sglang.launcher: sglang" in message
+    )
+    assert "mm_feature_transport" not in marker
+
+
+def test_0_5_17s_schedulers_run_with_the_launchers_cpu_transport(tmp_path):
+    """Through SGLang's own loading: the launching process resolves cpu and its spawned scheduler gets the same
+    arguments and variable (it is handed the resolved arguments, not resolving them again); an explicit cuda_ipc ends
+    the server at start with the refusal as its last line, before any scheduler starts."""
+    site = write_stand_in(tmp_path / "site", "0.5.17")
+    env = {SETTINGS_ENV: PluginSettings().to_env()}
+    clean = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CUDA_IPC_TRANSPORT"}
+    done = _launch(site, tmp_path / "out.json", env, base=clean)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("out.json.transport", "out.json.scheduler.transport"):
+        assert json.loads((tmp_path / name).read_text()) == ["cpu", "0"], name
+    done = _launch(site, tmp_path / "ipc.json", env, "--mm-feature-transport", "cuda_ipc", base=clean)
+    assert done.returncode == 1 and not (tmp_path / "ipc.json.scheduler").exists()
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "miles_vl SGLang plugin refused to start: SGLang 0.5.17 with --mm-feature-transport cuda_ipc"
+    ), done.stderr[-2000:]
+
+
 def test_a_hook_that_does_not_take_is_refused(stand_in, monkeypatch):
     """`install` looks at every attribute a hook patches again after it ran: one left as SGLang had it (here the
     receiver hook's `apply` does nothing) ends the server rather than running it half-patched."""
@@ -202,11 +278,12 @@ def test_a_hook_that_does_not_take_is_refused(stand_in, monkeypatch):
         install(adapter, PluginSettings(), launching=True)
 
 
-def _launch(site: Path, out: Path, env: dict) -> subprocess.CompletedProcess:
-    """`python -m sglang.launch_server` of the stand-in (the plugin found through its entry point)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), **env}
+def _launch(site: Path, out: Path, env: dict, *args: str, base: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m sglang.launch_server` of the stand-in (the plugin found through its entry point), with `args`, in
+    `base` (default: our environment) plus `env`."""
+    env = {**(os.environ if base is None else base), "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), **env}
     return subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--out", str(out)],
+        [sys.executable, "-m", "sglang.launch_server", "--out", str(out), *args],
         env=env,
         capture_output=True,
         text=True,

@@ -105,7 +105,7 @@ def _tokenizer_0517_patched(cls) -> None:
         tokenizer_0517.MM_UTILS_MODULE: None,
         tokenizer_0517.ENVIRON_MODULE: environ,  # SGLANG_RUST_SERVER off (`bool()` is False)
     }
-    tokenizer_0517.apply(modules, _context())
+    tokenizer_0517.apply(modules, _context(launching=False))  # the request states (the transport: test_plugin.py)
 
 
 def test_a_prompts_prefix_and_copies_are_children_of_its_logical_request():

@@ -89,6 +89,14 @@ OWNED_FLAGS: dict[str, str] = {
 }
 
 
+# Every server gets `--mm-feature-transport cpu` unless `extra_args` sets the flag: SGLang 0.5.17 resolves it, unset,
+# to cuda_ipc on one CUDA node (0.5.16: cpu), and with `SGLANG_MM_PRECOMPUTE_HASH=1` (build_server_env) its tokenizer
+# then hashes each image after moving it into its CUDA IPC pool, opening the pool's handle in the process that made it:
+# every server, SGLang's own one too, died in its warmup request ("CUDA error: invalid device context", GPU run of
+# 2026-11-26). The plugin needs cpu as well (miles_vl/sglang_plugin/v0_5_17/transport.py refuses anything else).
+MM_TRANSPORT_FLAG = "--mm-feature-transport"
+
+
 def _abbreviates(arg: str, flag: str) -> bool:
     return arg.startswith("--") and len(arg) > 2 and flag.startswith(arg)
 
@@ -242,6 +250,8 @@ def build_server_argv(
     argv += ["--weight-version", spec.weight_version]
     if spec.mm_process_config is not None:
         argv += ["--mm-process-config", json.dumps(spec.mm_process_config, separators=(",", ":"))]
+    if not any(_abbreviates(arg.split("=", 1)[0], MM_TRANSPORT_FLAG) for arg in spec.extra_args):
+        argv += [MM_TRANSPORT_FLAG, "cpu"]  # the user's own choice in extra_args stands (MM_TRANSPORT_FLAG)
     return argv + list(spec.extra_args)
 
 

@@ -6,7 +6,8 @@ prompt aborts its samples; the grouped handler keeps that bookkeeping. 0.5.17 no
 (`GenerateReqInput._normalize_rid`), so 0.5.16's removal of the unused `batch x n` states is not carried here. The
 methods the hook wraps kept their signatures (diffed against 0.5.16). New in 0.5.17: `SGLANG_RUST_SERVER=1` replaces
 the Python `TokenizerManager` by a Rust one in the scheduler (`srt/environ.py:1343`), where none of these hooks would
-run: refused.
+run: refused. Also new: an unset `--mm-feature-transport` resolves to cuda_ipc, which the plugin's pixel handling is
+not written for: this hook pins it to cpu (`transport`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ from miles_vl.sglang_plugin.adapter import FIX, Context, Hook, PluginRefused, Ta
 from miles_vl.sglang_plugin.grouping import RequestStates, patch_tokenizer
 from miles_vl.sglang_plugin.v0_5_16.tokenizer import IO_STRUCT_MODULE, MM_UTILS_MODULE, PATCHED, TM, TOKENIZER_MODULE
 from miles_vl.sglang_plugin.v0_5_16.tokenizer import TARGETS as TARGETS_0_5_16
+from miles_vl.sglang_plugin.v0_5_17 import transport
 
-ENVIRON_MODULE = "sglang.srt.environ"
+ENVIRON_MODULE = transport.ENVIRON_MODULE
 
 # 0.5.16's targets but its request-state methods, which 0.5.17 changed
 CHANGED = (f"{TM}._init_req_state", "GenerateReqInput.regenerate_rid")
-TARGETS = tuple(t for t in TARGETS_0_5_16 if t.attribute not in CHANGED) + (
-    Target(TOKENIZER_MODULE, f"{TM}._init_child_req_state", ("self", "logical_rid", "obj")),
-    Target(TOKENIZER_MODULE, f"{TM}._remove_req_state", ("self", "rid")),
-    Target(IO_STRUCT_MODULE, "GenerateReqInput.regenerate_rid", ("self", "prefix")),
-    Target(ENVIRON_MODULE, "envs"),
+TARGETS = (
+    tuple(t for t in TARGETS_0_5_16 if t.attribute not in CHANGED)
+    + (
+        Target(TOKENIZER_MODULE, f"{TM}._init_child_req_state", ("self", "logical_rid", "obj")),
+        Target(TOKENIZER_MODULE, f"{TM}._remove_req_state", ("self", "rid")),
+        Target(IO_STRUCT_MODULE, "GenerateReqInput.regenerate_rid", ("self", "prefix")),
+        Target(ENVIRON_MODULE, "envs"),
+    )
+    + transport.TARGETS
 )
 
 
@@ -46,6 +52,7 @@ def apply(modules: dict, context: Context) -> None:
             "SGLang 0.5.17 with SGLANG_RUST_SERVER=1: its Rust tokenizer replaces the TokenizerManager the tokenizer "
             f"patch hooks; unset SGLANG_RUST_SERVER, or {FIX}"
         )
+    transport.apply(modules, context)
     patch_tokenizer(modules[TOKENIZER_MODULE], modules[MM_UTILS_MODULE], context.settings, STATES)
 
 

@@ -49,6 +49,7 @@ SGLANG_0_5_16_FLAGS = {
     "--weight-version": "value",  # str = "default"
     "--mm-process-config": "value",  # Optional[Dict], type_parser=json.loads
     "--enable-deterministic-inference": "store_true",  # bool
+    "--mm-feature-transport": "value",  # Optional[Literal["cpu", "cuda_ipc"]] (0.5.17: the same flag)
     "--log-level": "value",  # str = "info"
 }
 
@@ -75,8 +76,19 @@ def test_default_argv_is_exact():
     assert argv == [
         "/py", "-m", "sglang.launch_server",
         "--model-path", "/ckpt/qwen3vl", "--host", "127.0.0.1", "--port", "30001", "--tp-size", "1",
-        "--weight-version", "base",
+        "--weight-version", "base", "--mm-feature-transport", "cpu",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("given", [("--mm-feature-transport", "cuda_ipc"), ("--mm-feature=cuda_ipc",)])
+def test_the_feature_transport_is_cpu_unless_extra_args_set_it(given):
+    """SGLang 0.5.17 resolves an unset --mm-feature-transport to cuda_ipc, under which its tokenizer, hashing images
+    (SGLANG_MM_PRECOMPUTE_HASH=1, build_server_env), killed every server at its warmup (GPU run of 2026-11-26): every
+    server gets cpu, the default argv above; a transport the user set in extra_args (in any spelling SGLang's argparse
+    reads) is theirs, not repeated after it (argparse would keep the last)."""
+    assert build_server_argv(ServerSpec(model_path="m", port=1), python="/py")[-2:] == ["--mm-feature-transport", "cpu"]
+    argv = build_server_argv(ServerSpec(model_path="m", port=1, extra_args=given), python="/py")
+    assert argv.count("cpu") == 0 and argv[-len(given) :] == list(given)
 
 
 def test_full_argv_uses_sglang_flags_and_hides_the_api_key(tmp_path):
@@ -111,6 +123,7 @@ def test_full_argv_uses_sglang_flags_and_hides_the_api_key(tmp_path):
         "--random-seed": "7",
         "--weight-version": "step-0",
         "--mm-process-config": '{"image":{"min_pixels":262144,"max_pixels":1048576}}',
+        "--mm-feature-transport": "cpu",
         "--enable-deterministic-inference": True,
         "--log-level": "warning",
     }
