@@ -6,6 +6,7 @@ tests/rollout/sglang/hf_server.py, an engine that dies on cue, small weight buck
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -147,4 +148,23 @@ def build_torch_gated_save(cfg: JobConfig, tokens, *, gate: str):
         return gated_write
 
     backend.checkpoint_snapshot = gated_snapshot
+    return backend
+
+
+def build_torch_failing_save(cfg: JobConfig, tokens):
+    """The torch backend, whose checkpoint writes (in the train actor's background thread) write the weights, then
+    meet a full disk (ENOSPC) while the checkpoint directory's own disk has room for the driver's files."""
+    backend = build_torch(cfg, tokens)
+    snapshot = backend.checkpoint_snapshot
+
+    def failing_snapshot():
+        write = snapshot()
+
+        def failing_write(directory: Path) -> None:
+            write(directory)
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(directory) / "trainer_state.pt"))
+
+        return failing_write
+
+    backend.checkpoint_snapshot = failing_snapshot
     return backend

@@ -32,13 +32,20 @@ from safetensors.torch import load_file
 
 from miles_vl.data import build_datasets, load_processor
 from miles_vl.orchestration import run_job
-from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints
+from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError, list_checkpoints
 from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.factories import TRAIN_BACKENDS, Hooks
 from miles_vl.orchestration.loop import JobInterrupted, check_start
 from miles_vl.orchestration.trainer import Trainer
 from tests.disks import with_tmpfs
-from tests.orchestration.jobs import REPO, build_torch_gated_save, metrics, tiny_job, wait_for
+from tests.orchestration.jobs import (
+    REPO,
+    build_torch_failing_save,
+    build_torch_gated_save,
+    metrics,
+    tiny_job,
+    wait_for,
+)
 
 STEPS = 5
 # saves at 2, 4 and the final 5, nothing pruned; one reward worker (the test rewards are instant)
@@ -234,6 +241,20 @@ def test_a_stop_while_a_checkpoint_is_written_in_the_background_waits_for_it(tmp
     run_job(config(tmp_path, "background"))
     assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(straight)]
     assert_same_state(run_dir / "checkpoints" / "step_00000005", straight / "checkpoints" / "step_00000005")
+
+
+def test_a_background_save_that_fails_raises_its_error_in_the_driver(tmp_path):
+    """Issue 33.3: step 1's checkpoint is written in the train actor's background thread, which meets a full disk
+    after the weights. The error is not lost in the thread: it ends the run at step 2's end (step 2 was logged) with
+    the full-disk message naming step 1, and no checkpoint or temporary directory is left (the driver's own files
+    would fit: only the writer's error tells)."""
+    hooks = Hooks(train_backends={**TRAIN_BACKENDS, "torch": build_torch_failing_save})
+    cfg = config(tmp_path, "failing", "num_steps=2", "checkpoint.interval=1")
+    message = "no space left on the device of .* while writing checkpoint step 1; the partial checkpoint was removed"
+    with pytest.raises(DiskFullError, match=message):
+        run_job(cfg, hooks=hooks)
+    assert list((tmp_path / "failing" / "checkpoints").iterdir()) == []
+    assert [r["step"] for r in metrics(tmp_path / "failing")] == [1, 2]
 
 
 def test_sigterm_from_outside_ends_miles_vl_train_with_a_checkpoint(tmp_path):
