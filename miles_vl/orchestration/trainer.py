@@ -70,6 +70,7 @@ class TrainWorker:
         self.weight_group: WeightGroup | None = None
         self.exported: ExportStats | None = None
         self.saving: concurrent.futures.Future | None = None  # the checkpoint write in flight
+        self.said_sync_save = False
 
     def rendezvous(self) -> str:
         """Where the process group meets: this actor's node and a free port on it (asked of rank 0)."""
@@ -179,6 +180,13 @@ class TrainWorker:
         snapshot = getattr(self.backend, "checkpoint_snapshot", None)
         self.saving = concurrent.futures.Future()
         if snapshot is None:
+            if self.cfg.checkpoint.async_save and not self.said_sync_save:
+                self.said_sync_save = True  # once per rank: the setting is not silently ignored
+                log.warning(
+                    "checkpoint.async_save: the %s backend has no background write (its save is collective); its "
+                    "checkpoints are written before training goes on",
+                    type(self.backend).__name__,
+                )
             self.backend.save_checkpoint(Path(directory))
             self.saving.set_result(None)
             return
