@@ -633,6 +633,14 @@ class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="null = <run dir>/checkpoints.")
     interval: int = Field(0, ge=0, description="save every N steps; 0 = only at the end.")
     keep_last: int = Field(2, gt=0)
+    async_save: bool = Field(
+        True,
+        description="periodic saves write in the background: the step's state is copied to host memory at once, the "
+        "files are written while the next steps run, and the checkpoint appears (renamed into place) only once "
+        "complete. One save at a time; the final save and a stop wait for it. false = the loop waits for every save. "
+        "The torch backend only: megatron's save is collective and is written before training goes on (a warning says "
+        "so).",
+    )
     resume: str = Field(
         "auto",
         description="auto (newest in dir), never, or a checkpoint path: of this run only its newest (an older one "

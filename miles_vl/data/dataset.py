@@ -10,11 +10,15 @@ Order: epoch `e` visits every row once, in `torch.randperm(n)` drawn from a gene
 load order with `shuffle=False`). A batch that reaches the end of an epoch continues into the next one. The cursor
 (epoch, position) is all the state there is, so a resumed run reproduces the data order exactly.
 
+`prefetch(n)` encodes the batch the next `next_batch(n)` returns in a background thread (the driver: step N+1's
+prompts while step N trains); the order, the cursor and the errors are those of a dataset without it.
+
 `split_train_eval` holds out a seeded `eval_fraction` of the rows when there is no separate eval file.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +45,8 @@ class PromptDataset:
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0  # rows of `order(epoch)` already served
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # `prefetch`'s thread, made when first used
+        self._ahead: tuple[tuple[int, int, int], concurrent.futures.Future] | None = None  # (cursor, size), batch
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -58,25 +64,63 @@ class PromptDataset:
         return torch.randperm(n, generator=g).tolist()
 
     def next_batch(self, batch_size: int) -> list[PromptSample]:
-        """The next `batch_size` prompts in order; moves the cursor, crossing into the next epoch when needed.
+        """The next `batch_size` prompts in order; moves the cursor, crossing into the next epoch when needed. When
+        `prefetch` began exactly this batch, its result (or its error) is taken.
 
         Raises:
             ValueError: batch_size < 1, or the dataset is empty (every row was dropped: see the load report).
+            DataError, ...: what encoding a row raised, here, for the batch it belongs to.
         """
+        key = (self.epoch, self.position, batch_size)
+        picked, self.epoch, self.position = self._pick(batch_size)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == key:
+            return ahead[1].result()  # a row's error is raised here, as an encode in this thread would raise it
+        return self._encode(picked)
+
+    def prefetch(self, batch_size: int) -> None:
+        """Start encoding (images loaded and processed) the batch that the next `next_batch(batch_size)` returns, in a
+        background thread; the cursor does not move, and `state_dict` is unchanged. One batch ahead at most: a batch
+        prefetched earlier and not taken is dropped. A `next_batch` of another size, or from another cursor, encodes
+        its own batch as without prefetch. Nothing is started when `next_batch` would raise (it raises itself)."""
+        self._ahead = None
+        if batch_size < 1 or not self.rows:
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
+        picked, _, _ = self._pick(batch_size)
+        self._ahead = ((self.epoch, self.position, batch_size), self._pool.submit(self._encode, picked))
+
+    def wait_prefetch(self) -> None:
+        """Wait until the prefetched batch is encoded (its error, if any, stays for its `next_batch`): after this the
+        processor is not in use by the prefetch thread."""
+        if self._ahead is not None:
+            concurrent.futures.wait([self._ahead[1]])
+
+    def _pick(self, batch_size: int) -> tuple[list[int], int, int]:
+        """The rows of the next batch and the cursor (epoch, position) after it; moves nothing."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         if not self.rows:
             raise ValueError("the dataset is empty: every row was dropped at load time (see the load report)")
         picked: list[int] = []
-        order = self.order(self.epoch)
+        epoch, position = self.epoch, self.position
+        order = self.order(epoch)
         while len(picked) < batch_size:
-            if self.position == len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-                order = self.order(self.epoch)
-            take = min(batch_size - len(picked), len(order) - self.position)
-            picked += order[self.position : self.position + take]
-            self.position += take
+            if position == len(order):
+                epoch, position = epoch + 1, 0
+                order = self.order(epoch)
+            take = min(batch_size - len(picked), len(order) - position)
+            picked += order[position : position + take]
+            position += take
+        return picked, epoch, position
+
+    def _encode(self, picked: list[int]) -> list[PromptSample]:
         return [self.encoder.encode(self.rows[i]) for i in picked]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (Ray, multiprocessing): without the prefetch thread and its batch."""
+        return self.__dict__ | {"_pool": None, "_ahead": None}
 
     def batches(self, batch_size: int) -> Iterator[list[PromptSample]]:
         """Endless `next_batch(batch_size)`; the cursor moves as batches are taken, so `state_dict` stays exact."""
@@ -122,6 +166,7 @@ class PromptDataset:
         if epoch < 0 or not 0 <= position <= len(self.rows):
             raise ValueError(f"saved data cursor out of range: epoch {epoch}, position {position} of {len(self.rows)}")
         self.epoch, self.position = epoch, position
+        self._ahead = None
 
 
 def split_train_eval(

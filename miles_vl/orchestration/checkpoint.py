@@ -13,6 +13,9 @@ Invariants:
   directories of earlier processes that died mid-save are removed by the next save (`remove_stale_temp_dirs`, which
   export.py uses for its own). A save that runs out of space raises `DiskFullError`, naming the place and the fix,
   whichever writer met the full disk: Python's (OSError), safetensors' or torch's (`out_of_space`).
+- A save may be written in the background (`start_checkpoint`: the trainer snapshots its state, writes it while the
+  next steps run; `PendingSave.finish` waits for the write and publishes): until the rename the checkpoint is only
+  a temporary directory, which no resume sees; a writer's error reaches `finish` and is handled as above.
 - `resolve_resume` verifies the checkpoint it picks (driver.json, the manifest's file sizes, the safetensors
   headers, the torch zip archives) before anything starts. With `auto`, a broken newest checkpoint is set aside
   (renamed `<name>.broken-<time>`, kept for inspection) with a warning that names the bad file, and the previous
@@ -35,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,29 @@ def save_checkpoint(
             directory is removed.
         Exception: whatever else the writer raised; the partial directory is removed.
     """
+
+    def start(tmp: Path) -> Callable[[], None]:
+        write_backend(tmp)
+        return lambda: None
+
+    return start_checkpoint(root, step, driver_state, start, keep_last).finish()
+
+
+def start_checkpoint(
+    root: str | Path,
+    step: int,
+    driver_state: dict[str, Any],
+    start_backend: Callable[[Path], Callable[[], None]],
+    keep_last: int,
+) -> PendingSave:
+    """Begin `step`'s checkpoint: `start_backend(tmp)` starts the trainer's write into the temporary directory and
+    returns what waits for that write to end (raising its error); `PendingSave.finish` waits, then publishes the
+    checkpoint as `save_checkpoint` does. Until then it is a temporary directory only, which no resume sees.
+
+    Raises:
+        FileExistsError, DiskFullError, Exception: as `save_checkpoint`, for what happens before the write is under
+            way (the partial directory is removed).
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -102,30 +128,60 @@ def save_checkpoint(
             "completed step once (resume from it, or remove it by hand if it is not wanted)"
         )
     remove_stale_temp_dirs(root)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    pending = PendingSave(root, step, root / f".{final.name}.tmp-{os.getpid()}", dict(driver_state), keep_last)
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        write_backend(tmp)
-        (tmp / DRIVER_STATE).write_text(json.dumps({"step": step, **driver_state}, indent=1))
-        write_manifest(tmp)
-        os.replace(tmp, final)
+        if pending.tmp.exists():
+            shutil.rmtree(pending.tmp)
+        pending.tmp.mkdir()
+        pending.wait = start_backend(pending.tmp)
     except BaseException as err:
-        full = out_of_space(err, tmp)  # before the partial files go: a probe must meet the disk as the writer did
-        shutil.rmtree(tmp, ignore_errors=True)
+        pending.abandon(err)
+    return pending
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose trainer files are being written into `tmp` (`start_checkpoint`); `finish` publishes it."""
+
+    root: Path
+    step: int
+    tmp: Path
+    driver_state: dict[str, Any]
+    keep_last: int
+    wait: Callable[[], None] = lambda: None  # returns when the trainer's write has ended; raises its error
+
+    def finish(self) -> Path:
+        """Wait for the trainer's write, add driver.json and the manifest, rename into place (the checkpoint appears
+        complete or not at all) and prune to the newest `keep_last`.
+
+        Raises:
+            DiskFullError, Exception: as `save_checkpoint`; the partial directory is removed.
+        """
+        final = self.root / step_dir_name(self.step)
+        try:
+            self.wait()
+            (self.tmp / DRIVER_STATE).write_text(json.dumps({"step": self.step, **self.driver_state}, indent=1))
+            write_manifest(self.tmp)
+            os.replace(self.tmp, final)
+        except BaseException as err:
+            self.abandon(err)
+        for _, old in list_checkpoints(self.root)[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved: %s", final)
+        return final
+
+    def abandon(self, err: BaseException) -> NoReturn:
+        """Remove the partial directory and raise `err`, as a `DiskFullError` when it is a full disk."""
+        full = out_of_space(err, self.tmp)  # before the partial files go: a probe must meet the disk as the writer did
+        shutil.rmtree(self.tmp, ignore_errors=True)
         if full:
             raise DiskFullError(
                 full,
-                f"{space_words(full)} on the device of {root} while writing checkpoint step {step}; the partial "
-                "checkpoint was removed; free space there or point checkpoint.dir elsewhere (checkpoint.keep_last "
-                "keeps fewer)",
+                f"{space_words(full)} on the device of {self.root} while writing checkpoint step {self.step}; the "
+                "partial checkpoint was removed; free space there or point checkpoint.dir elsewhere "
+                "(checkpoint.keep_last keeps fewer)",
             ) from err
-        raise
-    for _, old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    log.info("checkpoint saved: %s", final)
-    return final
+        raise err
 
 
 def remove_stale_temp_dirs(

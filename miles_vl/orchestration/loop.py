@@ -10,6 +10,8 @@
         metrics  = train on the samples (packed THD micro-batches)
         sync     = trainer weights -> every engine (then each flushes its caches)
         eval, log, commit the step; checkpoint (and checkpoint.save_hf's HF directory) when due
+        (the next step's first batch of prompts is encoded in a background thread while this step trains and syncs;
+        a periodic checkpoint is written in the background while the next steps run: checkpoint.async_save)
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
@@ -18,10 +20,12 @@ weight sync in miles_vl/rollout/weight_sync.py; checkpoint files in checkpoint.p
 
 Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the step at once (nothing has changed
 but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
-finish (train, sync, eval, log). Either way the job then writes the checkpoint of the last completed step, unless
-it has one, and raises `JobInterrupted` (CLI exit 128 + signal number). A second signal stops at once and writes
-nothing: the newest checkpoint stands. A checkpoint is only ever written from a committed step, so it is never
-half-advanced (a cursor past its weights, or weights past its cursor), and a resume repeats the straight run.
+finish (train, sync, eval, log). Either way the job then waits for a checkpoint still being written in the
+background (it appears complete), writes the checkpoint of the last completed step, unless it has one, and raises
+`JobInterrupted` (CLI exit 128 + signal number). A second signal stops at once and writes nothing: the newest
+complete checkpoint stands (a background write it cut short leaves a temporary directory, removed by the next
+save). A checkpoint is only ever written from a committed step, so it is never half-advanced (a cursor past its
+weights, or weights past its cursor), and a resume repeats the straight run.
 
 Run directories. A run directory (`logging.output_dir/logging.run_name`) belongs to one run: a fresh start
 (`checkpoint.resume=never`, or `auto` with no checkpoint) refuses a directory that holds another run's metrics or
@@ -73,12 +77,13 @@ from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.checkpoint import (
     MODEL_PARALLEL_KEYS,
     CheckpointError,
+    PendingSave,
     find_resume_point,
     list_checkpoints,
     parallel_layout_problem,
     read_driver_state,
     resolve_resume,
-    save_checkpoint,
+    start_checkpoint,
 )
 from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.export import save_hf_due, save_hf_during_run
@@ -97,6 +102,7 @@ from miles_vl.rollout.collect import (
     has_reward_variance,
     mean,
     rollout_metrics,
+    round_prompts,
     score_groups,
     trim_to_whole_batches,
 )
@@ -560,6 +566,8 @@ class Job:
     committed: dict[str, Any] = field(default_factory=dict)  # driver state of `completed_steps` (checkpoint.py)
     trainer_at_commit: bool = True
     saved_step: int = 0  # the newest step this job saved or resumed from: never saved again
+    pending_save: PendingSave | None = None  # a checkpoint being written in the background (checkpoint.async_save)
+    save_blocked_s: float = 0.0  # seconds the loop waited on saving since the last record (`save`)
     sinks: Sinks | None = None
     progress: Progress | None = None
     rollout: RolloutEngines | None = None
@@ -628,22 +636,44 @@ class Job:
         timer = batch.timer
         if not batch.samples:
             log.warning("step %d: no whole mini-batch of samples was kept; the train phase is skipped", step + 1)
-            return {**batch.metrics, "train/skipped_steps": 1.0, **timer.metrics()}
+            blocked = {"perf/save_blocked_s": self.take_save_blocked_s()}
+            return {**batch.metrics, "train/skipped_steps": 1.0, **blocked, **timer.metrics()}
         self.trainer_at_commit = False  # from the first optimizer step the trainer is past the committed step
-        with timer("train"):
-            self.rollout.release_memory()  # colocated: the trainer gets the devices
-            train_metrics = self.trainer.train(batch.samples)
-            self.rollout.resume_memory()
-        with timer("sync"):
-            self.rollout.sync_weights(weight_version(step + 1))
+        self.prefetch_next_batch(step)
+        try:
+            with timer("train"):
+                self.rollout.release_memory()  # colocated: the trainer gets the devices
+                train_metrics = self.trainer.train(batch.samples)
+                self.rollout.resume_memory()
+            with timer("sync"):
+                self.rollout.sync_weights(weight_version(step + 1))
+        finally:
+            self.train_set.wait_prefetch()  # the processor is the driver's own again (eval encodes with it)
         n_tokens = sum(s.input_ids.numel() for s in batch.samples)
         response_tokens = batch.metrics["rollout/response_tokens"]
         perf = {
             "perf/train_tokens_per_s": n_tokens / max(timer.seconds["train"], 1e-9),
             "perf/rollout_tokens_per_s": response_tokens / max(timer.seconds["rollout"], 1e-9),
+            "perf/save_blocked_s": self.take_save_blocked_s(),
         }
         skipped = {"train/skipped_steps": 0.0}
         return {**batch.metrics, **train_metrics, **skipped, **self.sync_sizes(), **perf, **timer.metrics()}
+
+    def prefetch_next_batch(self, step: int) -> None:
+        """Step `step + 1`'s first batch of prompts (images loaded and processed) is prepared while step `step` trains
+        and syncs; the cursor moves only when that step takes it, in the same order (dataset.py)."""
+        if step + 1 < self.cfg.num_steps:
+            ds = self.cfg.rollout.dynamic_sampling
+            want = self.cfg.rollout.batch_size
+            self.train_set.prefetch(
+                round_prompts(want, filtered=ds.enabled, over_sampling_factor=ds.over_sampling_factor)
+            )
+
+    def take_save_blocked_s(self) -> float:
+        """Seconds the loop spent on checkpoint saves since the last call (the snapshot, and waiting for a save in
+        flight): the save after step N is in step N+1's record."""
+        blocked, self.save_blocked_s = self.save_blocked_s, 0.0
+        return blocked
 
     def stop_requested(self) -> JobInterrupted | None:
         """The stop a first SIGINT/SIGTERM asked for (None: none): a stalled weight sync ends with it (trainer.py)."""
@@ -741,25 +771,48 @@ class Job:
         }
 
     def save_if_due(self) -> None:
-        """The checkpoint of the last completed step when `checkpoint.interval` divides its number."""
+        """The checkpoint of the last completed step when `checkpoint.interval` divides its number, in the background
+        with `checkpoint.async_save`; first, a background save that has ended is published (`finish_save`)."""
+        self.finish_save(wait=False)
         interval = self.cfg.checkpoint.interval
         if interval and self.completed_steps % interval == 0:
-            self.save()
+            self.save(background=self.cfg.checkpoint.async_save)
 
-    def save(self) -> None:
-        """The checkpoint of the last completed step, unless it has one (or no step completed yet)."""
-        step = self.completed_steps
-        if step == self.saved_step:
-            return
-        if not self.trainer_at_commit:
-            log.warning(
-                "not saving: the trainer is past step %d; the newest checkpoint is step %d", step, self.saved_step
+    def save(self, background: bool = False) -> None:
+        """The checkpoint of the last completed step, unless it has one (or no step completed yet). A save still in
+        flight is waited for first (one at a time). `background`: return once the trainer's state is snapshotted; the
+        files are written while the next steps run and the checkpoint appears when `finish_save` publishes it.
+        The seconds spent here are the next record's `perf/save_blocked_s`."""
+        t0 = time.perf_counter()
+        try:
+            step = self.completed_steps
+            if self.pending_save is None or self.pending_save.step != step or not background:
+                self.finish_save(wait=True)
+            if step == self.saved_step or self.pending_save is not None:
+                return
+            if not self.trainer_at_commit:
+                log.warning(
+                    "not saving: the trainer is past step %d; the newest checkpoint is step %d", step, self.saved_step
+                )
+                return
+            keep = self.cfg.checkpoint.keep_last
+            self.pending_save = start_checkpoint(
+                self.ckpt_root, step, self.committed, self.trainer.start_checkpoint, keep
             )
+            if not background:
+                self.finish_save(wait=True)
+        finally:
+            self.save_blocked_s += time.perf_counter() - t0
+
+    def finish_save(self, wait: bool) -> None:
+        """Publish the save in flight (checkpoint.py: rename into place, prune) once the trainer has written it;
+        `wait`: wait for that, else only if it has already ended. Raises the write's error (a full disk, ...)."""
+        pending = self.pending_save
+        if pending is None or not (wait or self.trainer.checkpoint_written()):
             return
-        save_checkpoint(
-            self.ckpt_root, step, self.committed, self.trainer.save_checkpoint, self.cfg.checkpoint.keep_last
-        )
-        self.saved_step = step
+        self.pending_save = None
+        pending.finish()
+        self.saved_step = pending.step
 
     def save_hf_if_due(self) -> None:
         """<run dir>/hf/step_N of the last completed step when `checkpoint.save_hf` asks for it (export.py)."""

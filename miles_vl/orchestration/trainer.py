@@ -6,6 +6,7 @@
         ...                                         # the collective export and drop their copy
     trainer.open_weight_group(opener, addresses); trainer.send_weights(version); trainer.close_weight_group()
     trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.save_hf(dir, max_shard_bytes); trainer.close()
+    wait = trainer.start_checkpoint(dir); ...; wait()  # state snapshotted at the call, written in the background
 
 Rank r sits in the trainer's GPU slot r (placement.py: node-major, so a TP group shares a node) and sees that GPU as
 device 0. The ranks form one `torch.distributed` group (NCCL; gloo without CUDA) at `tcp://<rank 0's node>:<free port>`
@@ -17,11 +18,13 @@ rank 0 always drains its export to the end, even when sending fails, so that no 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -79,6 +82,8 @@ class TrainWorker:
         self.backend = None
         self.weight_group: WeightGroup | None = None
         self.exported: ExportStats | None = None
+        self.saving: concurrent.futures.Future | None = None  # the checkpoint write in flight
+        self.said_sync_save = False
 
     def rendezvous(self) -> str:
         """Where the process group meets: this actor's node and a free port on it (asked of rank 0)."""
@@ -178,6 +183,47 @@ class TrainWorker:
 
     def save_checkpoint(self, directory: str) -> None:
         self.backend.save_checkpoint(Path(directory))
+
+    def start_checkpoint(self, directory: str) -> None:
+        """Snapshot the backend's checkpoint state now and write it into `directory` in a background thread, while
+        this actor goes on (`wait_checkpoint` ends it). A backend without `checkpoint_snapshot` (megatron: its save
+        is collective) writes here, before this returns."""
+        if self.saving is not None:
+            raise RuntimeError("a checkpoint write is still in flight: wait_checkpoint() first")
+        snapshot = getattr(self.backend, "checkpoint_snapshot", None)
+        self.saving = concurrent.futures.Future()
+        if snapshot is None:
+            if self.cfg.checkpoint.async_save and not self.said_sync_save:
+                self.said_sync_save = True  # once per rank: the setting is not silently ignored
+                log.warning(
+                    "checkpoint.async_save: the %s backend has no background write (its save is collective); its "
+                    "checkpoints are written before training goes on",
+                    type(self.backend).__name__,
+                )
+            self.backend.save_checkpoint(Path(directory))
+            self.saving.set_result(None)
+            return
+        write = snapshot()
+        future = self.saving
+
+        def run() -> None:
+            try:
+                write(Path(directory))
+                future.set_result(None)
+            except BaseException as err:  # kept for wait_checkpoint: an error in this thread reaches the driver
+                future.set_exception(err)
+
+        threading.Thread(target=run, name="checkpoint-write", daemon=True).start()
+
+    def checkpoint_written(self) -> bool:
+        """Whether the write `start_checkpoint` began has ended (or none is in flight); does not wait."""
+        return self.saving is None or self.saving.done()
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the write `start_checkpoint` began; raises the write's own error (a full disk, ...)."""
+        if self.saving is not None:
+            future, self.saving = self.saving, None
+            future.result()
 
     def load_checkpoint(self, directory: str) -> None:
         self.backend.load_checkpoint(Path(directory))
@@ -320,6 +366,19 @@ class Trainer:
 
     def save_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def start_checkpoint(self, directory: str | Path) -> Callable[[], None]:
+        """Every rank snapshots its checkpoint state and writes it into `directory` in the background (the next
+        `train` does not change what is written); returns what waits for the writes (raising a rank's error)."""
+        ray.get([w.start_checkpoint.remote(str(directory)) for w in self.workers])
+        return self.wait_checkpoint
+
+    def checkpoint_written(self) -> bool:
+        """Whether every rank's checkpoint write has ended; does not wait."""
+        return all(ray.get([w.checkpoint_written.remote() for w in self.workers]))
+
+    def wait_checkpoint(self) -> None:
+        ray.get([w.wait_checkpoint.remote() for w in self.workers])
 
     def load_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.load_checkpoint.remote(str(directory)) for w in self.workers])

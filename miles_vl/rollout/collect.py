@@ -78,6 +78,12 @@ class CollectedBatch:
     generated: list[GeneratedGroup] = dataclasses.field(default_factory=list)  # every group of every round
 
 
+def round_prompts(missing: int, *, filtered: bool, over_sampling_factor: float) -> int:
+    """How many prompts a round of `collect` asks `next_batch` for when `missing` kept prompts are still wanted (the
+    driver prefetches the first round's batch of the next step with it)."""
+    return math.ceil(over_sampling_factor * missing) if filtered else missing
+
+
 def collect(
     next_batch: Callable[[int], list],
     generate: Callable[[list, int], list[list[Generation]]],
@@ -102,7 +108,7 @@ def collect(
     out = CollectedBatch([], [], [], [], 0, 0)
     while len(out.prompts) < want:
         missing = want - len(out.prompts)
-        batch = next_batch(missing if keep is None else math.ceil(over_sampling_factor * missing))
+        batch = next_batch(round_prompts(missing, filtered=keep is not None, over_sampling_factor=over_sampling_factor))
         with timer("rollout"):
             groups = generate(batch, out.rounds)
         with timer("reward"):

@@ -15,9 +15,10 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -244,9 +245,16 @@ class TorchTrainBackend:
         write_hf_model(directory, config, weights, max_shard_bytes=max_shard_bytes)
 
     def save_checkpoint(self, directory: Path) -> None:
-        directory = Path(directory)
-        save_model(self.model, str(directory / "model.safetensors"))
-        torch.save(
+        self.checkpoint_snapshot()(Path(directory))
+
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        """The state `save_checkpoint` writes, copied now (weights, optimizer and scheduler state, counters, RNG), and
+        the function that writes it into a directory: the write may run in another thread while training goes on,
+        and what it writes is still this moment's state. Tensors that share storage (tied weights) still share it in
+        the copy, so the file is the one `save_model` writes."""
+        model = _copy_tensors(self.model.state_dict())
+        ref = _copy_tensors(self.ref_model.state_dict()) if self.ref_model is not None else None
+        state = _copy_tensors(
             {
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
@@ -254,11 +262,17 @@ class TorchTrainBackend:
                 "skipped_steps": self.skipped_steps,
                 "rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-            directory / "trainer_state.pt",
+            }
         )
-        if self.ref_model is not None:
-            save_model(self.ref_model, str(directory / "ref_model.safetensors"))
+
+        def write(directory: Path) -> None:
+            directory = Path(directory)
+            save_model(_Tensors(model), str(directory / "model.safetensors"))
+            torch.save(state, directory / "trainer_state.pt")
+            if ref is not None:
+                save_model(_Tensors(ref), str(directory / "ref_model.safetensors"))
+
+        return write
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what `save_checkpoint` wrote.
@@ -285,3 +299,31 @@ class TorchTrainBackend:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         if self.ref_model is not None:
             load_model(self.ref_model, str(directory / "ref_model.safetensors"), device=str(self.device))
+
+
+def _copy_tensors(obj: Any, storages: dict | None = None) -> Any:
+    """`obj` (tensors in dicts, lists and tuples) with every tensor copied into host memory that nothing else holds,
+    views of one storage still views of one copy (tied weights stay tied); other values deep-copied."""
+    storages = {} if storages is None else storages
+    if isinstance(obj, Tensor):
+        t = obj.detach()
+        storage = t.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key not in storages:
+            storages[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        return torch.empty(0, dtype=t.dtype).set_(storages[key], t.storage_offset(), t.size(), t.stride())
+    if isinstance(obj, dict):
+        return {k: _copy_tensors(v, storages) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_copy_tensors(v, storages) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class _Tensors:
+    """A state dict where `safetensors.torch.save_model` wants a module (it drops tied duplicates as for the model)."""
+
+    def __init__(self, tensors: dict[str, Tensor]):
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.tensors)

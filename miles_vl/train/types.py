@@ -150,7 +150,12 @@ class TrainBackend(Protocol):
         0 writes. The processor files are the caller's."""
         ...
 
-    def save_checkpoint(self, directory: Path) -> None: ...
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write the trainer's checkpoint files into `directory`. A backend that can write in the background also
+        has `checkpoint_snapshot() -> write(directory)` (torch: the state copied to host memory at the call, so the
+        next step does not change what `write` writes, from another thread); the train actor uses it when present
+        (orchestration/trainer.py), else this, before the next step."""
+        ...
 
     def load_checkpoint(self, directory: Path) -> None: ...
 

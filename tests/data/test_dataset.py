@@ -2,6 +2,8 @@
 a cursor restored with `load_state_dict` continues with exactly the batches an uninterrupted run would have served;
 a cursor from another dataset is refused. `split_train_eval` is a seeded, disjoint, covering hold-out."""
 
+import threading
+
 import pytest
 
 from miles_vl.data import LoadOptions, PromptDataset, load_prompt_records, split_train_eval, synth_records
@@ -91,3 +93,59 @@ def test_split_train_eval(rows):
     assert len(split_train_eval(rows[:2], 0.99, seed=5)[0]) == 1  # and never all of them
     with pytest.raises(ValueError, match="data.eval_fraction"):
         split_train_eval(rows, 1.0, seed=5)
+
+
+class _FailsOn:
+    """The encoder, except that encoding row `bad` raises (an image that cannot be read when the batch is served);
+    records the thread each row was encoded in."""
+
+    def __init__(self, encoder, bad: int | None = None):
+        self.encoder, self.bad, self.threads = encoder, bad, {}
+
+    def encode(self, row):
+        self.threads[row.index] = threading.current_thread().name
+        if row.index == self.bad:
+            raise ValueError(f"row {row.index}: image unreadable")
+        return self.encoder.encode(row)
+
+
+def test_prefetch_serves_the_same_batches_and_moves_no_cursor(rows, encoder):
+    """Issue 33.3: step N+1's batch is encoded while step N trains. The batches, across epochs and when a prefetch
+    is not taken (another size), are those of a dataset without prefetch; the cursor (what a checkpoint saves) moves
+    only when the batch is taken, and a prefetched batch is encoded in the prefetch thread."""
+    plain = PromptDataset(rows, encoder, seed=5)
+    expected = [indices(plain.next_batch(n)) for n in (4, 4, 3, 4, 4, 4)]
+    stub = _FailsOn(encoder)
+    ds = PromptDataset(rows, stub, seed=5)
+    served = []
+    for n, ahead in ((4, 4), (4, 4), (3, 3), (4, 2), (4, 4), (4, 4)):
+        cursor = ds.state_dict()
+        ds.prefetch(ahead)
+        assert ds.state_dict() == cursor
+        ds.wait_prefetch()
+        batch = ds.next_batch(n)
+        served.append(indices(batch))
+        threads = {stub.threads[i] for i in indices(batch)}
+        assert threads == ({"data-prefetch_0"} if n == ahead else {threading.current_thread().name}), (n, ahead)
+    assert served == expected
+    assert ds.state_dict() == plain.state_dict()
+
+
+def test_a_prefetched_batchs_error_is_raised_when_the_batch_is_taken(rows, encoder):
+    """A row that fails to encode fails the `next_batch` it belongs to, with its own message, not the prefetch; a
+    failing batch prefetched but not taken raises nothing."""
+    plain = PromptDataset(rows, encoder, seed=5)
+    first, second = indices(plain.next_batch(4)), indices(plain.next_batch(4))
+    ds = PromptDataset(rows, _FailsOn(encoder, bad=second[1]), seed=5)
+    ds.prefetch(4)
+    assert indices(ds.next_batch(4)) == first
+    ds.prefetch(4)  # the failing batch
+    ds.wait_prefetch()  # nothing raised here
+    with pytest.raises(ValueError, match=rf"^row {second[1]}: image unreadable$"):
+        ds.next_batch(4)
+    other = PromptDataset(rows, _FailsOn(encoder, bad=second[1]), seed=5)
+    other.next_batch(4)
+    other.prefetch(4)
+    other.wait_prefetch()
+    other.load_state_dict(PromptDataset(rows, encoder, seed=5).state_dict())  # back to the start: not taken
+    assert indices(other.next_batch(4)) == first

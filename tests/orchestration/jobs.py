@@ -6,9 +6,11 @@ tests/rollout/sglang/hf_server.py, an engine that dies on cue, small weight buck
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import os
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -17,7 +19,15 @@ from miles_vl.config.schema import TinyModelConfig
 from miles_vl.data import load_processor
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import special_tokens
-from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, Hooks, build_megatron, launch_hf, launch_sglang
+from miles_vl.orchestration.factories import (
+    ENGINES,
+    TRAIN_BACKENDS,
+    Hooks,
+    build_megatron,
+    build_torch,
+    launch_hf,
+    launch_sglang,
+)
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration import megatron_cpu
@@ -110,3 +120,51 @@ def stand_ins(
     if megatron:
         backends["megatron"] = functools.partial(build_megatron, builder=megatron_cpu.build)
     return Hooks(engines=engines, train_backends=backends, weight_sync=weight_sync or WeightSyncOptions())
+
+
+def wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    """Until `path` exists (another process creates it); TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def build_torch_gated_save(cfg: JobConfig, tokens, *, gate: str):
+    """The torch backend, whose checkpoint writes (in the train actor's background thread) create `<gate>.writing`
+    and then wait for `<gate>.go` before writing anything: a test acts while a save is in flight."""
+    backend = build_torch(cfg, tokens)
+    snapshot = backend.checkpoint_snapshot
+
+    def gated_snapshot():
+        write = snapshot()
+
+        def gated_write(directory: Path) -> None:
+            Path(f"{gate}.writing").touch()
+            wait_for(Path(f"{gate}.go"))
+            write(directory)
+
+        return gated_write
+
+    backend.checkpoint_snapshot = gated_snapshot
+    return backend
+
+
+def build_torch_failing_save(cfg: JobConfig, tokens):
+    """The torch backend, whose checkpoint writes (in the train actor's background thread) write the weights, then
+    meet a full disk (ENOSPC) while the checkpoint directory's own disk has room for the driver's files."""
+    backend = build_torch(cfg, tokens)
+    snapshot = backend.checkpoint_snapshot
+
+    def failing_snapshot():
+        write = snapshot()
+
+        def failing_write(directory: Path) -> None:
+            write(directory)
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(directory) / "trainer_state.pt"))
+
+        return failing_write
+
+    backend.checkpoint_snapshot = failing_snapshot
+    return backend

@@ -16,6 +16,7 @@ runs it), so they arrive at a known point; one test sends SIGTERM from outside t
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -32,13 +33,21 @@ from safetensors.torch import load_file
 
 from miles_vl.data import build_datasets, load_processor
 from miles_vl.orchestration import run_job
-from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints
+from miles_vl.orchestration.checkpoint import CheckpointError, DiskFullError, list_checkpoints
 from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.factories import TRAIN_BACKENDS, Hooks
 from miles_vl.orchestration.loop import JobInterrupted, check_start
 from miles_vl.orchestration.trainer import Trainer
 from tests.disks import with_tmpfs
 from tests.metrics.test_tensorboard import read_events, scalars
-from tests.orchestration.jobs import REPO, metrics, tiny_job
+from tests.orchestration.jobs import (
+    REPO,
+    build_torch_failing_save,
+    build_torch_gated_save,
+    metrics,
+    tiny_job,
+    wait_for,
+)
 
 STEPS = 5
 # saves at 2, 4 and the final 5, nothing pruned; one reward worker (the test rewards are instant)
@@ -138,12 +147,13 @@ def signal_during(monkeypatch, cls, method: str, call: int, signum: int) -> None
 #   rollout: generate #2 is step 2's rollout (step 1 ran first): the step is abandoned, step 1 is saved
 #   train:   the first train after resuming from 1 is step 2's: it finishes (eval, log, the periodic save of 2)
 #   sync:    sync_weights #1 is the restore's, #2 is step 3's: step 3 finishes and is saved
-#   save:    the first save_checkpoint after resuming from 3 is step 4's periodic one: it completes, nothing after it
+#   save:    the first start_checkpoint after resuming from 3 is step 4's periodic one (written in the background):
+#            the stop waits for it, it completes, nothing after it
 CHAIN = [
     ("rollout", RolloutEngines, "generate", 2, 1),
     ("train", Trainer, "train", 1, 2),
     ("sync", RolloutEngines, "sync_weights", 2, 3),
-    ("save", Trainer, "save_checkpoint", 1, 4),
+    ("save", Trainer, "start_checkpoint", 1, 4),
 ]
 
 
@@ -195,6 +205,60 @@ def test_a_second_signal_stops_at_once_and_the_last_checkpoint_stands(tmp_path, 
     assert_nothing_lost(before, run_dir)
 
 
+def test_a_stop_while_a_checkpoint_is_written_in_the_background_waits_for_it(tmp_path, monkeypatch, straight):
+    """Issue 33.3: periodic saves are written in the background (checkpoint.async_save) while the next steps run.
+    SIGINT in step 5's rollout while step 4's checkpoint is still being written (it is not visible yet, only its
+    temporary directory is): the stop waits for that write, step 4 appears complete with the straight run's state
+    exactly, no temporary directory is left, and the same command resumes from it to the straight run's end."""
+    run_dir = copy_of(straight, tmp_path / "background", steps=2)
+    gate = tmp_path / "gate"
+    torch_backend = functools.partial(build_torch_gated_save, gate=str(gate))
+    hooks = Hooks(train_backends={**TRAIN_BACKENDS, "torch": torch_backend})
+    started, rollout, seen = Trainer.start_checkpoint, RolloutEngines.generate, {}
+
+    def start_checkpoint(self, directory):
+        seen["save"] = Path(directory)
+        return started(self, directory)
+
+    def generate(self, *args, **kwargs):
+        if "save" in seen and "stopped" not in seen:  # the first rollout after step 4's save began: step 5's
+            seen["stopped"] = True
+            wait_for(Path(f"{gate}.writing"))
+            assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2]
+            assert seen["save"].name.startswith(".step_00000004.tmp-") and seen["save"].is_dir()
+            Path(f"{gate}.go").touch()  # the write goes on while the stop arrives
+            os.kill(os.getpid(), signal.SIGINT)
+        return rollout(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "start_checkpoint", start_checkpoint)
+    monkeypatch.setattr(RolloutEngines, "generate", generate)
+    with pytest.raises(JobInterrupted) as info:
+        run_job(config(tmp_path, "background"), hooks=hooks)
+    assert "stopped" in seen and info.value.checkpoint == 4
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert_same_state(run_dir / "checkpoints" / "step_00000004", straight / "checkpoints" / "step_00000004")
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    monkeypatch.undo()
+    run_job(config(tmp_path, "background"))
+    assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(straight)]
+    assert_same_state(run_dir / "checkpoints" / "step_00000005", straight / "checkpoints" / "step_00000005")
+
+
+def test_a_background_save_that_fails_raises_its_error_in_the_driver(tmp_path):
+    """Issue 33.3: step 1's checkpoint is written in the train actor's background thread, which meets a full disk
+    after the weights. The error is not lost in the thread: it ends the run at step 2's end (step 2 was logged) with
+    the full-disk message naming step 1, and no checkpoint or temporary directory is left (the driver's own files
+    would fit: only the writer's error tells)."""
+    hooks = Hooks(train_backends={**TRAIN_BACKENDS, "torch": build_torch_failing_save})
+    cfg = config(tmp_path, "failing", "num_steps=2", "checkpoint.interval=1")
+    message = "no space left on the device of .* while writing checkpoint step 1; the partial checkpoint was removed"
+    with pytest.raises(DiskFullError, match=message):
+        run_job(cfg, hooks=hooks)
+    assert list((tmp_path / "failing" / "checkpoints").iterdir()) == []
+    assert [r["step"] for r in metrics(tmp_path / "failing")] == [1, 2]
+
+
 def test_sigterm_from_outside_ends_miles_vl_train_with_a_checkpoint(tmp_path):
     """What Slurm and Kubernetes do on preemption: SIGTERM to the `miles-vl train` process while it trains. It used
     to die with rc -6 and no checkpoint (Ray's handler); now the step finishes, its checkpoint is written and the
@@ -223,14 +287,22 @@ def test_sigterm_from_outside_ends_miles_vl_train_with_a_checkpoint(tmp_path):
     assert [r["step"] for r in metrics(run_dir)] == [1]
 
 
-def test_a_full_disk_during_a_save_ends_miles_vl_train_with_one_message(tmp_path):
+@pytest.mark.parametrize("steps", [1, 2], ids=["final-wait", "next-step"])
+def test_a_full_disk_during_a_save_ends_miles_vl_train_with_one_message(tmp_path, steps):
     """Issue 30.10: a full disk during a save gave ~90 lines of traceback: torch's writer (in the trainer actor) raises
     a RuntimeError, not an OSError. Now `miles-vl train` ends with the documented message (the place and the fix),
     exit 1, no traceback, and no partial checkpoint left. The checkpoint directory is a real 1.5 MiB disk: the
     weights (model.safetensors, about 1.1 MB) fit, the optimizer state (trainer_state.pt, twice that) does not, so
-    it is torch's writer that meets the full disk."""
+    it is torch's writer that meets the full disk. Issue 33.3: step 1's save is written in the background; its
+    failure reaches the driver, not lost in the writer's thread, when the run's end waits for it (1 step) or when
+    step 2 ends (2 steps): the same message, naming step 1."""
     disk = tmp_path / "disk"
-    overrides = [*tiny_overrides(tmp_path, "full"), "num_steps=1", "checkpoint.interval=1", f"checkpoint.dir={disk}"]
+    overrides = [
+        *tiny_overrides(tmp_path, "full"),
+        f"num_steps={steps}",
+        "checkpoint.interval=1",
+        f"checkpoint.dir={disk}",
+    ]
     train = [sys.executable, "-m", "miles_vl.cli", "train", str(REPO / "configs" / "geo3k_tiny_cpu.yaml"), *overrides]
     # the disk exists only inside the namespace: list what the save left there before it goes
     script = 'cd "$1" && shift && "$@"; rc=$?; echo "left: [$(ls -A "$0")]"; exit $rc'
@@ -242,7 +314,7 @@ def test_a_full_disk_during_a_save_ends_miles_vl_train_with_one_message(tmp_path
     assert error + "removed; free space there or point checkpoint.dir elsewhere" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert "left: []" in done.stdout
-    assert [r["step"] for r in metrics(tmp_path / "full")] == [1]  # the step itself was logged
+    assert [r["step"] for r in metrics(tmp_path / "full")] == list(range(1, steps + 1))  # the steps were logged
 
 
 def tiny_overrides(tmp_path: Path, name: str) -> list[str]:

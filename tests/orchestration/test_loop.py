@@ -3,12 +3,16 @@
 - 4 steps straight == 2 steps + resume + 2 steps, metric for metric (fixed seeds);
 - a rollout engine killed mid-step is replaced and its prompts retried: no sample is lost;
 - Ctrl-C writes a final checkpoint; a bad reward path fails before Ray starts.
+- the next step's batch is prepared during training, with the same prompts.
 """
+
+import threading
 
 import pytest
 import ray
 
 from miles_vl.config import load_config
+from miles_vl.data import PromptDataset, build_datasets, load_processor
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
 from miles_vl.orchestration.loop import Job
@@ -201,3 +205,30 @@ def test_dynamic_sampling_that_keeps_no_group_skips_the_step_and_the_run_goes_on
         assert r["rollout/response_len_mean"] == sum(lengths) / len(lengths) > 0
         assert r["rollout/response_tokens"] == sum(lengths)
         assert r["reward/mean"] == 1.0  # constant_reward of every generated sample
+
+
+def test_the_next_batch_is_prepared_during_training_and_the_prompts_stay_the_same(tmp_path, monkeypatch):
+    """Issue 33.3: step N+1's prompts are encoded (images processed) in the prefetch thread while step N trains and
+    syncs. Each step gets the prompts a dataset without prefetch serves, in order; steps 2 and 3 take a prefetched
+    batch; nothing is prefetched past the last step."""
+    cfg = config(tmp_path, "prefetch", "num_steps=3", "checkpoint.interval=0")
+    served, threads = [], []
+    next_batch, encode = PromptDataset.next_batch, PromptDataset._encode
+
+    def recording_next_batch(self, batch_size):
+        batch = next_batch(self, batch_size)
+        served.append([p.index for p in batch])
+        return batch
+
+    def recording_encode(self, picked):
+        threads.append(threading.current_thread().name)
+        return encode(self, picked)
+
+    monkeypatch.setattr(PromptDataset, "next_batch", recording_next_batch)
+    monkeypatch.setattr(PromptDataset, "_encode", recording_encode)
+    run_job(cfg)
+    monkeypatch.undo()
+    processor = load_processor(cfg.model.processor, cfg.data.min_pixels, cfg.data.max_pixels)
+    plain = build_datasets(cfg.data, processor, seed=cfg.seed).train
+    assert served == [[p.index for p in plain.next_batch(cfg.rollout.batch_size)] for _ in range(3)]
+    assert threads == [threading.current_thread().name, "data-prefetch_0", "data-prefetch_0"]

@@ -3,9 +3,11 @@ from transformers' own per-sample forward); a step moves logprobs in the advanta
 are skipped and counted; a checkpoint round trip continues identically."""
 
 import copy
+import threading
 
 import pytest
 import torch
+from safetensors.torch import save_model
 
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample, train_step
@@ -219,3 +221,30 @@ def test_old_and_new_logprobs_agree_at_the_first_micro_step(base_model):
     d = metrics.as_dict()
     assert d["ratio_min"] == pytest.approx(1.0, abs=1e-5) and d["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert abs(d["approx_kl"]) < 1e-6
+
+
+def test_a_checkpoint_snapshot_writes_its_moments_state_byte_for_byte(base_model, tmp_path):
+    """Issue 33.3: a background save writes the state of the step it was taken at, though the next step changes the
+    weights and the optimizer before the write runs: the files equal, byte for byte, a synchronous save at that
+    moment, and that one equals what the backend wrote before snapshots existed (save_model + torch.save)."""
+    samples = make_samples()
+    b = backend(copy.deepcopy(base_model), warmup_steps=3)
+    train_step(b, samples)  # optimizer moments exist
+    sync, direct, background = (tmp_path / d for d in ("sync", "direct", "background"))
+    for d in (sync, direct, background):
+        d.mkdir()
+    b.save_checkpoint(sync)
+    save_model(b.model, str(direct / "model.safetensors"))
+    state = {"optimizer": b.optimizer.state_dict(), "scheduler": b.scheduler.state_dict()}
+    state |= {"optimizer_steps": b.optimizer_steps, "skipped_steps": b.skipped_steps}
+    torch.save(state | {"rng_cpu": torch.get_rng_state(), "rng_cuda": None}, direct / "trainer_state.pt")
+    write = b.checkpoint_snapshot()
+    weights = [p.detach().clone() for p in b.model.parameters()]
+    train_step(b, samples)  # the next step runs before the write does
+    assert any(not torch.equal(w, p) for w, p in zip(weights, b.model.parameters(), strict=True))
+    writer = threading.Thread(target=write, args=(background,))
+    writer.start()
+    writer.join()
+    for name in ("model.safetensors", "trainer_state.pt"):
+        assert (background / name).read_bytes() == (sync / name).read_bytes(), name
+        assert (sync / name).read_bytes() == (direct / name).read_bytes(), name
