@@ -361,7 +361,18 @@ class TrainConfig(_Section):
         description="peak learning rate of the format warm-up steps; null = train.optimizer.lr. RL runs at "
         "train.optimizer.lr after it (same AdamW state).",
     )
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "full", "vision"] = Field(
+        "none",
+        description="activation recompute (megatron): none; selective (megatron's core-attention recompute); full "
+        "(every layer, language model and vision tower); vision (full recompute of the vision tower only, the "
+        "language model keeps its activations).",
+    )
+    old_logprobs_from_train_forward: bool = Field(
+        False,
+        description="when the RL step makes one optimizer update (global_batch_size null or the rollout batch, "
+        "ppo_epochs 1), take the old logprobs from the train forward (detached) instead of a separate forward "
+        "before it: bit-identical, one forward less; with several updates the separate pass still runs.",
+    )
     vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
     seed: int = 1234
 

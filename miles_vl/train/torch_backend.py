@@ -132,11 +132,11 @@ class TorchTrainBackend:
         self,
         samples: Sequence[TrainSample],
         idx: Sequence[int],
-        old: Sequence[Tensor],
+        old: Sequence[Tensor] | None,
         ref: Sequence[Tensor] | None = None,
     ) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into `.grad`; a non-finite loss is not back-propagated, nor is any
-        loss after it."""
+        loss after it. `old` None: this forward's detached logprobs are the old ones."""
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         micro = [[idx[j] for j in mb] for mb in self._micro_batches([samples[i] for i in idx])]
@@ -166,7 +166,8 @@ class TorchTrainBackend:
                 max_response_len=self.loss.max_response_len,
             )
             advantages = torch.tensor([samples[i].advantage for i in mb], dtype=torch.float32)[sample]
-            old_at = at_labels(old, *at).to(self.device)
+            # the same fp32 values a separate `compute_logprobs` pass returns (same weights, same packed row)
+            old_at = logp[pos].detach() if old is None else at_labels(old, *at).to(self.device)
             seq_log_ratio = None
             if self.loss.policy_loss_type == "gspo":  # a sample lies whole in one micro-batch row: no reduction
                 seq_log_ratio = sequence_mean_log_ratio(logp[pos], old_at, sample, count, weights.to(self.device))

@@ -219,3 +219,41 @@ def test_old_and_new_logprobs_agree_at_the_first_micro_step(base_model):
     d = metrics.as_dict()
     assert d["ratio_min"] == pytest.approx(1.0, abs=1e-5) and d["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert abs(d["approx_kl"]) < 1e-6
+
+
+def _rl_step(model, samples, **options):
+    """One `train_step` on a copy of `model`: its metrics, the weights after it, and how many separate old-logprob
+    passes (`compute_logprobs` calls) it made."""
+    b = backend(copy.deepcopy(model), loss=LossOptions(temperature=0.7, tis_mode="clip"), **options)
+    calls = []
+    scoring = b.compute_logprobs
+    b.compute_logprobs = lambda s, model=None: calls.append(len(s)) or scoring(s, model)
+    metrics = train_step(b, samples)
+    return metrics, {n: p.detach().clone() for n, p in b.model.named_parameters()}, len(calls)
+
+
+def test_old_logprobs_from_the_train_forward_are_bit_identical(base_model):
+    """One optimizer update per RL step: no separate old-logprob pass, and the step (every metric, the rollout
+    logprob distance included, and every weight after it) is bit-identical to the one with the separate pass."""
+    samples = make_samples()
+    want, want_weights, passes = _rl_step(base_model, samples, micro_batch_max_tokens=24)
+    assert passes == 1
+    got, weights, passes = _rl_step(
+        base_model, samples, micro_batch_max_tokens=24, old_logprobs_from_train_forward=True
+    )
+    assert passes == 0
+    assert want["train/train_rollout_logprob_abs_diff"] > 0.1  # random rollout logprobs: the metric is exercised
+    assert got == want
+    assert all(torch.equal(weights[n], w) for n, w in want_weights.items())
+    assert any(not torch.equal(w, p) for w, p in zip(want_weights.values(), base_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("options", [dict(global_batch_size=2), dict(ppo_epochs=2)], ids=["two_minibatches", "epochs"])
+def test_several_updates_per_rl_step_keep_the_separate_old_logprob_pass(base_model, options):
+    """With more than one optimizer update the later ones run on moved weights: the separate pass still runs and
+    the step is the one without the option."""
+    samples = make_samples()
+    want, want_weights, _ = _rl_step(base_model, samples, **options)
+    got, weights, passes = _rl_step(base_model, samples, old_logprobs_from_train_forward=True, **options)
+    assert passes == 1 and got == want
+    assert all(torch.equal(weights[n], w) for n, w in want_weights.items())

@@ -105,6 +105,13 @@ class MegatronTrainBackend:
         self.config = get_model_config(self.model[0])
         self.options = options
         self.loss = options.loss
+        dropout = {k: getattr(self.config, k, 0.0) for k in ("hidden_dropout", "attention_dropout")}
+        if options.old_logprobs_from_train_forward and any(dropout.values()):
+            # the train forward would score a dropout-perturbed policy, not the one the rollout sampled from
+            raise ValueError(
+                f"train.old_logprobs_from_train_forward needs a model without dropout, found {dropout}; "
+                "set train.old_logprobs_from_train_forward=false"
+            )
         self.dp_size = self.groups.dp_size
         self.ref_weights = _snapshot(self.model) if self.loss.kl_coef > 0 else None  # the initial weights, on the CPU
         self.optimizer_steps = 0
@@ -182,7 +189,7 @@ class MegatronTrainBackend:
         self,
         samples: Sequence[TrainSample],
         idx: Sequence[int],
-        old: Sequence[Tensor],
+        old: Sequence[Tensor] | None,
         ref: Sequence[Tensor] | None = None,
     ) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into the gradient buffers (reduced over DP x CP and scaled by

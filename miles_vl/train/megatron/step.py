@@ -121,7 +121,8 @@ def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Te
         vocab_size=options.vocab_size,
         with_entropy=options.loss.entropy_coef > 0,
     )
-    old = li.old_logprobs.to(device)
+    # None: one update per RL step, the weights are those a separate logprobs pass would score (step.py)
+    old = logp.detach() if li.old_logprobs is None else li.old_logprobs.to(device)
     seq_log_ratio = None
     if options.loss.policy_loss_type == "gspo":
         seq_log_ratio = sequence_mean_log_ratio(

@@ -608,3 +608,29 @@ def job_vision_trainable(ctx, samples) -> dict:
     train_step(backend, samples)
     out["trainable_step"] = moved(before)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the train-phase levers (issue 33): each variant is one RL step from the same initial weights
+
+
+def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]) -> dict:
+    """For each layout (`build_backend`'s tp/cp) and variant (TrainOptions overrides): one `train_step` from the tiny
+    model's seed-0 weights; its metrics, this rank's weights after it (megatron names) and how many separate
+    old-logprob passes (`compute_logprobs` calls) it made. {layout: {variant: {...}}}"""
+    out: dict = {}
+    for layout, sizes in layouts.items():
+        for name, overrides in variants.items():
+            backend = build_backend(ctx, **sizes, reduction="token_mean", **overrides)
+            calls = {"scoring": 0, "ref": 0}  # compute_ref_logprobs scores through compute_logprobs too
+
+            def count(method, key, calls=calls):
+                return lambda s: calls.__setitem__(key, calls[key] + 1) or method(s)
+
+            backend.compute_logprobs = count(backend.compute_logprobs, "scoring")
+            backend.compute_ref_logprobs = count(backend.compute_ref_logprobs, "ref")
+            metrics = train_step(backend, samples)
+            weights = {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
+            old_passes = calls["scoring"] - calls["ref"]
+            out.setdefault(layout, {})[name] = {"metrics": metrics, "weights": weights, "old_passes": old_passes}
+    return out

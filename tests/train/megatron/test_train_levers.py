@@ -1,0 +1,56 @@
+"""Contract: the train-phase levers of the megatron backend (issue 33) change how much work a step does, never what
+it computes. Each variant runs one RL step (`train_step`) from the same weights on the CPU harness (two gloo ranks:
+DP 2, then CP 2) and is compared with the step without the lever (the torch backend's: tests/train/
+test_torch_backend.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.patches.harness.shims import bridge_available
+from tests.train.megatron import cpu_parts, jobs
+
+LAYOUTS = {"dp2": dict(tp=1, cp=1), "cp2": dict(tp=1, cp=2)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bridge():
+    if reason := bridge_available("0.6.2"):
+        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    variants = {
+        "today": {},
+        "fused_old": dict(old_logprobs_from_train_forward=True),
+        "two_updates": dict(global_batch_size=2),
+        "two_updates_fused_old": dict(global_batch_size=2, old_logprobs_from_train_forward=True),
+    }
+    return cpu_parts.spawn(jobs.job_levers, 2, args=(jobs.train_samples(0)[:4], LAYOUTS, variants))
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_old_logprobs_from_the_train_forward_are_bit_identical(runs, layout):
+    """One optimizer update per RL step: no separate old-logprob pass; every metric (the rollout logprob distance
+    included) and every weight after the step are bit-identical to the step with the separate pass."""
+    for rank in runs:
+        today, fused = rank[layout]["today"], rank[layout]["fused_old"]
+        assert today["old_passes"] == 1 and fused["old_passes"] == 0
+        assert today["metrics"]["train/train_rollout_logprob_abs_diff"] > 0.1  # random rollout logprobs
+        assert fused["metrics"] == today["metrics"]
+        assert _same_weights(fused["weights"], today["weights"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_several_updates_keep_the_separate_old_logprob_pass(runs, layout):
+    for rank in runs:
+        today, fused = rank[layout]["two_updates"], rank[layout]["two_updates_fused_old"]
+        assert today["metrics"]["train/optimizer_steps"] == 2
+        assert fused["old_passes"] == 1 and fused["metrics"] == today["metrics"]
+        assert _same_weights(fused["weights"], today["weights"])
