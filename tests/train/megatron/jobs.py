@@ -634,3 +634,39 @@ def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]
             old_passes = calls["scoring"] - calls["ref"]
             out.setdefault(layout, {})[name] = {"metrics": metrics, "weights": weights, "old_passes": old_passes}
     return out
+
+
+RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
+def job_recompute(ctx, hf_dir: str) -> dict:
+    """`build_provider` for each `train.recompute`: the provider's recompute fields and its pre-wrap hooks; then those
+    hooks run on the tiny model (CPU specs) whose configs carry the provider's fields, as megatron-bridge builds them
+    (the tower's config copies the language model's): the fields of the language model's config and of every config
+    object inside the vision tower."""
+    from miles_vl.train.megatron.build import build_provider
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+
+    ctx.init_parallel()
+    out = {}
+    for mode in ("none", "selective", "full", "vision"):
+        _, p = build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode)
+        hooks = list(getattr(p, "_pre_wrap_hooks", []))
+        model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)
+        for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+            for name in RECOMPUTE_FIELDS:  # the configs as megatron-bridge builds them from the provider's
+                setattr(config, name, getattr(p, name))
+        for hook in hooks:
+            model = hook([model])[0]
+        vision = {
+            tuple(getattr(m.config, f) for f in RECOMPUTE_FIELDS)
+            for m in model.vision_model.modules()
+            if hasattr(m, "config")
+        }
+        out[mode] = {
+            "provider": {f: getattr(p, f) for f in RECOMPUTE_FIELDS},
+            "hooks": [getattr(h, "__name__", repr(h)) for h in hooks],
+            "language": tuple(getattr(model.language_model.config, f) for f in RECOMPUTE_FIELDS),
+            "vision": sorted(vision, key=repr),
+        }
+    return out

@@ -54,3 +54,19 @@ def test_several_updates_keep_the_separate_old_logprob_pass(runs, layout):
         assert today["metrics"]["train/optimizer_steps"] == 2
         assert fused["old_passes"] == 1 and fused["metrics"] == today["metrics"]
         assert _same_weights(fused["weights"], today["weights"])
+
+
+def test_recompute_maps_to_megatrons_settings(tmp_path):
+    """`train.recompute`: none and selective and full are megatron's own settings for the whole model (the tower
+    copies the language model's); vision leaves the language model without recompute and recomputes every layer
+    of the vision tower (one per checkpoint)."""
+    jobs.write_tiny_hf_checkpoint(str(tmp_path))
+    (out,) = cpu_parts.spawn(jobs.job_recompute, 1, args=(str(tmp_path),))
+    off, full = (None, None, None), ("full", "uniform", 1)
+    assert out["none"]["language"] == off and out["none"]["vision"] == [off]
+    assert out["selective"]["provider"]["recompute_granularity"] == "selective"
+    assert out["selective"]["vision"] == [tuple(out["selective"]["provider"].values())]
+    assert out["full"]["language"] == full and out["full"]["vision"] == [full]
+    assert "recompute_vision_tower" not in out["full"]["hooks"]
+    assert "recompute_vision_tower" in out["vision"]["hooks"]
+    assert out["vision"]["language"] == off and out["vision"]["vision"] == [full]
