@@ -373,6 +373,18 @@ class TrainConfig(_Section):
         "ppo_epochs 1), take the old logprobs from the train forward (detached) instead of a separate forward "
         "before it: bit-identical, one forward less; with several updates the separate pass still runs.",
     )
+    logits_only_where_loss: bool = Field(
+        False,
+        description="the train forward's output layer (vocabulary projection) runs on the positions whose label "
+        "carries loss only, not on prompt positions: the same loss and gradients, fewer FLOPs and less logit "
+        "memory. Not with sequence parallelism (megatron refuses the combination).",
+    )
+    vision_once_per_image: bool = Field(
+        False,
+        description="run the vision tower once per distinct image (or video) of a micro-batch, not once per sample "
+        "(the n samples of a prompt share its images), and read its output at every use: the same embeddings, the "
+        "tower's gradient summed over the uses.",
+    )
     vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
     seed: int = 1234
 

@@ -255,6 +255,8 @@ def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
                 "ppo_epochs",
                 "freeze_vision",
                 "old_logprobs_from_train_forward",
+                "logits_only_where_loss",
+                "vision_once_per_image",
             }
         ),
     )

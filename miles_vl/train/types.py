@@ -74,6 +74,10 @@ class TrainOptions:
         old_logprobs_from_train_forward: when the RL step makes one optimizer update (one mini-batch of all the
             samples, one epoch), the old logprobs are the train forward's own, detached, instead of those of a
             separate no-gradient forward before it: the weights are the same, so the values are (step.py).
+        logits_only_where_loss: the train forward's output layer (the vocabulary projection) runs on the hidden
+            states of the positions whose label carries loss only, not on prompt positions.
+        vision_once_per_image: the vision tower runs once per distinct image of a micro-batch (the n samples of a
+            prompt share its images) and its output is read at every use (models/qwen3_vl/vision_once.py).
     """
 
     optimizer: OptimizerOptions
@@ -83,6 +87,8 @@ class TrainOptions:
     ppo_epochs: int = 1
     freeze_vision: bool = False
     old_logprobs_from_train_forward: bool = False
+    logits_only_where_loss: bool = False
+    vision_once_per_image: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -72,6 +72,25 @@ def train_samples(seed: int = 0):
     return out
 
 
+def group_train_samples(n: int = 4):
+    """The two image prompts of `train_samples(0)` (one image, two images) with `n` responses each (GRPO's n): the same
+    prompt and images (equal values, separate tensors), other advantages and rollout logprobs."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(7)
+    return [
+        dataclasses.replace(
+            s,
+            advantage=float(torch.randn((), generator=g)),
+            rollout_logprobs=-torch.rand(s.rollout_logprobs.shape, generator=g) * 3,
+            pixel_values=s.pixel_values.clone(),
+            image_grid_thw=s.image_grid_thw.clone(),
+        )
+        for s in train_samples(0)[1:3]
+        for _ in range(n)
+    ]
+
+
 def perturbed(logprobs: list[torch.Tensor], seed: int, scale: float = 0.3) -> list[torch.Tensor]:
     """`logprobs` + noise: "old" / "ref" logprobs that make ratios and KL non-trivial."""
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +116,7 @@ def build_backend(ctx, *, tp: int, cp: int, reduction: str, **kwargs):
     ctx.init_parallel(tp=tp, cp=cp)
     model = build_tiny_qwen3vl(ctx.module, cp_size=cp, tp_size=tp, seed=0)
     chunks = [CpuDDP(model)]
-    options = train_options(reduction, micro_batch_max_tokens=48, **kwargs)  # several micro-batches per rank
+    options = train_options(reduction, **({"micro_batch_max_tokens": 48} | kwargs))  # several micro-batches per rank
     return MegatronTrainBackend(
         chunks, CpuOptimizer(chunks, lr=LR), tokens(), options, schedule=cpu_schedule(), device="cpu"
     )
@@ -616,8 +635,10 @@ def job_vision_trainable(ctx, samples) -> dict:
 
 def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]) -> dict:
     """For each layout (`build_backend`'s tp/cp) and variant (TrainOptions overrides): one `train_step` from the tiny
-    model's seed-0 weights; its metrics, this rank's weights after it (megatron names) and how many separate
-    old-logprob passes (`compute_logprobs` calls) it made. {layout: {variant: {...}}}"""
+    model's seed-0 weights; its metrics, the gradients of each optimizer step and this rank's weights after it
+    (megatron names), how many separate old-logprob passes (`compute_logprobs` calls) it made and how many patches
+    the vision tower ran on.
+    {layout: {variant: {...}}}"""
     out: dict = {}
     for layout, sizes in layouts.items():
         for name, overrides in variants.items():
@@ -629,10 +650,23 @@ def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]
 
             backend.compute_logprobs = count(backend.compute_logprobs, "scoring")
             backend.compute_ref_logprobs = count(backend.compute_ref_logprobs, "ref")
+            patches = []  # what the vision tower ran on (after vision_once_per_image's deduplication)
+            tower = backend.model[0].module.vision_model
+            tower.register_forward_pre_hook(
+                lambda m, args, kwargs, patches=patches: patches.append(kwargs["hidden_states"].shape[0]),
+                with_kwargs=True,
+            )
+            grads = []  # each optimizer step's gradients (reduced and scaled: what the optimizer reads)
+            stepping = backend.optimizer_step
+            backend.optimizer_step = lambda finite, stepping=stepping, grads=grads, b=backend: (
+                grads.append(_grads(b)) or stepping(finite)
+            )
             metrics = train_step(backend, samples)
             weights = {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
             old_passes = calls["scoring"] - calls["ref"]
-            out.setdefault(layout, {})[name] = {"metrics": metrics, "weights": weights, "old_passes": old_passes}
+            run = {"metrics": metrics, "weights": weights, "old_passes": old_passes, "grads": grads}
+            run["vision_patches"] = sum(patches)
+            out.setdefault(layout, {})[name] = run
     return out
 
 

@@ -11,7 +11,11 @@ import torch
 from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts, jobs
 
-LAYOUTS = {"dp2": dict(tp=1, cp=1), "cp2": dict(tp=1, cp=2)}
+LAYOUTS = {
+    "dp2": dict(tp=1, cp=1),
+    "cp2": dict(tp=1, cp=2),
+    "tp2": dict(tp=2, cp=1),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,14 +29,24 @@ def runs() -> list[dict]:
     variants = {
         "today": {},
         "fused_old": dict(old_logprobs_from_train_forward=True),
-        "two_updates": dict(global_batch_size=2),
-        "two_updates_fused_old": dict(global_batch_size=2, old_logprobs_from_train_forward=True),
+        "two_updates": dict(global_batch_size=4),
+        "two_updates_fused_old": dict(global_batch_size=4, old_logprobs_from_train_forward=True),
+        "logits_only_where_loss": dict(logits_only_where_loss=True),
+        "one_row": dict(micro_batch_max_tokens=4096),  # each rank's samples in one micro-batch
+        "vision_once_per_image": dict(micro_batch_max_tokens=4096, vision_once_per_image=True),
     }
-    return cpu_parts.spawn(jobs.job_levers, 2, args=(jobs.train_samples(0)[:4], LAYOUTS, variants))
+    return cpu_parts.spawn(jobs.job_levers, 2, args=(jobs.group_train_samples(), LAYOUTS, variants))
 
 
 def _same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        scale = float(b[n].abs().max()) or 1.0
+        assert float((a[n] - b[n]).abs().max()) <= tol * scale, n
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -70,3 +84,34 @@ def test_recompute_maps_to_megatrons_settings(tmp_path):
     assert "recompute_vision_tower" not in out["full"]["hooks"]
     assert "recompute_vision_tower" in out["vision"]["hooks"]
     assert out["vision"]["language"] == off and out["vision"]["vision"] == [full]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_only_where_loss_give_todays_loss_and_gradients(runs, layout):
+    """The output layer on the loss positions only: the same metrics and
+    the same reduced gradients of every parameter (the output layer's, the decoder's through the selected hidden
+    states, the vision tower's) as the full-row logits."""
+    for rank in runs:
+        today, only = rank[layout]["today"], rank[layout]["logits_only_where_loss"]
+        assert only["metrics"].keys() == today["metrics"].keys()
+        for key, value in today["metrics"].items():
+            assert only["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        [want], [got] = today["grads"], only["grads"]
+        vision = [g for n, g in want.items() if n.startswith("vision_model.")]
+        assert vision and any(float(g.abs().max()) > 0 for g in vision)
+        _close(got, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vision_once_per_image_gives_todays_loss_and_gradients(runs, layout):
+    """Two image prompts, four responses each (every DP rank gets two of each): the vision tower runs on the
+    distinct images of its call only (under CP every rank runs the micro-batch's images), and the metrics and the
+    reduced gradients (the tower's: the sum over the uses) are those of the per-sample path."""
+    for rank in runs:
+        today, once = rank[layout]["one_row"], rank[layout]["vision_once_per_image"]
+        assert 0 < 2 * once["vision_patches"] <= today["vision_patches"]  # at least two uses of every image
+        for key, value in today["metrics"].items():
+            assert once["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        [want], [got] = today["grads"], once["grads"]
+        assert any(float(g.abs().max()) > 0 for n, g in want.items() if n.startswith("vision_model."))
+        _close(got, want)
