@@ -636,8 +636,8 @@ def job_vision_trainable(ctx, samples) -> dict:
 def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]) -> dict:
     """For each layout (`build_backend`'s tp/cp) and variant (TrainOptions overrides): one `train_step` from the tiny
     model's seed-0 weights; its metrics, the gradients of each optimizer step and this rank's weights after it
-    (megatron names), how many separate old-logprob passes (`compute_logprobs` calls) it made and how many patches
-    the vision tower ran on.
+    (megatron names), how many separate old-logprob passes (`compute_logprobs` calls) it made, how many patches
+    the vision tower ran on and how many positions the output layer projected.
     {layout: {variant: {...}}}"""
     out: dict = {}
     for layout, sizes in layouts.items():
@@ -656,6 +656,10 @@ def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]
                 lambda m, args, kwargs, patches=patches: patches.append(kwargs["hidden_states"].shape[0]),
                 with_kwargs=True,
             )
+            logit_rows = []  # hidden states the output layer projected
+            backend.model[0].module.language_model.output_layer.register_forward_hook(
+                lambda m, args, out, logit_rows=logit_rows: logit_rows.append(args[0].shape[0])
+            )
             grads = []  # each optimizer step's gradients (reduced and scaled: what the optimizer reads)
             stepping = backend.optimizer_step
             backend.optimizer_step = lambda finite, stepping=stepping, grads=grads, b=backend: (
@@ -665,7 +669,7 @@ def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]
             weights = {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
             old_passes = calls["scoring"] - calls["ref"]
             run = {"metrics": metrics, "weights": weights, "old_passes": old_passes, "grads": grads}
-            run["vision_patches"] = sum(patches)
+            run["vision_patches"], run["logit_rows"] = sum(patches), sum(logit_rows)
             out.setdefault(layout, {})[name] = run
     return out
 
@@ -703,4 +707,37 @@ def job_recompute(ctx, hf_dir: str) -> dict:
             "language": tuple(getattr(model.language_model.config, f) for f in RECOMPUTE_FIELDS),
             "vision": sorted(vision, key=repr),
         }
+    return out
+
+
+def job_lever_refusals(ctx) -> dict:
+    """The levers the backend refuses, with their messages: logits_only_where_loss under sequence parallelism (the
+    groups say so; the CPU layers cannot run it) and old_logprobs_from_train_forward with dropout."""
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from miles_vl.train.megatron.parallel import ParallelGroups
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    ctx.init_parallel()
+    out = {}
+    for name, overrides, sp, dropout in (
+        ("sp", dict(logits_only_where_loss=True), True, 0.0),
+        ("dropout", dict(old_logprobs_from_train_forward=True), False, 0.1),
+    ):
+        model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)
+        model.config.hidden_dropout = dropout
+        chunks = [CpuDDP(model)]
+        try:
+            MegatronTrainBackend(
+                chunks,
+                CpuOptimizer(chunks, lr=LR),
+                tokens(),
+                train_options("token_mean", **overrides),
+                groups=ParallelGroups.from_megatron(sequence_parallel=sp),
+                schedule=cpu_schedule(),
+                device="cpu",
+            )
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
     return out

@@ -93,6 +93,7 @@ def test_logits_only_where_loss_give_todays_loss_and_gradients(runs, layout):
     states, the vision tower's) as the full-row logits."""
     for rank in runs:
         today, only = rank[layout]["today"], rank[layout]["logits_only_where_loss"]
+        assert 0 < only["logit_rows"] < today["logit_rows"]
         assert only["metrics"].keys() == today["metrics"].keys()
         for key, value in today["metrics"].items():
             assert only["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
@@ -115,3 +116,10 @@ def test_vision_once_per_image_gives_todays_loss_and_gradients(runs, layout):
         [want], [got] = today["grads"], once["grads"]
         assert any(float(g.abs().max()) > 0 for n, g in want.items() if n.startswith("vision_model."))
         _close(got, want)
+
+
+def test_levers_that_cannot_be_exact_are_refused():
+    (out,) = cpu_parts.spawn(jobs.job_lever_refusals, 1)
+    assert "train.logits_only_where_loss is not supported with sequence parallelism" in out["sp"]
+    assert "set train.logits_only_where_loss=false or train.sp=false" in out["sp"]
+    assert "train.old_logprobs_from_train_forward needs a model without dropout" in out["dropout"]
