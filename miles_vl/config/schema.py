@@ -705,6 +705,8 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         )
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
+    if t.sp and t.logits_only_where_loss:  # the output layer's input is one TP rank's part of the row
+        errors.append("train.logits_only_where_loss=true is not supported with train.sp=true; set one of them to false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:
         errors.append(
             f"train.num_gpus={t.num_gpus} is not divisible by tp*pp*cp={cfg.model_parallel_size}; "
