@@ -20,6 +20,9 @@ mini-batch of `--prompts * --n-per-prompt` samples:
   clipping and AdamW.
 - `packed_sdpa`: `packed` with sdpa, where transformers materializes a dense [T, T] block-diagonal mask and the
   kernel computes every block: shows what flex saves.
+- `packed+logits`, `packed+vision_once` (issue 33's levers, combinable: `packed+logits+vision_once`): the backend with
+  `logits_only_where_loss` (the lm_head on the loss positions only) or `vision_once_per_image` (the vision tower once
+  per distinct image of a micro-batch).
 - `<variant>+nocudnn`: the same with PyTorch's cuDNN SDPA backend disabled. On H100 it is picked for the vision
   tower's per-image attention calls and costs ~0.4 ms of host time per backward call (seen in `--profile`), which
   leaves the GPU idle; sdpa then uses the flash / memory-efficient kernels.
@@ -45,6 +48,7 @@ does not use. Last stdout line: one JSON object with the settings and results.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -480,7 +484,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="packed,padded,packed+nocudnn,padded+nocudnn",
-        help="comma-separated: packed, padded, packed_sdpa, each optionally with +nocudnn",
+        help="comma-separated: packed, padded, packed_sdpa, each optionally with +nocudnn; packed also with +logits, "
+        "+vision_once",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="only profile one packed step (flex) and print the table")
@@ -514,10 +519,18 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     for variant in args.variants.split(","):
-        path, _, option = variant.partition("+")
-        if option not in ("", "nocudnn"):
-            raise ValueError(f"--variants: unknown option {option!r} in {variant!r}; the only option is +nocudnn")
+        path, *opts = variant.split("+")
+        unknown = set(opts) - {"nocudnn", "logits", "vision_once"}
+        if unknown or ({"logits", "vision_once"} & set(opts) and path != "packed"):
+            raise ValueError(
+                f"--variants: unknown option(s) {sorted(unknown) or opts} in {variant!r}; +nocudnn, and for packed "
+                "+logits, +vision_once"
+            )
+        option = "nocudnn" if "nocudnn" in opts else ""
         torch.backends.cuda.enable_cudnn_sdp(option != "nocudnn")  # the vision tower's per-image sdpa calls
+        backend.options = dataclasses.replace(
+            options, logits_only_where_loss="logits" in opts, vision_once_per_image="vision_once" in opts
+        )
         if path == "padded":
             set_text_attention(model, "sdpa")
             attn = "sdpa"

@@ -34,7 +34,7 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 - `train.backend: torch` trains on one device: `train.tp/pp/cp/ep` must be 1 and `train.num_gpus` 0 or 1.
 - `train.backend: megatron` needs `train.num_gpus > 0` and `model.init: pretrained` (AutoBridge loads `model.path`).
 - `ray.placement: colocate` with GPUs: `rollout.num_engines * rollout.gpus_per_engine <= train.num_gpus`.
-- `train.sp` needs `train.tp > 1`.
+- `train.sp` needs `train.tp > 1`, and refuses `train.logits_only_where_loss`.
 - `train.num_gpus` must be divisible by `tp * pp * cp`; `train.global_batch_size` by the data-parallel size,
   and the samples of one step (`rollout.batch_size * rollout.n_samples_per_prompt`) by `train.global_batch_size`.
 - `algo.estimator: grpo` needs `rollout.n_samples_per_prompt >= 2`.

@@ -415,7 +415,30 @@ class TrainConfig(_Section):
         description="peak learning rate of the format warm-up steps; null = train.optimizer.lr. RL runs at "
         "train.optimizer.lr after it (same AdamW state).",
     )
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "full", "vision"] = Field(
+        "none",
+        description="activation recompute (megatron): none; selective (megatron's core-attention recompute); full "
+        "(every layer, language model and vision tower); vision (full recompute of the vision tower only, the "
+        "language model keeps its activations).",
+    )
+    old_logprobs_from_train_forward: bool = Field(
+        False,
+        description="when the RL step makes one optimizer update (global_batch_size null or the rollout batch, "
+        "ppo_epochs 1), take the old logprobs from the train forward (detached) instead of a separate forward "
+        "before it: bit-identical, one forward less; with several updates the separate pass still runs.",
+    )
+    logits_only_where_loss: bool = Field(
+        False,
+        description="the train forward's output layer (vocabulary projection) runs on the positions whose label "
+        "carries loss only, not on prompt positions: the same loss and gradients, fewer FLOPs and less logit "
+        "memory. Not with sequence parallelism (megatron refuses the combination).",
+    )
+    vision_once_per_image: bool = Field(
+        False,
+        description="run the vision tower once per distinct image (or video) of a micro-batch, not once per sample "
+        "(the n samples of a prompt share its images), and read its output at every use: the same embeddings, the "
+        "tower's gradient summed over the uses.",
+    )
     vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
     seed: int = 1234
 
@@ -757,6 +780,8 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         )
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
+    if t.sp and t.logits_only_where_loss:  # the output layer's input is one TP rank's part of the row
+        errors.append("train.logits_only_where_loss=true is not supported with train.sp=true; set one of them to false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:
         errors.append(
             f"train.num_gpus={t.num_gpus} is not divisible by tp*pp*cp={cfg.model_parallel_size}; "

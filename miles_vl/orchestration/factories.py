@@ -250,7 +250,17 @@ def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
             temperature=cfg.rollout.temperature,
             suppress_token_ids=vision_token_ids(tokens) if cfg.rollout.ban_vision_tokens else (),
         ),
-        **t.model_dump(include={"micro_batch_max_tokens", "global_batch_size", "ppo_epochs", "freeze_vision"}),
+        **t.model_dump(
+            include={
+                "micro_batch_max_tokens",
+                "global_batch_size",
+                "ppo_epochs",
+                "freeze_vision",
+                "old_logprobs_from_train_forward",
+                "logits_only_where_loss",
+                "vision_once_per_image",
+            }
+        ),
     )
 
 

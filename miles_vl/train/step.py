@@ -5,7 +5,11 @@
 1. check the samples: one rollout logprob per response token, loss only on responses, a sample count that the
    global batch size and the data-parallel size divide;
 2. old logprobs of every response token under the current weights (no gradient); their distance to the rollout
-   engine's logprobs is `train_rollout_logprob_abs_diff` (~0 in fp32; ~0.01 is healthy in bf16);
+   engine's logprobs is `train_rollout_logprob_abs_diff` (~0 in fp32; ~0.01 is healthy in bf16). With
+   `old_logprobs_from_train_forward` and one optimizer update per RL step (one mini-batch of all samples, one
+   epoch) there is no separate pass: the train forward runs on the same weights and the same micro-batches (the
+   plan depends only on the sample lengths), so its detached logprobs ARE the old ones, bit for bit; with several
+   updates the later mini-batches run on moved weights and the separate pass runs;
 3. reference logprobs when `kl_coef > 0` (the initial weights);
 4. for each PPO epoch and each mini-batch of `global_batch_size` samples: the backend back-propagates the policy
    loss micro-batch by micro-batch with the mini-batch's global denominators (each micro-batch's loss is its exact
@@ -52,7 +56,8 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
             f"train.global_batch_size={gbs} is not divisible by the data-parallel size {backend.dp_size} "
             "(world / (tp * pp * cp)); every DP rank needs the same number of samples"
         )
-    old = backend.compute_logprobs(samples)
+    one_update = options.ppo_epochs == 1 and gbs == len(samples)
+    old = None if options.old_logprobs_from_train_forward and one_update else backend.compute_logprobs(samples)
     ref = backend.compute_ref_logprobs(samples) if options.loss.kl_coef > 0 else None
     parts, grad_norms, n_tokens, skipped = [], [], 0, 0
     for _ in range(options.ppo_epochs):

@@ -121,6 +121,7 @@ class TorchTrainBackend:
                 pvv,
                 temperature=self.loss.score_temperature,
                 suppress_token_ids=self.loss.suppress_token_ids,
+                vision_once_per_image=self.options.vision_once_per_image,
             )
             for i, lp in zip(mb, response_logprobs(logp, packed.cu_seqlens, [samples[i] for i in mb]), strict=True):
                 out[i] = lp
@@ -133,11 +134,11 @@ class TorchTrainBackend:
         self,
         samples: Sequence[TrainSample],
         idx: Sequence[int],
-        old: Sequence[Tensor],
+        old: Sequence[Tensor] | None,
         ref: Sequence[Tensor] | None = None,
     ) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into `.grad`; a non-finite loss is not back-propagated, nor is any
-        loss after it."""
+        loss after it. `old` None: this forward's detached logprobs are the old ones."""
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         micro = [[idx[j] for j in mb] for mb in self._micro_batches([samples[i] for i in idx])]
@@ -148,6 +149,7 @@ class TorchTrainBackend:
         parts, finite, tokens = [], True, 0
         for mb, (packed, pv, pvv), count in zip(micro, packs, counts, strict=True):
             pos, sample, resp_idx = self._label_positions(packed)
+            only_loss = self.options.logits_only_where_loss  # logits at the loss positions only: [n], not [T]
             logp, entropy = label_logprobs(
                 self.model,
                 packed,
@@ -155,8 +157,12 @@ class TorchTrainBackend:
                 pvv,
                 temperature=self.loss.score_temperature,
                 suppress_token_ids=self.loss.suppress_token_ids,
+                vision_once_per_image=self.options.vision_once_per_image,
                 with_entropy=self.loss.entropy_coef > 0,
+                positions=pos if only_loss else None,
             )
+            if not only_loss:
+                logp, entropy = logp[pos], entropy[pos] if entropy is not None else None
             at = (mb, sample, resp_idx)  # where each label position reads per-sample response arrays
             weights = loss_token_weights(
                 packed.label_mask[pos],
@@ -167,17 +173,18 @@ class TorchTrainBackend:
                 max_response_len=self.loss.max_response_len,
             )
             advantages = torch.tensor([samples[i].advantage for i in mb], dtype=torch.float32)[sample]
-            old_at = at_labels(old, *at).to(self.device)
+            # the same fp32 values a separate `compute_logprobs` pass returns (same weights, same packed row)
+            old_at = logp.detach() if old is None else at_labels(old, *at).to(self.device)
             seq_log_ratio = None
             if self.loss.policy_loss_type == "gspo":  # a sample lies whole in one micro-batch row: no reduction
-                seq_log_ratio = sequence_mean_log_ratio(logp[pos], old_at, sample, count, weights.to(self.device))
+                seq_log_ratio = sequence_mean_log_ratio(logp, old_at, sample, count, weights.to(self.device))
             out = policy_loss(
-                logp[pos],
+                logp,
                 old_at,
                 advantages.to(self.device),
                 weights.to(self.device),
                 ref_logprobs=at_labels(ref, *at).to(self.device) if ref is not None else None,
-                entropy=entropy[pos] if entropy is not None else None,
+                entropy=entropy,
                 rollout_logprobs=at_labels(rollout, *at).to(self.device),
                 seq_log_ratio=seq_log_ratio,
                 **self.loss.policy_loss_kwargs(),

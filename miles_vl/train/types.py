@@ -71,6 +71,13 @@ class TrainOptions:
         global_batch_size: samples per optimizer step; None: all samples of the RL step.
         ppo_epochs: passes over the samples per RL step.
         freeze_vision: the vision tower (and its mergers) is neither trained nor exported.
+        old_logprobs_from_train_forward: when the RL step makes one optimizer update (one mini-batch of all the
+            samples, one epoch), the old logprobs are the train forward's own, detached, instead of those of a
+            separate no-gradient forward before it: the weights are the same, so the values are (step.py).
+        logits_only_where_loss: the train forward's output layer (the vocabulary projection) runs on the hidden
+            states of the positions whose label carries loss only, not on prompt positions.
+        vision_once_per_image: the vision tower runs once per distinct image of a micro-batch (the n samples of a
+            prompt share its images) and its output is read at every use (models/qwen3_vl/vision_once.py).
     """
 
     optimizer: OptimizerOptions
@@ -79,6 +86,9 @@ class TrainOptions:
     global_batch_size: int | None = None
     ppo_epochs: int = 1
     freeze_vision: bool = False
+    old_logprobs_from_train_forward: bool = False
+    logits_only_where_loss: bool = False
+    vision_once_per_image: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -113,12 +123,13 @@ class TrainBackend(Protocol):
         self,
         samples: Sequence[TrainSample],
         idx: Sequence[int],
-        old: Sequence[Tensor],
+        old: Sequence[Tensor] | None,
         ref: Sequence[Tensor] | None = None,
     ) -> Accumulated:
         """Zero the gradients, then back-propagate the policy loss of the mini-batch `samples[idx]` micro-batch by
         micro-batch. The token weights use the mini-batch's global denominators, so the gradient is that of the
-        mini-batch loss however the samples are split."""
+        mini-batch loss however the samples are split. `old` None: the old logprobs are this forward's own, detached
+        (only right before the weights' first update on these samples: `train_step` decides)."""
         ...
 
     def optimizer_step(self, finite: bool) -> tuple[float, bool]:

@@ -158,6 +158,14 @@ def test_sp_needs_tp(tmp_path):
     assert any("train.sp=true needs train.tp > 1" in p for p in found), found
 
 
+def test_logits_only_where_loss_refuses_sequence_parallel(tmp_path):
+    overrides = ["train.backend=megatron", "train.num_gpus=2", "train.tp=2", "train.sp=true"]
+    found = problems(write(tmp_path, MINIMAL), [*overrides, "train.logits_only_where_loss=true"])
+    refusal = "train.logits_only_where_loss=true is not supported with train.sp=true"
+    assert any(refusal in p for p in found), found
+    assert not any(refusal in p for p in problems(write(tmp_path, MINIMAL), overrides))
+
+
 def test_grpo_needs_groups(tmp_path):
     found = problems(write(tmp_path, MINIMAL), ["rollout.n_samples_per_prompt=1"])
     assert any("n_samples_per_prompt >= 2" in p for p in found), found

@@ -74,13 +74,20 @@ def test_packed_equals_unpacked(base_model, reduction):
         torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_gradient_matches_transformers_reference(base_model):
+@pytest.mark.parametrize("logits_only_where_loss", [False, True], ids=["all_logits", "logits_only_where_loss"])
+def test_gradient_matches_transformers_reference(base_model, logits_only_where_loss):
     """At the first micro-step old == current, so the PPO loss is -sum_t A * ratio / N with ratio = 1 and its
-    gradient is -sum_t A * grad(logp_t) / N: computed here with transformers' own unpacked forward."""
+    gradient is -sum_t A * grad(logp_t) / N: computed here with transformers' own unpacked forward. With
+    `logits_only_where_loss` the train forward's lm_head sees the loss positions' hidden states only."""
     samples = make_samples()
-    b = backend(copy.deepcopy(base_model))
+    b = backend(copy.deepcopy(base_model), logits_only_where_loss=logits_only_where_loss)
+    rows = []  # hidden states the lm_head projected: the old-logprob pass's, then the train forward's
+    hook = b.model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     metrics, ours = grads(b, samples)
+    hook.remove()
     n_tokens = sum(s.response_len for s in samples)
+    assert len(rows) == 2  # one packed row (and one lm_head chunk) each: the whole row, then the train forward's
+    assert rows[1] == (n_tokens if logits_only_where_loss else rows[0]) and rows[0] > n_tokens
     assert float(metrics.loss) == pytest.approx(
         -sum(s.advantage * s.response_len for s in samples) / n_tokens, abs=1e-5
     )
@@ -248,3 +255,92 @@ def test_a_checkpoint_snapshot_writes_its_moments_state_byte_for_byte(base_model
     for name in ("model.safetensors", "trainer_state.pt"):
         assert (background / name).read_bytes() == (sync / name).read_bytes(), name
         assert (sync / name).read_bytes() == (direct / name).read_bytes(), name
+
+
+def _rl_step(model, samples, **options):
+    """One `train_step` on a copy of `model`: its metrics, the weights after it, and how many separate old-logprob
+    passes (`compute_logprobs` calls) it made."""
+    b = backend(copy.deepcopy(model), loss=LossOptions(temperature=0.7, tis_mode="clip"), **options)
+    calls = []
+    scoring = b.compute_logprobs
+    b.compute_logprobs = lambda s, model=None: calls.append(len(s)) or scoring(s, model)
+    metrics = train_step(b, samples)
+    return metrics, {n: p.detach().clone() for n, p in b.model.named_parameters()}, len(calls)
+
+
+def test_old_logprobs_from_the_train_forward_are_bit_identical(base_model):
+    """One optimizer update per RL step: no separate old-logprob pass, and the step (every metric, the rollout
+    logprob distance included, and every weight after it) is bit-identical to the one with the separate pass."""
+    samples = make_samples()
+    want, want_weights, passes = _rl_step(base_model, samples, micro_batch_max_tokens=24)
+    assert passes == 1
+    got, weights, passes = _rl_step(
+        base_model, samples, micro_batch_max_tokens=24, old_logprobs_from_train_forward=True
+    )
+    assert passes == 0
+    assert want["train/train_rollout_logprob_abs_diff"] > 0.1  # random rollout logprobs: the metric is exercised
+    assert got == want
+    assert all(torch.equal(weights[n], w) for n, w in want_weights.items())
+    assert any(not torch.equal(w, p) for w, p in zip(want_weights.values(), base_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("options", [dict(global_batch_size=2), dict(ppo_epochs=2)], ids=["two_minibatches", "epochs"])
+def test_several_updates_per_rl_step_keep_the_separate_old_logprob_pass(base_model, options):
+    """With more than one optimizer update the later ones run on moved weights: the separate pass still runs and
+    the step is the one without the option."""
+    samples = make_samples()
+    want, want_weights, _ = _rl_step(base_model, samples, **options)
+    got, weights, passes = _rl_step(base_model, samples, old_logprobs_from_train_forward=True, **options)
+    assert passes == 1 and got == want
+    assert all(torch.equal(weights[n], w) for n, w in want_weights.items())
+
+
+def group_samples():
+    """make_samples() plus more responses to its image prompts (GRPO's n samples of a prompt): samples 4-6 carry
+    sample 0's image and sample 2's two images again (equal values, separate tensors)."""
+    import dataclasses
+
+    samples = make_samples()
+    g = torch.Generator().manual_seed(1)
+    more = []
+    for source, response, adv in ((0, [44, 45], -1.0), (0, [46, 47, 48], 0.5), (2, [67, 68], -0.75)):
+        s = samples[source]
+        more.append(
+            dataclasses.replace(
+                s,
+                input_ids=torch.cat([s.input_ids[: s.prompt_len], torch.tensor(response)]),
+                advantage=adv,
+                rollout_logprobs=-torch.rand(len(response), generator=g),
+                pixel_values=s.pixel_values.clone(),
+                image_grid_thw=s.image_grid_thw.clone(),
+            )
+        )
+    return samples + more
+
+
+@pytest.mark.parametrize("micro_batch_max_tokens", [4096, 40], ids=["one_row", "several_rows"])
+def test_vision_once_per_image_gives_todays_loss_and_gradients(base_model, micro_batch_max_tokens):
+    """The tower runs on each distinct image of a row once (3 distinct images for 7 uses in one row); the loss and
+    every gradient (the vision tower's: the sum over the uses) equal the per-sample path's."""
+    samples = group_samples()
+    patches = {}
+    for once in (False, True):
+        b = backend(
+            copy.deepcopy(base_model), micro_batch_max_tokens=micro_batch_max_tokens, vision_once_per_image=once
+        )
+        seen = []
+        hook = b.model.model.visual.register_forward_hook(lambda m, args, out, seen=seen: seen.append(args[0].shape[0]))
+        metrics, g = grads(b, samples)
+        hook.remove()
+        patches[once] = sum(seen) // 2  # grads(): the old-logprob pass, then the train forward
+        if not once:
+            want_metrics, want = metrics, g
+    assert patches[False] == 16 * 7
+    if micro_batch_max_tokens == 4096:
+        assert patches[True] == 16 * 3
+    else:
+        assert 16 * 3 <= patches[True] < patches[False]
+    torch.testing.assert_close(metrics.loss, want_metrics.loss, rtol=1e-6, atol=1e-7)
+    assert g.keys() == want.keys() and any("visual" in k for k in g)
+    for name in want:
+        torch.testing.assert_close(g[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

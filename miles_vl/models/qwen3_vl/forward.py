@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from transformers import Qwen3VLForConditionalGeneration
 
+from miles_vl.models.qwen3_vl.vision_once import distinct_images
+
 if TYPE_CHECKING:  # models sit below packing (which imports this family's rope): the row is only read here
     from miles_vl.packing import PackedBatch
 
@@ -37,6 +39,8 @@ def packed_hidden_states(
     packed: PackedBatch,
     pixel_values: Tensor | None = None,
     pixel_values_videos: Tensor | None = None,
+    *,
+    vision_once_per_image: bool = False,
 ) -> Tensor:
     """Final hidden states [T, H] of a packed row (cp_size 1: the embedded backend has no CP).
 
@@ -45,6 +49,8 @@ def packed_hidden_states(
         packed: the row from `pack_thd(..., cp_size=1)`.
         pixel_values: [n_patches, C*T*P*P] of all the row's images, in sample order (as its grids), or None.
         pixel_values_videos: likewise for videos.
+        vision_once_per_image: run the vision tower once per distinct image (or video) of the row and read its
+            output at every use (vision_once.py); the same embeddings, gradients summed over the uses.
 
     Raises:
         ValueError: the batch was packed for CP, or the vision embeddings do not match `vision_mask`.
@@ -56,7 +62,9 @@ def packed_hidden_states(
     ids = packed.input_ids.to(device)
     embeds = inner.get_input_embeddings()(ids)  # [T, H]
     vision_mask = packed.vision_mask.to(device)
-    visual, deepstack = _vision_embeddings(inner, packed, pixel_values, pixel_values_videos, ids, embeds.dtype)
+    visual, deepstack = _vision_embeddings(
+        inner, packed, pixel_values, pixel_values_videos, ids, embeds.dtype, vision_once_per_image
+    )
     if visual is not None:
         if visual.shape[0] != int(vision_mask.sum()):
             raise ValueError(
@@ -78,7 +86,7 @@ def packed_hidden_states(
     return out.last_hidden_state[0]
 
 
-def _vision_embeddings(inner, packed: PackedBatch, pixel_values, pixel_values_videos, ids, dtype):
+def _vision_embeddings(inner, packed: PackedBatch, pixel_values, pixel_values_videos, ids, dtype, once: bool = False):
     """Embeddings [n_vision, H] for the row's vision tokens in row order, and the deepstack features likewise."""
     parts = []  # (token mask among vision tokens, embeds, deepstack list)
     in_vision = ids[packed.vision_mask.to(ids.device)]
@@ -90,8 +98,8 @@ def _vision_embeddings(inner, packed: PackedBatch, pixel_values, pixel_values_vi
             if grid is not None:
                 raise ValueError("the packed row has vision grids but no pixel values were given")
             continue
-        out = fn(values.to(ids.device), grid.to(ids.device), return_dict=True)
-        parts.append((in_vision == token_id, torch.cat(out.pooler_output).to(dtype), out.deepstack_features))
+        emb, deep = _tower(fn, values.to(ids.device), grid.to(ids.device), inner.config.vision_config, once)
+        parts.append((in_vision == token_id, emb.to(dtype), deep))
     if not parts:
         return None, None
     n, hidden = in_vision.numel(), parts[0][1].shape[-1]
@@ -103,6 +111,17 @@ def _vision_embeddings(inner, packed: PackedBatch, pixel_values, pixel_values_vi
         visual = visual.masked_scatter(mask[:, None], emb)
         deepstack = [d.masked_scatter(mask[:, None], e.to(dtype)) for d, e in zip(deepstack, deep, strict=True)]
     return visual, deepstack
+
+
+def _tower(fn, values: Tensor, grid: Tensor, vision_config, once: bool) -> tuple[Tensor, list[Tensor]]:
+    """The tower's merged embeddings [rows, H] and deepstack features of the images `values` / `grid` (`fn`:
+    `get_image_features` or `get_video_features`), run once per distinct image when `once`."""
+    distinct = distinct_images(values, grid, vision_config.spatial_merge_size) if once else None
+    if distinct is None:
+        out = fn(values, grid, return_dict=True)
+        return torch.cat(out.pooler_output), list(out.deepstack_features)
+    out = fn(distinct.pixel_values, distinct.grid_thw, return_dict=True)
+    return distinct.expand(torch.cat(out.pooler_output)), [distinct.expand(d) for d in out.deepstack_features]
 
 
 def packed_logits(
@@ -122,16 +141,26 @@ def label_logprobs(
     suppress_token_ids: Sequence[int] = (),
     with_entropy: bool = False,
     chunk_tokens: int = 4096,
+    positions: Tensor | None = None,
+    vision_once_per_image: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability [T] of `packed.labels` (the next token) at every position, and optionally the entropy [T].
+    With `positions` ([n] row positions, e.g. those whose label carries loss): only there, `[n]` each; the
+    vocabulary projection then runs on those hidden states only (prompt positions cost no logits).
+    `vision_once_per_image`: as `packed_hidden_states` takes it.
 
     The distribution is the one the rollout engine samples from: logits divided by `temperature`, and the tokens
     the engine bans (`suppress_token_ids`, e.g. vision special tokens) removed. The vocabulary projection runs in
     chunks of `chunk_tokens` to bound memory. Labels that are suppressed tokens (only ever prompt positions,
     which carry no loss) get -inf.
     """
-    hidden = packed_hidden_states(model, packed, pixel_values, pixel_values_videos)
+    hidden = packed_hidden_states(
+        model, packed, pixel_values, pixel_values_videos, vision_once_per_image=vision_once_per_image
+    )
     labels = packed.labels.to(hidden.device)
+    if positions is not None:
+        positions = positions.to(hidden.device)
+        hidden, labels = hidden.index_select(0, positions), labels.index_select(0, positions)
     banned = torch.tensor(list(suppress_token_ids), dtype=torch.long, device=hidden.device)
     logps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):

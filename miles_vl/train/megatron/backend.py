@@ -41,6 +41,7 @@ import miles_vl.patches
 from miles_vl.algo import PolicyLossMetrics, combine_metrics, loss_denominators, policy_loss
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
+from miles_vl.models.qwen3_vl.vision_once import distinct_images
 from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.megatron import checkpoint as ckpt
 from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
@@ -105,7 +106,22 @@ class MegatronTrainBackend:
         self.config = get_model_config(self.model[0])
         self.options = options
         self.loss = options.loss
+        if options.logits_only_where_loss and self.groups.sequence_parallel:
+            # the output layer's input is then one TP rank's part of the row: the positions are not its rows
+            raise ValueError(
+                "train.logits_only_where_loss is not supported with sequence parallelism (train.sp, or the MoE "
+                "provider's sp under tp > 1); set train.logits_only_where_loss=false or train.sp=false"
+            )
+        dropout = {k: getattr(self.config, k, 0.0) for k in ("hidden_dropout", "attention_dropout")}
+        if options.old_logprobs_from_train_forward and any(dropout.values()):
+            # the train forward would score a dropout-perturbed policy, not the one the rollout sampled from
+            raise ValueError(
+                f"train.old_logprobs_from_train_forward needs a model without dropout, found {dropout}; "
+                "set train.old_logprobs_from_train_forward=false"
+            )
         self.dp_size = self.groups.dp_size
+        if options.vision_once_per_image:
+            run_vision_once_per_image(self.model)
         self.ref_weights = _snapshot(self.model) if self.loss.kl_coef > 0 else None  # the initial weights, on the CPU
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -134,6 +150,7 @@ class MegatronTrainBackend:
             samples=samples,
             vocab_size=getattr(self.config, "vocab_size", None),
             token_norm=token_norm,
+            logits_only_where_loss=self.options.logits_only_where_loss,
             # bf16 logits [T/C, V/TP] stay bf16 (Float16Module would upcast them all); vocab_parallel_logprobs
             # works in fp32 chunks, as the torch backend does with its lm_head output
             model_kwargs={"fp32_output": False} if (self.config.bf16 or self.config.fp16) else {},
@@ -182,7 +199,7 @@ class MegatronTrainBackend:
         self,
         samples: Sequence[TrainSample],
         idx: Sequence[int],
-        old: Sequence[Tensor],
+        old: Sequence[Tensor] | None,
         ref: Sequence[Tensor] | None = None,
     ) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into the gradient buffers (reduced over DP x CP and scaled by
@@ -317,6 +334,39 @@ class MegatronTrainBackend:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def run_vision_once_per_image(chunks: Sequence[torch.nn.Module]) -> int:
+    """`TrainOptions.vision_once_per_image`: every call of a chunk's vision tower (megatron-bridge's
+    `Qwen3VLVisionModel`, called with `hidden_states=` patches and `grid_thw=`) runs on the distinct images of the
+    call only, and its outputs (merged embeddings, deepstack features) are read back at every use
+    (models/qwen3_vl/vision_once.py): two hooks, so parameter names and the model code stay as they are. Under CP the
+    tower is called with every image of the micro-batch on every CP rank, or with this rank's share of them
+    (`vision_dp_when_cp`); either way the call's images are deduplicated among themselves, which is exact.
+    Returns how many towers got the hooks (0 on pipeline stages without one)."""
+    towers = [m for chunk in chunks for name, m in chunk.named_modules() if name.split(".")[-1] == "vision_model"]
+    pending: dict[int, object] = {}
+
+    def before(tower, args, kwargs):
+        if args or "hidden_states" not in kwargs or "grid_thw" not in kwargs:
+            raise TypeError("the vision tower is expected to be called as vision_model(hidden_states=, grid_thw=)")
+        distinct = distinct_images(kwargs["hidden_states"], kwargs["grid_thw"], tower.config.spatial_merge_size)
+        pending[id(tower)] = distinct
+        if distinct is None:
+            return None
+        return args, {**kwargs, "hidden_states": distinct.pixel_values, "grid_thw": distinct.grid_thw}
+
+    def after(tower, args, kwargs, output):
+        distinct = pending.pop(id(tower))
+        if distinct is None:
+            return None
+        embeds, deepstack = output
+        return distinct.expand(embeds), [distinct.expand(d) for d in deepstack]
+
+    for tower in towers:
+        tower.register_forward_pre_hook(before, with_kwargs=True)
+        tower.register_forward_hook(after, with_kwargs=True)
+    return len(towers)
 
 
 def _default_device() -> torch.device:

@@ -37,7 +37,9 @@ class LossInputs:
 
     positions: LongTensor  # [n] positions in the local row (index into the model's [T/C] outputs)
     sample: LongTensor  # [n] sample of each position (index into the micro-batch's samples)
-    old_logprobs: Tensor
+    old_logprobs: (
+        Tensor | None
+    )  # None: the train forward's own, detached (TrainOptions.old_logprobs_from_train_forward)
     advantages: Tensor
     weights: Tensor  # mask and global denominator (`loss_token_weights`)
     rollout_logprobs: Tensor
@@ -113,7 +115,7 @@ def pack_micro_batch(
 def attach_loss_inputs(
     mb: MicroBatch,
     samples: Sequence[TrainSample],
-    old_logprobs: Sequence[Tensor],
+    old_logprobs: Sequence[Tensor] | None,
     ref_logprobs: Sequence[Tensor] | None,
     denominators: LossDenominators,
     *,
@@ -121,7 +123,8 @@ def attach_loss_inputs(
     max_response_len: int | None = None,
 ) -> MicroBatch:
     """`mb` with the loss inputs of its local label positions (per-sample arrays are `[response_len]` each);
-    `reduction` and `max_response_len` as `miles_vl.algo.loss_token_weights` takes them."""
+    `reduction` and `max_response_len` as `miles_vl.algo.loss_token_weights` takes them; `old_logprobs` None: the
+    loss function takes the forward's own logprobs, detached."""
     shard, packed = mb.shard, mb.packed
     label_mask = shard.label_mask[0]
     pos = label_mask.nonzero().squeeze(1)  # [n] local positions
@@ -138,7 +141,7 @@ def attach_loss_inputs(
     loss = LossInputs(
         positions=pos,
         sample=sample,
-        old_logprobs=at_labels(old_logprobs, ids, sample, resp_idx),
+        old_logprobs=at_labels(old_logprobs, ids, sample, resp_idx) if old_logprobs is not None else None,
         advantages=advantages,
         weights=weights.float(),
         rollout_logprobs=at_labels(rollout, ids, sample, resp_idx),

@@ -31,7 +31,7 @@ from miles_vl.train.types import TrainOptions
 
 log = logging.getLogger(__name__)
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full", "vision"]
 FROZEN_VISION_PREFIXES = MEGATRON_VISION_PREFIXES  # the vision tower, its merger and deepstack mergers
 
 
@@ -63,8 +63,8 @@ def build_provider(
             raise ValueError(f"train.{name} must be >= 1, found {value}")
     if sp and tp_size == 1:
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"train.recompute must be none, selective or full; found {recompute!r}")
+    if recompute not in ("none", "selective", "full", "vision"):
+        raise ValueError(f"train.recompute must be none, selective, full or vision; found {recompute!r}")
 
     bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
@@ -79,6 +79,8 @@ def build_provider(
         provider.recompute_granularity = "selective"
     elif recompute == "full":
         provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
+    elif recompute == "vision":  # the language model keeps its activations; the vision tower's are recomputed
+        provider.register_pre_wrap_hook(recompute_vision_tower)
     # the torch backend's freeze_vision freezes all of `visual`: the tower, its merger and the deepstack mergers.
     # Set all three explicitly: megatron-bridge 0.6.2's MoE provider defaults to freezing the language model AND
     # the vision tower (freeze_language_model=True, freeze_vision_model=True), which would train nothing.
@@ -111,6 +113,31 @@ def build_provider(
             provider.sequence_parallel,
         )
     return bridge, provider
+
+
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def recompute_vision_tower(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """`train.recompute=vision`: full recompute (one layer per checkpoint) in the vision tower only (a pre-wrap hook).
+
+    megatron-bridge builds the tower's own TransformerConfig from the language model's when the model is built
+    (`get_vision_model_config` copies its recompute fields), so there is no provider field for the tower alone: the
+    tower's config objects are set here, after it is built and before the first forward (its block reads them at
+    forward time). The vision tower's activations (every patch of every image, in fp32 attention) are what a long
+    multi-image row spends memory on besides the language model's; the language model then runs without recompute.
+
+    Raises:
+        ValueError: no chunk has a vision tower (a pipeline stage without it is fine, but some chunk must have it).
+    """
+    towers = [chunk.vision_model for chunk in model if getattr(chunk, "vision_model", None) is not None]
+    if not towers and not any(hasattr(chunk, "vision_model") for chunk in model):
+        raise ValueError("train.recompute=vision needs a Qwen3-VL model with a vision tower (`vision_model`)")
+    configs = {id(m.config): m.config for tower in towers for m in tower.modules() if hasattr(m, "config")}
+    for config in configs.values():
+        for name, value in FULL_RECOMPUTE.items():
+            setattr(config, name, value)
+    return model
 
 
 def build_megatron_backend(

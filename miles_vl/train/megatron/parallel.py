@@ -26,7 +26,7 @@ class ParallelOptions:
         tp_size, pp_size, cp_size, ep_size: tensor, pipeline, context and expert parallel sizes (`train.tp/pp/cp/ep`;
             the rest of the world is data parallel).
         sp: sequence parallel (needs tp_size > 1).
-        recompute: activation recompute ("none", "selective", "full").
+        recompute: activation recompute ("none", "selective", "full", "vision": the vision tower only).
         vision_dp_when_cp: split the vision tower's work across CP ranks.
         bf16: bf16 weights and compute (else fp32).
         seed: megatron's model-parallel RNG seed.

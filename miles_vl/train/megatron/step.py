@@ -25,6 +25,7 @@ every token). The backend checks that the tokens megatron saw equal `token_norm`
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,13 +52,20 @@ class ForwardOptions:
     samples: Sequence[TrainSample] = ()
     vocab_size: int | None = None
     token_norm: float = 1.0  # train: total full-row tokens of the optimizer step over all DP ranks (see above)
+    logits_only_where_loss: bool = False  # train: the output layer runs at the loss positions only (`logits_at`)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. fp32_output=False for megatron's Float16Module
 
 
 def forward_step(options: ForwardOptions, data_iterator: Iterator[MicroBatch], model):
     """megatron's `forward_step_func`: (output tensor, loss function of it)."""
     mb = next(data_iterator)
-    output = model(**model_inputs(mb, options.device, with_vision=options.groups.first_stage), **options.model_kwargs)
+    positions = None
+    if options.mode == "train" and options.logits_only_where_loss and mb.loss is not None:
+        positions = mb.loss.positions
+    with logits_at(model, positions):
+        output = model(
+            **model_inputs(mb, options.device, with_vision=options.groups.first_stage), **options.model_kwargs
+        )
 
     def loss_func(output_tensor):
         if options.mode == "logprobs":
@@ -65,6 +73,33 @@ def forward_step(options: ForwardOptions, data_iterator: Iterator[MicroBatch], m
         return train_loss_func(options, mb, output_tensor)
 
     return output, loss_func
+
+
+@contextmanager
+def logits_at(model, positions: Tensor | None):
+    """While the model runs, its output layer (the vocabulary projection) takes the hidden states of the local row
+    positions `positions` only: the model returns logits `[1, n, V/TP]` instead of `[1, T/C, V/TP]` (None: no change).
+
+    Prompt positions carry no loss, and their logits are most of the output layer's work and of the logits' memory.
+    A forward pre-hook on the output layer selects the rows of its `[T/C, 1, H]` input. Not under sequence
+    parallelism, where that input is one TP rank's part of the row (the backend refuses the combination). Pipeline
+    stages without the output layer are unchanged.
+    """
+    if positions is None:
+        yield
+        return
+
+    def select(layer, args, kwargs):
+        hidden = args[0]  # [T/C, 1, H]
+        return (hidden.index_select(0, positions.to(hidden.device)), *args[1:]), kwargs
+
+    layers = [m for name, m in model.named_modules() if name.split(".")[-1] == "output_layer"]
+    handles = [layer.register_forward_pre_hook(select, with_kwargs=True) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _local_logits(output) -> Tensor:
@@ -112,8 +147,13 @@ def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Te
     li = mb.loss
     pos = li.positions.to(device)
     labels = mb.shard.labels[0].to(device)[pos]
+    if options.logits_only_where_loss:  # the model computed them there only (`logits_at`)
+        if logits.shape[0] != pos.numel():
+            raise AssertionError(f"{logits.shape[0]} logits for {pos.numel()} loss positions")
+    else:
+        logits = logits.index_select(0, pos)
     logp, entropy = vocab_parallel_logprobs(
-        logits.index_select(0, pos),  # only the label positions that carry loss: [n, V/TP]
+        logits,  # only the label positions that carry loss: [n, V/TP]
         labels,
         tp_group=options.groups.tp,
         temperature=options.loss.score_temperature,
@@ -121,7 +161,8 @@ def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Te
         vocab_size=options.vocab_size,
         with_entropy=options.loss.entropy_coef > 0,
     )
-    old = li.old_logprobs.to(device)
+    # None: one update per RL step, the weights are those a separate logprobs pass would score (step.py)
+    old = logp.detach() if li.old_logprobs is None else li.old_logprobs.to(device)
     seq_log_ratio = None
     if options.loss.policy_loss_type == "gspo":
         seq_log_ratio = sequence_mean_log_ratio(

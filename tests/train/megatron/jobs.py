@@ -72,6 +72,25 @@ def train_samples(seed: int = 0):
     return out
 
 
+def group_train_samples(n: int = 4):
+    """The two image prompts of `train_samples(0)` (one image, two images) with `n` responses each (GRPO's n): the same
+    prompt and images (equal values, separate tensors), other advantages and rollout logprobs."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(7)
+    return [
+        dataclasses.replace(
+            s,
+            advantage=float(torch.randn((), generator=g)),
+            rollout_logprobs=-torch.rand(s.rollout_logprobs.shape, generator=g) * 3,
+            pixel_values=s.pixel_values.clone(),
+            image_grid_thw=s.image_grid_thw.clone(),
+        )
+        for s in train_samples(0)[1:3]
+        for _ in range(n)
+    ]
+
+
 def perturbed(logprobs: list[torch.Tensor], seed: int, scale: float = 0.3) -> list[torch.Tensor]:
     """`logprobs` + noise: "old" / "ref" logprobs that make ratios and KL non-trivial."""
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +116,7 @@ def build_backend(ctx, *, tp: int, cp: int, reduction: str, **kwargs):
     ctx.init_parallel(tp=tp, cp=cp)
     model = build_tiny_qwen3vl(ctx.module, cp_size=cp, tp_size=tp, seed=0)
     chunks = [CpuDDP(model)]
-    options = train_options(reduction, micro_batch_max_tokens=48, **kwargs)  # several micro-batches per rank
+    options = train_options(reduction, **({"micro_batch_max_tokens": 48} | kwargs))  # several micro-batches per rank
     return MegatronTrainBackend(
         chunks, CpuOptimizer(chunks, lr=LR), tokens(), options, schedule=cpu_schedule(), device="cpu"
     )
@@ -607,4 +626,118 @@ def job_vision_trainable(ctx, samples) -> dict:
     backend.set_vision_trainable(True)
     train_step(backend, samples)
     out["trainable_step"] = moved(before)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the train-phase levers (issue 33): each variant is one RL step from the same initial weights
+
+
+def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]) -> dict:
+    """For each layout (`build_backend`'s tp/cp) and variant (TrainOptions overrides): one `train_step` from the tiny
+    model's seed-0 weights; its metrics, the gradients of each optimizer step and this rank's weights after it
+    (megatron names), how many separate old-logprob passes (`compute_logprobs` calls) it made, how many patches
+    the vision tower ran on and how many positions the output layer projected.
+    {layout: {variant: {...}}}"""
+    out: dict = {}
+    for layout, sizes in layouts.items():
+        for name, overrides in variants.items():
+            backend = build_backend(ctx, **sizes, reduction="token_mean", **overrides)
+            calls = {"scoring": 0, "ref": 0}  # compute_ref_logprobs scores through compute_logprobs too
+
+            def count(method, key, calls=calls):
+                return lambda s: calls.__setitem__(key, calls[key] + 1) or method(s)
+
+            backend.compute_logprobs = count(backend.compute_logprobs, "scoring")
+            backend.compute_ref_logprobs = count(backend.compute_ref_logprobs, "ref")
+            patches = []  # what the vision tower ran on (after vision_once_per_image's deduplication)
+            tower = backend.model[0].module.vision_model
+            tower.register_forward_pre_hook(
+                lambda m, args, kwargs, patches=patches: patches.append(kwargs["hidden_states"].shape[0]),
+                with_kwargs=True,
+            )
+            logit_rows = []  # hidden states the output layer projected
+            backend.model[0].module.language_model.output_layer.register_forward_hook(
+                lambda m, args, out, logit_rows=logit_rows: logit_rows.append(args[0].shape[0])
+            )
+            grads = []  # each optimizer step's gradients (reduced and scaled: what the optimizer reads)
+            stepping = backend.optimizer_step
+            backend.optimizer_step = lambda finite, stepping=stepping, grads=grads, b=backend: (
+                grads.append(_grads(b)) or stepping(finite)
+            )
+            metrics = train_step(backend, samples)
+            weights = {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
+            old_passes = calls["scoring"] - calls["ref"]
+            run = {"metrics": metrics, "weights": weights, "old_passes": old_passes, "grads": grads}
+            run["vision_patches"], run["logit_rows"] = sum(patches), sum(logit_rows)
+            out.setdefault(layout, {})[name] = run
+    return out
+
+
+RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
+def job_recompute(ctx, hf_dir: str) -> dict:
+    """`build_provider` for each `train.recompute`: the provider's recompute fields and its pre-wrap hooks; then those
+    hooks run on the tiny model (CPU specs) whose configs carry the provider's fields, as megatron-bridge builds them
+    (the tower's config copies the language model's): the fields of the language model's config and of every config
+    object inside the vision tower."""
+    from miles_vl.train.megatron.build import build_provider
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+
+    ctx.init_parallel()
+    out = {}
+    for mode in ("none", "selective", "full", "vision"):
+        _, p = build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode)
+        hooks = list(getattr(p, "_pre_wrap_hooks", []))
+        model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)
+        for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+            for name in RECOMPUTE_FIELDS:  # the configs as megatron-bridge builds them from the provider's
+                setattr(config, name, getattr(p, name))
+        for hook in hooks:
+            model = hook([model])[0]
+        vision = {
+            tuple(getattr(m.config, f) for f in RECOMPUTE_FIELDS)
+            for m in model.vision_model.modules()
+            if hasattr(m, "config")
+        }
+        out[mode] = {
+            "provider": {f: getattr(p, f) for f in RECOMPUTE_FIELDS},
+            "hooks": [getattr(h, "__name__", repr(h)) for h in hooks],
+            "language": tuple(getattr(model.language_model.config, f) for f in RECOMPUTE_FIELDS),
+            "vision": sorted(vision, key=repr),
+        }
+    return out
+
+
+def job_lever_refusals(ctx) -> dict:
+    """The levers the backend refuses, with their messages: logits_only_where_loss under sequence parallelism (the
+    groups say so; the CPU layers cannot run it) and old_logprobs_from_train_forward with dropout."""
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from miles_vl.train.megatron.parallel import ParallelGroups
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    ctx.init_parallel()
+    out = {}
+    for name, overrides, sp, dropout in (
+        ("sp", dict(logits_only_where_loss=True), True, 0.0),
+        ("dropout", dict(old_logprobs_from_train_forward=True), False, 0.1),
+    ):
+        model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)
+        model.config.hidden_dropout = dropout
+        chunks = [CpuDDP(model)]
+        try:
+            MegatronTrainBackend(
+                chunks,
+                CpuOptimizer(chunks, lr=LR),
+                tokens(),
+                train_options("token_mean", **overrides),
+                groups=ParallelGroups.from_megatron(sequence_parallel=sp),
+                schedule=cpu_schedule(),
+                device="cpu",
+            )
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
     return out
