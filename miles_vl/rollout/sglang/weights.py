@@ -34,13 +34,19 @@ bucket in `WeightUpdater._update_weights_from_flattened_bucket` (`model_runner_c
 `flattened_tensor` and, per entry, the attributes name, shape, dtype, start_idx, end_idx, numel, and loads the views
 `flattened_tensor[start_idx:end_idx].view(dtype).reshape(shape)` with the model's `load_weights`; the entries travel as
 `types.SimpleNamespace` (its allowlist admits `types.`; sglang's own `FlattenedTensorMetadata` would need sglang on the
-trainer). A buffer is written again only after every engine answered the request that read it (`_fence`): the
-server's copies from it have finished by then (they precede its answer on the server's stream; the next bucket packs
-into the other buffer meanwhile). The buffers are plain allocations of the train process's CUDA caching allocator,
-which no memory saver manages (SGLang's torch_memory_saver pauses only the server process's own regions; the trainer
-runs none), sized to the bucket bound and grown for a single larger tensor. Names are checked on every sync and values
-(`/weights_checker`, verify.py) on the first sync after the sender formed (the job's first, and the first after a
-relaunch: `repair` forms it again), then every `rollout.sglang.verify_weights_every`-th (`weight_sync.verify_due`).
+trainer). The requests of two buckets may be in flight at once (and arrive in either order); the last one is sent only
+after every earlier one answered, so the version label and the flush follow the whole sync. A buffer is written again
+only after every engine answered the request that read it (`_fence`). The answer comes once the server's
+`load_weights` has enqueued its copies from the buffer on its stream; 0.5.16 does not synchronize that stream before
+answering, so the fence is the answer, not the copies' completion: those copies are alone on an idle stream (generate
+is refused during a sync; 512 MiB copy in about half a millisecond) while the answer's way back (scheduler, tokenizer
+manager, HTTP) takes longer. A strict fence needs a server-side event (not in
+0.5.16). The buffers are plain allocations of the train process's CUDA caching allocator, which no memory saver
+manages (SGLang's torch_memory_saver pauses only the server process's own regions; the trainer runs none), sized to
+the bucket bound and grown for a single larger tensor; they stay allocated for the job (2 x 512 MiB on trainer rank
+0's GPU). Names are checked on every sync and values (`/weights_checker`, verify.py) on the first sync after the
+sender formed (the job's first, and the first after a relaunch: `repair` forms it again), then every
+`rollout.sglang.verify_weights_every`-th (`weight_sync.verify_due`).
 
 The NCCL path (disaggregated), trainer rank 0 of a group of `1 + sum(tp_size)` ranks (`DistributedWeightSender`,
 formed by `open_trainer_group` inside the train actor):
@@ -321,6 +327,9 @@ class ColocatedWeightSender:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()  # packed before a server maps it
                 last = following is None
+                if last:  # the label and the flush may act only once every earlier bucket has loaded
+                    for other in range(len(self._buffers)):
+                        self._fence(other)
                 self._in_flight[slot] = [
                     self._pool.submit(
                         e.client.update_weights_from_tensor,

@@ -845,8 +845,11 @@ class Handler(BaseHTTPRequestHandler):
                               "skipped": skipped})  # fmt: skip
             if body.get("weight_version") is not None:
                 s.weight_version = body["weight_version"]
+        if body.get("weight_version") is not None and self.server.model is not None:  # as /update_weight_version
+            self.server.journal({"event": "weights", "version": s.weight_version, "digest": self.server.model.digest()})
         if body.get("flush_cache"):  # 0.5.16: the scheduler flushes after a successful load (flush_cache_after_...)
             self.server.log("Cache flushed successfully!")
+            self.server.journal({"event": "flushed"})
         self._json(200, {"success": True, "message": "Success"})
 
     def _load(self, named_tensors: list, path: str) -> list[str]:

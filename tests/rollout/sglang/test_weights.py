@@ -324,6 +324,9 @@ class StandInServer:
         self.calls: list[dict] = []
         self.loaded: dict[str, torch.Tensor] = {}
         self.checks = 0
+        self.answered = 0
+        self.expect_calls = 0  # when this many calls arrived, `all_arrived` is set
+        self.all_arrived = threading.Event()
         self.lock = threading.Lock()
 
     def update_weights_from_tensor(self, payloads, *, load_format, flush_cache, weight_version):
@@ -332,14 +335,19 @@ class StandInServer:
         with self.lock:
             index = len(self.calls)
             self.calls.append({"names": [n for n, _ in rebuilt], "flush": flush_cache, "version": weight_version})
+            if len(self.calls) == self.expect_calls:
+                self.all_arrived.set()
+            if weight_version is not None and self.answered != index:  # the label would precede loads
+                raise SGLangError(f"call {index} labels {weight_version!r} while {index - self.answered} still load")
         if index == self.hold:
             self.release.wait()
         wrong = [n for n, t in rebuilt if not torch.equal(t, self.expected[n])]
         if wrong:
             raise SGLangError(f"call {index}: the buffer changed before the answer: {wrong}")
-        if not self.ignore:
-            with self.lock:
+        with self.lock:
+            if not self.ignore:
                 self.loaded.update({n: t.clone() for n, t in rebuilt})
+            self.answered += 1
 
     def check_weights(self, action: str = "checksum") -> dict:
         with self.lock:
@@ -354,9 +362,27 @@ def _weights(seed: int, n: int = 6) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_the_colocated_sender_sends_one_flat_bucket_per_request_and_labels_the_version_on_the_last():
+    """One request per bucket; the last carries the label and the flush, and is sent only once every earlier request
+    answered (the stand-in holds bucket 1's answer until the sender fences: without that wait the label would arrive
+    while bucket 1 still loads)."""
     sent = _weights(0)
-    server = StandInServer(dict(sent))
+    server = StandInServer(dict(sent), hold=1)
     sender = ColocatedWeightSender([EngineEndpoint(server)], max_bucket_bytes=512, device="cpu")
+    fence = sender._fence
+
+    def fence_then_release(slot: int) -> None:
+        if slot == 1 and sender._in_flight[1]:
+            server.release.set()  # the sender is about to wait for bucket 1's answer
+        fence(slot)
+
+    def drain_then_release():
+        server.all_arrived.wait()  # the last request too: it must not find bucket 1 still loading
+        server.release.set()
+        return drain()
+
+    server.expect_calls = 3
+    drain = sender._drain
+    sender._fence, sender._drain = fence_then_release, drain_then_release
     report = sender.send(iter(sent), weight_version="v1")
     assert [c["names"] for c in server.calls] == [[n for n, _ in sent[i : i + 2]] for i in (0, 2, 4)]
     assert [(c["flush"], c["version"]) for c in server.calls] == [(False, None), (False, None), (True, "v1")]
