@@ -444,3 +444,20 @@ def test_the_colocated_sender_refuses_a_name_the_server_would_skip_before_sendin
     with pytest.raises(WeightSyncError, match="not named as in the checkpoint"):
         sender.send(iter(sent), weight_version="v1")
     assert [c["names"] for c in server.calls] == [["layer0.weight", "layer1.weight"]]  # bucket 1 holds layer3
+
+
+def test_a_colocated_engine_on_another_node_is_refused_with_the_switch_that_fixes_it(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    monkeypatch.setattr(torch.multiprocessing, "set_sharing_strategy", lambda s: None)  # keep this process's strategy
+    near = weights.EngineAddress("http://127.0.0.1:1", "k", 1, "10.0.0.1", True)
+    far = weights.EngineAddress("http://10.0.0.2:1", "k", 1, "10.0.0.2", False)
+    with pytest.raises(ValueError, match=r"engines \[1\] run on another node.*colocated_sync=tensor"):
+        weights.open_colocated_sender(
+            [near, far], model_path=None, verify_every=1, max_bucket_bytes=1024, request_timeout_s=1.0
+        )
+    sender = weights.open_colocated_sender(
+        [near], model_path=None, verify_every=1, max_bucket_bytes=1024, request_timeout_s=1.0
+    )
+    sender.close()
