@@ -264,6 +264,21 @@ class SGLangConfig(_Section):
         "and its message, instead of a trainer waiting in the broadcast. null = 60 s + the bucket's bytes at 50 MiB/s "
         "(70 s for a 512 MiB bucket); forming the group may take 60 s or this, if longer.",
     )
+    colocated_sync: Literal["ipc", "tensor"] = Field(
+        "tensor",
+        description="how a colocated job syncs weights: ipc = trainer rank 0 packs each bucket into a persistent GPU "
+        "buffer on its own GPU and hands each server one CUDA IPC handle per bucket (no weight byte through the CPU "
+        "or Ray's object store; engines on trainer rank 0's node only; CPU-tested, not yet run on a GPU: opt in); "
+        "tensor = the path every GPU run so far took, through CPU copies and Ray's object store (the default until "
+        "ipc has run against a real server).",
+    )
+    verify_weights_every: int = Field(
+        10,
+        ge=0,
+        description="the colocated ipc sync checks that the values landed (two /weights_checker calls) on its first "
+        "sync, on the first after a server relaunch, and every this-many-th; the names are checked on every sync. "
+        "0 = only the first and those after a relaunch.",
+    )
     max_retries: int = Field(3, ge=0)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to the SGLang server.")
     one_request_per_prompt: bool | None = Field(

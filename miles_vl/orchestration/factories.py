@@ -3,7 +3,7 @@ by `train.backend`), and `Hooks`, through which tests put stand-ins in (producti
 
     kind = hooks.engines[cfg.rollout.backend]             # an EngineKind
     actor = kind.launch(cfg, tokens, slot)                # a Ray actor that implements miles_vl.rollout.RolloutEngine
-    group = kind.weight_group(cfg)                        # how trainer rank 0 broadcasts to it, or None: the driver
+    group = kind.weight_group(cfg)                        # how trainer rank 0 sends to it, or None: the driver
     backend = hooks.train_backends[cfg.train.backend](cfg, tokens)   # in each train rank: a TrainBackend
     run_job(cfg, hooks=Hooks(engines={**ENGINES, "hf": EngineKind(my_launch)}))
 
@@ -34,7 +34,7 @@ from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
 from miles_vl.rollout.sglang import SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost
 from miles_vl.rollout.sglang.host import deterministic_inference
-from miles_vl.rollout.sglang.weights import open_trainer_group
+from miles_vl.rollout.sglang.weights import open_colocated_sender, open_trainer_group
 from miles_vl.rollout.weight_sync import GroupSync, WeightSyncOptions
 from miles_vl.sglang_plugin.settings import PluginSettings
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainBackend, TrainOptions
@@ -69,18 +69,21 @@ class EngineKind:
             and its timeouts); with `ray.placement=disaggregate` trainer rank 0 then broadcasts the weights to the
             engine over NCCL (the engine implements `endpoint` and `expect_weight_version`). None, or colocated: the
             weights go through the driver (`load_weight_bucket`).
+        colocated_sync: cfg -> the engine's colocated group path (a `GroupSync` with `colocated=True`, whose sender
+            trainer rank 0 runs on its own GPU), or None for this job: the weights go through the driver.
     """
 
     launch: Callable[[JobConfig, SpecialTokens, EngineSlot], Any]
     config_problems: Callable[[JobConfig], list[str]] = no_problems
     sends_pixels: Callable[[JobConfig], bool] = lambda cfg: True
     group_sync: Callable[[JobConfig], GroupSync] | None = None
+    colocated_sync: Callable[[JobConfig], GroupSync | None] | None = None
 
     def weight_group(self, cfg: JobConfig) -> GroupSync | None:
-        """How trainer rank 0 broadcasts to this engine in this job; None: the weights go through the driver."""
-        if self.group_sync is None or cfg.ray.placement != "disaggregate":
-            return None
-        return self.group_sync(cfg)
+        """How trainer rank 0 sends to this engine in this job (disaggregated: `group_sync`; colocated:
+        `colocated_sync`); None: the weights go through the driver."""
+        make = self.group_sync if cfg.ray.placement == "disaggregate" else self.colocated_sync
+        return None if make is None else make(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -217,6 +220,19 @@ def sglang_group_sync(cfg: JobConfig) -> GroupSync:
     return GroupSync(open_trainer_group, request_timeout_s=s.request_timeout_s, sync_timeout_s=s.sync_timeout_s)
 
 
+def sglang_colocated_sync(cfg: JobConfig) -> GroupSync | None:
+    """SGLang's colocated IPC path (`open_colocated_sender`, rollout/sglang/weights.py) unless
+    `rollout.sglang.colocated_sync=tensor`: names checked against `model.path`, values every
+    `rollout.sglang.verify_weights_every`-th sync."""
+    s = cfg.rollout.sglang
+    if s.colocated_sync != "ipc":
+        return None
+    opener = functools.partial(
+        open_colocated_sender, model_path=cfg.model.path or None, verify_every=s.verify_weights_every
+    )
+    return GroupSync(opener, request_timeout_s=s.request_timeout_s, colocated=True)
+
+
 ENGINES: Mapping[str, EngineKind] = {
     "hf": EngineKind(launch_hf),
     "sglang": EngineKind(
@@ -224,6 +240,7 @@ ENGINES: Mapping[str, EngineKind] = {
         sglang_problems,
         sends_pixels=lambda cfg: cfg.rollout.sglang.send_pixel_values,
         group_sync=sglang_group_sync,
+        colocated_sync=sglang_colocated_sync,
     ),
 }
 

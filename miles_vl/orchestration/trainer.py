@@ -151,7 +151,7 @@ class TrainWorker:
 
     def drain_weights(self) -> None:
         """This rank's part of a collective export whose tensors rank 0 sends (ranks > 0)."""
-        for _ in self.backend.export_weights():
+        for _ in self.backend.export_weights(on_device=True):  # nothing kept: no copy to the CPU either
             pass
 
     # NCCL weight sync (disaggregated engines whose kind has a group path): rank 0 is the group's source rank.
@@ -168,7 +168,8 @@ class TrainWorker:
         """Broadcast the trainable weights to every engine of the group, labelled `weight_version`."""
         if self.weight_group is None:
             raise RuntimeError("send_weights() before open_weight_group()")
-        weights = iter(self.backend.export_weights())
+        # where the trainer holds them: the group's sender moves them to its GPU (NCCL) or packs them there (IPC)
+        weights = iter(self.backend.export_weights(on_device=True))
         try:
             report = self.weight_group.send(weights, weight_version=weight_version)
         finally:

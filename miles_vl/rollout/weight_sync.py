@@ -15,6 +15,11 @@ two ways the driver (`make_weight_sync`) moves weights after every train step, a
                    every engine  expect_weight_version(version)      # responses must carry this label from now on
         repair:    trainer.close_weight_group(); open again; send to all  # a restarted server left the group
 
+    colocated group  (an engine kind whose table row has a colocated `GroupSync`: sglang) — the same calls as the group
+        path, but `open_group` returns a sender that hands the engines' servers CUDA IPC handles of persistent flat
+        GPU buffers (`pack_bucket`; sglang: `ColocatedWeightSender`); only metadata crosses Ray and HTTP, and the
+        server's value check runs when `verify_due` says so.
+
 `push` and `repair` return the engines that failed ({index: error}) instead of raising, so that the caller
 (orchestration/engines.py) can replace the dead ones and re-sync the others; they raise what they cannot repair.
 
@@ -134,6 +139,71 @@ def check_bucket_bytes(max_bucket_bytes: int) -> None:
         raise ValueError(f"max_bucket_bytes must be > 0, found {max_bucket_bytes}")
 
 
+FLAT_ALIGN = 256  # byte alignment of each tensor in a flat bucket (any dtype's view of its slice is then aligned)
+
+
+@dataclass(frozen=True)
+class FlatEntry:
+    """Where one tensor of a flat bucket lies: bytes [start, start + nbytes) of the buffer, as `dtype` and `shape`."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def flat_layout(named_tensors: Sequence[tuple[str, Tensor]]) -> tuple[list[FlatEntry], int]:
+    """The entries of `named_tensors` packed in order into one byte buffer, each at a FLAT_ALIGN-aligned offset.
+
+    Returns:
+        (entries, bytes the buffer needs).
+    """
+    entries, offset = [], 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append(FlatEntry(name, t.dtype, tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // FLAT_ALIGN) * FLAT_ALIGN
+    return entries, offset
+
+
+def pack_bucket(named_tensors: Sequence[tuple[str, Tensor]], buffer: Tensor) -> list[FlatEntry]:
+    """Copy a bucket's tensors into `buffer` (1-D uint8, on any device: a GPU buffer takes GPU tensors without the
+    CPU) at the offsets of `flat_layout`. The copies are enqueued on the current stream: synchronize before another
+    process reads the buffer.
+
+    Raises:
+        ValueError: `buffer` is not 1-D uint8, or smaller than the bucket needs.
+    """
+    entries, size = flat_layout(named_tensors)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"pack_bucket needs a 1-D uint8 buffer, found {buffer.dtype} with shape {tuple(buffer.shape)}")
+    if buffer.numel() < size:
+        raise ValueError(f"the bucket needs {size} bytes but the buffer holds {buffer.numel()}: allocate a larger one")
+    for e, (_, t) in zip(entries, named_tensors, strict=True):
+        # a typed view of the slice: the copy converts nothing and handles non-contiguous sources
+        buffer[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape).copy_(t, non_blocking=True)
+    return entries
+
+
+def unpack_bucket(buffer: Tensor, entries: Sequence[FlatEntry]) -> list[tuple[str, Tensor]]:
+    """The tensors of a packed bucket, as views of `buffer` (what a receiver of the flat buffer rebuilds)."""
+    return [(e.name, buffer[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)) for e in entries]
+
+
+def verify_due(sync: int, every: int) -> bool:
+    """Whether sync number `sync` (1 = the first since the engines' group opened: the job's first sync, or the first
+    after a relaunch re-formed it) runs the server's value check: the first, then every `every`-th; `every` = 0:
+    only the first.
+
+    Raises:
+        ValueError: `sync` < 1 or `every` < 0.
+    """
+    if sync < 1 or every < 0:
+        raise ValueError(f"verify_due needs sync >= 1 and every >= 0, found sync={sync}, every={every}")
+    return sync == 1 or (every > 0 and sync % every == 0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the driver
 
@@ -183,7 +253,8 @@ class GroupSync:
     """An engine kind's group path, as trainer rank 0 drives it (its row of orchestration/factories.py's table).
 
     Args:
-        open_group: forms the group with the engines (sglang: `rollout.sglang.weights.open_trainer_group`).
+        open_group: forms the group with the engines (sglang: `rollout.sglang.weights.open_trainer_group`; colocated:
+            `open_colocated_sender`).
         request_timeout_s: per-attempt timeout of the calls to the engines' servers.
         sync_timeout_s: the deadline of one bucket; None: derived from its bytes (`bucket_timeout_s`).
     """
@@ -191,14 +262,18 @@ class GroupSync:
     open_group: GroupOpener
     request_timeout_s: float
     sync_timeout_s: float | None = None
+    colocated: bool = False  # the group is the colocated IPC path: no broadcast backend
 
 
 def make_weight_sync(trainer, *, group: GroupSync | None, trainer_gpus: bool, options: WeightSyncOptions) -> WeightSync:
     """The sync from `trainer` (orchestration/trainer.py: `weight_buckets`, `open_weight_group`, `send_weights`,
-    `close_weight_group`) to the engines: trainer rank 0 broadcasts over a group opened by `group.open_group` when
-    `group` is given (the engine kind has one and the placement is disaggregated), else through the driver."""
+    `close_weight_group`) to the engines: trainer rank 0 sends over a group opened by `group.open_group` when `group`
+    is given (the engine kind has one for this placement), else through the driver."""
     if group is not None:
-        backend = options.group_backend or ("nccl" if trainer_gpus else "gloo")
+        if group.colocated:
+            backend = "ipc"
+        else:
+            backend = options.group_backend or ("nccl" if trainer_gpus else "gloo")
         return NcclWeightSync(trainer, group, backend=backend, options=options)
     return TensorWeightSync(trainer, options)
 
@@ -233,8 +308,8 @@ class TensorWeightSync:
 
 
 class NcclWeightSync:
-    """Trainer rank 0 broadcasts to every engine: one weight-update group (NCCL; gloo on CPU), formed on the first
-    push by the engine kind's `GroupSync.open_group`."""
+    """Trainer rank 0 sends to every engine: one weight-update group (NCCL; gloo on CPU; "ipc": the colocated sender),
+    formed on the first push by the engine kind's `GroupSync.open_group`, formed again by `repair`."""
 
     def __init__(self, trainer, group: GroupSync, *, backend: str, options: WeightSyncOptions):
         self.trainer = trainer

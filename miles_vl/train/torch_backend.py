@@ -232,10 +232,15 @@ class TorchTrainBackend:
         for p in self.model.model.visual.parameters():
             p.requires_grad_(trainable)
 
-    def export_weights(self) -> Iterable[tuple[str, Tensor]]:
-        """Trainable tensors with their HF names (frozen ones are not sent: the engine already has them)."""
+    def export_weights(self, on_device: bool = False) -> Iterable[tuple[str, Tensor]]:
+        """Trainable tensors with their HF names (frozen ones are not sent: the engine already has them); CPU copies
+        unless `on_device`."""
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return [(name, t.detach().cpu()) for name, t in self.model.state_dict().items() if name in trainable]
+        return [
+            (name, t.detach() if on_device else t.detach().cpu())
+            for name, t in self.model.state_dict().items()
+            if name in trainable
+        ]
 
     def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """The whole model (frozen parts too) as an HF model directory: config.json and safetensors (hf_files.py).

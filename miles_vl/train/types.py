@@ -151,8 +151,9 @@ class TrainBackend(Protocol):
         a no-op when it is frozen for the whole run (`freeze_vision`)."""
         ...
 
-    def export_weights(self) -> Iterable[tuple[str, Tensor]]:
-        """Trainable weights as (HF name, tensor) pairs, for the rollout engines."""
+    def export_weights(self, on_device: bool = False) -> Iterable[tuple[str, Tensor]]:
+        """Trainable weights as (HF name, tensor) pairs, for the rollout engines: CPU tensors, or with `on_device`
+        tensors where the trainer holds them (a GPU sync takes them without a copy through the CPU)."""
         ...
 
     def save_hf(self, directory: Path, max_shard_bytes: int) -> None:

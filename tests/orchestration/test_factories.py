@@ -7,7 +7,7 @@ import pytest
 from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, EngineKind, actor_class, launch_hf, reward_options
 from miles_vl.reward import resolve_reward
 from miles_vl.rollout.sglang import SGLangRolloutHost
-from miles_vl.rollout.sglang.weights import open_trainer_group
+from miles_vl.rollout.sglang.weights import open_colocated_sender, open_trainer_group
 from miles_vl.rollout.weight_sync import (
     GroupSync,
     NcclWeightSync,
@@ -57,8 +57,8 @@ def test_the_engine_row_gives_the_weight_sync_its_group_opener_and_timeouts(tmp_
     timeouts = ("rollout.sglang.request_timeout_s=31", "rollout.sglang.sync_timeout_s=7")
     apart = tiny_job(tmp_path, "x", *sglang, *timeouts, "ray.placement=disaggregate")
     assert ENGINES["sglang"].weight_group(apart) == GroupSync(open_trainer_group, 31, 7)
-    assert ENGINES["sglang"].weight_group(tiny_job(tmp_path, "x", *sglang, "ray.placement=colocate")) is None
     assert ENGINES["hf"].weight_group(tiny_job(tmp_path, "x", "ray.placement=disaggregate")) is None
+    assert ENGINES["hf"].weight_group(tiny_job(tmp_path, "x", "ray.placement=colocate")) is None
 
     new = EngineKind(launch_hf, group_sync=lambda cfg: GroupSync(open_stand_in_group, 5.0))
     sync = make_weight_sync(object(), group=new.weight_group(apart), trainer_gpus=False, options=WeightSyncOptions())
@@ -81,3 +81,21 @@ def test_the_train_phase_levers_reach_both_backends_options(tmp_path, on):
     options = train_options(cfg, SPECIAL)
     assert all(getattr(options, k) is on for k in levers)
     assert parallel_options(cfg).recompute == "vision"
+
+
+def test_a_colocated_sglang_job_syncs_over_ipc_unless_the_switch_says_tensor(tmp_path):
+    """Issue 33.1: colocated, sglang's row gives trainer rank 0 the IPC sender (`open_colocated_sender`) with the job's
+    checkpoint for the name check, `rollout.sglang.verify_weights_every` and the request timeout; the strategy runs it
+    without a broadcast backend. `rollout.sglang.colocated_sync=tensor` keeps the earlier path through the driver."""
+    sglang = ("rollout.backend=sglang", "rollout.gpus_per_engine=1", "ray.placement=colocate")
+    assert ENGINES["sglang"].weight_group(tiny_job(tmp_path, "x", *sglang)) is None  # the default: tensor
+    ipc = ("rollout.sglang.colocated_sync=ipc", "rollout.sglang.verify_weights_every=4")
+    cfg = tiny_job(tmp_path, "x", *sglang, *ipc, "rollout.sglang.request_timeout_s=9")
+    group = ENGINES["sglang"].weight_group(cfg)
+    assert group is not None and group.colocated and group.request_timeout_s == 9
+    assert group.open_group.func is open_colocated_sender
+    assert group.open_group.keywords == {"model_path": cfg.model.path or None, "verify_every": 4}
+    sync = make_weight_sync(object(), group=group, trainer_gpus=True, options=WeightSyncOptions())
+    assert isinstance(sync, NcclWeightSync) and sync.backend == "ipc"
+    old = tiny_job(tmp_path, "x", *sglang, "rollout.sglang.colocated_sync=tensor")
+    assert ENGINES["sglang"].weight_group(old) is None

@@ -3,8 +3,12 @@ tests/rollout/sglang/hf_server.py: processes launched by the real host from the 
 the module run with `python -m`), speaking SGLang 0.5.16's HTTP API and generating with the tiny HF Qwen3-VL of a
 checkpoint directory. Each server journals the calls it received and a digest of its weights at every sync.
 
-Colocated (`/update_weights_from_tensor`):
-- every step: release memory -> train -> resume -> weights in several buckets -> version label -> cache flush;
+Colocated (`/update_weights_from_tensor`), both ways of `rollout.sglang.colocated_sync`:
+- every step: release memory -> train -> resume -> weights in several buckets, then the version label and the cache
+  flush: with `ipc` (the default) trainer rank 0 sends flat buckets itself and the label and flush ride on the last
+  bucket's request (the server's value check before the first sync of each sender: the job's first, and the re-sync
+  after the relaunch); with `tensor` the engine actor sends them, then `/update_weight_version` and `/flush_cache`
+  (the value check before every sync);
 - after each sync the server's weights equal the trainer's checkpoint of that step, bit for bit, and its samples
   score like the trainer's (`train_rollout_logprob_abs_diff` ~ 0 in fp32);
 - a server killed after a sync is relaunched by its host, refuses to generate with its reloaded weights, is re-synced
@@ -117,12 +121,25 @@ def sync_sequences(records: list[dict]) -> list[list[str]]:
     return out
 
 
-def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, hooks, local_ray):
+def ipc_sync_sequences(records: list[dict]) -> list[list[str]]:
+    """The calls of each `colocated_sync=ipc` sync: its buckets up to the one that labelled the version."""
+    out, current = [], []
+    for r in records:
+        if r.get("path") == "/update_weights_from_tensor":
+            current.append(r["path"])
+        elif r.get("event") == "weights" and current:
+            out.append(current)
+            current = []
+    return out
+
+
+@pytest.mark.parametrize("way", ["ipc", "tensor"])
+def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, hooks, local_ray, way):
     journal_dir, crash = tmp_path / "journal", tmp_path / "crash-once"
     journal_dir.mkdir()
     crash.touch()
     extra = f"rollout.sglang.extra_args=[--fake-journal,{journal_dir},--fake-exit-file,{crash}]"
-    run = run_job(config(tmp_path, checkpoint, "colocated", extra), hooks=hooks)
+    run = run_job(config(tmp_path, checkpoint, "colocated", extra, f"rollout.sglang.colocated_sync={way}"), hooks=hooks)
     rows = metrics(run)
 
     assert not crash.exists()  # a server did crash (on its first generate after the step-1 sync) ...
@@ -137,13 +154,24 @@ def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, hooks, local_ra
     [records] = read_journal(journal_dir).values()
     check_weights_match_the_trainer(run, {0: records}, checkpoint)
     paths = [r["path"] for r in records if "path" in r]
-    syncs = sync_sequences(records)
-    assert len(syncs) == 3  # step 1, the re-sync of the relaunched server, step 2
-    for seq in syncs:  # several buckets, then the version label, then the flush
-        assert len(seq) >= 4 and seq[:-2] == ["/update_weights_from_tensor"] * (len(seq) - 2)
-    # Each colocated sync is verified: the server's hashes are read before its first bucket (verify.py).
     starts = [k for k, p in enumerate(paths) if p == "/update_weights_from_tensor" and paths[k - 1] != p]
-    assert len(starts) == 3 and all(paths[k - 1] == "/weights_checker" for k in starts)
+    assert len(starts) == 3  # step 1, the re-sync of the relaunched server, step 2
+    if way == "tensor":
+        syncs = sync_sequences(records)
+        assert len(syncs) == 3
+        for seq in syncs:  # several buckets, then the version label, then the flush
+            assert len(seq) >= 4 and seq[:-2] == ["/update_weights_from_tensor"] * (len(seq) - 2)
+        # Each colocated sync is verified: the server's hashes are read before its first bucket (verify.py).
+        assert all(paths[k - 1] == "/weights_checker" for k in starts)
+    else:
+        syncs = ipc_sync_sequences(records)
+        assert len(syncs) == 3 and all(len(seq) >= 2 for seq in syncs)  # several buckets, the last one labels
+        assert "/update_weight_version" not in paths  # the label rode on the last bucket, and so did the flush:
+        assert all(paths[k + 1] == "/release_memory_occupation" for k, p in enumerate(paths) if p == "/flush_cache")
+        flushed = [r for r in records if r.get("event") == "flushed"]
+        assert len(flushed) == 3
+        # values checked on the first sync and on the re-sync (a new sender), not on step 2 (verify_weights_every=10)
+        assert [paths[k - 1] == "/weights_checker" for k in starts] == [True, True, False]
     assert "/update_weights_from_distributed" not in paths
     # Colocated memory: released before and resumed after each of the 2 train steps.
     assert paths.count("/release_memory_occupation") == paths.count("/resume_memory_occupation") == 2

@@ -418,7 +418,8 @@ class SGLangRolloutEngine:
             raise EngineStateError("load_weights() while the engine's memory is released: call resume_memory() first")
         self.weights_missing = "a weight sync started and did not complete"
         self._sync = _SyncInProgress(restarts=self.server_restarts, start=time.monotonic())
-        self.verifier.begin()
+        # the verifier begins with the first bucket: a sync the trainer drives itself (NCCL, colocated IPC) sends
+        # none through here, and must not cost this engine's `/weights_checker` call
 
     def load_weight_bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
         """Send one bucket of the sync begun by `begin_weight_sync` (`/update_weights_from_tensor`).
@@ -429,6 +430,8 @@ class SGLangRolloutEngine:
             WeightSyncError: a tensor name the server's checkpoint does not have (nothing of the bucket is sent).
         """
         sync = self._open_sync("load_weight_bucket")
+        if sync.buckets == 0:
+            self.verifier.begin()
         self.verifier.bucket(named_tensors)
         sync.bytes += send_tensor_bucket(self.client, named_tensors, tp_size=self.tp_size, device=self.weight_device)
         sync.buckets += 1

@@ -28,9 +28,13 @@ So after every colocated sync the engine checks two things (`SyncVerifier`):
    release without CPU backup, undefined: in both cases a changed tensor that landed changes the hash, and one that
    was skipped leaves it as it was.
 
-Cost per sync: two `/weights_checker` calls (the server hashes its weights on the GPU) and a CPU hash of a handful of
-tensors of at most `PROBE_MAX_NUMEL` elements. If the server cannot answer `/weights_checker`, the value check is
-turned off for that engine with a warning; the name check needs no server call.
+Cost per checked sync: two `/weights_checker` calls (the server hashes its weights on the GPU) and a CPU hash of a
+handful of tensors of at most `PROBE_MAX_NUMEL` elements. The colocated IPC sync (weights.py, `ColocatedWeightSender`)
+checks values only on some syncs (`weight_sync.verify_due`: the first after its group opened, then every
+`rollout.sglang.verify_weights_every`-th); the others cost the names check and the probes' CPU hash only
+(`begin(values=False)`), so that the next checked sync knows what the server held before it. If the server cannot
+answer `/weights_checker`, the value check is turned off for that engine with a warning; the name check needs no server
+call.
 """
 
 from __future__ import annotations
@@ -144,17 +148,27 @@ class SyncVerifier:
     # so a sync in another order still finds what it can check.
     last_sent: dict[str, str] = field(default_factory=dict)
     _before: dict[str, tuple[str, ...]] | None = None
+    # the parameter names the server reported at its first `/weights_checker`: probes are picked on every sync, also
+    # on those that skip the value check (`begin(values=False)`), so the next checked sync knows what the server holds
+    _server_names: frozenset[str] | None = None
     _roles: dict[str, str] = field(default_factory=dict)  # "first" | "last" | "vision" -> probe name
     _probes: dict[str, _Probe] = field(default_factory=dict)  # name -> probe
     _buckets: int = 0
     _open: bool = False
 
-    def begin(self) -> None:
-        """Before the first bucket: the server's hashes (the state the sync must change)."""
+    def begin(self, values: bool = True) -> None:
+        """Before the first bucket: the server's hashes (the state the sync must change).
+
+        Args:
+            values: run the value check on this sync (`weight_sync.verify_due`); False still checks names and records
+                the probes sent, at the cost of no server call.
+        """
         if self._open:  # a sync that did not finish may have changed the server's copies: they are unknown now
             self.last_sent.clear()
         self._open, self._roles, self._probes, self._buckets = True, {}, {}, 0
-        self._before = self._checksums() if self.check_values else None
+        self._before = self._checksums() if self.check_values and values else None
+        if self._before is not None:
+            self._server_names = frozenset(self._before)
 
     def bucket(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
         """Check a bucket's names (raises before anything is sent) and pick its probes.
@@ -172,12 +186,12 @@ class SyncVerifier:
                     "weights with the HF names of that checkpoint (model.language_model.*, model.visual.*, lm_head.*)"
                 )
         self._buckets += 1
-        if self._before is None:
+        if not self.check_values or self._server_names is None:
             return
         mapped = {
             n: (t, s)
             for n, t in named_tensors
-            if t.numel() <= PROBE_MAX_NUMEL and (s := server_name(n, self._before)) is not None
+            if t.numel() <= PROBE_MAX_NUMEL and (s := server_name(n, self._server_names)) is not None
         }
         if not mapped:
             return
@@ -204,7 +218,10 @@ class SyncVerifier:
             WeightSyncError: a probe sent with new values whose server parameter did not change.
         """
         before, self._before, self._open = self._before, None, False
-        if before is None or not self._probes:
+        if before is None:  # no value check this sync: what it sent is what the server holds from now on
+            self.last_sent.update({p.name: p.fingerprint for p in self._probes.values()})
+            return []
+        if not self._probes:
             return []
         after = self._checksums()
         if after is None:
@@ -233,6 +250,7 @@ class SyncVerifier:
     def server_restarted(self) -> None:
         """The server reloaded `model_path`: what the last syncs sent is gone."""
         self.last_sent.clear()
+        self._server_names = None
         self._before, self._open = None, False
 
     def _checksums(self) -> dict[str, tuple[str, ...]] | None:

@@ -20,8 +20,33 @@ allowlist that admits `torch.*` and `multiprocessing.resource_sharer.*`). The de
 its GPU UUID, not its index, because the trainer and the server see different `CUDA_VISIBLE_DEVICES`; 0.5.16's
 `monkey_patch_torch_reductions` (`python/sglang/srt/utils/patch_torch.py`) accepts either on the receiving side.
 The sender must keep the tensors alive until the call returns (it does: the bucket is held during the call). SGLang's
-`load_format="flattened_bucket"` (one tensor per bucket, `python/sglang/srt/weight_sync/tensor_bucket.py`) is not
-used: its metadata class lives in sglang, which the trainer need not import.
+`load_format="flattened_bucket"` is what the colocated IPC path below uses.
+
+The colocated IPC path (`ColocatedWeightSender`, formed by `open_colocated_sender` inside trainer rank 0, the
+default for colocated jobs: `rollout.sglang.colocated_sync=ipc`): no weight byte passes through the CPU or Ray's
+object store. The train rank exports on its GPU, packs each bucket into one of two persistent flat GPU buffers
+(`weight_sync.pack_bucket`) and POSTs, per engine and bucket, one `/update_weights_from_tensor` with
+`load_format="flattened_bucket"` whose payload (per TP rank) is one CUDA IPC handle of the buffer and the entries'
+metadata (`serialize_flat_bucket`). The last bucket's request carries `weight_version` and `flush_cache: true` (0.5.16's
+`TokenizerControlMixin.update_weights_from_tensor` labels the version after a successful load; the scheduler flushes
+after it, `flush_cache_after_weight_update`), so a sync is `buckets` requests and nothing else. 0.5.16 rebuilds the
+bucket in `WeightUpdater._update_weights_from_flattened_bucket` (`model_runner_components/weight_updater.py`): it reads
+`flattened_tensor` and, per entry, the attributes name, shape, dtype, start_idx, end_idx, numel, and loads the views
+`flattened_tensor[start_idx:end_idx].view(dtype).reshape(shape)` with the model's `load_weights`; the entries travel as
+`types.SimpleNamespace` (its allowlist admits `types.`; sglang's own `FlattenedTensorMetadata` would need sglang on the
+trainer). The requests of two buckets may be in flight at once (and arrive in either order); the last one is sent only
+after every earlier one answered, so the version label and the flush follow the whole sync. A buffer is written again
+only after every engine answered the request that read it (`_fence`). The answer comes once the server's
+`load_weights` has enqueued its copies from the buffer on its stream; 0.5.16 does not synchronize that stream before
+answering, so the fence is the answer, not the copies' completion: those copies are alone on an idle stream (generate
+is refused during a sync; 512 MiB copy in about half a millisecond) while the answer's way back (scheduler, tokenizer
+manager, HTTP) takes longer. A strict fence needs a server-side event (not in
+0.5.16). The buffers are plain allocations of the train process's CUDA caching allocator, which no memory saver
+manages (SGLang's torch_memory_saver pauses only the server process's own regions; the trainer runs none), sized to
+the bucket bound and grown for a single larger tensor; they stay allocated for the job (2 x 512 MiB on trainer rank
+0's GPU). Names are checked on every sync and values (`/weights_checker`, verify.py) on the first sync after the
+sender formed (the job's first, and the first after a relaunch: `repair` forms it again), then every
+`rollout.sglang.verify_weights_every`-th (`weight_sync.verify_due`).
 
 The NCCL path (disaggregated), trainer rank 0 of a group of `1 + sum(tp_size)` ranks (`DistributedWeightSender`,
 formed by `open_trainer_group` inside the train actor):
@@ -67,6 +92,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -78,16 +104,21 @@ from torch import Tensor
 
 from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+from miles_vl.rollout.sglang.verify import SyncVerifier, checkpoint_names
 from miles_vl.rollout.weight_sync import (
     ABORT_GRACE_S,
     DEFAULT_BUCKET_BYTES,
     SYNC_BYTES_PER_S,
     SYNC_FLOOR_S,
+    FlatEntry,
     SyncReport,
     TensorMeta,
     bucket_timeout_s,
     check_bucket_bytes,
+    flat_layout,
     iter_buckets,
+    pack_bucket,
+    verify_due,
 )
 
 log = logging.getLogger(__name__)
@@ -96,6 +127,7 @@ _ABANDONED_GROUPS: list = []  # weight-update groups broken by a failed sync (`D
 _POLL_S = 0.01  # how often the wait for one broadcast looks at it (torch's Work has no completion callback on CPU)
 
 __all__ = [
+    "ColocatedWeightSender",
     "DistributedWeightSender",
     "EngineAddress",
     "EngineEndpoint",
@@ -103,8 +135,10 @@ __all__ = [
     "finish_tensor_sync",
     "group_layout",
     "init_trainer_group",
+    "open_colocated_sender",
     "open_trainer_group",
     "send_tensor_bucket",
+    "serialize_flat_bucket",
     "serialize_named_tensors",
 ]
 
@@ -119,6 +153,28 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, Tensor]]) -> str:
     CPU tensors are shared through file descriptors, which only a process that can reach ours (e.g. a thread of this
     process) can open: that is what the CPU tests do. A real SGLang server needs CUDA tensors.
     """
+    return _serialize([(str(name), tensor) for name, tensor in named_tensors])
+
+
+def serialize_flat_bucket(flat: Tensor, entries: Sequence[FlatEntry]) -> str:
+    """The payload of one `load_format="flattened_bucket"` request (module docstring): base64 of a ForkingPickler dump
+    of `{"flattened_tensor": flat, "metadata": [entry, ...]}`, each entry a `types.SimpleNamespace` with the
+    attributes 0.5.16's `FlattenedTensorMetadata` has (byte offsets into `flat`). One call per receiving TP rank."""
+    metadata = [
+        types.SimpleNamespace(
+            name=e.name,
+            shape=torch.Size(e.shape),
+            dtype=e.dtype,
+            start_idx=e.start,
+            end_idx=e.start + e.nbytes,
+            numel=e.nbytes,
+        )
+        for e in entries
+    ]
+    return _serialize({"flattened_tensor": flat, "metadata": metadata})
+
+
+def _serialize(obj) -> str:
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
@@ -129,7 +185,7 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, Tensor]]) -> str:
     for cls in list(pickler.dispatch_table):
         if isinstance(cls, type) and issubclass(cls, torch.Tensor):
             pickler.dispatch_table[cls] = _reduce_tensor_with_uuid
-    pickler.dump([(str(name), tensor) for name, tensor in named_tensors])
+    pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -189,6 +245,188 @@ def finish_tensor_sync(client: SGLangClient, *, weight_version: str, flush_timeo
         torch.cuda.ipc_collect()
     client.update_weight_version(weight_version)
     client.flush_cache(timeout_s=flush_timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the colocated IPC path, trainer rank 0's side: flat buckets, one IPC handle per bucket
+
+
+class ColocatedWeightSender:
+    """Trainer rank 0's colocated sync to SGLang servers on its node (sequence in the module docstring): a
+    `weight_sync.WeightGroup` whose `send` packs buckets into persistent flat buffers and hands each server one IPC
+    handle per bucket.
+
+    Args:
+        engines: the engines, each with its client and TP size.
+        known_names: the tensor names of the checkpoint the servers loaded (`verify.checkpoint_names`); None:
+            unchecked.
+        max_bucket_bytes: bound of one bucket (and the size of each buffer).
+        verify_every: the value check runs on the first sync, then every this many (0: only the first).
+        device: where the buffers live; None: this process's current GPU, else the CPU (tests: CPU tensors travel
+            as file descriptors, which a stand-in server of this host can open).
+        buffers: how many buffers rotate (2: one bucket packs while the servers copy the other).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineEndpoint],
+        *,
+        known_names: frozenset[str] | None = None,
+        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify_every: int = 10,
+        device: torch.device | str | None = None,
+        buffers: int = 2,
+    ):
+        if not engines:
+            raise ValueError("ColocatedWeightSender needs at least one engine")
+        check_bucket_bytes(max_bucket_bytes)
+        if verify_every < 0 or buffers < 1:
+            raise ValueError(f"verify_every must be >= 0 and buffers >= 1, found {verify_every} and {buffers}")
+        self.engines = list(engines)
+        self.verifiers = [SyncVerifier(e.client, known_names) for e in self.engines]
+        self.max_bucket_bytes = max_bucket_bytes
+        self.verify_every = verify_every
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.syncs = 0  # syncs sent by this sender (`verify_due` counts from its first)
+        self._buffers: list[Tensor | None] = [None] * buffers
+        self._in_flight: list[list[Future]] = [[] for _ in range(buffers)]  # the requests reading each buffer
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines) * buffers, thread_name_prefix="sglang-ipc")
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
+        """Send all tensors bucket by bucket; the last bucket's request labels `weight_version` and flushes the cache.
+
+        Returns:
+            A `SyncReport` (`verified`: the probes whose landing the servers' hashes confirmed, on a checked sync).
+
+        Raises:
+            WeightSyncError: a name the servers' checkpoint lacks (before its bucket is sent), or a probe that did not
+                land (after the sync).
+            SGLangError: an engine refused a bucket or is gone (the servers' weights are then partly updated).
+            ValueError: no tensors.
+        """
+        self.syncs += 1
+        values = verify_due(self.syncs, self.verify_every)
+        for v in self.verifiers:
+            v.begin(values)
+        start = time.monotonic()
+        buckets = tensors = nbytes = 0
+        pending = iter_buckets(named_tensors, self.max_bucket_bytes)
+        bucket = next(pending, None)
+        if bucket is None:
+            raise ValueError("no tensors to sync: named_tensors was empty")
+        try:
+            while bucket is not None:
+                for v in self.verifiers:
+                    v.bucket(bucket)  # refuses a name the servers would skip, before anything of it is sent
+                following = next(pending, None)  # the last bucket's request carries the version and the flush
+                slot = buckets % len(self._buffers)
+                self._fence(slot)
+                entries = pack_bucket(bucket, self._buffer(slot, flat_layout(bucket)[1]))
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # packed before a server maps it
+                last = following is None
+                if last:  # the label and the flush may act only once every earlier bucket has loaded
+                    for other in range(len(self._buffers)):
+                        self._fence(other)
+                self._in_flight[slot] = [
+                    self._pool.submit(
+                        e.client.update_weights_from_tensor,
+                        [serialize_flat_bucket(self._buffers[slot], entries) for _ in range(e.tp_size)],
+                        load_format="flattened_bucket",
+                        flush_cache=last,
+                        weight_version=weight_version if last else None,
+                    )
+                    for e in self.engines
+                ]
+                buckets += 1
+                tensors += len(entries)
+                nbytes += sum(x.nbytes for x in entries)
+                bucket = following
+        finally:
+            errors = self._drain()  # never leave a request reading a buffer behind, also when raising
+        if errors:
+            raise SGLangError("update_weights_from_tensor failed on:\n" + "\n".join(errors))
+        verified = [n for v in self.verifiers for n in v.finish()]
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # the servers' references to earlier buffers (a grown one) are released
+        return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version, tuple(verified))
+
+    def close(self) -> None:
+        """Free the buffers (after every request that reads them answered)."""
+        self._drain()
+        self._buffers = [None] * len(self._buffers)
+        self._pool.shutdown(wait=True)
+
+    def _fence(self, slot: int) -> None:
+        """Wait until every request that reads buffer `slot` answered: only then may it be packed again."""
+        wait_futures(self._in_flight[slot])
+
+    def _buffer(self, slot: int, nbytes: int) -> Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:  # a single tensor larger than the bound grows it for good
+            buf = torch.empty(max(nbytes, self.max_bucket_bytes), dtype=torch.uint8, device=self.device)
+            self._buffers[slot] = buf
+        return buf
+
+    def _drain(self) -> list[str]:
+        """Wait for every request in flight; the failures, one line per engine and bucket."""
+        errors = []
+        for slot, futures in enumerate(self._in_flight):
+            for e, f in zip(self.engines if futures else [], futures, strict=True):
+                try:
+                    f.result()
+                except Exception as err:  # collect every engine's failure, then raise one error naming them all
+                    errors.append(f"{e.client.base_url}/update_weights_from_tensor: {err}")
+            self._in_flight[slot] = []
+        return errors
+
+
+def open_colocated_sender(
+    engines: Sequence[EngineAddress],
+    *,
+    model_path: str | None,
+    verify_every: int,
+    max_bucket_bytes: int,
+    request_timeout_s: float,
+    backend: str = "ipc",
+    timeout_s: float = 600.0,
+    sync_timeout_s: float | None = None,
+) -> ColocatedWeightSender:
+    """Trainer rank 0's colocated IPC sender to every engine (a `weight_sync.GroupOpener`; runs in the train actor).
+
+    Args:
+        engines: the engines' addresses, in engine order.
+        model_path: the checkpoint the servers loaded (its names are checked on every sync); None: unchecked.
+        verify_every: `rollout.sglang.verify_weights_every`.
+        max_bucket_bytes: bound of one bucket.
+        request_timeout_s: per-attempt timeout of the HTTP calls to the servers.
+        backend, timeout_s, sync_timeout_s: the group path's options; no group backend takes part here.
+
+    Raises:
+        ValueError: an engine on another node than this train rank (a CUDA IPC handle opens on its own node only).
+    """
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    far = [i for i, e in enumerate(engines) if e.node_ip != here]
+    if far:
+        raise ValueError(
+            f"colocated engines {far} run on another node than trainer rank 0 ({here}), so the colocated IPC weight "
+            "sync cannot hand them CUDA memory; set rollout.sglang.colocated_sync=tensor (through Ray's object store)"
+        )
+    if not torch.cuda.is_available():  # a CPU job (tests): buffers shared by shared-memory file name, as the host does
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    return ColocatedWeightSender(
+        [
+            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            for e in engines
+        ],
+        known_names=checkpoint_names(model_path) if model_path else None,
+        max_bucket_bytes=max_bucket_bytes,
+        verify_every=verify_every,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -298,17 +298,18 @@ class MegatronTrainBackend:
         if not self.frozen_prefixes:
             self.vision_trainable = trainable
 
-    def export_weights(self) -> Iterable[tuple[str, Tensor]]:
-        """Trainable weights as (HF name, full CPU tensor) pairs, vision tower included unless frozen. Collective:
-        every rank of the model must consume the iterator."""
-        return self.hf_weights(self.frozen_prefixes)
+    def export_weights(self, on_device: bool = False) -> Iterable[tuple[str, Tensor]]:
+        """Trainable weights as (HF name, full tensor) pairs, vision tower included unless frozen: CPU tensors, or GPU
+        ones with `on_device` (megatron-bridge's `cpu=False`: the colocated IPC sync packs them on the GPU).
+        Collective: every rank of the model must consume the iterator."""
+        return self.hf_weights(self.frozen_prefixes, cpu=not on_device)
 
-    def hf_weights(self, skip_prefixes: Sequence[str] = ()) -> Iterable[tuple[str, Tensor]]:
-        """Every weight but those under `skip_prefixes` (megatron names) as (HF name, full CPU tensor), through
-        megatron-bridge's HF export (export.py). Collective: every rank must consume the iterator."""
+    def hf_weights(self, skip_prefixes: Sequence[str] = (), *, cpu: bool = True) -> Iterable[tuple[str, Tensor]]:
+        """Every weight but those under `skip_prefixes` (megatron names) as (HF name, full tensor; on the CPU with
+        `cpu`), through megatron-bridge's HF export (export.py). Collective: every rank must consume the iterator."""
         if self.bridge is None:
             raise ValueError("exporting HF weights needs the AutoBridge the model was built from; pass bridge=...")
-        return export_hf_weights(self.bridge, self.model, skip_prefixes=skip_prefixes, cpu=True)
+        return export_hf_weights(self.bridge, self.model, skip_prefixes=skip_prefixes, cpu=cpu)
 
     def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """The whole model (frozen vision tower too) as an HF model directory with the config of the checkpoint the

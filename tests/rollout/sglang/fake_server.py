@@ -395,6 +395,18 @@ def _rebuild_cuda_tensor_from_uuid(rebuild):
     return wrapped
 
 
+def rebuild_flattened_bucket(payload) -> list:
+    """A `load_format="flattened_bucket"` payload as 0.5.16 rebuilds it (`WeightUpdater._update_weights_from_flattened_
+    bucket`, `weight_sync/tensor_bucket.py`): the entries' attributes only, each a view of the one flat tensor."""
+    if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+        raise BadRequest(f"a flattened bucket is a dict of flattened_tensor and metadata, got {str(payload)[:100]}")
+    flat = payload["flattened_tensor"]
+    bad = [m.name for m in payload["metadata"] if m.end_idx - m.start_idx != m.numel]  # numel counts bytes there
+    if bad:
+        raise BadRequest(f"flattened bucket entries {bad[:3]}: end_idx - start_idx != numel")
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in payload["metadata"]]
+
+
 def _summarize(named_tensors) -> dict[str, Any]:
     import torch
 
@@ -821,10 +833,15 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest("serialized_named_tensors must be a list of base64 strings")
         if len(payloads) < s.tp_size:  # TpModelWorker indexes the list by tp_rank
             raise BadRequest(f"list index out of range: {len(payloads)} payloads for tp_size {s.tp_size}")
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(f"Unknown load_format={body.get('load_format')} (this stand-in loads lists of tensors)")
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise BadRequest(
+                f"Unknown load_format={load_format} (this stand-in loads lists of tensors and flat buckets)"
+            )
         try:
             received = [_unpickle_allowlisted(base64.b64decode(p, validate=True)) for p in payloads]
+            if load_format == "flattened_bucket":
+                received = [rebuild_flattened_bucket(r) for r in received]
             summaries = [_summarize(r) for r in received]
         except BadRequest:
             raise
@@ -836,6 +853,11 @@ class Handler(BaseHTTPRequestHandler):
                               "skipped": skipped})  # fmt: skip
             if body.get("weight_version") is not None:
                 s.weight_version = body["weight_version"]
+        if body.get("weight_version") is not None and self.server.model is not None:  # as /update_weight_version
+            self.server.journal({"event": "weights", "version": s.weight_version, "digest": self.server.model.digest()})
+        if body.get("flush_cache"):  # 0.5.16: the scheduler flushes after a successful load (flush_cache_after_...)
+            self.server.log("Cache flushed successfully!")
+            self.server.journal({"event": "flushed"})
         self._json(200, {"success": True, "message": "Success"})
 
     def _load(self, named_tensors: list, path: str) -> list[str]:

@@ -12,20 +12,30 @@ import pickle
 import pickletools
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 from miles_vl.rollout.sglang import weights
+from miles_vl.rollout.sglang.client import SGLangError
+from miles_vl.rollout.sglang.verify import WeightSyncError
 from miles_vl.rollout.sglang.weights import (
+    ColocatedWeightSender,
     DistributedWeightSender,
     EngineEndpoint,
     group_layout,
+    serialize_flat_bucket,
     serialize_named_tensors,
 )
+from miles_vl.rollout.weight_sync import flat_layout, pack_bucket
 from tests.rollout.sglang.conftest import FAKE_SERVER, free_port, quick_client
-from tests.rollout.sglang.fake_server import ALLOWED_MODULE_PREFIXES, _unpickle_allowlisted
+from tests.rollout.sglang.fake_server import (
+    ALLOWED_MODULE_PREFIXES,
+    _unpickle_allowlisted,
+    rebuild_flattened_bucket,
+)
 
 
 def test_payload_passes_sglangs_unpickler_and_rebuilds_the_tensors():
@@ -268,3 +278,186 @@ def test_an_nccl_group_whose_peers_disagree_on_cumem_is_refused_before_it_forms(
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     with pytest.raises(ValueError, match="NCCL_CUMEM_ENABLE"):
         weights.open_trainer_group(engines[:1], backend="nccl", max_bucket_bytes=1, request_timeout_s=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the colocated IPC path (issue 33.1): flat buckets, one handle per bucket, the fence, the version on the last request
+
+
+def test_a_flat_bucket_payload_passes_sglangs_unpickler_and_rebuilds_as_0516_does():
+    g = torch.Generator().manual_seed(2)
+    bucket = [
+        ("a.weight", torch.randn(3, 4, generator=g).to(torch.bfloat16)),
+        ("b.bias", torch.arange(5, dtype=torch.int64)),
+        ("c.weight", torch.randn(4, 2, generator=g).t()),
+    ]
+    entries, size = flat_layout(bucket)
+    flat = torch.zeros(size, dtype=torch.uint8)
+    pack_bucket(bucket, flat)
+    data = base64.b64decode(serialize_flat_bucket(flat, entries), validate=True)
+    strings = {str(arg) for op, arg, _ in pickletools.genops(data) if op.name == "SHORT_BINUNICODE"}
+    referenced = {m for m in strings if m == "types" or m.startswith(("torch", "multiprocessing"))}
+    assert "types" in referenced  # the entries: types.SimpleNamespace, which 0.5.16's allowlist admits
+    assert all(any((m + ".").startswith(p) for p in ALLOWED_MODULE_PREFIXES) for m in referenced), referenced
+    payload = _unpickle_allowlisted(data)  # refuses any module outside the allowlist
+    assert isinstance(payload["flattened_tensor"], torch.Tensor)  # the one handle of the bucket
+    assert not any(isinstance(v, torch.Tensor) for m in payload["metadata"] for v in vars(m).values())
+    rebuilt = rebuild_flattened_bucket(payload)  # 0.5.16's reading: attributes, slices, view(dtype).reshape(shape)
+    assert [n for n, _ in rebuilt] == [n for n, _ in bucket]
+    for (_, got), (_, want) in zip(rebuilt, bucket, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class StandInServer:
+    """An in-process `SGLangClient` for the colocated sender: rebuilds each flat bucket as 0.5.16 does (the payload's
+    tensor aliases the sender's buffer, as a CUDA IPC mapping does), keeps the loaded tensors, answers
+    `/weights_checker` with their hashes; `hold` (a call index) answers that call only once `release` is set, and
+    checks its bytes at answer time, when 0.5.16 would have copied them."""
+
+    base_url = "http://stand-in"
+
+    def __init__(self, expected: dict[str, torch.Tensor], hold: int | None = None, ignore: bool = False):
+        self.expected = expected
+        self.hold = hold
+        self.ignore = ignore  # accept and load nothing (a server that skips what it is sent)
+        self.release = threading.Event()
+        self.calls: list[dict] = []
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.checks = 0
+        self.answered = 0
+        self.expect_calls = 0  # when this many calls arrived, `all_arrived` is set
+        self.all_arrived = threading.Event()
+        self.lock = threading.Lock()
+
+    def update_weights_from_tensor(self, payloads, *, load_format, flush_cache, weight_version):
+        assert load_format == "flattened_bucket" and len(payloads) == 1
+        rebuilt = rebuild_flattened_bucket(_unpickle_allowlisted(base64.b64decode(payloads[0], validate=True)))
+        with self.lock:
+            index = len(self.calls)
+            self.calls.append({"names": [n for n, _ in rebuilt], "flush": flush_cache, "version": weight_version})
+            if len(self.calls) == self.expect_calls:
+                self.all_arrived.set()
+            if weight_version is not None and self.answered != index:  # the label would precede loads
+                raise SGLangError(f"call {index} labels {weight_version!r} while {index - self.answered} still load")
+        if index == self.hold:
+            self.release.wait()
+        wrong = [n for n, t in rebuilt if not torch.equal(t, self.expected[n])]
+        if wrong:
+            raise SGLangError(f"call {index}: the buffer changed before the answer: {wrong}")
+        with self.lock:
+            if not self.ignore:
+                self.loaded.update({n: t.clone() for n, t in rebuilt})
+            self.answered += 1
+
+    def check_weights(self, action: str = "checksum") -> dict:
+        with self.lock:
+            self.checks += 1
+            sums = {n: str(float(t.double().sum())) for n, t in self.loaded.items()}
+        return {"ranks": [{"checksums": sums, "parallelism_info": {"tp_rank": 0}}]}
+
+
+def _weights(seed: int, n: int = 6) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"layer{i}.weight", torch.randn(64, generator=g)) for i in range(n)]  # 256 bytes each
+
+
+def test_the_colocated_sender_sends_one_flat_bucket_per_request_and_labels_the_version_on_the_last():
+    """One request per bucket; the last carries the label and the flush, and is sent only once every earlier request
+    answered (the stand-in holds bucket 1's answer until the sender fences: without that wait the label would arrive
+    while bucket 1 still loads)."""
+    sent = _weights(0)
+    server = StandInServer(dict(sent), hold=1)
+    sender = ColocatedWeightSender([EngineEndpoint(server)], max_bucket_bytes=512, device="cpu")
+    fence = sender._fence
+
+    def fence_then_release(slot: int) -> None:
+        if slot == 1 and sender._in_flight[1]:
+            server.release.set()  # the sender is about to wait for bucket 1's answer
+        fence(slot)
+
+    def drain_then_release():
+        server.all_arrived.wait()  # the last request too: it must not find bucket 1 still loading
+        server.release.set()
+        return drain()
+
+    server.expect_calls = 3
+    drain = sender._drain
+    sender._fence, sender._drain = fence_then_release, drain_then_release
+    report = sender.send(iter(sent), weight_version="v1")
+    assert [c["names"] for c in server.calls] == [[n for n, _ in sent[i : i + 2]] for i in (0, 2, 4)]
+    assert [(c["flush"], c["version"]) for c in server.calls] == [(False, None), (False, None), (True, "v1")]
+    assert (report.buckets, report.tensors, report.bytes, report.weight_version) == (3, 6, 6 * 256, "v1")
+    assert all(torch.equal(server.loaded[n], t) for n, t in sent)
+    sender.close()
+
+
+def test_a_buffer_is_packed_again_only_after_the_server_answered_the_request_that_reads_it(monkeypatch):
+    """Four buckets, two buffers: bucket 2 goes into bucket 0's buffer. The server answers bucket 0 late: it is
+    released when the sender waits for that buffer (or, were there no fence, when the sender drains at the end, by
+    which time bucket 2 would have overwritten what bucket 0's request still reads)."""
+    sent = _weights(1, n=8)
+    server = StandInServer(dict(sent), hold=0)
+    sender = ColocatedWeightSender([EngineEndpoint(server)], max_bucket_bytes=512, device="cpu", buffers=2)
+    fence, drain = sender._fence, sender._drain
+
+    def fence_then_release(slot: int) -> None:
+        if slot == 0 and sender._in_flight[0]:
+            server.release.set()  # the sender is about to wait for bucket 0's answer
+        fence(slot)
+
+    def drain_then_release():
+        server.release.set()
+        return drain()
+
+    monkeypatch.setattr(sender, "_fence", fence_then_release)
+    monkeypatch.setattr(sender, "_drain", drain_then_release)
+    sender.send(iter(sent), weight_version="v1")
+    assert len(server.calls) == 4 and all(torch.equal(server.loaded[n], t) for n, t in sent)
+
+
+def test_the_value_check_runs_on_the_first_sync_and_every_nth_and_finds_weights_that_did_not_land():
+    server = StandInServer({})
+    server.loaded = dict(_weights(10))  # what the server loaded at start (its checkpoint)
+    sender = ColocatedWeightSender([EngineEndpoint(server)], max_bucket_bytes=512, device="cpu", verify_every=3)
+    checks = []
+    for k in range(1, 7):
+        sent = _weights(10 + k)
+        server.expected = dict(sent)
+        report = sender.send(iter(sent), weight_version=f"v{k}")
+        checks.append(server.checks)
+        assert bool(report.verified) == (k in (3, 6))  # sync 1 has nothing earlier to compare with
+    assert checks == [2, 2, 4, 4, 4, 6]  # two /weights_checker calls on syncs 1, 3 and 6 only
+    server.ignore = True  # from now on the server accepts the buckets and loads nothing
+    for k in (7, 8):
+        server.expected = dict(sent := _weights(10 + k))
+        sender.send(iter(sent), weight_version=f"v{k}")  # unchecked syncs: not seen
+    server.expected = dict(sent := _weights(19))
+    with pytest.raises(WeightSyncError, match="did not land"):
+        sender.send(iter(sent), weight_version="v9")
+
+
+def test_the_colocated_sender_refuses_a_name_the_server_would_skip_before_sending_its_bucket():
+    sent = _weights(2)
+    server = StandInServer(dict(sent))
+    known = frozenset(n for n, _ in sent[:3])
+    sender = ColocatedWeightSender([EngineEndpoint(server)], known_names=known, max_bucket_bytes=512, device="cpu")
+    with pytest.raises(WeightSyncError, match="not named as in the checkpoint"):
+        sender.send(iter(sent), weight_version="v1")
+    assert [c["names"] for c in server.calls] == [["layer0.weight", "layer1.weight"]]  # bucket 1 holds layer3
+
+
+def test_a_colocated_engine_on_another_node_is_refused_with_the_switch_that_fixes_it(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    monkeypatch.setattr(torch.multiprocessing, "set_sharing_strategy", lambda s: None)  # keep this process's strategy
+    near = weights.EngineAddress("http://127.0.0.1:1", "k", 1, "10.0.0.1", True)
+    far = weights.EngineAddress("http://10.0.0.2:1", "k", 1, "10.0.0.2", False)
+    with pytest.raises(ValueError, match=r"engines \[1\] run on another node.*colocated_sync=tensor"):
+        weights.open_colocated_sender(
+            [near, far], model_path=None, verify_every=1, max_bucket_bytes=1024, request_timeout_s=1.0
+        )
+    sender = weights.open_colocated_sender(
+        [near], model_path=None, verify_every=1, max_bucket_bytes=1024, request_timeout_s=1.0
+    )
+    sender.close()
