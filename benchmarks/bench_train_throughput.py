@@ -79,56 +79,28 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense, SXM datasheets
 
 def qwen3_vl_2b_config(tokens: SpecialTokens = TOKENS) -> Qwen3VLConfig:
     """The Qwen3-VL-2B-Instruct architecture (its config.json shapes), for random init."""
-    return Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=tokens.vocab_size,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            hidden_act="silu",
-            max_position_embeddings=262144,
-            rms_norm_eps=1e-6,
-            rope_parameters=dict(
-                rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
-            ),
-            tie_word_embeddings=True,
-            pad_token_id=tokens.pad_token_id,
-        ),
-        vision_config=dict(
-            depth=24,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_heads=16,
-            out_hidden_size=2048,
-            hidden_act="gelu_pytorch_tanh",
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            num_position_embeddings=2304,
-            deepstack_visual_indexes=[5, 11, 17],
-        ),
-        image_token_id=tokens.image_token_id,
-        video_token_id=tokens.video_token_id,
-        vision_start_token_id=tokens.vision_start_token_id,
-        vision_end_token_id=tokens.vision_end_token_id,
-        tie_word_embeddings=True,
-    )
+    text = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16)
+    vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2048)
+    return _qwen3_vl_config(tokens, text, vision, deepstack=[5, 11, 17], tied=True)
 
 
 def qwen3_vl_8b_config(tokens: SpecialTokens = TOKENS) -> Qwen3VLConfig:
     """The Qwen3-VL-8B-Instruct architecture (its config.json shapes), for random init: 8.77B parameters (text 8.19B
     with an untied lm_head, vision tower 0.58B)."""
+    text = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
+    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096)
+    return _qwen3_vl_config(tokens, text, vision, deepstack=[8, 16, 24], tied=False)
+
+
+def _qwen3_vl_config(
+    tokens: SpecialTokens, text: dict, vision: dict, deepstack: list[int], tied: bool
+) -> Qwen3VLConfig:
+    """A Qwen3-VL configuration of the released family: the sizes given, the rest as every released dense model has
+    it (8 KV heads of 128, interleaved MRoPE 24/20/20 at theta 5e6, a 16-pixel patch merged 2 x 2, 16 vision heads)."""
     return Qwen3VLConfig(
         text_config=dict(
             vocab_size=tokens.vocab_size,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
+            **text,
             num_key_value_heads=8,
             head_dim=128,
             hidden_act="silu",
@@ -137,28 +109,25 @@ def qwen3_vl_8b_config(tokens: SpecialTokens = TOKENS) -> Qwen3VLConfig:
             rope_parameters=dict(
                 rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
             ),
-            tie_word_embeddings=False,
+            tie_word_embeddings=tied,
             pad_token_id=tokens.pad_token_id,
         ),
         vision_config=dict(
-            depth=27,
-            hidden_size=1152,
-            intermediate_size=4304,
+            **vision,
             num_heads=16,
-            out_hidden_size=4096,
             hidden_act="gelu_pytorch_tanh",
             patch_size=16,
             spatial_merge_size=2,
             temporal_patch_size=2,
             in_channels=3,
             num_position_embeddings=2304,
-            deepstack_visual_indexes=[8, 16, 24],
+            deepstack_visual_indexes=deepstack,
         ),
         image_token_id=tokens.image_token_id,
         video_token_id=tokens.video_token_id,
         vision_start_token_id=tokens.vision_start_token_id,
         vision_end_token_id=tokens.vision_end_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
 
 
