@@ -645,6 +645,7 @@ class Job:
                 self.rollout.release_memory()  # colocated: the trainer gets the devices
                 train_metrics = self.trainer.train(batch.samples)
                 self.rollout.resume_memory()
+            self.publish_save_before_sync()
             with timer("sync"):
                 self.rollout.sync_weights(weight_version(step + 1))
         finally:
@@ -769,6 +770,18 @@ class Job:
             "weight_resyncs": self.rollout.resyncs,
             "config": redacted(self.cfg),
         }
+
+    def publish_save_before_sync(self) -> None:
+        """A background save still in flight is waited for and published before a weight sync: a stop during a
+        stalled sync ends the train ranks (trainer.py), and a checkpoint whose write they had not confirmed would be
+        lost with them. The save has had the rollout and the train phase to finish, so this rarely waits; the wait
+        counts in `perf/save_blocked_s`."""
+        if self.pending_save is not None:
+            t0 = time.perf_counter()
+            try:
+                self.finish_save(wait=True)
+            finally:
+                self.save_blocked_s += time.perf_counter() - t0
 
     def save_if_due(self) -> None:
         """The checkpoint of the last completed step when `checkpoint.interval` divides its number, in the background

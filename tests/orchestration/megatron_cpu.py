@@ -37,9 +37,10 @@ def build(hf_path: str, tokens, options, parallel):
     from tests.train.megatron.jobs import cpu_te_named_gpt_spec, cpu_te_named_vit_spec, exact_gelu_in_patch_mergers
 
     class CpuBackend(MegatronTrainBackend):
-        def hf_weights(self, skip_prefixes=()):
+        def hf_weights(self, skip_prefixes=(), *, cpu=True):
             # megatron-bridge unwraps megatron's DDP itself; CpuDDP is not one of the wrappers it knows
-            return export_hf_weights(self.bridge, [c.module for c in self.model], skip_prefixes=skip_prefixes)
+            chunks = [c.module for c in self.model]
+            return export_hf_weights(self.bridge, chunks, skip_prefixes=skip_prefixes, cpu=cpu)
 
         def save_checkpoint(self, directory: Path) -> None:
             state = {
