@@ -28,9 +28,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,14 +37,16 @@ from tests.gpu.test_nccl_sync_real import (
     BOUND,
     BUCKET_BYTES,
     CONTROL_FACTOR,
-    EXTRA_ARGS,
     _writer,
     hf_logprobs,
     make_prompts,
     max_abs,
     mean_abs,
     perturbed,
+    record_pid,
+    server_for,
     server_logprobs,
+    tiny_checkpoint,
     visible_gpus,
     write_like,
 )
@@ -71,41 +71,22 @@ def sync_run(tmp_path_factory) -> dict:
     from miles_vl.rollout import sglang as sg
     from miles_vl.rollout.sglang.client import SGLangClient
     from miles_vl.rollout.sglang.weights import EngineAddress, open_colocated_sender
-    from tests.rollout.sglang.conftest import free_port
 
     writer = _writer()
-    given = os.environ.get("MILES_VL_SGLANG_CKPT")
-    if given and (Path(given) / "model.safetensors").exists():
-        ckpt = Path(given)
-    else:
-        ckpt = tmp_path_factory.mktemp("tiny_qwen3vl")
-        writer.write_checkpoint(ckpt, shape="tiny", seed=0)
+    ckpt = tiny_checkpoint(tmp_path_factory, writer)
     original = load_file(str(ckpt / "model.safetensors"))
     first, new = perturbed(original, seed=2), perturbed(original, seed=1)
     new_dir = write_like(ckpt, tmp_path_factory.mktemp("perturbed"), new)
     processor = load_processor(str(ckpt), writer.DEFAULT_MIN_PIXELS, writer.DEFAULT_MAX_PIXELS)
     tokens = special_tokens(processor)
-    size = processor.image_processor.size
     prompts = make_prompts(processor, tokens)
 
-    spec = sg.ServerSpec(
-        model_path=str(ckpt),
-        port=free_port(),
-        mem_fraction_static=0.3,
-        colocated=True,
-        random_seed=0,
-        image_min_pixels=size.shortest_edge,
-        image_max_pixels=size.longest_edge,
-        extra_args=EXTRA_ARGS,
+    spec, env, server = server_for(
+        ckpt, processor, colocated=True, gpu=visible_gpus()[0], log_name="sglang_ipc_sync.log"
     )
-    env = {**sg.build_server_env(spec), "CUDA_VISIBLE_DEVICES": visible_gpus()[0]}
-    out_dir = os.environ.get("OUT")
-    log_path = Path(out_dir) / "sglang_ipc_sync.log" if out_dir else Path(tempfile.mkdtemp()) / "sglang.log"
-    server = sg.ServerProcess(sg.build_server_argv(spec, module=sg.SGLANG_LAUNCH_MODULE), env=env, log_path=log_path)
+    log_path = server.log_path
     server.start()
-    if os.environ.get("MILES_VL_SGLANG_PIDFILE") and server.pid is not None:
-        with open(os.environ["MILES_VL_SGLANG_PIDFILE"], "a") as f:
-            f.write(f"{server.pid}\n")
+    record_pid(server)
     client = SGLangClient(spec.url, timeout_s=120, max_retries=0, liveness=server.death_reason)
     torch.cuda.set_device(0)
     on_gpu = {n: t.to("cuda:0") for n, t in new.items()}

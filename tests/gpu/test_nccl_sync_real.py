@@ -189,6 +189,50 @@ def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
     return [round(float((x - y).abs().max()), 4) for x, y in zip(a, b, strict=True)]
 
 
+def tiny_checkpoint(tmp_path_factory, writer) -> Path:
+    """$MILES_VL_SGLANG_CKPT when it holds a checkpoint, else a tiny random Qwen3-VL written here."""
+    given = os.environ.get("MILES_VL_SGLANG_CKPT")
+    if given and (Path(given) / "model.safetensors").exists():
+        return Path(given)
+    ckpt = tmp_path_factory.mktemp("tiny_qwen3vl")
+    writer.write_checkpoint(ckpt, shape="tiny", seed=0)
+    return ckpt
+
+
+def server_for(ckpt: Path, processor, *, colocated: bool, gpu: str, log_name: str):
+    """(spec, environment, ServerProcess not yet started) of a real SGLang server for `ckpt` on GPU `gpu`, resizing
+    images with the processor's pixel range; its log in $OUT/`log_name` (else a temporary folder)."""
+    from miles_vl.rollout import sglang as sg
+    from tests.rollout.sglang.conftest import free_port
+
+    size = processor.image_processor.size
+    spec = sg.ServerSpec(
+        model_path=str(ckpt),
+        port=free_port(),
+        mem_fraction_static=0.3,
+        colocated=colocated,
+        random_seed=0,
+        image_min_pixels=size.shortest_edge,
+        image_max_pixels=size.longest_edge,
+        extra_args=EXTRA_ARGS,
+    )
+    env = {**sg.build_server_env(spec), "CUDA_VISIBLE_DEVICES": gpu}
+    out_dir = os.environ.get("OUT")
+    log_path = Path(out_dir) / log_name if out_dir else Path(tempfile.mkdtemp()) / "sglang.log"
+    return (
+        spec,
+        env,
+        sg.ServerProcess(sg.build_server_argv(spec, module=sg.SGLANG_LAUNCH_MODULE), env=env, log_path=log_path),
+    )
+
+
+def record_pid(server) -> None:
+    """The started server's pid appended to $MILES_VL_SGLANG_PIDFILE (run_sglang_checks.sh ends leftovers)."""
+    if os.environ.get("MILES_VL_SGLANG_PIDFILE") and server.pid is not None:
+        with open(os.environ["MILES_VL_SGLANG_PIDFILE"], "a") as f:
+            f.write(f"{server.pid}\n")
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory) -> dict:
     """Start the server, score, sync the perturbed weights through the production sender, score again, stop."""
@@ -200,44 +244,25 @@ def sync_run(tmp_path_factory) -> dict:
     from miles_vl.rollout import sglang as sg
     from miles_vl.rollout.sglang.client import SGLangClient
     from miles_vl.rollout.sglang.weights import EngineAddress, open_trainer_group
-    from tests.rollout.sglang.conftest import free_port
 
     writer = _writer()
-    given = os.environ.get("MILES_VL_SGLANG_CKPT")
-    if given and (Path(given) / "model.safetensors").exists():
-        ckpt = Path(given)
-    else:
-        ckpt = tmp_path_factory.mktemp("tiny_qwen3vl")
-        writer.write_checkpoint(ckpt, shape="tiny", seed=0)
+    ckpt = tiny_checkpoint(tmp_path_factory, writer)
     original = load_file(str(ckpt / "model.safetensors"))
     new = perturbed(original)
     new_dir = write_like(ckpt, tmp_path_factory.mktemp("perturbed"), new)
     # the processor that builds the prompts; the server resizes images with the same pixel range (ServerSpec below)
     processor = load_processor(str(ckpt), writer.DEFAULT_MIN_PIXELS, writer.DEFAULT_MAX_PIXELS)
     tokens = special_tokens(processor)
-    size = processor.image_processor.size
     prompts = make_prompts(processor, tokens)
 
-    spec = sg.ServerSpec(
-        model_path=str(ckpt),
-        port=free_port(),
-        mem_fraction_static=0.3,
-        colocated=False,
-        random_seed=0,
-        image_min_pixels=size.shortest_edge,
-        image_max_pixels=size.longest_edge,
-        extra_args=EXTRA_ARGS,
+    spec, env, server = server_for(
+        ckpt, processor, colocated=False, gpu=visible_gpus()[1], log_name="sglang_nccl_sync.log"
     )
-    env = {**sg.build_server_env(spec), "CUDA_VISIBLE_DEVICES": visible_gpus()[1]}
-    out_dir = os.environ.get("OUT")
-    log_path = Path(out_dir) / "sglang_nccl_sync.log" if out_dir else Path(tempfile.mkdtemp()) / "sglang.log"
-    server = sg.ServerProcess(sg.build_server_argv(spec, module=sg.SGLANG_LAUNCH_MODULE), env=env, log_path=log_path)
+    log_path = server.log_path
     saved_cumem = os.environ.get("NCCL_CUMEM_ENABLE")
     os.environ["NCCL_CUMEM_ENABLE"] = env["NCCL_CUMEM_ENABLE"]  # as the job's runtime env gives the train actor
     server.start()
-    if os.environ.get("MILES_VL_SGLANG_PIDFILE") and server.pid is not None:
-        with open(os.environ["MILES_VL_SGLANG_PIDFILE"], "a") as f:
-            f.write(f"{server.pid}\n")
+    record_pid(server)
     client = SGLangClient(spec.url, timeout_s=120, max_retries=0, liveness=server.death_reason)
     try:
         startup = float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "240"))
