@@ -39,6 +39,7 @@ from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batc
 from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.types import (
     Accumulated,
+    MiniBatch,
     TrainOptions,
     TrainSample,
     at_labels,
@@ -146,15 +147,10 @@ class TorchTrainBackend:
     def compute_ref_logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:
         return self.compute_logprobs(samples, self.ref_model)
 
-    def accumulate_gradients(
-        self,
-        samples: Sequence[TrainSample],
-        idx: Sequence[int],
-        old: Sequence[Tensor] | None,
-        ref: Sequence[Tensor] | None = None,
-    ) -> Accumulated:
+    def accumulate_gradients(self, batch: MiniBatch) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into `.grad`; a non-finite loss is not back-propagated, nor is any
         loss after it. `old` None: this forward's detached logprobs are the old ones."""
+        samples, idx, old, ref = batch
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         micro = [[idx[j] for j in mb] for mb in self._micro_batches([samples[i] for i in idx])]
