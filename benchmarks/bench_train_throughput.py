@@ -65,6 +65,7 @@ from miles_vl.models.qwen3_vl.model import tiny_config
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
 from miles_vl.packing import pack_thd, plan_micro_batches
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample
+from miles_vl.train.types import MiniBatch
 
 # Qwen3-VL processor ids (vocabulary 151936).
 IMAGE, VIDEO, VSTART, VEND, PAD, EOS = 151655, 151656, 151652, 151653, 151643, 151645
@@ -286,7 +287,7 @@ def finish_step(backend: TorchTrainBackend) -> None:
 def packed_step(backend: TorchTrainBackend, samples: list[TrainSample]) -> StepStats:
     """One optimizer step through the backend's own packed path (as `miles_vl.train.train_step`)."""
     old = [s.rollout_logprobs for s in samples]
-    _, row_tokens, finite = backend.accumulate_gradients(samples, list(range(len(samples))), old)
+    _, row_tokens, finite = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
     if not finite:
         raise RuntimeError("non-finite loss in the packed path")
     finish_step(backend)

@@ -66,8 +66,8 @@ import torch
 
 from miles_vl.packing import detect_layout
 from miles_vl.packing.distributed import count_based_vision_index, gather_full_row, model_side_position_ids
-from miles_vl.patches.bridge_v06 import reorganize_in_row_order
-from miles_vl.patches.core import Patch, PatchTargetMissing, require
+from miles_vl.patches.bridge_v06 import rebind_reorganize_inputs
+from miles_vl.patches.core import Patch, PatchTargetMissing, require, wrap_forward
 
 
 @dataclass(frozen=True)
@@ -165,23 +165,7 @@ def _prepare(model, args: dict) -> _PreShardedCall | None:
 
 
 def _apply_forward(module: ModuleType) -> None:
-    original = module.Qwen3VLModel.forward
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        call = _prepare(self, bound.arguments)
-        if call is None:
-            return original(*bound.args, **bound.kwargs)
-        token = _CALL.set(call)
-        try:
-            return original(*bound.args, **bound.kwargs)
-        finally:
-            _CALL.reset(token)
-
-    forward.__miles_vl_original__ = original
-    module.Qwen3VLModel.forward = forward
+    wrap_forward(module.Qwen3VLModel, _CALL, _prepare)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,18 +283,14 @@ def _apply_vision_rows(module: ModuleType) -> None:
 # v05_mixed_media_row_order
 
 
+def _full_input_ids() -> torch.Tensor | None:
+    """The full row [T] of the current pre-sharded call, when it has both images and videos; else None."""
+    call = _CALL.get()
+    return None if call is None else call.full_input_ids
+
+
 def _apply_mixed_media(module: ModuleType) -> None:
-    original = module.reorganize_inputs
-
-    @functools.wraps(original)
-    def reorganize_inputs(*args, **kwargs):
-        call = _CALL.get()
-        if call is None or call.full_input_ids is None:
-            return original(*args, **kwargs)
-        return reorganize_in_row_order(original, call.full_input_ids, *args, **kwargs)
-
-    reorganize_inputs.__miles_vl_original__ = original
-    module.reorganize_inputs = reorganize_inputs
+    rebind_reorganize_inputs(module, _full_input_ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from types import ModuleType
 import torch
 
 from miles_vl.packing.distributed import gather_full_row, model_side_position_ids
-from miles_vl.patches.core import Patch, require
+from miles_vl.patches.core import Patch, require, wrap_forward
 
 
 def _detect(module: ModuleType) -> str:
@@ -100,6 +100,22 @@ def reorganize_in_row_order(original: Callable, full_input_ids: torch.Tensor, *a
     return values, grid, image_mask | video_mask
 
 
+def rebind_reorganize_inputs(module: ModuleType, full_row: Callable[[], torch.Tensor | None]) -> None:
+    """Rebind `module.reorganize_inputs` so that, where `full_row()` gives the current call's full row ([T]), the
+    vision blocks are ordered by it (`reorganize_in_row_order`); where it gives None, upstream's runs untouched."""
+    original = module.reorganize_inputs
+
+    @functools.wraps(original)
+    def reorganize_inputs(*args, **kwargs):
+        row = full_row()
+        if row is None:
+            return original(*args, **kwargs)
+        return reorganize_in_row_order(original, row, *args, **kwargs)
+
+    reorganize_inputs.__miles_vl_original__ = original
+    module.reorganize_inputs = reorganize_inputs
+
+
 def _detect_mixed(module: ModuleType) -> str:
     if not hasattr(module, "_is_packed_input_pre_sharded"):
         return "native"  # 0.5.x: bridge_v05 covers it
@@ -108,42 +124,21 @@ def _detect_mixed(module: ModuleType) -> str:
 
 
 def _apply_mixed(module: ModuleType) -> None:
-    original_forward = module.Qwen3VLModel.forward
-    signature = inspect.signature(original_forward)
-
-    @functools.wraps(original_forward)
-    def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        arg = bound.arguments
+    def full_row(model, arg: dict) -> torch.Tensor | None:
+        """The full row [T] of a pre-sharded call with both modalities; None for every other call."""
         input_ids, psp = arg.get("input_ids"), arg.get("packed_seq_params")
-        cp_group = self.pg_collection.cp
+        cp_group = model.pg_collection.cp
         if (
             arg.get("pixel_values") is None
             or arg.get("pixel_values_videos") is None
             or not module._is_packed_input_pre_sharded(input_ids, psp, cp_size=cp_group.size())
         ):
-            return original_forward(*bound.args, **bound.kwargs)
+            return None
         _, cu_seqlens = module.get_packed_seq_q_cu_seqlens(psp)
-        token = _FULL_ROW.set(gather_full_row(input_ids[0], cu_seqlens, cp_group))  # [T]
-        try:
-            return original_forward(*bound.args, **bound.kwargs)
-        finally:
-            _FULL_ROW.reset(token)
+        return gather_full_row(input_ids[0], cu_seqlens, cp_group)
 
-    forward.__miles_vl_original__ = original_forward
-    module.Qwen3VLModel.forward = forward
-
-    original = module.reorganize_inputs
-
-    @functools.wraps(original)
-    def reorganize_inputs(*args, **kwargs):
-        full_row = _FULL_ROW.get()
-        if full_row is None:
-            return original(*args, **kwargs)
-        return reorganize_in_row_order(original, full_row, *args, **kwargs)
-
-    reorganize_inputs.__miles_vl_original__ = original
-    module.reorganize_inputs = reorganize_inputs
+    wrap_forward(module.Qwen3VLModel, _FULL_ROW, full_row)
+    rebind_reorganize_inputs(module, _FULL_ROW.get)
 
 
 PATCHES = [

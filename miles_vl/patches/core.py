@@ -9,13 +9,16 @@ error at install time, never a silent skip). `install` applies each needed patch
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import importlib
 import importlib.metadata
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 from miles_vl.models.qwen3_vl import BRIDGE_MODULE
 
@@ -74,6 +77,30 @@ def require(module: ModuleType, *symbols: str) -> None:
                     "supported by miles_vl.patches (supported: 0.5.x and >= 0.6.0)"
                 )
             obj = getattr(obj, part)
+
+
+def wrap_forward(cls: type, var: contextvars.ContextVar, prepare: Callable[[Any, dict[str, Any]], Any | None]) -> None:
+    """Replace `cls.forward` by a wrapper that binds each call's arguments and asks `prepare(self, arguments)` for what
+    the call needs; a value that is not None is held in `var` for the duration of the original forward, where the
+    module functions patched beside it read it (None: the original runs untouched). The original stays reachable as
+    `cls.forward.__miles_vl_original__`."""
+    original = cls.forward
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        value = prepare(self, bound.arguments)
+        if value is None:
+            return original(*bound.args, **bound.kwargs)
+        token = var.set(value)
+        try:
+            return original(*bound.args, **bound.kwargs)
+        finally:
+            var.reset(token)
+
+    forward.__miles_vl_original__ = original
+    cls.forward = forward
 
 
 def target_module() -> ModuleType:

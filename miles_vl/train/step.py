@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 
 from miles_vl.algo import combine_metrics
-from miles_vl.train.types import TrainBackend, TrainSample, check_loss_masks
+from miles_vl.train.types import MiniBatch, TrainBackend, TrainSample, check_loss_masks
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
     for _ in range(options.ppo_epochs):
         for start in range(0, len(samples), gbs):
             idx = list(range(start, start + gbs))
-            metrics, tokens, finite = backend.accumulate_gradients(samples, idx, old, ref)
+            metrics, tokens, finite = backend.accumulate_gradients(MiniBatch(samples, idx, old, ref))
             grad_norm, stepped = backend.optimizer_step(finite)
             if not stepped:
                 skipped += 1

@@ -39,6 +39,7 @@ from miles_vl.packing import PackedBatch, cat_present, pack_thd, plan_micro_batc
 from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.types import (
     Accumulated,
+    MiniBatch,
     TrainOptions,
     TrainSample,
     at_labels,
@@ -105,6 +106,30 @@ class TorchTrainBackend:
         resp_idx = pos + 1 - packed.cu_seqlens[:-1].long()[sample] - packed.prompt_lens[sample]
         return pos, sample, resp_idx
 
+    def _label_logprobs(
+        self,
+        model: Qwen3VLForConditionalGeneration,
+        packed: PackedBatch,
+        pixel_values: Tensor | None,
+        pixel_values_videos: Tensor | None,
+        *,
+        with_entropy: bool = False,
+        positions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`label_logprobs` of `model` over one packed row under the loss's scoring distribution (temperature,
+        suppressed tokens) and this backend's vision mode: the old, reference and current policy are scored alike."""
+        return label_logprobs(
+            model,
+            packed,
+            pixel_values,
+            pixel_values_videos,
+            temperature=self.loss.score_temperature,
+            suppress_token_ids=self.loss.suppress_token_ids,
+            vision_once_per_image=self.options.vision_once_per_image,
+            with_entropy=with_entropy,
+            positions=positions,
+        )
+
     # ---------------------------------------------------------------------------------------------------------------
     # TrainBackend
 
@@ -114,15 +139,7 @@ class TorchTrainBackend:
         out: list[Tensor | None] = [None] * len(samples)
         for mb in self._micro_batches(samples):
             packed, pv, pvv = self._pack([samples[i] for i in mb])
-            logp, _ = label_logprobs(
-                model,
-                packed,
-                pv,
-                pvv,
-                temperature=self.loss.score_temperature,
-                suppress_token_ids=self.loss.suppress_token_ids,
-                vision_once_per_image=self.options.vision_once_per_image,
-            )
+            logp, _ = self._label_logprobs(model, packed, pv, pvv)
             for i, lp in zip(mb, response_logprobs(logp, packed.cu_seqlens, [samples[i] for i in mb]), strict=True):
                 out[i] = lp
         return out  # type: ignore[return-value]
@@ -130,15 +147,10 @@ class TorchTrainBackend:
     def compute_ref_logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:
         return self.compute_logprobs(samples, self.ref_model)
 
-    def accumulate_gradients(
-        self,
-        samples: Sequence[TrainSample],
-        idx: Sequence[int],
-        old: Sequence[Tensor] | None,
-        ref: Sequence[Tensor] | None = None,
-    ) -> Accumulated:
+    def accumulate_gradients(self, batch: MiniBatch) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into `.grad`; a non-finite loss is not back-propagated, nor is any
         loss after it. `old` None: this forward's detached logprobs are the old ones."""
+        samples, idx, old, ref = batch
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         micro = [[idx[j] for j in mb] for mb in self._micro_batches([samples[i] for i in idx])]
@@ -150,14 +162,11 @@ class TorchTrainBackend:
         for mb, (packed, pv, pvv), count in zip(micro, packs, counts, strict=True):
             pos, sample, resp_idx = self._label_positions(packed)
             only_loss = self.options.logits_only_where_loss  # logits at the loss positions only: [n], not [T]
-            logp, entropy = label_logprobs(
+            logp, entropy = self._label_logprobs(
                 self.model,
                 packed,
                 pv,
                 pvv,
-                temperature=self.loss.score_temperature,
-                suppress_token_ids=self.loss.suppress_token_ids,
-                vision_once_per_image=self.options.vision_once_per_image,
                 with_entropy=self.loss.entropy_coef > 0,
                 positions=pos if only_loss else None,
             )

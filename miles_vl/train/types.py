@@ -95,6 +95,16 @@ class TrainOptions:
 # the protocol
 
 
+class MiniBatch(NamedTuple):
+    """The samples of one optimizer step, `samples[i] for i in idx`, among all the RL step's samples. `old` and `ref`
+    hold one `[response_len]` tensor per sample of `samples` (not of the mini-batch)."""
+
+    samples: Sequence[TrainSample]  # all the RL step's samples
+    idx: Sequence[int]  # the mini-batch's indices into `samples`
+    old: Sequence[Tensor] | None  # the old policy's logprobs; None: this forward's own, detached (`train_step` decides)
+    ref: Sequence[Tensor] | None = None  # the reference policy's logprobs, for the KL term; None: no KL term
+
+
 class Accumulated(NamedTuple):
     """What one mini-batch's forward/backward left besides the gradients."""
 
@@ -119,17 +129,11 @@ class TrainBackend(Protocol):
         """The same under the reference policy (the initial weights), for the KL term."""
         ...
 
-    def accumulate_gradients(
-        self,
-        samples: Sequence[TrainSample],
-        idx: Sequence[int],
-        old: Sequence[Tensor] | None,
-        ref: Sequence[Tensor] | None = None,
-    ) -> Accumulated:
-        """Zero the gradients, then back-propagate the policy loss of the mini-batch `samples[idx]` micro-batch by
-        micro-batch. The token weights use the mini-batch's global denominators, so the gradient is that of the
-        mini-batch loss however the samples are split. `old` None: the old logprobs are this forward's own, detached
-        (only right before the weights' first update on these samples: `train_step` decides)."""
+    def accumulate_gradients(self, batch: MiniBatch) -> Accumulated:
+        """Zero the gradients, then back-propagate the policy loss of the mini-batch `batch.samples[batch.idx]`
+        micro-batch by micro-batch. The token weights use the mini-batch's global denominators, so the gradient is that
+        of the mini-batch loss however the samples are split. `batch.old` None: the old logprobs are this forward's
+        own, detached (only right before the weights' first update on these samples: `train_step` decides)."""
         ...
 
     def optimizer_step(self, finite: bool) -> tuple[float, bool]:

@@ -11,6 +11,7 @@ from safetensors.torch import save_model
 
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.train import LossOptions, OptimizerOptions, TorchTrainBackend, TrainOptions, TrainSample, train_step
+from miles_vl.train.types import MiniBatch
 from tests.packing.samples import IMAGE, VEND, VIDEO, VSTART
 from tests.rollout.hf.test_engine import PATCH, SPECIAL
 
@@ -53,7 +54,7 @@ def base_model():
 def grads(b, samples):
     old = b.compute_logprobs(samples)
     b.optimizer.zero_grad(set_to_none=True)
-    metrics, _, finite = b.accumulate_gradients(samples, list(range(len(samples))), old)
+    metrics, _, finite = b.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
     assert finite
     return metrics, {n: p.grad.clone() for n, p in b.model.named_parameters() if p.grad is not None}
 

@@ -2,9 +2,9 @@
 the KV cache (what `miles-vl check`'s memory estimate reads).
 
 The shape comes from `model.path`'s config.json where that is a folder on this machine, else from the released
-checkpoints' architecture below, matched by the path's last component (a cluster's config checked on a laptop).
-Parameters are counted by building the transformers model on the meta device (no memory, no weights), so that the
-count is transformers' own, tied embeddings once, MoE experts included.
+checkpoints' architecture (`released_shapes.json`, beside this module), matched by the path's last component (a
+cluster's config checked on a laptop). Parameters are counted by building the transformers model on the meta device
+(no memory, no weights), so that the count is transformers' own, tied embeddings once, MoE experts included.
 """
 
 from __future__ import annotations
@@ -13,59 +13,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# The architecture fields of the released checkpoints' config.json (Qwen/Qwen3-VL-*-Instruct; the -Thinking ones have
-# the same shapes). Only what sizes the model: ids, rope and init are left at transformers' defaults.
-_VISION_2B = dict(
-    depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, deepstack_visual_indexes=[5, 11, 17]
-)
-_VISION_8B = dict(
-    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, deepstack_visual_indexes=[8, 16, 24]
-)
-_TEXT = dict(vocab_size=151936, head_dim=128)
-RELEASED_SHAPES: dict[str, dict] = {
-    "Qwen3-VL-2B": dict(
-        model_type="qwen3_vl",
-        text_config=dict(
-            _TEXT,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-        ),
-        vision_config=dict(_VISION_2B, out_hidden_size=2048),
-        tie_word_embeddings=True,
-    ),
-    "Qwen3-VL-8B": dict(
-        model_type="qwen3_vl",
-        text_config=dict(
-            _TEXT,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-        ),
-        vision_config=dict(_VISION_8B, out_hidden_size=4096),
-        tie_word_embeddings=False,
-    ),
-    "Qwen3-VL-30B-A3B": dict(
-        model_type="qwen3_vl_moe",
-        text_config=dict(
-            _TEXT,
-            hidden_size=2048,
-            intermediate_size=6144,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-        ),
-        vision_config=dict(_VISION_8B, out_hidden_size=2048),
-        tie_word_embeddings=False,
-    ),
-}
+# released_shapes.json: the architecture fields of the released checkpoints' config.json (Qwen/Qwen3-VL-*-Instruct;
+# the -Thinking ones have the same shapes), as config.json writes them. Only what sizes the model: ids, rope and init
+# are left at transformers' defaults. A checkpoint released later is one more entry there.
+RELEASED_SHAPES: dict[str, dict] = json.loads((Path(__file__).parent / "released_shapes.json").read_text())
 
 
 @dataclass(frozen=True)

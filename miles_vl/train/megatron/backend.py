@@ -49,7 +49,7 @@ from miles_vl.train.megatron.export import export_hf_weights
 from miles_vl.train.megatron.parallel import ParallelGroups, all_reduce_sum, gather_per_sample, reduce_metrics
 from miles_vl.train.megatron.plan import plan_data_parallel, split_for_data_parallel
 from miles_vl.train.megatron.step import ForwardOptions, check_token_norm, forward_step
-from miles_vl.train.types import Accumulated, LossOptions, TrainOptions, TrainSample
+from miles_vl.train.types import Accumulated, LossOptions, MiniBatch, TrainOptions, TrainSample
 
 miles_vl.patches.install()  # megatron-bridge's Qwen3-VL module must be patched before the first forward
 
@@ -195,16 +195,11 @@ class MegatronTrainBackend:
         with self._weights(self.ref_weights):
             return self.compute_logprobs(samples)
 
-    def accumulate_gradients(
-        self,
-        samples: Sequence[TrainSample],
-        idx: Sequence[int],
-        old: Sequence[Tensor] | None,
-        ref: Sequence[Tensor] | None = None,
-    ) -> Accumulated:
+    def accumulate_gradients(self, batch: MiniBatch) -> Accumulated:
         """`TrainBackend.accumulate_gradients` into the gradient buffers (reduced over DP x CP and scaled by
         megatron's finalize step); metrics reduced over all ranks, tokens over all DP ranks. A non-finite loss shows
         as a non-finite gradient norm (`optimizer_step`)."""
+        samples, idx, old, ref = batch
         self._zero_grad()
         g = self.groups
         lengths = [samples[i].input_ids.numel() for i in idx]
