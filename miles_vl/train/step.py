@@ -26,6 +26,14 @@ from miles_vl.algo import combine_metrics
 from miles_vl.train.types import MiniBatch, TrainBackend, TrainSample, check_loss_masks
 
 log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, *args: object) -> None:
+    """A warning about the configuration, once per process and message (the RL step repeats every step)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message, *args)
 
 
 def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[str, float]:
@@ -57,6 +65,16 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
             "(world / (tp * pp * cp)); every DP rank needs the same number of samples"
         )
     one_update = options.ppo_epochs == 1 and gbs == len(samples)
+    if options.old_logprobs_from_train_forward and not one_update:
+        _warn_once(
+            "train.old_logprobs_from_train_forward is set but this RL step makes %d optimizer updates "
+            "(train.global_batch_size=%d of %d samples, train.ppo_epochs=%d), so the separate old-logprob pass runs; "
+            "for one update set train.global_batch_size to null (the rollout batch) and train.ppo_epochs to 1",
+            options.ppo_epochs * len(samples) // gbs,
+            gbs,
+            len(samples),
+            options.ppo_epochs,
+        )
     old = None if options.old_logprobs_from_train_forward and one_update else backend.compute_logprobs(samples)
     ref = backend.compute_ref_logprobs(samples) if options.loss.kl_coef > 0 else None
     parts, grad_norms, n_tokens, skipped = [], [], 0, 0

@@ -3,6 +3,7 @@ from transformers' own per-sample forward); a step moves logprobs in the advanta
 are skipped and counted; a checkpoint round trip continues identically."""
 
 import copy
+import logging
 import threading
 
 import pytest
@@ -286,13 +287,22 @@ def test_old_logprobs_from_the_train_forward_are_bit_identical(base_model):
 
 
 @pytest.mark.parametrize("options", [dict(global_batch_size=2), dict(ppo_epochs=2)], ids=["two_minibatches", "epochs"])
-def test_several_updates_per_rl_step_keep_the_separate_old_logprob_pass(base_model, options):
+def test_several_updates_per_rl_step_keep_the_separate_old_logprob_pass(base_model, options, caplog, monkeypatch):
     """With more than one optimizer update the later ones run on moved weights: the separate pass still runs and
-    the step is the one without the option."""
+    the step is the one without the option; a warning (once per process) says the option has no effect and how to
+    get one update."""
+    import miles_vl.train.step as step
+
+    monkeypatch.setattr(step, "_warned", set())
     samples = make_samples()
     want, want_weights, _ = _rl_step(base_model, samples, **options)
-    got, weights, passes = _rl_step(base_model, samples, old_logprobs_from_train_forward=True, **options)
+    with caplog.at_level(logging.WARNING, logger="miles_vl.train.step"):
+        got, weights, passes = _rl_step(base_model, samples, old_logprobs_from_train_forward=True, **options)
+        _rl_step(base_model, samples, old_logprobs_from_train_forward=True, **options)
     assert passes == 1 and got == want
+    warned = [r.getMessage() for r in caplog.records if "old_logprobs_from_train_forward" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "makes 2 optimizer updates" in warned[0] and "train.global_batch_size to null" in warned[0]
     assert all(torch.equal(weights[n], w) for n, w in want_weights.items())
 
 
