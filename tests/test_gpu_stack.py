@@ -244,3 +244,52 @@ def test_run_sglang_checks_under_a_variant_has_its_own_import_check_and_logs(tmp
     log = (tmp_path / "out" / VARIANT / "driver.log").read_text()
     assert "import: checked by an earlier run" in log and "all stages passed" in log
     assert not (base_site / ".miles_vl_import_ok").exists()
+
+
+def test_run_sglang_checks_shards_split_the_real_server_tests_into_contiguous_parts(tmp_path: Path):
+    """`--shard K/N` runs the K-th of N contiguous parts of the collected tests: the parts of 1/2 and 2/2 are
+    disjoint, in pytest's order, and together every test once. Here without CUDA every test skips, and the import
+    check and the checkpoint are marked done, so only the test stage runs (its `-v` lines name each test)."""
+    site, ckpt = tmp_path / "site", tmp_path / "ckpt"
+    site.mkdir()
+    ckpt.mkdir()
+    (site / ".miles_vl_import_ok").touch()
+    (ckpt / ".complete").touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("STACK_VARIANT", "STACK_ACTIVE_SITE")} | {
+        "PYTHON": sys.executable,
+        "STACK_SITE": str(site),
+        "MILES_VL_SGLANG_CKPT": str(ckpt),
+        "MILES_VL_SGLANG_PIDFILE": str(tmp_path / "pids"),
+    }
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests/gpu/test_sglang_real.py", "tests/rollout/sglang/test_gpu.py"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    everything = [line for line in collected.stdout.splitlines() if "::" in line]
+    assert len(everything) > 10, collected.stdout[-2000:]
+    ran = []
+    for k in (1, 2):
+        out = tmp_path / f"out{k}"
+        result = subprocess.run(
+            ["bash", str(GPU / "run_sglang_checks.sh"), "--skip-bench", "--shard", f"{k}/2"],
+            env=env | {"OUT": str(out)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        log = (out / "driver.log").read_text()
+        assert result.returncode == 0, result.stdout + log[-3000:]
+        assert f"shard {k}/2: tests" in log
+        ran.append(re.findall(r"^(tests/\S+::\S+) SKIPPED", log, flags=re.M))
+    assert ran[0] and ran[1] and not set(ran[0]) & set(ran[1])
+    assert ran[0] + ran[1] == everything
+
+
+def test_run_sglang_checks_refuses_a_malformed_shard():
+    for bad in ("3/2", "0/2", "1-2", "a/b"):
+        result = subprocess.run(
+            ["bash", str(GPU / "run_sglang_checks.sh"), "--shard", bad],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 2 and f"--shard {bad}: expected K/N" in result.stderr, (bad, result.stderr)

@@ -4,7 +4,7 @@
 #
 # usage (in the repository root on the GPU machine, inside scripts/gpu/stack.sh, which stages and installs SGLang):
 #   bash scripts/gpu/stack.sh bash scripts/gpu/run_sglang_checks.sh [--keep-going] [--skip-bench] [--skip-tests]
-#                                                                  [--bench-args "ARGS"] [-k EXPR]
+#                                                                  [--bench-args "ARGS"] [-k EXPR] [--shard K/N]
 #   STACK_VARIANT=sglang0517 bash scripts/gpu/stack.sh bash scripts/gpu/run_sglang_checks.sh ...   # SGLang 0.5.17
 # Under a stack variant (STACK_VARIANT, set for stack.sh) its logs go to $OUT/<variant>/, its import check is its own
 # and its server pid file too, so that the base and a variant can run side by side (each on its own GPUs:
@@ -12,7 +12,10 @@
 #
 # On a fresh machine the tests (SGLang's first import ~90 s, two servers) and the benchmark no longer fit one 10-minute
 # call together (2026-11-24: the tests got 262 s and the last one was cut): run them in two calls, --skip-bench then
-# --skip-tests.
+# --skip-tests. The tests alone no longer fit the 450 s bound either (2026-11-26, 2 x H100: 19 of 23 in 445 s):
+# `--shard K/N` runs the K-th of N contiguous parts of the collected tests (after -k), in pytest's order, so that
+# a part's tests share the module's first server as the whole file does; `--shard 1/2` and `--shard 2/2` in two
+# calls (or at once on two GPUs) run every test once.
 # Each stage runs under what is left of $BUDGET_S (570 s, inside one 10-minute call) and the script stops at the first
 # failure with one line naming the stage and the log (--keep-going runs the benchmark even after a failed test).
 # Servers a killed stage left behind are stopped by their recorded pids ($MILES_VL_SGLANG_PIDFILE).
@@ -29,9 +32,10 @@ budget=${BUDGET_S:-570}
 py=${PYTHON:-python3}
 export OUT=${OUT:-$(mktemp -d)}
 variant=${STACK_VARIANT:-}
-[ -n "$variant" ] && export OUT=$OUT/$variant && mkdir -p "$OUT"
+[ -n "$variant" ] && export OUT=$OUT/$variant
+mkdir -p "$OUT"
 log=$OUT/driver.log
-keep_going=0 skip_bench=0 skip_tests=0 bench_args="" select=()
+keep_going=0 skip_bench=0 skip_tests=0 bench_args="" select=() shard=
 while [ $# -gt 0 ]; do
   case "$1" in
     --keep-going) keep_going=1; shift ;;
@@ -39,6 +43,9 @@ while [ $# -gt 0 ]; do
     --skip-tests) skip_tests=1; shift ;;
     --bench-args) bench_args=${2:?--bench-args needs a string}; shift 2 ;;
     -k) select=(-k "${2:?-k needs a pytest expression}"); shift 2 ;;
+    --shard) shard=${2:?--shard needs K/N}; shift 2
+      [[ "$shard" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[2]}" ] \
+        || { echo "run_sglang_checks: --shard $shard: expected K/N with 1 <= K <= N, e.g. --shard 1/2" >&2; exit 2; } ;;
     *) echo "run_sglang_checks: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -116,7 +123,7 @@ fi
 status=0
 # -- stages: tiny checkpoint, GPU tests ---------------------------------------------------------------------------
 if [ "$skip_tests" = 0 ]; then
-  export MILES_VL_SGLANG_CKPT=/tmp/ckpt_tiny  # the same directory scripts/gpu/loop_run.sh writes and reuses
+  export MILES_VL_SGLANG_CKPT=${MILES_VL_SGLANG_CKPT:-/tmp/ckpt_tiny}  # the directory scripts/gpu/loop_run.sh reuses
   if [ ! -f "$MILES_VL_SGLANG_CKPT/.complete" ]; then
     "$py" scripts/gpu/make_tiny_qwen3vl.py "$MILES_VL_SGLANG_CKPT" --shape tiny > "$OUT/ckpt.json" 2>> "$log" \
       || fail checkpoint "$(tail -5 "$log")"
@@ -127,9 +134,19 @@ if [ "$skip_tests" = 0 ]; then
   t=$(( $(left) - (skip_bench ? 10 : 200) ))
   [ "$t" -gt 450 ] && t=450
   [ "$t" -lt 60 ] && fail tests "only ${t}s left for the tests"
+  files=(tests/gpu/test_sglang_real.py tests/rollout/sglang/test_gpu.py)
+  targets=("${files[@]}" "${select[@]}")
+  if [ -n "$shard" ]; then  # the K-th of N contiguous parts of what pytest collects (after -k)
+    mapfile -t ids < <("$py" -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" "${select[@]}" 2>> "$log" \
+      | grep '::')
+    k=${shard%/*} n=${shard#*/} m=${#ids[@]}
+    lo=$(( (k - 1) * m / n )) hi=$(( k * m / n ))
+    [ "$hi" -gt "$lo" ] || fail tests "--shard $shard of $m collected tests selects none"
+    targets=("${ids[@]:lo:hi-lo}")
+    say "tests: shard $shard: tests $((lo + 1))-$hi of $m (${ids[lo]##*::} .. ${ids[hi-1]##*::})"
+  fi
   say "tests: pytest -v -s (timeout ${t}s)"
-  timeout -s INT -k 30 "$t" "$py" -m pytest tests/gpu/test_sglang_real.py tests/rollout/sglang/test_gpu.py \
-    -v -s -p no:cacheprovider "${select[@]}" >> "$log" 2>&1
+  timeout -s INT -k 30 "$t" "$py" -m pytest "${targets[@]}" -v -s -p no:cacheprovider >> "$log" 2>&1
   status=$?
   cleanup_servers
   grep -oE "SGLANG-REAL.*|[0-9]+ (passed|failed|skipped|errors?)[^=]*" "$log" | tail -8 | while read -r line; do say "tests: $line"; done
