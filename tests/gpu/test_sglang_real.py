@@ -619,7 +619,10 @@ def test_a_one_image_items_hash_keys_its_prefix_and_its_file_reaches_the_schedul
 def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     """What the stand-ins answer to the canonical (expanded) ids, on the real server: SGLang's processor runs out of
     images (StopIteration, not caught by the route: HTTP 500 "Internal Server Error", the reason in the log), and the
-    server keeps serving."""
+    server keeps serving. 0.5.16 processes in the event loop ("RuntimeError: coroutine raised StopIteration"); 0.5.17
+    in worker threads, from which the StopIteration left the request hanging for ever (and holding the lock every
+    weight update waits for) until the plugin re-raised it as a RuntimeError (v0_5_17/processor.py): the same 500 on
+    both releases."""
     from miles_vl.rollout.sglang import SGLangUnavailableError
 
     payload = build_generate_payload(
@@ -631,7 +634,7 @@ def test_expanded_image_pads_are_an_http_500(host, prompts, tokens):
     )
     with pytest.raises(SGLangUnavailableError, match=r"HTTP 500: Internal Server Error"):
         host.client.request("POST", "/generate", json=payload, retry=False)
-    # the server writes the traceback ("RuntimeError: coroutine raised StopIteration") after it answered: wait for it
+    # the server writes the traceback (a RuntimeError naming the StopIteration) after it answered: wait for it
     deadline = time.monotonic() + 15
     while "StopIteration" not in host.server.log_tail(max_lines=400, max_bytes=1 << 17) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -819,8 +822,9 @@ def test_a_server_refuses_calls_without_its_key(host):
     cache routes and on a path that does not exist (the middleware runs before routing); the key, "Bearer" in any
     case -> through (an unknown path then 404); `/health`, `/health_generate` and `/metrics` (404 here: metrics are
     off) need none. The key is on no command line and in no environment of the server's processes, and in its log
-    only as `<redacted>`, though 0.5.16 logs its arguments at every start (this module's server was relaunched once,
-    test_killed_server_is_restarted); the config file that holds it is 0600 in a 0700 directory."""
+    only as `<redacted>`, though SGLang (0.5.16 and 0.5.17) logs its arguments, the key among them, once at every start
+    (this module's server starts twice when test_killed_server_is_restarted ran before, once in a `-k` selection without
+    it): every start's line is there, redacted; the config file that holds it is 0600 in a 0700 directory."""
     import httpx
 
     key = host.spec.api_key
@@ -848,8 +852,9 @@ def test_a_server_refuses_calls_without_its_key(host):
         for what in ("cmdline", "environ"):
             assert key.encode() not in Path(f"/proc/{pid}/{what}").read_bytes(), (pid, what)
     log = host.log_path.read_text(errors="replace")
-    print(f"SGLANG-REAL key: {log.count('server_args=ServerArgs(')} server_args lines in the log")
-    assert log.count("server_args=ServerArgs(") >= 2 and "api_key='<redacted>'" in log and key not in log
+    starts, lines = host.server.starts, log.count("server_args=ServerArgs(")
+    print(f"SGLANG-REAL key: {lines} server_args lines in the log of {starts} start(s)")
+    assert starts >= 1 and lines >= starts and log.count("api_key='<redacted>'") >= starts and key not in log
     config = Path(host.server.argv[host.server.argv.index("--config") + 1])
     assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
 
@@ -974,7 +979,11 @@ def test_a_deterministic_server_gives_a_requests_n_samples_one_seed(ckpt, tokens
             assert "TypeError" in log_shows("TypeError") and det.health()
             with pytest.raises(SGLangUnavailableError, match=r"disconnected"):
                 det.client.request("POST", "/generate", json=body(media.image_data), retry=False)
-            assert "expected Tensor as element 0 in argument 0, but got dict" in log_shows("but got dict")
+            # the vision tower's refusal of the reference: torch.cat's in 0.5.16, 0.5.17's own
+            # (`materialize_multimodal_features`, srt/multimodal/mm_utils.py:86)
+            refusal = {"0.5.16": "expected Tensor as element 0 in argument 0, but got dict",
+                       "0.5.17": "expected torch.Tensor, got <class 'dict'>"}[sglang_release()]  # fmt: skip
+            assert refusal in log_shows(refusal)
         finally:
             remove_files(directory, media.files)
     finally:

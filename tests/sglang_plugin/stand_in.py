@@ -270,6 +270,28 @@ RELEASES["0.5.17"] = {
         def get_parallel():
             return _Parallel()
     """,
+    "sglang/srt/multimodal/__init__.py": "",
+    "sglang/srt/multimodal/processors/__init__.py": "",
+    "sglang/srt/multimodal/processors/executor.py": """
+        class MultimodalProcessorExecutor:
+            async def run(self, function, *args, **kwargs):
+                return self._run(function, args, kwargs)
+
+            def _run(self, function, args, kwargs):
+                return function(*args, **kwargs)
+    """,
+    "sglang/srt/multimodal/processors/base_processor.py": """
+        class BaseMultimodalProcessor:
+            @classmethod
+            def _all_mm_data_is_preprocessed(cls, *data_lists):
+                return False
+
+            def process_and_combine_mm_data(self, base_output, mm_tokens, processor=None, **kwargs):
+                return [], None, {}
+
+            async def process_and_combine_mm_data_async(self, base_output, mm_tokens, **kwargs):
+                return self.process_and_combine_mm_data(base_output, mm_tokens, **kwargs)
+    """,
 }
 
 

@@ -13,14 +13,18 @@ stand-ins of 0.5.17's classes (the mechanisms both share: test_v0_5_16.py).
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import dataclasses
 import sys
+import threading
 import types
 
 import pytest
 import torch
 
 from miles_vl.sglang_plugin.settings import PluginSettings
+from miles_vl.sglang_plugin.v0_5_17 import processor as processor_0517
 from miles_vl.sglang_plugin.v0_5_17 import receiver as receiver_0517
 from miles_vl.sglang_plugin.v0_5_17 import tokenizer as tokenizer_0517
 from miles_vl.sglang_plugin.v0_5_17 import vision as vision_0517
@@ -98,12 +102,18 @@ def _run(manager, batch) -> list:
     return asyncio.run(run())
 
 
-def _tokenizer_0517_patched(cls) -> None:
+def _tokenizer_0517_patched(cls, processor_cls=None, executor_cls=None) -> None:
+    """0.5.17's tokenizer hook (the adapter's own `apply`) on the stand-in `cls`, and on the stand-in processor and
+    executor classes where given (else throwaway ones)."""
     environ = types.SimpleNamespace(envs=types.SimpleNamespace(SGLANG_RUST_SERVER=types.SimpleNamespace(get=bool)))
+    processor_cls = processor_cls or type("BaseMultimodalProcessor", (_Processor0517,), {})
+    executor_cls = executor_cls or type("MultimodalProcessorExecutor", (_Executor0517,), {})
     modules = {
         tokenizer_0517.TOKENIZER_MODULE: _tokenizer_module(cls),
         tokenizer_0517.MM_UTILS_MODULE: None,
         tokenizer_0517.ENVIRON_MODULE: environ,  # SGLANG_RUST_SERVER off (`bool()` is False)
+        processor_0517.BASE_PROCESSOR_MODULE: types.SimpleNamespace(BaseMultimodalProcessor=processor_cls),
+        processor_0517.EXECUTOR_MODULE: types.SimpleNamespace(MultimodalProcessorExecutor=executor_cls),
     }
     tokenizer_0517.apply(modules, _context(launching=False))  # the request states (the transport: test_plugin.py)
 
@@ -155,6 +165,133 @@ def test_the_unused_normalized_rids_of_0_5_16_are_not_removed_here():
     batch.rid = ["p0", "another_request"]  # where 0.5.16's table held an unused rid: here another request's
     [answers] = _run(manager, batch)
     assert len(answers) == 2 and list(manager.rid_to_state) == ["another_request"]
+
+
+HANG_S = 10.0  # a processor call that has not answered by then never will (the failure this guards against)
+
+
+class _Executor0517:
+    """0.5.17's MultimodalProcessorExecutor (srt/multimodal/processors/executor.py:15-51): `run` hands the call to a
+    worker thread through `loop.run_in_executor(..., self._run, ...)`, which calls it with the thread's processor."""
+
+    def __init__(self, max_workers: int = 2):
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers)
+
+    async def run(self, function, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run, function, args, kwargs)
+
+    def _run(self, function, args, kwargs):
+        return function(*args, processor="the thread's clone", **kwargs)
+
+
+class _Processor0517:
+    """0.5.17's BaseMultimodalProcessor as far as the hook reaches (base_processor.py:701-720, 1456, 1639-1654), with
+    Qwen-VL's two worker threads (qwen_vl.py:313). `process_and_combine_mm_data` records the thread it ran in; a
+    request whose `base_output.expanded` is set raises StopIteration as transformers' processor does on more
+    placeholders than images; `base_output.after` (a prompt's rid) makes a call in a worker thread wait until that
+    prompt's prefix has left (`prefix_sent`: an event, so the order holds on a loaded machine)."""
+
+    def __init__(self, prefix_sent=None):
+        self.mm_processor_executor = _Executor0517(2)
+        self.calls: list[tuple[str, bool]] = []  # (the request, ran in the event loop's thread)
+        self.prefix_sent = prefix_sent or collections.defaultdict(threading.Event)
+
+    @classmethod
+    def _all_mm_data_is_preprocessed(cls, *data_lists):
+        items = [item for data in data_lists for item in data or () if item is not None]
+        return bool(items) and all(
+            isinstance(i, dict) and i.get("format") in ("processor_output", "precomputed_embedding") for i in items
+        )
+
+    def process_and_combine_mm_data(self, base_output, mm_tokens, processor=None, **kwargs):
+        in_loop = threading.current_thread() is threading.main_thread()
+        self.calls.append((base_output.rid, in_loop))
+        if base_output.after is not None and not in_loop:
+            assert self.prefix_sent[base_output.after].wait(HANG_S), f"{base_output.after}'s prefix never left"
+        if base_output.expanded:
+            raise StopIteration
+        return [], None, {}
+
+    async def process_and_combine_mm_data_async(self, base_output, mm_tokens, **kwargs):
+        if self.mm_processor_executor is None:
+            return self.process_and_combine_mm_data(base_output, mm_tokens, **kwargs)
+        return await self.mm_processor_executor.run(self.process_and_combine_mm_data, base_output, mm_tokens, **kwargs)
+
+
+def _output(rid, images, after=None, expanded=False):
+    """0.5.17's BaseMultiModalProcessorOutput (base_processor.py:48) of request `rid`, plus the stand-in's knobs."""
+    return types.SimpleNamespace(rid=rid, images=images, videos=[], audios=[], after=after, expanded=expanded)
+
+
+PIXEL_VALUES = {"format": "processor_output", "pixel_values": None}  # what wire.resolve_media makes of a pixel file
+
+
+def test_a_stop_iteration_in_the_processor_thread_fails_the_request_instead_of_hanging():
+    """0.5.17 runs Qwen-VL's processor in worker threads; transformers' StopIteration (the expanded image pads) cannot
+    cross back into asyncio (`Future.set_exception` refuses it): the request waited for ever, holding its state and
+    the weight-update lock (GPU run of 2026-11-26). Under the plugin it is a RuntimeError naming it, chained, as the
+    inline call of 0.5.16 gave (HTTP 500), and the next request is served."""
+
+    class Processor(_Processor0517):
+        pass
+
+    class Executor(_Executor0517):
+        pass
+
+    class TokenizerManager(_Tokenizer0517):
+        pass
+
+    _tokenizer_0517_patched(TokenizerManager, Processor, Executor)
+    processor = Processor()
+    processor.mm_processor_executor = Executor(2)
+
+    async def combine(output):
+        return await asyncio.wait_for(processor.process_and_combine_mm_data_async(output, None), HANG_S)
+
+    with pytest.raises(RuntimeError, match="raised StopIteration in SGLang's multimodal processor thread") as failed:
+        asyncio.run(combine(_output("expanded", ["an image"], expanded=True)))
+    assert isinstance(failed.value.__cause__, StopIteration) and "placeholders" in str(failed.value)
+    assert asyncio.run(combine(_output("next", ["an image"]))) == ([], None, {})
+    assert processor.calls == [("expanded", False), ("next", False)]  # raw images: in 0.5.17's threads
+
+
+def test_a_batch_of_pixel_value_prompts_leaves_its_prefixes_in_one_message():
+    """0.5.17's processor threads tokenized a batch's prompts over several turns of the event loop, so their prefixes
+    were prefilled as [1, 2] instead of [3] (GPU run of 2026-11-26). Preprocessed media (the engine's pixel values)
+    are combined in the event loop under the plugin, so the prompts are ready together and their prefixes leave in
+    one message. (The stand-in's worker threads let a prompt go only once the previous prompt's prefix has left: a
+    thread hop per prompt sends three prefix messages.)"""
+
+    class Processor(_Processor0517):
+        pass
+
+    class Executor(_Executor0517):
+        pass
+
+    class TokenizerManager(_Tokenizer0517):
+        async def _tokenize_one_request(self, sub):
+            previous = {"p1": "p0", "p2": "p1"}.get(sub.rid)
+            await self.mm_processor.process_and_combine_mm_data_async(_output(sub.rid, [PIXEL_VALUES], previous), None)
+            return await super()._tokenize_one_request(sub)
+
+        def _left(self, toks):
+            super()._left(toks)
+            for tok in toks:
+                if tok.sampling_params.max_new_tokens == 0:  # a prefix: `<prompt rid>_<n>`
+                    self.mm_processor.prefix_sent[tok.rid.split("_")[0]].set()
+
+    manager = TokenizerManager({"p0": 0.0, "p1": 0.0, "p2": 0.0})
+    manager.mm_processor = Processor()
+    manager.mm_processor.mm_processor_executor = Executor(2)
+    pixels = torch.randn(4, 6)
+    prompts = [_Prompt0517(f"p{i}", [i], pixels) for i in range(3)]
+    _tokenizer_0517_patched(TokenizerManager, Processor, Executor)
+    [answers] = _run(manager, _batch_0517(prompts, 4, [["a1"], ["b2"], ["c3"]]))
+    sends = [e for e in manager.log if e[0] in ("prefix", "one", "batch")]
+    assert sends == [("batch", 3), ("batch", 12)], sends
+    assert manager.mm_processor.calls == [("p0", True), ("p1", True), ("p2", True)]  # in the event loop's thread
+    assert len(answers) == 12 and manager.rid_to_state == {}
 
 
 def test_one_scheduler_rank_is_read_from_0_5_17s_runtime_context(monkeypatch):

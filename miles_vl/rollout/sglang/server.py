@@ -27,6 +27,11 @@ Decisions (each one is also in docs/sglang.md):
   `sampling_params.n` (each copy is materialized afresh: `MultimodalInputs.from_processor_output` ->
   `MultimodalDataItem.set_pad_value`, `srt/managers/schedule_batch.py:299`, `:576`); with it the tokenizer hashes once
   per request before the copies are made (`srt/managers/tokenizer_manager.py:966-974`) and the copies carry the hash.
+- `SGLANG_PYSPY_DUMP_BEFORE_CRASH=0` and `SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0` by default. When a scheduler dies,
+  0.5.16 and 0.5.17 run crash diagnostics in the launching process before it exits (`TokenizerManager.
+  dump_requests_before_crash`): 5 s of settling, a py-spy dump, then 60 s of waiting for CUDA coredumps (which need
+  `CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1`, unset here). The server's requests hang meanwhile and the host relaunches it
+  65 s late (GPU runs of 2026-11-26, the deterministic server's log); a caller that wants the dumps sets them.
 - Colocated engines get `--enable-memory-saver` so that `/release_memory_occupation` frees the GPU for the trainer.
 - Pixel values for a server run by miles_vl's launcher go through a private directory (`pixel_directory`, in
   /dev/shm: memory, not disk), named to the server in `MILES_VL_SGLANG_PIXEL_DIR`; they are written in the server
@@ -313,13 +318,18 @@ def pixel_directory() -> Path:
     return Path(tempfile.mkdtemp(prefix="miles_vl_pixels_", dir=base))
 
 
+# SGLang's crash diagnostics in the launching process after a scheduler died (module docstring): off unless set
+CRASH_DIAGNOSTICS_ENV = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
+
+
 def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: `base` (default: ours) plus the settings miles_vl needs (pure).
 
     Returns:
         A new dict; `SGLANG_VLM_CACHE_SIZE_MB` is `spec.vision_cache_mb` (see the module docstring for why 0),
         `MILES_VL_SGLANG_PLUGIN` holds `spec.plugin` (absent without one, whatever `base` had),
-        `SGLANG_MM_PRECOMPUTE_HASH` is 1 and `NCCL_CUMEM_ENABLE` is 0 unless `base` sets them (`nccl_peer_env`).
+        `SGLANG_MM_PRECOMPUTE_HASH` is 1, `CRASH_DIAGNOSTICS_ENV` are 0 and `NCCL_CUMEM_ENABLE` is 0 unless `base`
+        sets them (`nccl_peer_env`).
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_VLM_CACHE_SIZE_MB"] = str(spec.vision_cache_mb)
@@ -327,6 +337,8 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
     if spec.plugin is not None:
         env[SETTINGS_ENV] = spec.plugin.to_env()
     env.setdefault("SGLANG_MM_PRECOMPUTE_HASH", "1")  # hash once per request, not once per `n` copy (docstring)
+    for key in CRASH_DIAGNOSTICS_ENV:  # a dead scheduler's server exits at once, not 65 s later (docstring)
+        env.setdefault(key, "0")
     for key, value in NO_MULTICAST_ENV.items():  # NVLink multicast off unless the caller decided otherwise
         env.setdefault(key, value)
     env.update(nccl_peer_env(env))  # the value its NCCL peers (the trainer) run with, explicit

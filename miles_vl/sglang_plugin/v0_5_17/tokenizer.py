@@ -7,16 +7,19 @@ prompt aborts its samples; the grouped handler keeps that bookkeeping. 0.5.17 no
 methods the hook wraps kept their signatures (diffed against 0.5.16). New in 0.5.17: `SGLANG_RUST_SERVER=1` replaces
 the Python `TokenizerManager` by a Rust one in the scheduler (`srt/environ.py:1343`), where none of these hooks would
 run: refused. Also new: an unset `--mm-feature-transport` resolves to cuda_ipc, which the plugin's pixel handling is
-not written for: this hook pins it to cpu (`transport`).
+not written for: this hook pins it to cpu (`transport`). And new: Qwen-VL's processor runs in worker threads, which
+split a batch's prefixes and turn a processor's StopIteration into a request that never ends: this hook keeps
+preprocessed media inline and re-raises the StopIteration (`processor`).
 """
 
 from __future__ import annotations
 
 from miles_vl.sglang_plugin.adapter import FIX, Context, Hook, PluginRefused, Target
 from miles_vl.sglang_plugin.grouping import RequestStates, patch_tokenizer
-from miles_vl.sglang_plugin.v0_5_16.tokenizer import IO_STRUCT_MODULE, MM_UTILS_MODULE, PATCHED, TM, TOKENIZER_MODULE
+from miles_vl.sglang_plugin.v0_5_16.tokenizer import IO_STRUCT_MODULE, MM_UTILS_MODULE, TM, TOKENIZER_MODULE
+from miles_vl.sglang_plugin.v0_5_16.tokenizer import PATCHED as PATCHED_0_5_16
 from miles_vl.sglang_plugin.v0_5_16.tokenizer import TARGETS as TARGETS_0_5_16
-from miles_vl.sglang_plugin.v0_5_17 import transport
+from miles_vl.sglang_plugin.v0_5_17 import processor, transport
 
 ENVIRON_MODULE = transport.ENVIRON_MODULE
 
@@ -31,7 +34,9 @@ TARGETS = (
         Target(ENVIRON_MODULE, "envs"),
     )
     + transport.TARGETS
+    + processor.TARGETS
 )
+PATCHED = PATCHED_0_5_16 + processor.PATCHED
 
 
 def _add(manager, logical_rid: str, sample) -> None:
@@ -53,6 +58,7 @@ def apply(modules: dict, context: Context) -> None:
             f"patch hooks; unset SGLANG_RUST_SERVER, or {FIX}"
         )
     transport.apply(modules, context)
+    processor.apply(modules, context)
     patch_tokenizer(modules[TOKENIZER_MODULE], modules[MM_UTILS_MODULE], context.settings, STATES)
 
 

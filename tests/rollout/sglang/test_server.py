@@ -149,13 +149,16 @@ def test_spec_rejects_unsafe_or_conflicting_settings():
 
 
 def test_env_disables_the_vision_embedding_cache_by_default():
-    """Also: every server runs with NVLink multicast off (NCCL, PyTorch, NVSHMEM), unless the caller set those, and
-    hashes an image once per request in its tokenizer, not once per `n` copy in its scheduler."""
+    """Also: every server runs with NVLink multicast off (NCCL, PyTorch, NVSHMEM), unless the caller set those,
+    hashes an image once per request in its tokenizer, not once per `n` copy in its scheduler, and exits as soon as a
+    scheduler died, without SGLang's 65 s of crash diagnostics (a caller's setting is kept)."""
     env = build_server_env(ServerSpec(model_path="m", port=1), base={"PATH": "/bin"})
     assert env == {
         "PATH": "/bin",
         "SGLANG_VLM_CACHE_SIZE_MB": "0",
         "SGLANG_MM_PRECOMPUTE_HASH": "1",
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1",
@@ -174,6 +177,8 @@ def test_env_disables_the_vision_embedding_cache_by_default():
     )
     spec = ServerSpec(model_path="m", port=1)
     assert build_server_env(spec, base={"SGLANG_MM_PRECOMPUTE_HASH": "0"})["SGLANG_MM_PRECOMPUTE_HASH"] == "0"
+    wanted = {"SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "1"}
+    assert build_server_env(spec, base=wanted)["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "1"
 
 
 def test_pixel_values_travel_in_the_dtype_sglang_will_run_the_model_in(tmp_path):
