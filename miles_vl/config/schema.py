@@ -248,7 +248,14 @@ class DataConfig(_Section):
 
 class SGLangConfig(_Section):
     host: str = Field("127.0.0.1", description="bind address; anything else requires api_key.")
-    port: int = Field(30000, gt=0, lt=65536, description="first port; engine i uses port + i.")
+    port: int | None = Field(
+        None,
+        gt=0,
+        lt=65536,
+        description="first port; engine i uses port + i, and a port in use on its node is an error before the server "
+        "starts. null = each engine's server takes a free port of the node it runs on, so that jobs sharing a "
+        "machine never meet.",
+    )
     api_key: str | None = secret_field(
         "bearer token the servers demand; null = each server gets a random key of its own (every server has one, so "
         "that no other local user can call it). Give it as ${oc.env:SGLANG_API_KEY} to keep it off the command line."

@@ -141,12 +141,13 @@ def launch_hf(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, engine
 
 
 def server_spec(cfg: JobConfig, index: int) -> ServerSpec:
-    """What sglang engine `index` launches: the checkpoint at `model.path`, port `rollout.sglang.port + index`, one
-    GPU per TP rank, the processor's pixel range, memory saver when colocated."""
+    """What sglang engine `index` launches: the checkpoint at `model.path`, port `rollout.sglang.port + index` (None
+    with `port: null`: its host picks a free port of its node), one GPU per TP rank, the processor's pixel range,
+    memory saver when colocated."""
     s = cfg.rollout.sglang
     return ServerSpec(
         model_path=cfg.model.path or "",
-        port=s.port + index,
+        port=None if s.port is None else s.port + index,
         host=s.host,
         api_key=s.api_key,
         tp_size=cfg.rollout.gpus_per_engine,
@@ -170,8 +171,9 @@ def sglang_problems(cfg: JobConfig) -> list[str]:
             "the server cannot load; set model.init=pretrained (with model.path) or rollout.backend=hf"
         )
     else:
-        try:  # what each engine's host will check (extra_args, the key), before Ray starts
+        try:  # what each engine's host will check (extra_args, the key, the last engine's port), before Ray starts
             server_spec(cfg, 0)
+            server_spec(cfg, cfg.rollout.num_engines - 1)
         except ValueError as e:
             problems.append(str(e))
     if cfg.rollout.sglang.one_request_per_prompt and deterministic_inference(cfg.rollout.sglang.extra_args):
@@ -209,6 +211,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
             send_pixel_values=s.send_pixel_values,
             env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
             cpu_tensors_by_name=True,
+            name=f"rollout engine {slot.index}",
         )
     )
 

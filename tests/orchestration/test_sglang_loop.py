@@ -30,6 +30,7 @@ import ray
 from safetensors.torch import load_file
 
 from miles_vl.config import ConfigError
+from miles_vl.config.schema import SGLangConfig
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.factories import server_spec
 from miles_vl.orchestration.loop import check_backends
@@ -219,6 +220,7 @@ def test_disaggregated_nccl_sequence_over_gloo(tmp_path, checkpoint, hooks, loca
             "rollout.num_engines=1",
             "eval.interval=0",
             f"rollout.sglang.extra_args=[--fake-journal,{journal_dir}]",
+            "rollout.sglang.port=null",  # the default: the engine's actor picks a free port, which the trainer is told
         ),
         hooks=hooks,
     )
@@ -357,6 +359,17 @@ def test_what_sglang_cannot_run_is_a_config_error_before_ray(tmp_path):
     ):
         with pytest.raises(ConfigError, match=message):
             check_backends(config(tmp_path, checkpoint, "x", f"rollout.sglang.extra_args={flags}"))
+    # GPU run of 2026-11-26: a key SGLang's --config -> argv path cannot take killed the server at start; now the config
+    # check refuses it, naming the problem and never the key
+    for key, problem in (("-s3cret-dash", "starts with '-'"), ("s3cr\u00e9t", "non-ASCII"), ("s3cret ", "space")):
+        with pytest.raises(
+            ConfigError, match=r"rollout.sglang.api_key \(value <redacted>\) cannot be SGLang's"
+        ) as info:
+            check_backends(config(tmp_path, checkpoint, "x", f"rollout.sglang.api_key='{key}'"))
+        assert problem in str(info.value) and "s3cr" not in str(info.value)
+    last_port = ("rollout.sglang.port=65535", "rollout.num_engines=2", "ray.placement=disaggregate")
+    with pytest.raises(ConfigError, match=r"ServerSpec.port=65536 is not a TCP port.*or leave it null"):
+        check_backends(config(tmp_path, checkpoint, "x", *last_port))
 
 
 def test_server_spec_follows_the_config(tmp_path):
@@ -364,6 +377,10 @@ def test_server_spec_follows_the_config(tmp_path):
     cfg = config(tmp_path, checkpoint, "x", "rollout.gpus_per_engine=2", "train.num_gpus=2", "train.backend=megatron")
     spec = server_spec(cfg, index=1)
     assert (spec.port, spec.tp_size, spec.colocated) == (cfg.rollout.sglang.port + 1, 2, True)
+    assert (
+        server_spec(config(tmp_path, checkpoint, "x", "rollout.sglang.port=null"), index=1).port is None
+    )  # host's pick
+    assert SGLangConfig().port is None  # the default: a free port per engine, chosen on its node
     assert spec.vision_cache_mb == 0  # off unless asked: the cache would outlive weight syncs
     assert build_server_env(spec, base={})["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
     with pytest.raises(ConfigError, match="rollout.sglang.vision_cache_mb=256 keeps vision embeddings"):

@@ -24,7 +24,7 @@ from miles_vl.rollout.sglang.client import (
 )
 from miles_vl.rollout.sglang.engine import EngineStateError, SGLangRolloutEngine, WeightVersionError
 from miles_vl.rollout.sglang.generate import PromptMismatchError
-from miles_vl.rollout.sglang.host import SGLangPluginMissingError, SGLangRolloutHost
+from miles_vl.rollout.sglang.host import SGLangPluginMissingError, SGLangPortTakenError, SGLangRolloutHost
 from miles_vl.rollout.sglang.server import (
     SGLANG_LAUNCH_MODULE,
     ServerProcess,
@@ -43,6 +43,7 @@ __all__ = [
     "SGLangClient",
     "SGLangError",
     "SGLangPluginMissingError",
+    "SGLangPortTakenError",
     "SGLangRequestError",
     "SGLangResponseError",
     "SGLangRolloutEngine",

@@ -8,6 +8,13 @@ GPUs from index 0 (`--tp-size` = GPUs of the engine). The host is a plain class:
     groups = host.generate(prompts, params)      # forwarded to SGLangRolloutEngine (engine.py)
     host.shutdown()
 
+Ports: a spec without a port (rollout.sglang.port: null, the default) gets a free port of the node the host runs on
+(`free_port`), so that two jobs on one machine never share one; a given port that is in use there is refused before
+the server starts (`check_port_free`). Either way another process may bind the port while SGLang loads its model (it
+binds only when it is ready): the health route answers without a key, so once healthy the host makes one call with
+its key (`/server_info`), and a 401 there means the server that answers is not the one it started
+(`SGLangPortTakenError`).
+
 Access: every server has an API key, the user's (`rollout.sglang.api_key`) or else a random one the host makes for it
 (`new_api_key`), so that no other local user can call it. The key reaches the server only through the private
 `--config` file (0600, in the host's 0700 directory), never its command line or environment; the server's log gets
@@ -38,7 +45,13 @@ from torch import Tensor
 
 from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.models import SpecialTokens
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangServerDiedError, SGLangUnavailableError
+from miles_vl.rollout.sglang.client import (
+    SGLangClient,
+    SGLangError,
+    SGLangRequestError,
+    SGLangServerDiedError,
+    SGLangUnavailableError,
+)
 from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (
     LOOPBACK_HOSTS,
@@ -48,6 +61,7 @@ from miles_vl.rollout.sglang.server import (
     build_server_argv,
     build_server_env,
     check_port_free,
+    free_port,
     new_api_key,
     pixel_directory,
     pixel_wire_dtype,
@@ -72,11 +86,17 @@ class SGLangPluginMissingError(RuntimeError):
     patch asked for (`miles_vl.sglang_plugin.marker.marker_problem` names what and the likely cause)."""
 
 
+class SGLangPortTakenError(SGLangError):
+    """The server that answers on the port of a server the host just started refuses the host's key (HTTP 401): another
+    process (another job's SGLang server) serves that port, not the server the host started."""
+
+
 class SGLangRolloutHost(RolloutEngine):
     """Owns one SGLang server process and the engine that drives it.
 
     Args:
-        spec: what to launch; without an `api_key`, the server gets a random one (module docstring).
+        spec: what to launch; without an `api_key`, the server gets a random one, without a `port` a free one of this
+            node (module docstring).
         tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
         ban_vision_tokens: see `SGLangRolloutEngine`.
         startup_timeout_s: how long a (re)start may take to become healthy (rollout.sglang.startup_timeout_s).
@@ -103,6 +123,7 @@ class SGLangRolloutHost(RolloutEngine):
             which SGLang processes again.
         cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
             (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
+        name: how messages name this engine (e.g. "rollout engine 1").
     """
 
     def __init__(
@@ -128,6 +149,7 @@ class SGLangRolloutHost(RolloutEngine):
         prompts_per_request: int = 1,
         send_pixel_values: bool = False,
         cpu_tensors_by_name: bool = False,
+        name: str = "the rollout engine",
     ):
         if cpu_tensors_by_name and not torch.cuda.is_available():
             torch.multiprocessing.set_sharing_strategy("file_system")
@@ -135,7 +157,10 @@ class SGLangRolloutHost(RolloutEngine):
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         if not spec.api_key:
             spec = dataclasses.replace(spec, api_key=new_api_key())
+        if spec.port is None:  # chosen here, on the node the server runs on
+            spec = dataclasses.replace(spec, port=free_port(spec.host))
         self.spec = spec
+        self.name = name
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = max_restarts
         self.health_poll_s = health_poll_s
@@ -215,20 +240,38 @@ class SGLangRolloutHost(RolloutEngine):
         return self.server.log_path
 
     def _launch(self) -> None:
-        check_port_free(self.spec.host, self.spec.port)
+        # a relaunch waits a little for the last server's socket to go; a first start has no such socket
+        check_port_free(self.spec.host, self.spec.port, wait_s=5.0 if self.server.starts else 0.0, engine=self.name)
         self.server.start()
         waited = wait_until_healthy(
             self.client, self.server, timeout_s=self.startup_timeout_s, poll_s=self.health_poll_s
         )
+        info = self._own_server_info()
         log.info("SGLang server %s healthy after %.1fs (pid %s)", self.url, waited, self.server.pid)
         if self.spec.plugin is not None:
-            self._check_plugin()
+            self._check_plugin(info)
 
-    def _check_plugin(self) -> None:
+    def _own_server_info(self) -> dict[str, Any]:
+        """`/server_info`, with this host's key: the first call that needs it, so a 401 means the server answering on
+        the port is not the one this host started (whose key it is), but another process's that bound it first."""
+        try:
+            return self.client.server_info()
+        except SGLangRequestError as e:
+            if e.status_code != 401:
+                raise
+            raise SGLangPortTakenError(
+                f"{self.name}: the SGLang server answering on {self.url} refuses this engine's API key (HTTP 401 on "
+                f"/server_info): port {self.spec.port} is served by another process (another job's SGLang server?), "
+                f"not by the server this engine started (pid {self.server.pid}, log {self.server.log_path}). Set "
+                "rollout.sglang.port to a range that is free on every node (engine i uses port + i), or leave it "
+                "null: each engine's server then takes a free port of its node"
+            ) from None
+
+    def _check_plugin(self, info: dict[str, Any]) -> None:
         """Refuse a server that should run miles_vl's plugin but reports no marker of it, or lacks a patch asked for
         (`marker_problem`): it would run, slower or unable to read pixel files, without saying so."""
         problem = marker_problem(
-            self.client.server_info(), self.spec.plugin.patches(), (self.server.env or os.environ).get("SGLANG_PLUGINS")
+            info, self.spec.plugin.patches(), (self.server.env or os.environ).get("SGLANG_PLUGINS")
         )
         if problem is not None:
             raise SGLangPluginMissingError(f"SGLang server {self.url}: {problem} (log: {self.server.log_path})")

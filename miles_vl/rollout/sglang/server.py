@@ -106,9 +106,45 @@ def _abbreviates(arg: str, flag: str) -> bool:
     return arg.startswith("--") and len(arg) > 2 and flag.startswith(arg)
 
 
+def _require_port(spec: ServerSpec) -> None:
+    if spec.port is None:
+        raise ValueError(
+            "ServerSpec.port is None (a free port, picked where the server runs): replace it with "
+            "free_port(spec.host) first, as SGLangRolloutHost does"
+        )
+
+
 def new_api_key() -> str:
-    """A fresh random API key for one server (256 bits, URL-safe: a bearer token as it is)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random API key for one server: 256 bits as 64 hex digits, which SGLang takes as they are
+    (`api_key_problem`). Not `secrets.token_urlsafe`: its alphabet has '-', one key in 64 started with it, and SGLang
+    then exited at start with `argument --api-key: expected one argument` (GPU run of 2026-11-26)."""
+    return secrets.token_hex(32)
+
+
+def api_key_problem(key: str) -> str | None:
+    """Why SGLang cannot take `key` as its API key, or None. Never repeats the key (it is a secret).
+
+    The key reaches SGLang through the `--config` YAML (`write_server_config`), and SGLang 0.5.16 and 0.5.17 alike turn
+    that file into argv: `ConfigArgumentMerger._convert_config_to_args` (srt/server_args_config_parser.py, called by
+    `prepare_server_args` in srt/server_args.py) makes `["--api-key", str(value)]`, which `argparse` then parses. So:
+    - argparse reads a value that starts with '-' as a flag (unless it holds a space or looks like a negative
+      number): `--api-key` is left without its value and the server exits at start;
+    - SGLang compares keys with `secrets.compare_digest` (srt/utils/auth.py), which refuses non-ASCII strings, and the
+      key travels as an HTTP header (`Authorization: Bearer <key>`), which carries no control characters and loses
+      spaces at either end.
+    """
+    if key.startswith("-"):
+        return (
+            "it starts with '-', which SGLang's argument parser reads as a flag: the server would exit at start with "
+            "'argument --api-key: expected one argument'"
+        )
+    if not key.isascii():
+        return "it holds a non-ASCII character, which SGLang's key check (secrets.compare_digest) refuses"
+    if not key.isprintable():
+        return "it holds a control character (a tab, a newline, ...), which an HTTP header cannot carry"
+    if key != key.strip(" "):
+        return "it starts or ends with a space, which HTTP drops from the header that carries the key"
+    return None
 
 
 @dataclass(frozen=True)
@@ -117,10 +153,12 @@ class ServerSpec:
 
     Args:
         model_path: HF checkpoint directory the server loads at start (and again after a restart).
-        port: HTTP port.
+        port: HTTP port; None: a free port the host picks on the node where the server runs (`free_port`), the
+            default of rollout.sglang.port. `url`, `build_server_argv` and `write_server_config` need it picked.
         host: bind address; anything but loopback requires `api_key`.
         api_key: bearer token the server demands on every route but `/health*` and `/metrics*`; None: the host makes
-            a random one (`new_api_key`), so that a server always has one. Not shown by `repr`.
+            a random one (`new_api_key`), so that a server always has one. Not shown by `repr`; one that SGLang
+            cannot take (`api_key_problem`) is refused.
         tp_size: tensor-parallel size = GPUs of this engine (the GPUs Ray gave the actor, from index 0).
         mem_fraction_static: share of GPU memory for weights + KV cache; None lets SGLang choose.
         colocated: the engine shares its GPUs with the trainer: adds `--enable-memory-saver`.
@@ -138,7 +176,7 @@ class ServerSpec:
     """
 
     model_path: str
-    port: int
+    port: int | None
     host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)
     tp_size: int = 1
@@ -156,8 +194,18 @@ class ServerSpec:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("ServerSpec.model_path is empty: set model.path to the HF checkpoint SGLang should load")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"ServerSpec.port={self.port} is not a TCP port; set rollout.sglang.port in 1..65535")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(
+                f"ServerSpec.port={self.port} is not a TCP port; set rollout.sglang.port so that port + engine index "
+                "stays in 1..65535, or leave it null (each engine's server then takes a free port)"
+            )
+        problem = api_key_problem(self.api_key) if self.api_key else None
+        if problem is not None:
+            raise ValueError(
+                f"rollout.sglang.api_key (value <redacted>) cannot be SGLang's API key: {problem}. Choose a key of "
+                "printable ASCII that does not start with '-' (e.g. `python -c 'import secrets; "
+                "print(secrets.token_hex(32))'`), or leave it null: each server then gets a random key of its own"
+            )
         if self.host not in LOOPBACK_HOSTS and not self.api_key:
             raise ValueError(
                 f"ServerSpec.host={self.host!r} opens the server beyond loopback without an API key: "
@@ -201,6 +249,7 @@ class ServerSpec:
     @property
     def url(self) -> str:
         """Where a client on this machine reaches the server (a wildcard bind is reached over loopback)."""
+        _require_port(self)
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
@@ -235,6 +284,7 @@ def build_server_argv(
     Raises:
         ValueError: an API key without a config file.
     """
+    _require_port(spec)
     if spec.api_key and config_file is None:
         raise ValueError(
             "the API key goes to SGLang in a private --config file, never on the command line (other local users "
@@ -348,10 +398,12 @@ def build_server_env(spec: ServerSpec, base: Mapping[str, str] | None = None) ->
 def write_server_config(spec: ServerSpec, directory: str | Path) -> Path | None:
     """Write the private `--config` YAML holding the API key (mode 0600); None when the spec has no key.
 
-    SGLang's config merger turns `api-key: <key>` into `--api-key <key>` inside the server process.
+    SGLang's config merger turns `api-key: <key>` into `--api-key <key>` inside the server process, which argparse then
+    reads (`api_key_problem` says which keys survive that; `ServerSpec` refuses the others).
     """
     if not spec.api_key:
         return None
+    _require_port(spec)
     path = Path(directory) / f"sglang_{spec.port}.yaml"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -359,11 +411,31 @@ def write_server_config(spec: ServerSpec, directory: str | Path) -> Path | None:
     return path
 
 
-def check_port_free(host: str, port: int, *, wait_s: float = 5.0) -> None:
+def free_port(host: str) -> int:
+    """A TCP port that nothing on this node holds now, for a server that will bind `host`: the kernel's choice for a
+    bind to port 0 (as Ray and SGLang pick theirs), made on the node where the server runs.
+
+    Nothing holds the port for the server until it binds it, which SGLang does only once its model has loaded
+    (minutes): another process may take it meanwhile. The host then finds that out: its own server exits, or another
+    process's server answers with a key that is not ours (`SGLangPortTakenError`).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, *, wait_s: float = 5.0, engine: str = "an engine") -> None:
     """Raise unless `host:port` can be bound (waits up to `wait_s` for a just-stopped server to let go of it).
 
+    Args:
+        host: the server's bind address.
+        port: its port.
+        wait_s: how long a port in use may take to come free (a relaunch: the last server's socket).
+        engine: how the message names the engine (e.g. "rollout engine 1").
+
     Raises:
-        ValueError: naming the port and the fix.
+        ValueError: naming the port, the engine and the fix.
     """
     deadline = time.monotonic() + wait_s
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -376,8 +448,10 @@ def check_port_free(host: str, port: int, *, wait_s: float = 5.0) -> None:
             except OSError as e:
                 if time.monotonic() >= deadline:
                     raise ValueError(
-                        f"cannot start SGLang on {host}:{port}: the port is in use ({e}). Another server or job holds "
-                        "it: stop that process or choose another rollout.sglang.port (engine i uses port + i)"
+                        f"cannot start the SGLang server of {engine} on {host}:{port}: the port is in use on this "
+                        f"node ({e}), by another process (another job's SGLang server?). Set rollout.sglang.port to a "
+                        "range that is free on every node (engine i uses port + i), or leave it null: each engine's "
+                        "server then takes a free port of its node"
                     ) from e
         time.sleep(0.1)
 

@@ -50,7 +50,9 @@ In-process (tests):      fake = FakeSGLang(); fake.start(); fake.url; fake.calls
                          503, times=1); fake.stop()
 As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or -m tests.rollout.sglang.fake_server)
                          --model-path M --host 127.0.0.1 --port P
-                         [--config secrets.yaml] [--fake-startup-delay S] [any flag build_server_argv emits]
+                         [--config secrets.yaml] [--fake-startup-delay S] [--fake-bind-delay S]
+                         [any flag build_server_argv emits]
+                         (--config merged into the arguments as SGLang 0.5.16 and 0.5.17 do it: `merge_config`)
                          [--fake-journal DIR]  (append every call to DIR/sglang_<port>.jsonl: survives the process)
                          [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
                                                 exists: a crash the host must recover from, once);
@@ -1298,9 +1300,40 @@ class FakeSGLang:
         self.stop()
 
 
+def merge_config(argv: list[str]) -> list[str]:
+    """`argv` with its `--config FILE` replaced by the file's settings as arguments, in front of the others: what
+    SGLang 0.5.16 and 0.5.17 do before argparse sees them (`prepare_server_args` in srt/server_args.py calls
+    `ConfigArgumentMerger.merge_config_with_args`, srt/server_args_config_parser.py; the same in both releases).
+    Each `key: value` of the YAML (yaml.safe_load) becomes `--key str(value)`: a list gives `--key item...`, a dict
+    `--key <its JSON>`, true a bare `--key` (the store_true flags, the only booleans the stand-in knows), false
+    nothing."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    at = argv.index("--config")
+    with open(argv[at + 1]) as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        raise ValueError("Config file must contain a dictionary at root level")  # 0.5.16's words
+    merged: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            merged += [f"--{key}"] if value else []
+        elif isinstance(value, list):
+            merged += [f"--{key}", *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            merged += [f"--{key}", json.dumps(value)]
+        else:
+            merged += [f"--{key}", str(value)]
+    return merged + argv[:at] + argv[at + 2 :]
+
+
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """The flags build_server_argv emits that the stand-in reads, plus its own `--fake-*` ones (unknown SGLang flags
-    are accepted and ignored)."""
+    are accepted and ignored), after `--config` is merged into them as SGLang does it (`merge_config`): a setting
+    there that SGLang's argparse would refuse is refused here too, with the same message."""
+    argv = merge_config(sys.argv[1:] if argv is None else list(argv))
     parser = parser or argparse.ArgumentParser(prog="fake-sglang")
     parser.add_argument("--model-path", "--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -1317,6 +1350,9 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         "--fake-stock", action="store_true", help="the plugin does not load although asked for (an old install)"
     )
     parser.add_argument("--fake-startup-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--fake-bind-delay", type=float, default=0.0, help="seconds before the port is bound (SGLang loads its model)"
+    )
     parser.add_argument("--fake-exit-after", type=float, default=None, help="exit with code 3 after this many seconds")
     parser.add_argument("--fake-journal", default=None, help="directory of the call journals")
     parser.add_argument("--fake-exit-file", default=None, help="crash on the first /generate after a sync, once")
@@ -1327,12 +1363,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
     """Run the stand-in in this process until it is killed."""
-    api_key = args.api_key
-    if args.config:  # 0.5.16 merges the YAML into the arguments (server_args_config_parser.py)
-        import yaml
-
-        with open(args.config) as f:
-            api_key = (yaml.safe_load(f) or {}).get("api-key", api_key)
+    api_key = args.api_key  # from --config too (parse_args merged it)
     # what 0.5.16 logs at start, its arguments with the key merged from --config among them (`server_args=ServerArgs(
     # ..., api_key='...', ...)`, srt/entrypoints/engine.py:798): the host must keep it out of the log file
     logged = ", ".join(f"{k}={v!r}" for k, v in (vars(args) | {"api_key": api_key}).items())
@@ -1365,6 +1396,10 @@ def serve(args: argparse.Namespace, model: ServerModel | None = None) -> None:
             state.faults.setdefault(spec.pop("path"), []).append(Fault(**spec))
     if args.host not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"fake-sglang binds loopback only, got --host {args.host}")
+    if args.fake_bind_delay:  # SGLang binds its port only once its model is loaded: minutes after its start
+        sys.stderr.write(f"fake-sglang: loading for {args.fake_bind_delay}s before binding port {args.port}\n")
+        sys.stderr.flush()
+        time.sleep(args.fake_bind_delay)
     httpd = FakeHTTPServer(
         ("127.0.0.1", args.port), state, record_only_groups=False, model=model, journal_dir=args.fake_journal
     )

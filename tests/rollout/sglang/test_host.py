@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from miles_vl.rollout.sglang import (
     EngineStateError,
     ServerSpec,
     SGLangPluginMissingError,
+    SGLangPortTakenError,
     SGLangRolloutHost,
     SGLangServerDiedError,
 )
 from miles_vl.rollout.sglang.host import deterministic_inference
+from miles_vl.rollout.sglang.server import check_port_free
 from miles_vl.rollout.types import SamplingParams
 from miles_vl.sglang_plugin.settings import PluginSettings
 from tests.rollout.sglang.conftest import MAX_PIXELS, MIN_PIXELS, TOKENS, free_port, make_prompt
@@ -35,11 +38,14 @@ PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=3)
 PLUGIN = PluginSettings()  # the production default (rollout.sglang.launcher: miles_vl)
 
 
-def host(tmp_path, *, extra_args=(), api_key="k3y", colocated=False, plugin=PLUGIN, **kwargs) -> SGLangRolloutHost:
-    """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang."""
+def host(
+    tmp_path, *, extra_args=(), api_key="k3y", colocated=False, plugin=PLUGIN, port=0, **kwargs
+) -> SGLangRolloutHost:
+    """A host whose server is the stand-in, launched with the argv and config file the host builds for SGLang; `port`
+    0: a free port the test picks, None: the host picks one."""
     spec = ServerSpec(
         model_path="/ckpt/m",
-        port=free_port(),
+        port=free_port() if port == 0 else port,
         api_key=api_key,
         colocated=colocated,
         weight_version="base",
@@ -167,6 +173,77 @@ def test_a_relaunch_after_a_sync_refuses_to_generate_until_the_next_sync(tmp_pat
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(SGLangServerDiedError, match="(?s)died while starting.*scheduled exit"):
         host(tmp_path, extra_args=("--fake-startup-delay", "30", "--fake-exit-after", "0.2"))
+
+
+def test_hosts_without_a_port_take_free_ports_of_their_own(tmp_path):
+    """GPU run of 2026-11-26: two jobs on one machine both started their server on port 30000 (the old default of
+    rollout.sglang.port). Without a port (rollout.sglang.port: null, the default now) each host picks a free port of its
+    own node, and two hosts at once get two ports, each serving its own host's calls."""
+    hosts = [host(tmp_path / f"h{i}", api_key=None, port=None) for i in range(2)]
+    try:
+        ports = [h.spec.port for h in hosts]
+        assert None not in ports and ports[0] != ports[1]
+        for h, port in zip(hosts, ports, strict=True):
+            assert h.url == f"http://127.0.0.1:{port}" and h.server.argv[h.server.argv.index("--port") + 1] == str(port)
+            assert len(h.generate([make_prompt([1, 2], 1)], PARAMS)[0]) == 2
+    finally:
+        for h in hosts:
+            h.shutdown()
+
+
+def test_a_configured_port_in_use_is_refused_before_the_server_starts(tmp_path):
+    """A given port that something on the node holds (here a listening socket: another job's server) is an error
+    naming the port, the engine and the fix, raised before any server process starts; nothing of the host is left."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"rollout engine 2 on 127.0.0.1:{port}: the port is in use") as info:
+            host(tmp_path, port=port, name="rollout engine 2")
+    assert "rollout.sglang.port" in str(info.value) and "leave it null" in str(info.value)
+    log = tmp_path / "server.log"
+    assert not log.exists() or "=== miles_vl: start" not in log.read_text()  # no server was started
+
+
+@pytest.mark.parametrize("plugin", [PLUGIN, None], ids=["plugin", "sglang"])
+def test_another_processs_server_on_the_port_is_named_not_just_refused(tmp_path, monkeypatch, plugin):
+    """GPU run of 2026-11-26: the second job's server was still loading its model (SGLang binds its port only then)
+    when the first job's server, on the same port, became healthy: the second host's health check (an open route)
+    passed on the first job's server, and the job died with `SGLang GET /server_info ... refused with HTTP 401`. Here
+    another server with another key binds the port just after the host checked it, while the host's own stand-in is
+    still "loading" (--fake-bind-delay). The host's first keyed call gets the 401 and says the port is served by another
+    process, naming the port, the engine and the fix (without the plugin too, where no call used the key at start),
+    and stops its own server."""
+    from miles_vl.rollout.sglang import host as host_module
+    from tests.rollout.sglang.fake_server import FakeSGLang
+
+    others: list[FakeSGLang] = []
+    started: list[host_module.ServerProcess] = []
+
+    def check_then_lose_the_port(host_, port, **kwargs):
+        check_port_free(host_, port, **kwargs)
+        others.append(FakeSGLang(port, api_key="another-jobs-key").start())  # binds in the window
+
+    class Recorded(host_module.ServerProcess):
+        def start(self):
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(host_module, "check_port_free", check_then_lose_the_port)
+    monkeypatch.setattr(host_module, "ServerProcess", Recorded)
+    port = free_port()
+    try:
+        with pytest.raises(SGLangPortTakenError) as info:
+            host(tmp_path, port=port, plugin=plugin, extra_args=("--fake-bind-delay", "60"), name="rollout engine 1")
+        message = str(info.value)
+        assert f"rollout engine 1: the SGLang server answering on http://127.0.0.1:{port} refuses" in message
+        assert f"port {port} is served by another process" in message and "HTTP 401" in message
+        assert "rollout.sglang.port" in message and "leave it null" in message
+        assert [c["path"] for c in others[0].calls][-1] == "/server_info"
+        assert len(started) == 1 and not started[0].is_alive()  # its own server was stopped
+    finally:
+        for other in others:
+            other.stop()
 
 
 def test_which_server_flags_make_the_seed_count():

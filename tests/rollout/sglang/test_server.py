@@ -5,8 +5,10 @@ of its children, and restarted on the same port."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -27,8 +29,10 @@ from miles_vl.rollout.sglang import (
     wait_until_healthy,
     write_server_config,
 )
-from miles_vl.rollout.sglang.server import check_port_free, copy_redacted
+from miles_vl.rollout.sglang.server import api_key_problem, check_port_free, copy_redacted, new_api_key
+from miles_vl.rollout.sglang.server import free_port as free_port_here
 from tests.rollout.sglang.conftest import FAKE_SERVER, fake_argv, free_port, quick_client
+from tests.rollout.sglang.fake_server import parse_args, sglang_authorizes
 
 # Flags of SGLang 0.5.16's `ServerArgs` (python/sglang/srt/server_args.py) that miles_vl emits or the tests pass,
 # read from the wheel: the flag is the field name with dashes (plus `aliases`); `bool` fields are store_true
@@ -212,14 +216,88 @@ def test_pixel_values_travel_in_the_dtype_sglang_will_run_the_model_in(tmp_path)
     assert spatial_merge_size(str(tmp_path / "vl")) == 3 and spatial_merge_size(str(tmp_path / "none")) == 2
 
 
-def test_check_port_free_names_the_port():
+def test_check_port_free_names_the_port_the_engine_and_the_fix():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*rollout.sglang.port"):
-            check_port_free("127.0.0.1", port, wait_s=0.2)
+        with pytest.raises(ValueError, match=f"rollout engine 3 on 127.0.0.1:{port}.*in use") as info:
+            check_port_free("127.0.0.1", port, wait_s=0.2, engine="rollout engine 3")
+        assert "set rollout.sglang.port to a range that is free" in str(info.value).lower()
+        assert "leave it null" in str(info.value)
     check_port_free("127.0.0.1", port, wait_s=2.0)
+
+
+def test_free_port_gives_a_port_nothing_holds():
+    port = free_port_here("127.0.0.1")
+    check_port_free("127.0.0.1", port, wait_s=0)  # bindable now
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert free_port_here("127.0.0.1") != s.getsockname()[1]
+    with pytest.raises(ValueError, match="ServerSpec.port is None.*free_port"):
+        build_server_argv(ServerSpec(model_path="m", port=None))
+
+
+def _as_sglang_reads_it(spec: ServerSpec, directory) -> str | None:
+    """The API key SGLang's server ends up with for `spec`: the private YAML `write_server_config` writes, merged into
+    the argv as 0.5.16 and 0.5.17 merge it and parsed by argparse (the stand-in's `parse_args`, which mirrors both:
+    fake_server.merge_config). Raises SystemExit where SGLang's argparse exits."""
+    config = write_server_config(spec, directory)
+    argv = build_server_argv(spec, python="/py", config_file=str(config))
+    return parse_args(argv[3:]).api_key
+
+
+def test_generated_keys_reach_sglang_whole_even_where_a_urlsafe_token_starts_with_a_dash(tmp_path, monkeypatch, capsys):
+    """GPU run of 2026-11-26: `new_api_key` was `secrets.token_urlsafe(32)`, which starts with '-' once in 64 draws;
+    SGLang turns the --config YAML into `--api-key <key>` and argparse took the key for a flag: the server exited with
+    `argument --api-key: expected one argument`. Every key drawn now survives that path whole: 2,000 fresh draws (with
+    token_urlsafe about 31 of them would fail), and the random bytes that make token_urlsafe start with '-'."""
+    spec = ServerSpec(model_path="m", port=30000)
+    keys = {new_api_key() for _ in range(2000)}
+    monkeypatch.setattr(secrets, "token_bytes", lambda n=None: b"\xf8" * (n or 32))  # 111110...: base64 index 62
+    dash = secrets.token_urlsafe(32)
+    assert dash.startswith("-")
+    (tmp_path / "dash.yaml").write_text(f"api-key: {json.dumps(dash)}\n")  # write_server_config's format
+    with pytest.raises(SystemExit):  # the GPU run's failure, as SGLang's argparse (mirrored by the stand-in) meets it
+        parse_args(["--model-path", "m", "--config", str(tmp_path / "dash.yaml")])
+    assert "argument --api-key: expected one argument" in capsys.readouterr().err
+    keys.add(new_api_key())  # the same bytes
+    assert len(keys) == 2001
+    for key in keys:
+        assert _as_sglang_reads_it(dataclasses.replace(spec, api_key=key), tmp_path) == key
+        assert len(key) >= 43 and api_key_problem(key) is None  # 256 bits
+
+
+# keys SGLang takes whole, though YAML, argparse or HTTP treat some of their characters specially
+ODD_KEYS = ["k\"ey\\w1th'quotes", "a b c", "#not-a-comment", "true", "null", "123", "x: y", "@file", "~/.k"]
+
+
+def test_a_users_key_reaches_sglang_whole_unless_sglang_cannot_take_it(tmp_path, capsys):
+    """A user's rollout.sglang.api_key goes the same way; one SGLang cannot take is refused by `ServerSpec` (and so by
+    the config check before Ray, tests/orchestration/test_sglang_loop.py), naming the problem but never the key."""
+    for key in ODD_KEYS:
+        assert api_key_problem(key) is None, key
+        assert _as_sglang_reads_it(ServerSpec(model_path="m", port=30000, api_key=key), tmp_path) == key
+        assert sglang_authorizes("/generate", f"Bearer {key}", key)  # SGLang's own comparison takes it
+    refused = {
+        "-leading-dash": "starts with '-'",
+        "--s3cret": "starts with '-'",
+        "-1": "starts with '-'",  # argparse would take a negative number, but the rule is one: no leading '-'
+        "caf\u00e9": "non-ASCII",
+        "tab\there": "control character",
+        "new\nline": "control character",
+        "del\x7f": "control character",
+        " padded": "space",
+        "padded ": "space",
+    }
+    for key, problem in refused.items():
+        with pytest.raises(ValueError, match="rollout.sglang.api_key") as info:
+            ServerSpec(model_path="m", port=30000, api_key=key)
+        message = str(info.value)
+        assert problem in message and key not in message and "leave it null" in message, message
+    with pytest.raises(TypeError, match="non-ASCII"):  # why non-ASCII is refused: SGLang's check cannot compare it
+        sglang_authorizes("/generate", "Bearer caf\u00e9", "caf\u00e9")
 
 
 def _fake_process(tmp_path, *extra: str) -> tuple[ServerProcess, str]:
