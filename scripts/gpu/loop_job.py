@@ -71,7 +71,7 @@ SHAPES = {
     # replicated: 4.67B local parameters), megatron's distributed optimizer sharding over DP x CP = 2:
     #   bf16 weights 2 B + fp32 gradient buffer 4 B + fp32 main weights 4/2 B = 8 B/param = 35 GiB when the engines
     #   start; Adam's two fp32 moments (8/2 B/param = 17.4 GiB) are allocated at the first optimizer step, after
-    #   which the trainer holds 52 GiB through every rollout (this build does not offload it; docs/cluster.md).
+    #   which the trainer holds 52 GiB through every rollout (not offloaded here; 8b_1gpu offloads it).
     # An SGLang 0.5.16 engine takes mem_fraction_static of the memory FREE when it starts (~43.6 GiB) for weights
     # (8.77B x 2 B / TP 2 = 8.2 GiB) + KV cache, and leaves the rest as its runtime slack: at 0.4, 17.4 GiB
     # (9 GiB of KV, ~120K tokens of 73.7 KB per GPU; a step needs ~15K per engine) and 26 GiB left, which must hold
@@ -126,6 +126,10 @@ SHAPES = {
         "train.optimizer.lr=1e-6",
         "train.optimizer.cpu_offload=1.0",
         "train.recompute=full",
+        # torch's threads in every actor (factories.set_threads): the CPU Adam step over 8.77B parameters runs in the
+        # train actor, which Ray may leave at one thread (its OMP_NUM_THREADS for an actor of num_cpus=0); the hosts
+        # loop_run.sh accepts for this shape have 64 cores or more
+        "ray.num_cpus=32",
     ),
 }
 
