@@ -152,7 +152,8 @@ def optimizer_config(options: OptimizerOptions, *, bf16: bool):
     distributed optimizer and Adam (optimizer_config.py's `__post_init__`), which this always is, and the precision
     stays fp32 (main weights, moments, gradients: the dtypes are megatron's defaults). It needs CUDA (CUDA streams,
     pinned memory). Checkpoints keep their layout: the distributed optimizer's sharded state dict reads and writes
-    the offloaded state through the HybridDeviceOptimizer (`_sync_hdo_state_to_sub_optimizers` after a load).
+    the offloaded state through the HybridDeviceOptimizer; after a load, `checkpoint.sync_offloaded_optimizer` hands
+    it to the sub-optimizers (megatron's "dp_reshardable" load leaves that out), and remainders are off (below).
 
     Raises:
         ValueError: cpu_offload outside [0, 1].
@@ -179,6 +180,9 @@ def optimizer_config(options: OptimizerOptions, *, bf16: bool):
         optimizer_cpu_offload=offload,
         optimizer_offload_fraction=o.cpu_offload,
         use_precision_aware_optimizer=offload,
+        # the HybridDeviceOptimizer keeps whole fp32 main weights; with remainders (megatron's default) a load's
+        # placeholder for them is int16, which its load hook copies into those weights (checkpoint.py)
+        store_param_remainders=not offload,
     )
 
 

@@ -10,6 +10,7 @@ rank of the harness (importing build.py needs its Transformer Engine stand-ins).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts
@@ -76,3 +77,32 @@ def test_no_offload_leaves_the_gpu_optimizer_unchanged(configs):
 
 def test_a_fraction_outside_0_1_is_refused(configs):
     assert "optimizer.cpu_offload must be in [0, 1]" in configs[1.5] and "found 1.5" in configs[1.5]
+
+
+def test_a_load_hands_the_state_to_every_offloaded_optimizer(tmp_path, monkeypatch):
+    """megatron-core 0.19.2's dp_reshardable load leaves the HybridDeviceOptimizer's `_sync_hdo_state_to_sub_optimizers`
+    out (its other two loads call it): `load_checkpoint` calls it, after the optimizer's `load_state_dict`, for each
+    offloaded optimizer in the chain and for nothing else (megatron's load stubbed; the real round trip:
+    tests/gpu/test_megatron_train_gpu.py)."""
+    from types import SimpleNamespace
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from miles_vl.train.megatron import checkpoint
+
+    events = []
+    offloaded = HybridDeviceOptimizer.__new__(HybridDeviceOptimizer)  # its constructor needs CUDA
+    offloaded._sync_hdo_state_to_sub_optimizers = lambda: events.append("synced")
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    chain = SimpleNamespace(
+        chained_optimizers=[SimpleNamespace(optimizer=offloaded), SimpleNamespace(optimizer=plain)],
+        sharded_state_dict=lambda state, **kw: {},
+        load_state_dict=lambda state: events.append(("loaded", state)),
+    )
+    (tmp_path / "metadata.json").write_text("{}")
+    saved = {"optimizer": {"param_state": 1}, "trainer_state": {"optimizer_steps": 3}}
+    monkeypatch.setattr(dist_checkpointing, "load", lambda state, directory: saved)
+    assert checkpoint.load_checkpoint(tmp_path, [], chain) == {"optimizer_steps": 3}
+    assert events == [("loaded", {"param_state": 1}), "synced"]
+    assert checkpoint.sync_offloaded_optimizer(SimpleNamespace(optimizer=plain)) == 0 and len(events) == 2
