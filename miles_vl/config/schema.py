@@ -399,6 +399,13 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
+    cpu_offload: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="fraction of the Adam state (fp32 main weights, both moments) that megatron keeps and updates on "
+        "the CPU; 0 = none (all on the GPU), 1.0 = all (train.backend=megatron only).",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -786,6 +793,11 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
                 f"train.num_gpus={t.num_gpus} with train.backend=torch: the embedded backend trains on one device; "
                 "set train.backend=megatron for several GPUs"
             )
+    if t.backend == "torch" and t.optimizer.cpu_offload > 0:
+        errors.append(
+            f"train.optimizer.cpu_offload={t.optimizer.cpu_offload} offloads megatron's distributed optimizer, but "
+            "train.backend=torch; set train.optimizer.cpu_offload=0 or train.backend=megatron"
+        )
     if t.backend == "megatron" and t.num_gpus == 0:
         errors.append("train.backend=megatron needs GPUs: set train.num_gpus (e.g. 8)")
     if t.backend == "megatron" and cfg.model.init != "pretrained":

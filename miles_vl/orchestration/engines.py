@@ -2,8 +2,9 @@
 
     rollout = RolloutEngines(cfg, tokens, kind, weights, log_dir, gpus)   # rollout.num_engines actors of `kind`
     groups = rollout.generate(prompts, params)                   # prompts split over the engines, prompt order kept
-    rollout.release_memory(); <train>; rollout.resume_memory()   # colocated placement only
-    rollout.sync_weights("step-3")                         # trainer -> every engine (miles_vl/rollout/weight_sync.py)
+    rollout.release_memory(); <train>; rollout.resume_memory(WEIGHTS_MEMORY)   # colocated placement only
+    rollout.sync_weights("step-3")       # trainer -> every engine (miles_vl/rollout/weight_sync.py)
+    rollout.resume_memory()              # colocated: the KV cache and CUDA graphs, after the sync
 
 Every engine is a Ray actor that implements `miles_vl.rollout.RolloutEngine`; `kind` (factories.py) launches it.
 
@@ -27,6 +28,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -121,11 +123,12 @@ class RolloutEngines:
         if self.cfg.ray.placement == "colocate":
             self._on_every_engine("release_memory", again_after_recovery=True)
 
-    def resume_memory(self) -> None:
-        """Colocated: the engines take their memory back (sglang weights are then undefined until the sync); an
-        engine that died meanwhile (e.g. while the trainer ran) is replaced, with the current weights."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Colocated: the engines take their memory back, `tags` of it (`miles_vl.rollout.types.MEMORY_TAGS`; None:
+        all still released; sglang weights are then undefined until the sync); an engine that died meanwhile (e.g.
+        while the trainer ran) is replaced, with all its memory and the current weights."""
         if self.cfg.ray.placement == "colocate":
-            self._on_every_engine("resume_memory", again_after_recovery=False)
+            self._on_every_engine("resume_memory", False, tags)
 
     def sync_weights(self, version: str) -> None:
         """The trainer's current weights to every engine, labelled `version` (engines that fail are recovered)."""
@@ -152,14 +155,14 @@ class RolloutEngines:
 
     # -- recovery ------------------------------------------------------------------------------------------------
 
-    def _on_every_engine(self, method: str, again_after_recovery: bool) -> None:
-        """Call `method` on every engine; engines that fail are recovered (`_recover`), and called again when
+    def _on_every_engine(self, method: str, again_after_recovery: bool, *args: Any) -> None:
+        """Call `method(*args)` on every engine; engines that fail are recovered (`_recover`), and called again when
         `again_after_recovery` (a fresh engine is in the state `method` leaves the others in otherwise).
 
         Raises:
             RuntimeError: an engine failed more than `rollout.max_restarts` times in this call.
         """
-        pending = {i: getattr(e, method).remote() for i, e in enumerate(self.engines)}
+        pending = {i: getattr(e, method).remote(*args) for i, e in enumerate(self.engines)}
         for attempt in range(self.cfg.rollout.max_restarts + 1):
             failed: Failed = {}
             for i, ref in pending.items():
@@ -178,7 +181,7 @@ class RolloutEngines:
             self._recover(failed)
             if not again_after_recovery:
                 return
-            pending = {i: getattr(self.engines[i], method).remote() for i in failed}
+            pending = {i: getattr(self.engines[i], method).remote(*args) for i in failed}
 
     def _recover(self, failed: Failed) -> None:
         """Bring the failed engines back with the current weights (module docstring); at most

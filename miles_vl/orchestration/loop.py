@@ -106,6 +106,7 @@ from miles_vl.rollout.collect import (
     score_groups,
     trim_to_whole_batches,
 )
+from miles_vl.rollout.types import WEIGHTS_MEMORY
 from miles_vl.rollout.weight_sync import make_weight_sync
 
 log = logging.getLogger(__name__)
@@ -644,10 +645,12 @@ class Job:
             with timer("train"):
                 self.rollout.release_memory()  # colocated: the trainer gets the devices
                 train_metrics = self.trainer.train(batch.samples)
-                self.rollout.resume_memory()
+                self.rollout.resume_memory(WEIGHTS_MEMORY)  # only what the sync writes: the KV cache comes after it
             self.publish_save_before_sync()
             with timer("sync"):
                 self.rollout.sync_weights(weight_version(step + 1))
+            with timer("resume"):
+                self.rollout.resume_memory()  # colocated: the KV cache and CUDA graphs, once the sync is done
         finally:
             self.train_set.wait_prefetch()  # the processor is the driver's own again (eval encodes with it)
         n_tokens = sum(s.input_ids.numel() for s in batch.samples)

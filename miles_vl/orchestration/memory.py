@@ -9,7 +9,10 @@ cp, ep; `W` = train.num_gpus. The trainer (megatron, as `train/megatron/build.py
   sharding: 4 bytes a parameter.
 - optimizer: Adam's two fp32 moments and, in bf16, an fp32 main copy: 12 bytes a trainable parameter (8 in fp32).
   Megatron's distributed optimizer (what miles_vl builds) shards them over every rank: `12 * P / W`; without it
-  they sit on every data-parallel rank like the gradients.
+  they sit on every data-parallel rank like the gradients. With `train.optimizer.cpu_offload` = f, megatron's
+  HybridDeviceOptimizer moves f of a rank's shard to host memory: `(1 - f) * 12 * P / W` stay on the GPU and
+  `f * 16 * P / W` bytes go to the host (the fp32 main weights, both moments and a pinned fp32 copy of the
+  gradients; hybrid_optimizer.py) -- host memory per train rank, not counted against the GPU.
 - activations of one packed micro-batch, `T = micro_batch_max_tokens / c` tokens a rank, bf16, flash attention (no
   `T^2` term), no dropout. A decoder layer keeps per token `8h + 6*(q + kv + m)` bytes (the inputs and outputs of
   both norms, 4h; Q, K, V and their QK-norm outputs, the attention output; the MLP's gate/up output, its
@@ -50,6 +53,7 @@ FIT_FRACTION = 0.9  # of a GPU's memory: what the estimate may use; the rest is 
 TRAINER_RUNTIME_GIB = 3.0  # outside PyTorch in a train rank (2.8 GiB measured on an H100)
 RELEASED_ENGINE_GIB = 2.0  # a colocated SGLang engine's processes after releasing their memory (2.1 GiB measured)
 LOGIT_BYTES = 16  # bytes per vocabulary entry and token in the loss (module docstring)
+HOST_OPTIMIZER_BYTES = 16  # per offloaded parameter: fp32 main weight, two fp32 moments, pinned fp32 gradient
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class TrainerMemory:
     activations: float  # the decoder layers' (module docstring)
     logits: float
     runtime: float = TRAINER_RUNTIME_GIB
+    host_optimizer: float = 0.0  # the optimizer state offloaded to host memory (train.optimizer.cpu_offload)
 
     @property
     def resident(self) -> float:
@@ -98,15 +103,19 @@ def trainer_memory(
     freeze_vision: bool = False,
     bf16: bool = True,
     distributed_optimizer: bool = True,
+    cpu_offload: float = 0.0,
 ) -> TrainerMemory:
-    """One Megatron train rank's memory (module docstring: the formulas and what they leave out)."""
+    """One Megatron train rank's memory (module docstring: the formulas and what they leave out); `cpu_offload` is
+    the fraction of the rank's optimizer state on the host."""
     weight_bytes = 2 if bf16 else 4
     dense, experts = shape.params - shape.expert_params, shape.expert_params
     local = dense / (tp * pp) + experts / (ep * tp * pp)  # parameters a rank holds
     trainable_local = local - (shape.vision_params / (tp * pp) if freeze_vision else 0)
     trainable = shape.params - (shape.vision_params if freeze_vision else 0)
     optimizer_bytes = 12 if bf16 else 8
-    optimizer = optimizer_bytes * (trainable / num_gpus if distributed_optimizer else trainable_local)
+    state_params = trainable / num_gpus if distributed_optimizer else trainable_local  # this rank's optimizer shard
+    optimizer = (1 - cpu_offload) * optimizer_bytes * state_params
+    host_optimizer = cpu_offload * HOST_OPTIMIZER_BYTES * state_params
     tokens = micro_batch_max_tokens / cp
     h_split = tp if sp else 1
     per_layer_token = 8 * shape.hidden / h_split + 6 * (shape.q_dim + shape.kv_dim + shape.mlp_dim) / tp
@@ -120,6 +129,7 @@ def trainer_memory(
         optimizer=optimizer / GIB,
         activations=layers / GIB,
         logits=tokens * shape.vocab / tp * LOGIT_BYTES / GIB,
+        host_optimizer=host_optimizer / GIB,
     )
 
 
@@ -192,6 +202,11 @@ class MemoryEstimate:
                 + (f" + released engine {RELEASED_ENGINE_GIB:.1f}" if self.colocated and self.engine else "")
                 + f" = {self.train_phase_gib():.1f} GiB"
             )
+            if t.host_optimizer:
+                out.append(
+                    f"trainer, host memory per train rank: optimizer state {t.host_optimizer:.1f} GiB "
+                    "(train.optimizer.cpu_offload; not in the GPU figures)"
+                )
         if (e := self.engine) is not None:
             held = e.kv_tokens / e.step_tokens if e.step_tokens else 0.0
             out.append(
@@ -238,6 +253,7 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
             recompute=t.recompute,
             freeze_vision=t.freeze_vision,
             bf16=cfg.model.dtype != "fp32",  # auto is bf16 on GPUs
+            cpu_offload=t.optimizer.cpu_offload,
         )
     engine = None
     if sglang:

@@ -36,6 +36,13 @@ class Generation:
     finish_reason: Literal["stop", "length"]
 
 
+# What an engine's memory release covers, by SGLang's names (sglang/srt/constants.py, 0.5.16): a colocated step
+# resumes the weights before the weight sync (which writes them) and the rest after it, so that the engine's KV cache
+# is not held beside the sync's buffers.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+WEIGHTS_MEMORY = ("weights",)
+
+
 class EngineDiedError(RuntimeError):
     """The engine's worker is gone and will not come back by itself: the driver replaces the engine."""
 
@@ -91,8 +98,10 @@ class RolloutEngine(Protocol):
         """Free accelerator memory while the trainer runs (colocated placement)."""
         ...
 
-    def resume_memory(self) -> None:
-        """Take the memory back after training (weights may then need a sync)."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory back after training (weights may then need a sync): `tags` among `MEMORY_TAGS`, None =
+        all that is still released; resuming what is not released is a no-op. The loop resumes `WEIGHTS_MEMORY`
+        before the weight sync and the rest after it."""
         ...
 
     def shutdown(self) -> None:

@@ -56,6 +56,11 @@ class TorchTrainBackend:
     def __init__(self, model: Qwen3VLForConditionalGeneration, tokens: SpecialTokens, options: TrainOptions):
         self.model = model
         self.tokens = tokens
+        if options.optimizer.cpu_offload:  # the config refuses it first (schema.py); this guards direct callers
+            raise ValueError(
+                f"optimizer.cpu_offload={options.optimizer.cpu_offload}: the torch backend keeps its AdamW state on "
+                "the model's device; use 0 here, or the megatron backend to offload"
+            )
         self.options = options
         self.device = next(model.parameters()).device
         if options.freeze_vision:

@@ -28,6 +28,7 @@ class OptimizerOptions:
     eps: float = 1e-8
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    cpu_offload: float = 0.0  # fraction of the optimizer state on the CPU (megatron's HybridDeviceOptimizer)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ model can learn it). Per shape:
     8b    configs/geo3k_qwen3vl_8b.yaml instead (Qwen3-VL-8B shapes) on 4 GPUs: Megatron TP=2 x CP=2 (DP=1), two
           SGLang engines of 2 GPUs each, colocated; 196 vision tokens per image, 8 prompts x 8 samples, 128 new
           tokens, one optimizer step per RL step, lr 1e-6, full recompute (memory estimate at SHAPES["8b"])
+    8b_1gpu  the same 8B job full-parameter on ONE GPU, colocated: TP=CP=1, one engine of 1 GPU, the Megatron
+          optimizer's state on the CPU (train.optimizer.cpu_offload=1.0), 4096-token micro-batches, full recompute
+          (memory at SHAPES["8b_1gpu"]; its host needs ~131 GiB of RAM for the offloaded state)
     2b_long16k, 2b_long32k, 2b_long64k  the long-context job (docs/long_context.md): Qwen3-VL-2B shapes on the
           `many_images` task, 1024x1024 images of 1024 vision tokens, as many as make samples of 16K / 32K / 64K tokens
           (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute; the train
@@ -30,12 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "geo3k_qwen3vl_1gpu.yaml"
-CONFIGS = {"8b": REPO / "configs" / "geo3k_qwen3vl_8b.yaml"}  # the shipped config of a shape; others: CONFIG
+CONFIGS = {shape: REPO / "configs" / "geo3k_qwen3vl_8b.yaml" for shape in ("8b", "8b_1gpu")}  # others: CONFIG
 
 # The image processor's pixel range per shape: the run's data.min/max_pixels and the checkpoint's saved processor
 # must agree, because SGLang 0.5.16 counts each image's tokens with the checkpoint's processor (falling back to
 # re-tokenizing the decoded prompt when the counts disagree). 256x256 images: 64 tokens (tiny), 196 (2b, resized up).
-PIXELS = {"tiny": (16384, 65536), "2b": (196608, 262144), "8b": (196608, 262144)}
+PIXELS = {"tiny": (16384, 65536), "2b": (196608, 262144), "8b": (196608, 262144), "8b_1gpu": (196608, 262144)}
 LONG_LENGTHS = {"2b_long16k": 16384, "2b_long32k": 32768, "2b_long64k": 65536}  # shape -> sample tokens
 LONG_RESPONSE = 128
 PIXELS |= {shape: (1024 * 1024, 1024 * 1024) for shape in LONG_LENGTHS}  # 1024x1024 images kept whole
@@ -68,7 +71,7 @@ SHAPES = {
     # replicated: 4.67B local parameters), megatron's distributed optimizer sharding over DP x CP = 2:
     #   bf16 weights 2 B + fp32 gradient buffer 4 B + fp32 main weights 4/2 B = 8 B/param = 35 GiB when the engines
     #   start; Adam's two fp32 moments (8/2 B/param = 17.4 GiB) are allocated at the first optimizer step, after
-    #   which the trainer holds 52 GiB through every rollout (this build does not offload it; docs/cluster.md).
+    #   which the trainer holds 52 GiB through every rollout (not offloaded here; 8b_1gpu offloads it).
     # An SGLang 0.5.16 engine takes mem_fraction_static of the memory FREE when it starts (~43.6 GiB) for weights
     # (8.77B x 2 B / TP 2 = 8.2 GiB) + KV cache, and leaves the rest as its runtime slack: at 0.4, 17.4 GiB
     # (9 GiB of KV, ~120K tokens of 73.7 KB per GPU; a step needs ~15K per engine) and 26 GiB left, which must hold
@@ -92,6 +95,41 @@ SHAPES = {
         "train.micro_batch_max_tokens=8192",
         "train.optimizer.lr=1e-6",
         "train.recompute=full",
+    ),
+    # ONE 80 GB GPU (79.6 GiB), 8.77B parameters, nothing sharded (`miles-vl check` prints this estimate; hand-checked
+    # in tests/orchestration/test_memory.py): bf16 weights 2 B + fp32 gradient buffer 4 B = 6 B/param = 49 GiB + 3 GiB
+    # CUDA/NCCL stay on the GPU through the rollout; the optimizer's state (fp32 main weights, both moments and a
+    # pinned fp32 gradient copy, 16 B/param = 131 GiB) lives in host memory (megatron's HybridDeviceOptimizer), so
+    # the host needs ~150 GiB of RAM with the rest of the job (the 128 GiB machines do not have it: run on a larger
+    # host, one of its GPUs; loop_run.sh pins CUDA_VISIBLE_DEVICES=0). The engine starts with ~28 GiB free and takes
+    # 0.8 of it: 16.3 GiB of weights + ~6 GiB of KV cache (~44K tokens of 144 KiB; a step needs 64 x 1152 at most,
+    # ~20K in practice) and leaves ~5.5 GiB for its CUDA graphs and activations. Train phase (engine released to its
+    # 2 GiB): 52 GiB + a 4096-token micro-batch's activations (full recompute: 1.6 GiB) and logprobs (9.3 GiB) = 65
+    # GiB; 8192 tokens would need 76 GiB, past the 90 % the estimate allows. The sync: the engine's weights are resumed
+    # alone before it (52 + 16.3 + its runtime + the sync's buckets, ~72 GiB) and its KV cache only after it, which
+    # would not fit beside the sync (loop.py). A final checkpoint holds ~123 GB (bf16 weights and the fp32 Adam state).
+    "8b_1gpu": (
+        "train.num_gpus=1",
+        "train.tp=1",
+        "train.cp=1",
+        "train.sp=false",
+        "rollout.num_engines=1",
+        "rollout.gpus_per_engine=1",
+        "data.max_prompt_len=1024",
+        "rollout.batch_size=8",
+        "rollout.n_samples_per_prompt=8",
+        "rollout.max_response_len=128",
+        "rollout.sglang.mem_fraction_static=0.8",
+        'rollout.sglang.extra_args=["--cuda-graph-max-bs-decode","32","--max-running-requests","64"]',
+        "train.global_batch_size=64",
+        "train.micro_batch_max_tokens=4096",
+        "train.optimizer.lr=1e-6",
+        "train.optimizer.cpu_offload=1.0",
+        "train.recompute=full",
+        # torch's threads in every actor (factories.set_threads): the CPU Adam step over 8.77B parameters runs in the
+        # train actor, which Ray may leave at one thread (its OMP_NUM_THREADS for an actor of num_cpus=0); the hosts
+        # loop_run.sh accepts for this shape have 64 cores or more
+        "ray.num_cpus=32",
     ),
 }
 

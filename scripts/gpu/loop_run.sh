@@ -5,10 +5,13 @@
 #
 # usage: bash scripts/gpu/loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]
 #   --check    first: the stack's imports and a GPU probe (sglang, sgl_kernel, transformer_engine, megatron, ray)
-#   SHAPE      tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k  (scripts/gpu/loop_job.py; the checkpoint,
-#              scripts/gpu/make_tiny_qwen3vl.py --shape tiny|2b|8b, is written once per machine to
+#   SHAPE      tiny | 2b | 8b | 8b_1gpu | 2b_long16k | 2b_long32k | 2b_long64k  (scripts/gpu/loop_job.py; the
+#              checkpoint, scripts/gpu/make_tiny_qwen3vl.py --shape tiny|2b|8b, is written once per machine to
 #              /tmp/ckpt_loop_<SHAPE>, one for the three 2b_long shapes: /tmp/ckpt_loop_2b_long, whose processor keeps
-#              1024x1024 images whole; 8b runs configs/geo3k_qwen3vl_8b.yaml on 4 GPUs)
+#              1024x1024 images whole, and one for 8b and 8b_1gpu; 8b runs configs/geo3k_qwen3vl_8b.yaml on 4 GPUs,
+#              8b_1gpu the same model on ONE GPU (CUDA_VISIBLE_DEVICES=0 unless set) with its optimizer state in host
+#              memory: it refuses to start on a host with less than 150 GiB of RAM or less than 130 GB free disk for
+#              its checkpoint (~123 GB))
 #   NAME       run name: the run directory is $RUNS/NAME (RUNS=/tmp/gpu_runs); running NAME again with a larger
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
@@ -35,11 +38,34 @@ shape=${1:?usage: loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]}
 name=${2:?run name}
 steps=${3:?num_steps}
 shift 3
-case "$shape" in tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k) ;;
-  *) echo "loop_run: unknown shape $shape (tiny | 2b | 8b | 2b_long16k | 2b_long32k | 2b_long64k)" >&2; exit 2 ;; esac
-model_shape=${shape%%_*}      # the checkpoint's architecture: 2b_long64k -> 2b
+case "$shape" in tiny | 2b | 8b | 8b_1gpu | 2b_long16k | 2b_long32k | 2b_long64k) ;;
+  *) echo "loop_run: unknown shape $shape (tiny | 2b | 8b | 8b_1gpu | 2b_long16k | 2b_long32k | 2b_long64k)" >&2
+     exit 2 ;; esac
+model_shape=${shape%%_*}      # the checkpoint's architecture: 2b_long64k -> 2b, 8b_1gpu -> 8b
 ckpt_name=${shape%[0-9][0-9]k}  # one checkpoint for the 2b_long lengths: 2b_long64k -> 2b_long
+[ "$shape" = 8b_1gpu ] && ckpt_name=8b
 mkdir -p "$out/$name" "$runs"
+min_run_s=60  # seconds the run needs at least, after the checkpoint is written
+if [ "$shape" = 8b_1gpu ]; then  # one GPU of the host; the host holds the optimizer's 131 GiB (loop_job.py)
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+  min_run_s=420  # start (~3 min: two 8B loads), 4 steps, the final save of ~123 GB
+  ram_gib=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1048576 ))
+  shm_kb=$(df -Pk /dev/shm 2> /dev/null | awk 'NR == 2 {print $4}')
+  shm_gib=$(( ${shm_kb:-0} / 1048576 ))
+  disk_gb=$(( $(df -Pk "$runs" | awk 'NR == 2 {print $4}') / 1000000 ))
+  fits=$(( ram_gib >= 150 ))
+  if [ "$ram_gib" -ge 300 ] && [ "$shm_gib" -ge 130 ]; then  # the checkpoint in RAM: written in seconds, not minutes
+    set -- "checkpoint.dir=/dev/shm/miles_vl_ckpt/$name" "$@"  # first: an override of the caller's still wins
+  elif [ "$disk_gb" -lt 130 ]; then
+    fits=0
+  fi
+  if [ "$fits" = 0 ]; then
+    echo "loop_run: 8b_1gpu needs >= 150 GiB of RAM (the offloaded optimizer state is 131 GiB) and >= 130 GB free" \
+      "for its checkpoint, in /dev/shm (with >= 300 GiB of RAM) or in $runs; this host has ${ram_gib} GiB of RAM," \
+      "${shm_gib} GiB free in /dev/shm, ${disk_gb} GB in $runs: use a larger machine (one of its GPUs)" >&2
+    exit 2
+  fi
+fi
 log=$out/$name/driver.log
 say() { echo "[loop_run +$(( $(date +%s) - start ))s] $*" | tee -a "$log" >&2; }
 left() { echo $(( budget - ($(date +%s) - start) )); }
@@ -73,7 +99,7 @@ if [ ! -f "$ckpt/.complete" ]; then
 fi
 
 t=$(( $(left) - 25 ))
-[ "$t" -lt 60 ] && { say "only ${t}s left: not starting the run"; exit 1; }
+[ "$t" -lt "$min_run_s" ] && { say "only ${t}s left: not starting the run (the same command again starts it)"; exit 1; }
 say "train: $name to step $steps (timeout ${t}s, then SIGINT)"
 smi_pid=""
 if command -v nvidia-smi > /dev/null; then  # memory per GPU, by every process on it (the summary's maxima)

@@ -327,6 +327,11 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "video prompts (`data.synthetic_task: motion`) through `rollout.backend: sglang` need pixel values",
         ),
         (
+            ["train.optimizer.cpu_offload=1.0"],
+            "train.optimizer.cpu_offload=1.0 offloads megatron's distributed optimizer, but train.backend=torch",
+            "`train.optimizer.cpu_offload > 0` needs `train.backend: megatron`",
+        ),
+        (
             ["data.train_path=rows.parquet"],
             "data.train_path='rows.parquet' and data.synthetic_n=8 are both set",
             "`data.train_path` or `data.synthetic_n > 0`, not both",

@@ -16,6 +16,9 @@ Each case spawns one process per GPU (world = tp * cp). In that one spawn:
    into C blocks instead of the zigzag chunks) must be off by more than 0.1; it runs in every case (cp2 on 2 GPUs,
    cp4 and tp2_cp2 on 4; a case needing more GPUs than the machine has skips).
 
+`test_optimizer_offload_trains_and_resumes_its_fp32_state` (1 GPU): train.optimizer.cpu_offload=1.0 trains, and a
+fresh backend resumed from its checkpoint repeats the two steps after the save (the fp32 state on the CPU restored).
+
 Self-contained: a tiny random Qwen3-VL (deepstack into both language layers, GQA, interleaved MRoPE, large init std
 0.2 so that positions matter) written with transformers' `save_pretrained`, and its samples, are built here. Prints
 one `GPU-MEGATRON-TRAIN {json}` line per case with the measured differences.
@@ -253,3 +256,56 @@ def test_megatron_train_step_matches_across_layouts(tmp_path, tp, cp):
     assert got["optimizer_steps_after_load"] == 2
     for key in ("train/loss", "train/grad_norm"):
         assert _rel(got["after_load"][key], got["after_save"][key]) < 1e-2, key
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimizer's state on the CPU (issue 33.5)
+
+
+def job_offload(ctx: RankContext, hf_dir: str, checkpoint_dir: str) -> dict:
+    """train.optimizer.cpu_offload=1.0 on one GPU: step, save, two steps; then a FRESH backend (as a resumed run
+    builds one) loads the checkpoint and takes the same two steps."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from miles_vl.train.megatron import build_megatron_backend
+
+    options = dataclasses.replace(OPTIONS, optimizer=dataclasses.replace(OPTIONS.optimizer, cpu_offload=1.0))
+    samples = make_samples()
+    out: dict = {}
+    for phase in ("saved", "loaded"):
+        backend = build_megatron_backend(
+            hf_dir, _tokens(), options, ParallelOptions(tp_size=1, cp_size=1, bf16=True, seed=0)
+        )
+        if phase == "saved":
+            first = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])[0]
+            out["offloaded"] = type(first.optimizer).__name__
+            out["first"] = train_step(backend, samples)
+            backend.save_checkpoint(checkpoint_dir)
+        else:
+            backend.load_checkpoint(checkpoint_dir)
+        out[phase] = [train_step(backend, samples) for _ in range(2)]
+        out[f"{phase}_steps"] = backend.optimizer_steps
+        del backend
+        parallel_state.destroy_model_parallel()
+        torch.cuda.empty_cache()
+    return out
+
+
+def test_optimizer_offload_trains_and_resumes_its_fp32_state(tmp_path):
+    """With the optimizer's state in host memory (megatron's HybridDeviceOptimizer), the two steps after a resume
+    repeat the two after the save: the second depends on the fp32 main weights and Adam moments the checkpoint
+    restored (megatron-core 0.19.2's dp_reshardable load leaves them out of the CPU optimizer unless
+    checkpoint.sync_offloaded_optimizer hands them over; the first step only reads the bf16 weights)."""
+    hf_dir = str(tmp_path / "hf")
+    write_checkpoint(hf_dir)
+    (out,) = run_ranks(job_offload, 1, args=(hf_dir, str(tmp_path / "ckpt")), timeout_s=900.0)
+    print("GPU-MEGATRON-OFFLOAD " + json.dumps({k: out[k] for k in ("offloaded", "saved_steps", "loaded_steps")}))
+    assert out["offloaded"] == "HybridDeviceOptimizer"
+    assert out["first"]["train/skipped_nonfinite_steps"] == 0.0
+    assert (out["saved_steps"], out["loaded_steps"]) == (3, 3)
+    for k in range(2):
+        for key in ("train/loss", "train/grad_norm"):
+            saved, loaded = out["saved"][k][key], out["loaded"][k][key]
+            assert _rel(loaded, saved) < 1e-3, (k, key, saved, loaded)

@@ -134,6 +134,55 @@ def test_8b_on_eight_gpus_by_hand():
     assert est.problems() == []
 
 
+def loop_job():
+    """scripts/gpu/loop_job.py (a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):
+    """Issue 33.5: the `8b_1gpu` shape of scripts/gpu/loop_job.py: Qwen3-VL-8B full-parameter on ONE 80 GB GPU, TP=CP=1,
+    4096-token micro-batches, full recompute, train.optimizer.cpu_offload=1.0, one colocated engine at 0.8. The
+    offloaded optimizer state leaves the GPU figures and is counted as host memory (16 B a parameter: fp32 main
+    weights, two fp32 moments, a pinned fp32 gradient copy); `check` prints it and says the job fits."""
+    p, _ = transformers_params("Qwen3-VL-8B")
+    h, q, kv, m, layers, vocab = 4096, 32 * 128, 8 * 128, 12288, 36, 151936
+    weights, grads, host = 2 * p, 4 * p, 16 * p  # nothing sharded; the Adam state all on the host
+    tokens = 4096
+    activations = layers * tokens * 2 * h + tokens * (8 * h + 6 * (q + kv + m))  # full recompute
+    logits = tokens * vocab * 16
+    peak = (weights + grads + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, the released engine
+    share = 0.8 * (80 - (weights + grads) / GIB - 3.0)  # the engine starts beside the trainer's weights and grads
+    kv_gib = share - 2 * p / GIB
+    job = loop_job()
+    overrides = job.overrides("8b_1gpu", "Qwen/Qwen3-VL-8B-Instruct", "/runs", "x", 4)
+    cfg = load_config(str(job.CONFIGS["8b_1gpu"]), overrides)
+    assert (cfg.train.num_gpus, cfg.rollout.num_engines, cfg.ray.placement) == (1, 1, "colocate")
+    est = estimate_memory(cfg, 80.0)
+    assert est.trainer.optimizer == 0.0
+    assert est.trainer.host_optimizer == pytest.approx(host / GIB)  # ~131 GiB: a host larger than 128 GiB
+    assert est.train_phase_gib() == pytest.approx(peak)
+    assert est.engine.share == pytest.approx(share) and est.engine.kv_cache == pytest.approx(kv_gib)
+    assert est.engine.kv_tokens == int(kv_gib * GIB / (2 * 2 * layers * 8 * 128))
+    assert peak < 0.9 * 80 and kv_gib > 5 and est.problems() == []
+    # without the offload the same job holds 12 B a parameter more on the GPU and does not fit
+    plain = load_config(str(job.CONFIGS["8b_1gpu"]), [*overrides, "train.optimizer.cpu_offload=0"])
+    problems = estimate_memory(plain, 80.0).problems()  # the trainer's, and the engine's weights beside it
+    assert f"about {peak + 12 * p / GIB:.1f} GiB per GPU" in problems[0]
+    half = trainer_memory(
+        model_shape(RELEASED_SHAPES["Qwen3-VL-8B"]),
+        num_gpus=1, tp=1, pp=1, cp=1, ep=1, sp=False, micro_batch_max_tokens=4096, recompute="full", cpu_offload=0.5,
+    )  # fmt: skip
+    assert half.optimizer == pytest.approx(6 * p / GIB) and half.host_optimizer == pytest.approx(8 * p / GIB)
+    assert main(["check", "--config-only", str(job.CONFIGS["8b_1gpu"]), *overrides]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"host memory per train rank: optimizer state {host / GIB:.1f} GiB" in out and "fits 80 GiB GPUs: yes" in out
+
+
 def test_frozen_vision_and_the_optimizer_without_distribution():
     """train.freeze_vision: the vision tower has no gradients nor optimizer state; without megatron's distributed
     optimizer every data-parallel rank would hold the whole state of its model-parallel shard."""

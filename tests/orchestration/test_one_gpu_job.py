@@ -96,3 +96,17 @@ def test_loop_job_8b_shape_is_the_8b_config_at_tp2_cp2_on_four_gpus(tmp_path):
     assert (cfg.data.min_pixels, cfg.data.max_pixels) == loop_job.PIXELS["8b"]
     assert cfg.rollout.sglang.mem_fraction_static == 0.4 and cfg.train.recompute == "full"
     assert cfg.num_steps == 6 and cfg.eval.interval == 0 and cfg.data.train_path is None
+
+
+def test_loop_job_8b_1gpu_shape_is_the_8b_model_on_one_gpu_with_the_optimizer_offloaded(tmp_path):
+    """The `8b_1gpu` shape (issue 33.5): configs/geo3k_qwen3vl_8b.yaml with the run's overrides validates as one GPU
+    of Megatron (TP=CP=1, no sequence parallel) with its optimizer state on the CPU and one 1-GPU SGLang engine on
+    the same GPU; its memory estimate: tests/orchestration/test_memory.py."""
+    assert loop_job.CONFIGS["8b_1gpu"].name == "geo3k_qwen3vl_8b.yaml"
+    cfg = load_config(loop_job.CONFIGS["8b_1gpu"], loop_job.overrides("8b_1gpu", tmp_path / "ckpt", tmp_path, "x", 4))
+    assert (cfg.rollout.backend, cfg.train.backend, cfg.ray.placement) == ("sglang", "megatron", "colocate")
+    assert (cfg.train.num_gpus, cfg.train.tp, cfg.train.cp, cfg.train.sp) == (1, 1, 1, False)
+    assert (cfg.rollout.num_engines, cfg.rollout.gpus_per_engine) == (1, 1)
+    assert cfg.train.optimizer.cpu_offload == 1.0 and cfg.train.recompute == "full"
+    assert (cfg.data.min_pixels, cfg.data.max_pixels) == loop_job.PIXELS["8b"]
+    assert cfg.num_steps == 4 and cfg.effective_global_batch_size == cfg.samples_per_step == 64

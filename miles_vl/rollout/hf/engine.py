@@ -147,7 +147,8 @@ class HFRolloutEngine(RolloutEngine):
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """The model back on its device: it is all weights, so any tag brings it (the first call; then a no-op)."""
         home = getattr(self, "_home", None)
         if home is not None and home != self.device:
             self.model.to(home)

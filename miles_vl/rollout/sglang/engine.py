@@ -31,9 +31,11 @@ that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_
 `finish_weight_sync` (a server restart in between is detected and the sync must begin again); after an NCCL sync driven
 by the trainer (`DistributedWeightSender`), call `expect_weight_version(version)`. Every response's
 `meta_info.weight_version` must equal the version last synced: a server that restarted (and reloaded `model_path`)
-cannot silently serve stale weights. Colocated memory: `release_memory()` / `resume_memory()` around training need a
-server started with `--enable-memory-saver`; after a resume the weights are undefined (unless the server keeps a CPU
-backup) and `generate` refuses to run until `load_weights` has been called. Every colocated sync is verified
+cannot silently serve stale weights. Colocated memory: `release_memory()` / `resume_memory(tags)` around training need
+a server started with `--enable-memory-saver`; the weights can be resumed alone (`["weights"]`, before the sync, which
+refuses released weights) and the KV cache and CUDA graphs after it; after the weights' resume they are undefined
+(unless the server keeps a CPU backup) and `generate` refuses to run until `load_weights` has been called and all
+memory is resumed. Every colocated sync is verified
 (verify.py): names the server's checkpoint does not have are refused before they are sent (SGLang would skip them
 silently), and a few small tensors sent with new values must have changed on the server.
 """
@@ -69,7 +71,7 @@ from miles_vl.rollout.sglang.generate import (
 )
 from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError
 from miles_vl.rollout.sglang.weights import finish_tensor_sync, send_tensor_bucket
-from miles_vl.rollout.types import Generation, PromptLike, SamplingParams
+from miles_vl.rollout.types import MEMORY_TAGS, Generation, PromptLike, SamplingParams
 from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport, iter_buckets
 
 log = logging.getLogger(__name__)
@@ -195,7 +197,7 @@ class SGLangRolloutEngine:
         self.initial_weight_version = weight_version
         self.weight_version = weight_version  # what every response must report
         self.syncs = 0
-        self.released = False
+        self.released: set[str] = set()  # memory tags released (MEMORY_TAGS), not yet resumed
         self.weights_missing: str | None = None  # why the server's weights cannot be used now, if they cannot
         self.server_restarts = 0
         self._sync: _SyncInProgress | None = None
@@ -383,7 +385,10 @@ class SGLangRolloutEngine:
 
     def _check_ready(self) -> None:
         if self.released:
-            raise EngineStateError("generate() while the engine's memory is released: call resume_memory() first")
+            raise EngineStateError(
+                f"generate() while the engine's memory is released ({sorted(self.released)}): call resume_memory() "
+                "first"
+            )
         if self.weights_missing is not None:
             raise EngineStateError(
                 f"generate() refused: {self.weights_missing}; call load_weights() (or sync over NCCL and call "
@@ -414,8 +419,10 @@ class SGLangRolloutEngine:
         """Start a colocated sync whose buckets arrive one call at a time (`load_weight_bucket`, then
         `finish_weight_sync`). Until it finishes the server holds a mix of old and new tensors and generate refuses.
         Starting again abandons a sync in progress (e.g. one broken by a server restart)."""
-        if self.released:
-            raise EngineStateError("load_weights() while the engine's memory is released: call resume_memory() first")
+        if "weights" in self.released:  # the KV cache may stay released: the sync does not touch it
+            raise EngineStateError(
+                "load_weights() while the engine's weights are released: call resume_memory(['weights']) first"
+            )
         self.weights_missing = "a weight sync started and did not complete"
         self._sync = _SyncInProgress(restarts=self.server_restarts, start=time.monotonic())
         # the verifier begins with the first bucket: a sync the trainer drives itself (NCCL, colocated IPC) sends
@@ -501,7 +508,7 @@ class SGLangRolloutEngine:
     def server_restarted(self) -> None:
         """The server was relaunched: its memory is resident and its weights are `model_path`'s again."""
         self.server_restarts += 1
-        self.released = False
+        self.released = set()
         self.verifier.server_restarted()
         if self.syncs:
             self.weights_missing = (
@@ -518,7 +525,8 @@ class SGLangRolloutEngine:
                 "release_memory() needs a server started with --enable-memory-saver: launch colocated engines with "
                 "ServerSpec(colocated=True) and build the engine with memory_saver=True"
             )
-        if self.released:
+        tags = [t for t in MEMORY_TAGS if t not in self.released]
+        if not tags:
             return
         # 0.5.16 asserts the scheduler is idle when releasing (a failed assert kills the server): flushing with a
         # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind), and
@@ -530,16 +538,26 @@ class SGLangRolloutEngine:
                 f"release_memory() refused: {e}. Releasing a busy server would kill it (0.5.16 asserts an idle "
                 "scheduler in release_memory_occupation)"
             ) from e
-        self.client.release_memory_occupation()
-        self.released = True
+        # all tags, or the rest of them after a partial resume (0.5.16 pauses each tag it is given again)
+        self.client.release_memory_occupation(None if len(tags) == len(MEMORY_TAGS) else tags)
+        self.released.update(tags)
 
-    def resume_memory(self) -> None:
-        """Take the GPU memory back; without a CPU backup the weights must be synced before the next generate."""
-        if not self.released:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take the GPU memory of `tags` back (MEMORY_TAGS; None: all still released); a tag not released is
+        skipped (0.5.16 kills the scheduler on resuming one: `offload_tags.remove`). Without a CPU backup the
+        weights must be synced after their resume, before the next generate.
+
+        Raises:
+            ValueError: a tag that is not one of MEMORY_TAGS.
+        """
+        if tags is not None and (unknown := sorted(set(tags) - set(MEMORY_TAGS))):
+            raise ValueError(f"resume_memory: unknown memory tags {unknown}; expected some of {list(MEMORY_TAGS)}")
+        todo = [t for t in MEMORY_TAGS if t in self.released and (tags is None or t in tags)]
+        if not todo:
             return
-        self.client.resume_memory_occupation()
-        self.released = False
-        if not self.weights_cpu_backup:
+        self.client.resume_memory_occupation(todo)
+        self.released.difference_update(todo)
+        if "weights" in todo and not self.weights_cpu_backup:
             self.weights_missing = "the server released its weights and keeps no CPU backup, so they are undefined"
 
 

@@ -365,9 +365,9 @@ class SGLangRolloutHost(RolloutEngine):
         """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""
         self._call("release_memory")
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """`SGLangRolloutEngine.resume_memory`; sync weights before the next generate unless they are backed up."""
-        self._call("resume_memory")
+        self._call("resume_memory", tags)
 
     def expect_weight_version(self, version: str) -> None:
         """Record an NCCL sync the trainer drove (`DistributedWeightSender.send`) to this engine's server."""

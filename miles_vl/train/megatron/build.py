@@ -9,7 +9,8 @@ Steps: `AutoBridge.from_hf_pretrained(path)` -> `bridge.to_megatron_provider()` 
 (per-token loss under CP, rope fusion off, vision_dp_when_cp) -> `calculate_per_token_loss=True` for every CP size
 (the gradient scaling in step.py relies on it) and, with pp > 1, `variable_seq_lengths=True` (THD rows differ per
 micro-batch, which pipeline stages must be told) -> megatron's parallel state -> `provide_distributed_model` (DDP
-with fp32 gradient buffers, SUM reduction) -> megatron's distributed optimizer (Adam, fp32 main weights).
+with fp32 gradient buffers, SUM reduction) -> megatron's distributed optimizer (Adam, fp32 main weights;
+`optimizer_config`: its state on the CPU with train.optimizer.cpu_offload).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.train.megatron.backend import MegatronTrainBackend
 from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions
-from miles_vl.train.types import TrainOptions
+from miles_vl.train.types import OptimizerOptions, TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,51 @@ def recompute_vision_tower(model: list[torch.nn.Module]) -> list[torch.nn.Module
     return model
 
 
+def optimizer_config(options: OptimizerOptions, *, bf16: bool):
+    """megatron-core's `OptimizerConfig` for `options`: distributed Adam (AdamW), fp32 main weights and moments.
+
+    `options.cpu_offload` = f > 0 turns on megatron's `HybridDeviceOptimizer`: the first f of this rank's optimizer
+    shard (by elements) keeps its fp32 main weights and moments on the CPU and steps there (torch's AdamW); its
+    gradients are copied to pinned host memory each step and the updated bf16 weights back. megatron-core 0.19.2
+    routes it through the precision-aware optimizer's code path (megatron/training/arguments.py asserts
+    `--optimizer-cpu-offload` needs `--use-precision-aware-optimizer`), so both are set; that path needs the
+    distributed optimizer and Adam (optimizer_config.py's `__post_init__`), which this always is, and the precision
+    stays fp32 (main weights, moments, gradients: the dtypes are megatron's defaults). It needs CUDA (CUDA streams,
+    pinned memory). Checkpoints keep their layout: the distributed optimizer's sharded state dict reads and writes
+    the offloaded state through the HybridDeviceOptimizer; after a load, `checkpoint.sync_offloaded_optimizer` hands
+    it to the sub-optimizers (megatron's "dp_reshardable" load leaves that out), and remainders are off (below).
+
+    Raises:
+        ValueError: cpu_offload outside [0, 1].
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    o = options
+    if not 0.0 <= o.cpu_offload <= 1.0:
+        raise ValueError(f"optimizer.cpu_offload must be in [0, 1] (a fraction of the state), found {o.cpu_offload}")
+    offload = o.cpu_offload > 0
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_eps=o.eps,
+        clip_grad=o.grad_clip,
+        bf16=bf16,
+        fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=True,
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=o.cpu_offload,
+        use_precision_aware_optimizer=offload,
+        # the HybridDeviceOptimizer keeps whole fp32 main weights; with remainders (megatron's default) a load's
+        # placeholder for them is int16, which its load hook copies into those weights (checkpoint.py)
+        store_param_remainders=not offload,
+    )
+
+
 def build_megatron_backend(
     hf_path: str | Path, tokens: SpecialTokens, options: TrainOptions, parallel: ParallelOptions
 ) -> MegatronTrainBackend:
@@ -153,7 +199,7 @@ def build_megatron_backend(
         ValueError: from `build_provider`.
     """
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.utils import get_model_config
 
     if not dist.is_initialized():
@@ -161,7 +207,7 @@ def build_megatron_backend(
             "build_megatron_backend needs torch.distributed: call torch.distributed.init_process_group('nccl') "
             "(torchrun and the Ray train actors do) and torch.cuda.set_device(local_rank) first"
         )
-    p, o, bf16 = parallel, options.optimizer, parallel.bf16
+    p, bf16 = parallel, parallel.bf16
     world = dist.get_world_size()
     if world % (p.tp_size * p.pp_size * p.cp_size):
         raise RuntimeError(
@@ -181,23 +227,7 @@ def build_megatron_backend(
         check_for_nan_in_grad=False,  # a non-finite step is skipped and counted by the backend
     )
     model = provider.provide_distributed_model(ddp_config=ddp_config, bf16=bf16, fp16=False)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=o.eps,
-            clip_grad=o.grad_clip,
-            bf16=bf16,
-            fp16=False,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=True,
-        ),
-        model,
-    )
+    optimizer = get_megatron_optimizer(optimizer_config(options.optimizer, bf16=bf16), model)
     config = get_model_config(model[0])
     config.finalize_model_grads_func = finalize_model_grads  # DP x CP reduction, then the 1/num_tokens scaling
     config.grad_scale_func = optimizer.scale_loss  # 1.0 in bf16 (no loss scaling)

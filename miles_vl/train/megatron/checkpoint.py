@@ -87,7 +87,29 @@ def load_checkpoint(directory: Path, model: list, optimizer, *, dp_cp_group=None
         unwrap_model(chunk).load_state_dict(loaded[_MODEL_KEY.format(i)])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
-    return dict(loaded.get(_STATE_KEY, {}))  # the common (non-sharded) part comes back with the shards
+        sync_offloaded_optimizer(optimizer)
+    return dict(loaded.get(_STATE_KEY, {}))
+
+
+def sync_offloaded_optimizer(optimizer) -> int:
+    """Hand a loaded optimizer state to the sub-optimizers of every HybridDeviceOptimizer (train.optimizer.cpu_offload);
+    returns how many there were.
+
+    megatron-core 0.19.2's "dp_reshardable" load writes the checkpoint's fp32 main weights and moments into the
+    HybridDeviceOptimizer's `state` but, unlike its "fully_reshardable" and "fully_sharded_model_space" loads
+    (distrib_optimizer.py), does not call `_sync_hdo_state_to_sub_optimizers()`: the CPU AdamW would go on stepping
+    the fp32 main weights the load's placeholder left (`torch.empty`), and the first step after a resume would write
+    those into the model. This is that call.
+    """
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    synced = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, HybridDeviceOptimizer):
+            inner._sync_hdo_state_to_sub_optimizers()
+            synced += 1
+    return synced  # the common (non-sharded) part comes back with the shards
 
 
 def _content(metadata: dict) -> dict:

@@ -35,8 +35,9 @@ Weights as 0.5.16's Qwen3-VL takes them: a name the server does not know (the mo
 `FakeState.param_names` here, None = every name) is skipped without an error and only reported (log, journal,
 `GET /_fake/skipped`); `/weights_checker` answers per-rank hashes under SGLang's parameter names (`sglang_parameter`:
 fused `qkv_proj` / `gate_up_proj`, `visual.*`); `/get_weights_by_name` is refused with 400, as for Qwen3-VL. Flush,
-release and resume follow 0.5.16's scheduler: a busy server is not flushed (400), and releasing while a request runs
-or resuming memory that is not released kills the server (`_die`). Faults (`inject`) add 5xx answers, delays, exits,
+release and resume follow 0.5.16's scheduler: a busy server is not flushed (400), and releasing while a request runs,
+resuming memory that is not released, or loading weights (`/update_weights_from_tensor`) while the `weights` tag is
+released (the KV cache may stay released) kills the server (`_die`). Faults (`inject`) add 5xx answers, delays, exits,
 aborts (200 with an abort finish reason, or 400/500/503) and servers that ignore the weights they are sent.
 
 The "model" draws output tokens from a generator seeded by the prompt, the weight version and, only when the server
@@ -188,6 +189,13 @@ class BadRequest(Exception):
 
 class SchedulerCrash(Exception):
     """An exception in 0.5.16's scheduler process (a failed assert, a KeyError): the whole server dies."""
+
+
+def _weights_resident(s: FakeState) -> None:
+    """0.5.16 loads weights into the parameters' memory, which torch_memory_saver unmaps while the `weights` tag is
+    released: the copy faults (CUDA illegal memory access) and the scheduler dies. The KV cache may stay released."""
+    if "weights" in s.released:
+        raise SchedulerCrash("CUDA error: an illegal memory access was encountered (weights loaded while released)")
 
 
 class ServerError(Exception):
@@ -849,6 +857,7 @@ class Handler(BaseHTTPRequestHandler):
             raise
         except Exception as e:
             raise BadRequest(f"Failed to deserialize named tensors: {type(e).__name__}: {e}") from e
+        _weights_resident(s)
         skipped = self._load(received[0], "/update_weights_from_tensor")
         with s.lock:
             s.weights.append({"path": "/update_weights_from_tensor", "tp_ranks": len(summaries), **summaries[0],
@@ -1008,6 +1017,7 @@ class Handler(BaseHTTPRequestHandler):
             if not release and not set(tags) <= s.released:  # offload_tags.remove(tag) of resume (:238)
                 raise SchedulerCrash(f"KeyError: {sorted(set(tags) - s.released)[0]!r}")
             (s.released.update if release else s.released.difference_update)(tags)
+        self.server.journal({"event": "memory", "release": release, "tags": list(tags)})
         if self.server.model is not None and not release:
             self.server.model.resumed(tags)
         self._json(200, None)  # the 0.5.16 handler returns None: FastAPI answers `null`

@@ -352,6 +352,39 @@ def test_release_resume_sequence_and_the_weights_it_invalidates(fake):
     assert len(backed_up.generate([make_prompt([1])], params)[0]) == 1
 
 
+def test_weights_resume_before_the_sync_and_the_kv_cache_after_it(fake):
+    """Issue 33: an 8B engine colocated on one GPU cannot hold its KV cache beside the weight sync, so the loop resumes
+    the weights alone (0.5.16's `tags=["weights"]`), syncs into them while the KV cache and CUDA graphs stay released,
+    then resumes the rest; generate is refused until everything is back, and each tag is resumed once (0.5.16 kills the
+    scheduler on resuming a tag that is not released)."""
+    eng = engine(fake, memory_saver=True)
+    params = SamplingParams(max_new_tokens=2)
+    eng.release_memory()
+    eng.resume_memory(["weights"])
+    assert fake.calls[-1]["body"] == {"tags": ["weights"]} and fake.state.released == {"kv_cache", "cuda_graph"}
+    with pytest.raises(EngineStateError, match=r"memory is released \(\['cuda_graph', 'kv_cache'\]\)"):
+        eng.generate([make_prompt([1])], params)
+    eng.load_weights([("w", torch.ones(1))])  # the stand-in dies on weights loaded while released: they are not
+    assert not fake.state.dead and fake.state.weights
+    eng.resume_memory(["weights"])  # already resumed: nothing is sent
+    eng.resume_memory()
+    assert fake.calls[-1]["body"] == {"tags": ["kv_cache", "cuda_graph"]} and fake.state.released == set()
+    assert fake.paths().count("/resume_memory_occupation") == 2 and not fake.state.dead
+    assert len(eng.generate([make_prompt([1])], params)[0]) == 1
+    with pytest.raises(ValueError, match=r"unknown memory tags \['kv'\]; expected some of"):
+        eng.resume_memory(["kv"])
+
+
+def test_the_stand_in_dies_on_weights_loaded_while_released(fake):
+    """What the order above avoids: 0.5.16 copies the weights into memory torch_memory_saver has unmapped."""
+    released = engine(fake, memory_saver=True)
+    released.release_memory()
+    fresh = engine(fake)  # knows nothing of the release: it sends
+    with pytest.raises(SGLangError):
+        fresh.load_weights([("w", torch.ones(1))])
+    assert fake.state.dead and "illegal memory access" in fake.state.log[-2]
+
+
 def test_release_needs_a_memory_saver_server(fake):
     with pytest.raises(EngineStateError, match="--enable-memory-saver"):
         engine(fake).release_memory()
