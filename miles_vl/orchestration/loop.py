@@ -607,7 +607,10 @@ class Job:
                 self.trainer,
                 group=kind.weight_group(self.cfg),
                 trainer_gpus=self.cfg.train.num_gpus > 0,
-                options=self.hooks.weight_sync,
+                # rollouts ahead: a replaced engine gets the weights the others generate with, not the trainer's newer
+                options=dataclasses.replace(
+                    self.hooks.weight_sync, repair_from_last_sync=self.cfg.rollout.max_staleness > 0
+                ),
             )
             self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
             if self.cfg.rollout.max_staleness > 0:
