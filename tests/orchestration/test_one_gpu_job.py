@@ -25,6 +25,7 @@ from safetensors import safe_open
 from miles_vl.config import load_config
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import step_dir_name
+from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration.jobs import REPO, metrics, stand_ins, write_checkpoint
 from tests.patches.harness.shims import require_bridge
 
@@ -108,8 +109,8 @@ def two_fake_gpus():
 def test_loop_job_runs_rollouts_ahead_disaggregated(tmp_path, two_fake_gpus):
     """Issue 34: docs/async.md's GPU command (`loop_run.sh tiny NAME 20 ray.placement=disaggregate train.num_gpus=1
     rollout.max_staleness=1`) is a valid job: loop_job adds the correction (algo.tis.enabled) and the job runs on the
-    SGLang and Megatron stand-ins with its engine on a GPU of its own, the weights going over the group sync, each
-    step after the first trained on a batch one step old."""
+    SGLang and Megatron stand-ins with its engine on a GPU of its own, the weights going over the group sync (gloo),
+    each step after the first trained on a batch one step old."""
     ckpt = write_checkpoint(tmp_path / "ckpt", initializer_range=0.2)
     extra = ["ray.placement=disaggregate", "train.num_gpus=1", "rollout.max_staleness=1"]
     derived = loop_job.staleness_overrides(extra)
@@ -118,6 +119,7 @@ def test_loop_job_runs_rollouts_ahead_disaggregated(tmp_path, two_fake_gpus):
     base = loop_job.overrides("tiny", ckpt, tmp_path, "ahead", 3)
     cfg = load_config(loop_job.CONFIG, [*base, *CPU, *derived, *extra])
     assert (cfg.ray.placement, cfg.rollout.max_staleness, cfg.algo.tis.enabled) == ("disaggregate", 1, True)
-    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True, megatron=True)))
+    sync = WeightSyncOptions(group_backend="gloo")  # gloo in place of NCCL between the fake GPUs
+    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True, megatron=True, weight_sync=sync)))
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["train/tis_weight_max"] > 0 for r in rows)
