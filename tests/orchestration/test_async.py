@@ -12,6 +12,7 @@ max_staleness=0 is the synchronous loop (no rollout thread, no batches in checkp
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import os
 import signal
@@ -79,9 +80,12 @@ class Recorder:
         monkeypatch.setattr(RolloutEngines, "generate", record_generate)
 
     def prompt_counts(self) -> collections.Counter:
-        """How often each prompt (its ids) was trained on, over every train call recorded."""
+        """How often each prompt (its ids and a digest of its pixels: synthetic prompts may share their ids) was
+        trained on, over every train call recorded."""
         return collections.Counter(
-            tuple(s.input_ids[: s.prompt_len].tolist()) for samples in self.trained for s in samples
+            (tuple(s.input_ids[: s.prompt_len].tolist()), hashlib.sha256(s.pixel_values.numpy().tobytes()).hexdigest())
+            for samples in self.trained
+            for s in samples
         )
 
 
