@@ -50,8 +50,8 @@ from miles_vl.algo.tis import TISMode, tis_weights
 class PolicyLossMetrics:
     """Detached 0-dim fp32 tensors of one shard; None where the input that feeds a metric was not given.
 
-    Combine over shards with `combine_metrics` (or all-reduce: SUM for every field but `ratio_max` (MAX) and
-    `ratio_min` (MIN)); `as_dict()` gives the flat means for logging.
+    Combine over shards with `combine_metrics` (or all-reduce: SUM for every field but `ratio_max` and
+    `tis_weight_max` (MAX) and `ratio_min` (MIN)); `as_dict()` gives the flat means for logging.
     """
 
     loss: Tensor  # this shard's share of the loss (sum)
@@ -69,6 +69,7 @@ class PolicyLossMetrics:
     ref_kl_sum: Tensor | None = None  # sum of the KL estimator against the reference (sum)
     entropy_sum: Tensor | None = None  # sum of the per-token entropy (sum)
     tis_weight_sum: Tensor | None = None  # sum of the TIS weights (sum)
+    tis_weight_max: Tensor | None = None  # max of the TIS weights; -inf on a shard without response tokens (max)
     tis_capped_sum: Tensor | None = None  # tokens whose IS ratio exceeded the cap (sum)
     rollout_abs_diff_sum: Tensor | None = None  # sum of |old_logprob - rollout_logprob| (sum)
 
@@ -102,6 +103,8 @@ class PolicyLossMetrics:
             "train_rollout_logprob_abs_diff": self.rollout_abs_diff_sum,
         }
         out.update({key: mean(value) for key, value in optional.items() if value is not None})
+        if self.tis_weight_max is not None:
+            out["tis_weight_max"] = float(self.tis_weight_max) if n > 0 else math.nan
         return out
 
 
@@ -275,6 +278,7 @@ def policy_loss(
         ref_kl_sum=None if ref_kl is None else tok_sum(ref_kl),
         entropy_sum=None if entropy is None else tok_sum(entropy),
         tis_weight_sum=None if tis is None else tok_sum(tis),
+        tis_weight_max=None if tis is None else _masked_max(tis, on),
         tis_capped_sum=None if capped is None else tok_sum(capped),
         rollout_abs_diff_sum=None if rollout_logprobs is None else tok_sum((old - rollout_logprobs.float()).abs()),
     )
@@ -304,9 +308,15 @@ def combine_metrics(parts: Sequence[PolicyLossMetrics]) -> PolicyLossMetrics:
         if any(v is None for v in values):
             raise ValueError(f"metric {f.name} is set in some parts and None in others; combine like with like")
         stacked = torch.stack([v.to(values[0].device) for v in values])
-        reduce = {"ratio_max": torch.amax, "ratio_min": torch.amin}.get(f.name, torch.sum)
+        reduce = {"ratio_max": torch.amax, "tis_weight_max": torch.amax, "ratio_min": torch.amin}.get(f.name, torch.sum)
         combined[f.name] = reduce(stacked, dim=0)
     return PolicyLossMetrics(**combined)
+
+
+def _masked_max(x: Tensor, on: Tensor) -> Tensor:
+    """Max of `x` [T] where `on` [T] bool; -inf where nothing is on (the MAX reduction's identity)."""
+    x = x.detach().float()
+    return torch.where(on, x, torch.full_like(x, -math.inf)).max() if x.numel() else x.new_tensor(-math.inf)
 
 
 def _check_args(

@@ -32,6 +32,7 @@ class TrainSample:
     pixel_values: Tensor | None = None  # [n_patches, C*T*P*P]
     pixel_values_videos: Tensor | None = None
     loss_mask: LongTensor | None = None  # [L]; None: every response token
+    weight_version: int = 0  # the weights that sampled it: those after this many RL steps (staleness = step - it)
 
     @property
     def response_len(self) -> int:
@@ -45,9 +46,11 @@ def to_train_samples(
     *,
     estimator: Estimator,
     norm_adv_by_std: bool,
+    weight_version: int = 0,
 ) -> tuple[list[TrainSample], dict[str, float]]:
     """One `TrainSample` per generation, with its group advantage (fp32; zero for a group whose rewards are all
-    equal), and the metric `rollout/zero_adv_group_fraction`."""
+    equal) and `weight_version` (the RL step of the weights that sampled the groups), and the metric
+    `rollout/zero_adv_group_fraction`."""
     flat_rewards = torch.tensor([r.overall for rs in rewards for r in rs], dtype=torch.float32)
     adv = compute_advantages(
         flat_rewards,
@@ -69,6 +72,7 @@ def to_train_samples(
                     pixel_values=p.pixel_values,
                     video_grid_thw=p.video_grid_thw,
                     pixel_values_videos=p.pixel_values_videos,
+                    weight_version=weight_version,
                 )
             )
             k += 1

@@ -383,6 +383,14 @@ class RolloutConfig(_Section):
     gpus_per_engine: int = Field(1, ge=0)
     ban_vision_tokens: bool = Field(True, description="forbid sampling <|image_pad|> and friends.")
     max_restarts: int = Field(2, ge=0, description="restarts of a dead rollout actor per step before failing.")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0 = the synchronous loop. N > 0: the engines generate the batches of the next steps while the "
+        "trainer trains (docs/async.md); a batch sampled with the weights after step v is trained at step s only if "
+        "s - v <= N. Needs ray.placement=disaggregate and algo.tis.enabled=true (the correction against the "
+        "rollout's own logprobs).",
+    )
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
 
@@ -879,6 +887,18 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             "rollout.backend=sglang needs rollout.gpus_per_engine >= 1 (an SGLang server runs on GPUs); set it, or "
             "rollout.backend=hf"
+        )
+    if r.max_staleness > 0 and cfg.ray.placement != "disaggregate":
+        errors.append(
+            f"rollout.max_staleness={r.max_staleness} generates the next steps' batches while the trainer trains, on "
+            f"engines of their own, but ray.placement={cfg.ray.placement} shares the devices between them; set "
+            "ray.placement=disaggregate or rollout.max_staleness=0"
+        )
+    if r.max_staleness > 0 and not a.tis.enabled:
+        errors.append(
+            f"rollout.max_staleness={r.max_staleness} trains on batches sampled with older weights, which the loss "
+            "corrects by importance sampling against the rollout's own logprobs, but algo.tis.enabled=false; set "
+            "algo.tis.enabled=true or rollout.max_staleness=0"
         )
     if a.tis.enabled and r.temperature == 0:
         errors.append(

@@ -78,6 +78,7 @@ class RolloutEngines:
         self.replaced = 0
         self.resyncs = 0
         self.restarts_before = 0  # engine restarts of the run before a resume
+        self.closed = False  # after close(): a failed call is not recovered (a rollout thread may still call)
         self._server_restarts = [0] * cfg.rollout.num_engines  # last seen per engine
         self._server_restarts_of_replaced = 0
         self.engines: list[RolloutEngine] = [self._launch(i) for i in range(cfg.rollout.num_engines)]  # actor handles
@@ -148,6 +149,7 @@ class RolloutEngines:
 
     def close(self) -> None:
         """Leave any weight-update group, stop every server, end the actors."""
+        self.closed = True
         with contextlib.suppress(ray.exceptions.RayError):
             self.weight_sync.close()
         for engine in self.engines:
@@ -186,6 +188,8 @@ class RolloutEngines:
     def _recover(self, failed: Failed) -> None:
         """Bring the failed engines back with the current weights (module docstring); at most
         `rollout.max_restarts` rounds when the repair itself fails."""
+        if self.closed:
+            raise RuntimeError("the rollout engines were closed (the job is ending): not recovering them")
         for _ in range(self.cfg.rollout.max_restarts + 1):
             for i, error in failed.items():
                 self._triage(i, error)

@@ -11,7 +11,9 @@
         sync     = trainer weights -> every engine (then each flushes its caches)
         eval, log, commit the step; checkpoint (and checkpoint.save_hf's HF directory) when due
         (the next step's first batch of prompts is encoded in a background thread while this step trains and syncs;
-        a periodic checkpoint is written in the background while the next steps run: checkpoint.async_save)
+        a periodic checkpoint is written in the background while the next steps run: checkpoint.async_save;
+        with rollout.max_staleness > 0 the rollout, reward and advantages of the next steps run on a rollout thread
+        while this step trains, and the sync waits for it: ahead.py, docs/async.md)
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
@@ -44,6 +46,7 @@ what `miles-vl check` prints: the run directory and whether it would start fresh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -74,6 +77,7 @@ from miles_vl.metrics import (
 )
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import special_tokens
+from miles_vl.orchestration.ahead import RolloutsAhead, read_batches, write_batches
 from miles_vl.orchestration.checkpoint import (
     MODEL_PARALLEL_KEYS,
     CheckpointError,
@@ -342,6 +346,14 @@ def check_start(
             f"its state would be saved as step {cfg.num_steps}: raise num_steps to {state['step']} or more"
             + (f", or resume an earlier one (checkpoint.resume={earlier[-1]})" if earlier else "")
         )
+    ahead = state.get("rollouts_ahead") or []  # (step, weight version) of the batches generated ahead it holds
+    if ahead and max(t - v for t, v in ahead) > cfg.rollout.max_staleness:
+        worst = max(t - v for t, v in ahead)
+        raise CheckpointError(
+            f"checkpoint.resume={resume} holds {len(ahead)} batch(es) generated ahead, up to {worst} steps older than "
+            f"the weights they will be trained with, but rollout.max_staleness={cfg.rollout.max_staleness}; resume "
+            f"with rollout.max_staleness >= {worst} (checkpoint.accept_changes=[rollout.max_staleness] if it changed)"
+        )
     changed = unaccepted_changes(cfg, state) if same_run else []
     if changed and state["step"] < cfg.num_steps:  # at num_steps nothing runs: run_job says so, with the changes
         keys = ",".join(key for key, _, _ in changed)
@@ -544,6 +556,17 @@ class StepBatch:
     metrics: dict[str, float]
     timer: Timer
 
+    def to_state(self, step: int) -> dict[str, Any]:
+        """Plain tensors and numbers (what `torch.load(weights_only=True)` reads back): a checkpoint's batch ahead."""
+        samples = [{f.name: getattr(s, f.name) for f in dataclasses.fields(TrainSample)} for s in self.samples]
+        return {"step": step, "samples": samples, "metrics": dict(self.metrics), "seconds": dict(self.timer.seconds)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StepBatch:
+        timer = Timer()
+        timer.seconds = dict(state["seconds"])
+        return cls([TrainSample(**s) for s in state["samples"]], dict(state["metrics"]), timer)
+
 
 @dataclass
 class Job:
@@ -574,6 +597,8 @@ class Job:
     rollout: RolloutEngines | None = None
     trainer: Trainer | None = None
     gpus: GpuPlacement | None = None
+    ahead: RolloutsAhead[StepBatch] | None = None  # rollout.max_staleness > 0: the next steps' batches (ahead.py)
+    committed_ahead: list[tuple[int, int, StepBatch]] = field(default_factory=list)  # at `completed_steps`
 
     def __post_init__(self):
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
@@ -585,9 +610,15 @@ class Job:
                 self.trainer,
                 group=kind.weight_group(self.cfg),
                 trainer_gpus=self.cfg.train.num_gpus > 0,
-                options=self.hooks.weight_sync,
+                # rollouts ahead: a replaced engine gets the weights the others generate with, not the trainer's newer
+                options=dataclasses.replace(
+                    self.hooks.weight_sync, repair_from_last_sync=self.cfg.rollout.max_staleness > 0
+                ),
             )
             self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
+            if self.cfg.rollout.max_staleness > 0:
+                k, n = self.cfg.rollout.max_staleness, self.cfg.num_steps
+                self.ahead = RolloutsAhead(self.produce_batch, max_staleness=k, num_steps=n)
         except BaseException:
             self.close()
             raise
@@ -596,7 +627,23 @@ class Job:
     # -- one RL step ---------------------------------------------------------------------------------------------
 
     def collect_batch(self, step: int) -> StepBatch:
-        """Rollout, reward and advantages of `step`: the part of a step that changes nothing but the data cursor."""
+        """Rollout, reward and advantages of `step`: the part of a step that changes nothing but the data cursor. With
+        rollout.max_staleness > 0 the batch was (mostly) generated ahead, while earlier steps trained (ahead.py); its
+        record adds `rollout/staleness_mean`/`_max` (steps between the weights that sampled it and the trainer's) and
+        `time/rollout_wait_s` (how long training waited for it)."""
+        if self.ahead is None:
+            return self.produce_batch(step, step)
+        timer = Timer()
+        with timer("rollout_wait"):
+            version, batch = self.ahead.take(step)
+        timer.seconds |= batch.timer.seconds  # the rollout thread's rollout, reward and advantages seconds
+        staleness = [step - s.weight_version for s in batch.samples] or [step - version]
+        metrics = {"rollout/staleness_mean": mean(staleness), "rollout/staleness_max": float(max(staleness))}
+        return StepBatch(batch.samples, batch.metrics | metrics, timer)
+
+    def produce_batch(self, step: int, version: int) -> StepBatch:
+        """Step `step`'s batch, generated by engines that hold the weights after `version` RL steps (`version` = `step`
+        in the synchronous loop; the rollout thread's batches ahead are older: ahead.py)."""
         timer = Timer()
         ds = self.cfg.rollout.dynamic_sampling
         batch = collect(
@@ -620,13 +667,19 @@ class Job:
         stats["rollout/engine_restarts"] = float(self.rollout.restarts())
         stats["rollout/weight_resyncs"] = float(self.rollout.resyncs)
         stats["rollout/rounds"] = float(batch.rounds)
-        memory = self.device_memory("perf/gpu_used_gib_rollout")  # engines and trainer both resident
+        # engines and trainer both resident; not asked while the trainer trains (the call would wait for it)
+        memory = self.device_memory("perf/gpu_used_gib_rollout") if self.ahead is None else {}
         with timer("advantages"):
             a = self.cfg.algo
             samples, adv_stats = [], {}
             if batch.prompts:  # else fewer kept samples than one mini-batch: train_and_sync skips training
                 samples, adv_stats = to_train_samples(
-                    batch.prompts, batch.groups, batch.rewards, estimator=a.estimator, norm_adv_by_std=a.norm_adv_by_std
+                    batch.prompts,
+                    batch.groups,
+                    batch.rewards,
+                    estimator=a.estimator,
+                    norm_adv_by_std=a.norm_adv_by_std,
+                    weight_version=version,
                 )
         warn_if_stuck(step + 1, stats | adv_stats, self.cfg.rollout.max_response_len)
         self.record_samples_if_due(step, batch, samples)
@@ -637,6 +690,7 @@ class Job:
         timer = batch.timer
         if not batch.samples:
             log.warning("step %d: no whole mini-batch of samples was kept; the train phase is skipped", step + 1)
+            self.wait_rollouts_ahead(timer)  # eval and the commit come next
             blocked = {"perf/save_blocked_s": self.take_save_blocked_s()}
             return {**batch.metrics, "train/skipped_steps": 1.0, **blocked, **timer.metrics()}
         self.trainer_at_commit = False  # from the first optimizer step the trainer is past the committed step
@@ -647,6 +701,7 @@ class Job:
                 train_metrics = self.trainer.train(batch.samples)
                 self.rollout.resume_memory(WEIGHTS_MEMORY)  # only what the sync writes: the KV cache comes after it
             self.publish_save_before_sync()
+            self.wait_rollouts_ahead(timer)
             with timer("sync"):
                 self.rollout.sync_weights(weight_version(step + 1))
             with timer("resume"):
@@ -663,10 +718,18 @@ class Job:
         skipped = {"train/skipped_steps": 0.0}
         return {**batch.metrics, **train_metrics, **skipped, **self.sync_sizes(), **perf, **timer.metrics()}
 
+    def wait_rollouts_ahead(self, timer: Timer) -> None:
+        """With batches generated ahead: wait until the rollout thread is idle, so that the engines never change weights
+        under a batch (ahead.py); the seconds are the record's `time/sync_wait_s`."""
+        if self.ahead is not None:
+            with timer("sync_wait"):
+                self.ahead.wait()
+
     def prefetch_next_batch(self, step: int) -> None:
         """Step `step + 1`'s first batch of prompts (images loaded and processed) is prepared while step `step` trains
-        and syncs; the cursor moves only when that step takes it, in the same order (dataset.py)."""
-        if step + 1 < self.cfg.num_steps:
+        and syncs; the cursor moves only when that step takes it, in the same order (dataset.py). Not with batches
+        generated ahead: the rollout thread is already taking the next prompts."""
+        if step + 1 < self.cfg.num_steps and self.ahead is None:
             ds = self.cfg.rollout.dynamic_sampling
             want = self.cfg.rollout.batch_size
             self.train_set.prefetch(
@@ -685,6 +748,9 @@ class Job:
 
     def commit(self, step: int) -> None:
         """Step `step` is complete (trained, synced, evaluated, logged): it is now what a checkpoint holds."""
+        if self.ahead is not None:
+            self.ahead.wait()  # idle already (train_and_sync waited): the cursor is past the batches ready
+            self.committed_ahead = self.ahead.pending()
         self.completed_steps = step
         self.committed = self.driver_state()
         self.trainer_at_commit = True
@@ -767,12 +833,15 @@ class Job:
 
     def driver_state(self) -> dict[str, Any]:
         """What a checkpoint of the current step holds besides the trainer's files (config with secrets redacted)."""
-        return {
+        state = {
             "data": self.train_set.state_dict(),
             "engine_restarts": self.rollout.restarts(),
             "weight_resyncs": self.rollout.resyncs,
             "config": redacted(self.cfg),
         }
+        if self.committed_ahead:  # (step, weight version) of each batch in rollouts_ahead.pt (ahead.py)
+            state["rollouts_ahead"] = [[t, v] for t, v, _ in self.committed_ahead]
+        return state
 
     def publish_save_before_sync(self) -> None:
         """A background save still in flight is waited for and published before a weight sync: a stop during a
@@ -812,13 +881,18 @@ class Job:
                 )
                 return
             keep = self.cfg.checkpoint.keep_last
-            self.pending_save = start_checkpoint(
-                self.ckpt_root, step, self.committed, self.trainer.start_checkpoint, keep
-            )
+            self.pending_save = start_checkpoint(self.ckpt_root, step, self.committed, self.start_checkpoint, keep)
             if not background:
                 self.finish_save(wait=True)
         finally:
             self.save_blocked_s += time.perf_counter() - t0
+
+    def start_checkpoint(self, directory: Path) -> Callable[[], None]:
+        """The committed batches generated ahead (if any) into `directory`, then the trainer's files (in the
+        background: returns what waits for them)."""
+        if self.committed_ahead:
+            write_batches(directory, [b.to_state(t) | {"weight_version": v} for t, v, b in self.committed_ahead])
+        return self.trainer.start_checkpoint(directory)
 
     def finish_save(self, wait: bool) -> None:
         """Publish the save in flight (checkpoint.py: rename into place, prune) once the trainer has written it;
@@ -860,6 +934,10 @@ class Job:
         self.rollout.restarts_before = state["engine_restarts"]
         self.rollout.resyncs = state.get("weight_resyncs", 0)  # absent from checkpoints written before it existed
         self.rollout.sync_weights(weight_version(state["step"]))
+        if state.get("rollouts_ahead"):
+            batches = [(b["step"], b["weight_version"], StepBatch.from_state(b)) for b in read_batches(path)]
+            self.ahead.restore(batches)
+            self.committed_ahead = self.ahead.pending()
         self.committed = self.driver_state()
         log.info("resumed from %s at step %d", path, state["step"])
         return state["step"]
@@ -895,6 +973,8 @@ class Job:
             self.sinks.close()
         if self.rollout:
             self.rollout.close()  # stops sglang servers, which would outlive their actors
+        if self.ahead:
+            self.ahead.close()  # its calls to the closed engines fail: it ends
         if self.trainer:
             self.trainer.close()
         if self.gpus:

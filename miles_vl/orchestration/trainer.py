@@ -273,6 +273,10 @@ class Trainer:
         self.cfg = cfg
         self.stop = stop
         self.killed = False  # a sync was ended by a stop: the ranks are gone
+        # Calls that every rank runs (collectives inside) are submitted to all ranks under this lock, so that every
+        # rank queues them in the same order: with rollout.max_staleness > 0 the driver's rollout thread may re-sync
+        # a replaced engine (an export) while the main thread trains.
+        self.submit_lock = threading.Lock()
         world = train_world_size(cfg)
         self.workers = [
             TrainWorker.options(**_rank_options(cfg, gpus, r)).remote(cfg, tokens, build, r, world)
@@ -296,7 +300,9 @@ class Trainer:
         """One RL step on `samples` on every rank (one object-store copy); rank 0's metrics (reduced over ranks), with
         the peak memory of the fullest rank (`merge_rank_metrics`)."""
         ref = ray.put(list(samples))
-        return merge_rank_metrics(ray.get([w.train.remote(ref) for w in self.workers]))
+        with self.submit_lock:
+            refs = [w.train.remote(ref) for w in self.workers]
+        return merge_rank_metrics(ray.get(refs))
 
     def set_lr(self, lr: float) -> None:
         """The peak learning rate of every rank from the next optimizer step on (the format warm-up uses its own)."""
@@ -308,10 +314,12 @@ class Trainer:
 
     def weight_buckets(self, max_bucket_bytes: int, ahead: int) -> Iterator:
         """ObjectRefs of rank 0's weight buckets, streamed at most `ahead` buckets before the consumer."""
-        others = [w.drain_weights.remote() for w in self.workers[1:]]
-        yield from self.source.export_weight_buckets.options(
-            num_returns="streaming", _generator_backpressure_num_objects=ahead
-        ).remote(max_bucket_bytes)
+        with self.submit_lock:
+            others = [w.drain_weights.remote() for w in self.workers[1:]]
+            buckets = self.source.export_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=ahead
+            ).remote(max_bucket_bytes)
+        yield from buckets
         ray.get(others)
 
     def last_export(self) -> ExportStats | None:
@@ -331,9 +339,11 @@ class Trainer:
         """Rank 0 broadcasts, the other ranks take part in the export. Every bucket has a deadline in rank 0 (sglang:
         `DistributedWeightSender` in rollout/sglang/weights.py), whose watchdog ends the actor if the deadline cannot
         free it; a stop request still pending STOP_GRACE_S into the sync ends it here (`_get_unless_stopped`)."""
-        others = [w.drain_weights.remote() for w in self.workers[1:]]
+        with self.submit_lock:
+            others = [w.drain_weights.remote() for w in self.workers[1:]]
+            sent = self.source.send_weights.remote(weight_version)
         try:
-            return self._get_unless_stopped(self.source.send_weights.remote(weight_version), "sending weights")
+            return self._get_unless_stopped(sent, "sending weights")
         finally:
             if not self.killed:
                 ray.get(others)  # rank 0 drained its export even if sending failed, so these finish too

@@ -217,12 +217,16 @@ class WeightSyncOptions:
         buckets_ahead: buckets the trainer may export ahead of the engines (bounds the object store's share).
         group_backend: backend of the group path's group; None: nccl when the trainer has GPUs, else gloo.
         timeout_s: the group's timeout (rendezvous and every broadcast).
+        repair_from_last_sync: the driver path keeps the buckets of the last sync (one copy of the weights in the
+            object store) and repairs engines from them, not from a new export: with rollouts ahead of training
+            (rollout.max_staleness > 0) the trainer may already be past the weights the other engines generate with.
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     buckets_ahead: int = 2
     group_backend: str | None = None
     timeout_s: float = 600.0
+    repair_from_last_sync: bool = False
 
 
 Failed = dict[int, BaseException]
@@ -284,23 +288,34 @@ class TensorWeightSync:
     def __init__(self, trainer, options: WeightSyncOptions):
         self.trainer = trainer
         self.options = options
+        self.last: tuple[str, list] | None = None  # (version, bucket refs) of the last sync: repair_from_last_sync
 
-    def push(self, engines: Sequence, version: str, only: Sequence[int] | None = None) -> Failed:
-        """Sync `engines` (or only those at the indices `only`) to the trainer's weights, labelled `version`."""
+    def push(
+        self, engines: Sequence, version: str, only: Sequence[int] | None = None, buckets: Iterable | None = None
+    ) -> Failed:
+        """Sync `engines` (or only those at the indices `only`) to the trainer's weights (or to `buckets`, refs
+        of an earlier export), labelled `version`."""
         targets = {i: engines[i] for i in (range(len(engines)) if only is None else only)}
         failed: Failed = {}
         _call_each(targets, failed, "begin_weight_sync")
-        n = 0
+        kept = []
+        if buckets is None:
+            buckets = self.trainer.weight_buckets(self.options.bucket_bytes, ahead=self.options.buckets_ahead)
         # an ObjectRef per bucket: each engine fetches it from the object store
-        for bucket in self.trainer.weight_buckets(self.options.bucket_bytes, ahead=self.options.buckets_ahead):
+        for bucket in buckets:
             _call_each(targets, failed, "load_weight_bucket", bucket)
-            n += 1
+            kept.append(bucket)
         _call_each(targets, failed, "finish_weight_sync", version)
-        log.info("weights %s: %d bucket(s) to %d engine(s), %d failed", version, n, len(targets), len(failed))
+        if self.options.repair_from_last_sync:
+            self.last = (version, kept)
+        log.info("weights %s: %d bucket(s) to %d engine(s), %d failed", version, len(kept), len(targets), len(failed))
         return failed
 
     def repair(self, engines: Sequence, indices: Sequence[int], version: str) -> Failed:
-        """Engines `indices` lost their weights (restarted or replaced): sync those again."""
+        """Engines `indices` lost their weights (restarted or replaced): sync those again (from the last sync's
+        buckets when they are kept and are `version`'s)."""
+        if self.last is not None and self.last[0] == version:
+            return self.push(engines, version, only=indices, buckets=self.last[1])
         return self.push(engines, version, only=indices)
 
     def close(self) -> None:

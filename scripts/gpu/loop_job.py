@@ -22,7 +22,9 @@ model can learn it). Per shape:
           `many_images` task, 1024x1024 images of 1024 vision tokens, as many as make samples of 16K / 32K / 64K tokens
           (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute; the train
           layout comes from the command line (e.g. train.num_gpus=4 train.cp=4)
-Running NAME again with a larger NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto).
+Running NAME again with a larger NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto). An override
+`rollout.max_staleness=N` (N > 0: rollouts ahead of training, docs/async.md) adds `algo.tis.enabled=true` unless the
+command line sets it.
 tests/orchestration/test_one_gpu_job.py runs these same overrides on CPU stand-ins.
 """
 
@@ -189,6 +191,15 @@ def overrides(shape: str, ckpt: str | Path, runs: str | Path, name: str, num_ste
     ]
 
 
+def staleness_overrides(extra: list[str]) -> list[str]:
+    """`algo.tis.enabled=true` when `extra` asks for rollouts ahead of training (`rollout.max_staleness` > 0, which
+    needs the correction: docs/async.md) and does not set it; the command line's own `algo.tis.enabled` wins."""
+    values = dict(item.split("=", 1) for item in extra if "=" in item)
+    if int(values.get("rollout.max_staleness", "0")) > 0 and "algo.tis.enabled" not in values:
+        return ["algo.tis.enabled=true"]
+    return []
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--pixels"] and len(argv) == 2:  # for loop_run.sh: the checkpoint's processor range
         print(*PIXELS[argv[1]])
@@ -201,7 +212,10 @@ def main(argv: list[str]) -> int:
     from miles_vl.cli import main as cli
 
     config = CONFIGS.get(shape, CONFIG)
-    return cli(["train", str(config), *overrides(shape, ckpt, runs, name, int(steps)), *extra])
+    derived = staleness_overrides(extra)
+    if derived:
+        print(f"loop_job: rollout.max_staleness > 0: adding {' '.join(derived)}", flush=True)
+    return cli(["train", str(config), *overrides(shape, ckpt, runs, name, int(steps)), *derived, *extra])
 
 
 if __name__ == "__main__":

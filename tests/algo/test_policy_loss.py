@@ -179,6 +179,7 @@ def test_metrics_match_loop_definitions():
     )
     tis = [min(math.exp(old[t] - rollout[t]), 1.5) for t in tokens]
     assert d["tis_weight_mean"] == pytest.approx(sum(tis) / n, rel=1e-5)
+    assert d["tis_weight_max"] == pytest.approx(max(tis), rel=1e-5)  # issue 34: the weights' max, logged
     assert d["tis_capped_frac"] == pytest.approx(sum(1 for t in tokens if math.exp(old[t] - rollout[t]) > 1.5) / n)
     ent = b.entropy().tolist()
     assert d["entropy"] == pytest.approx(sum(ent[t] for t in tokens) / n, rel=1e-5)
@@ -189,7 +190,14 @@ def test_metrics_match_loop_definitions():
 def test_optional_metrics_absent_without_their_inputs():
     lp = torch.tensor([-1.0, -2.0])
     d = policy_loss(lp, lp, torch.ones(2), torch.full((2,), 0.5), clip_low=0.2, clip_high=0.2).metrics.as_dict()
-    for key in ("ref_kl", "entropy", "tis_weight_mean", "train_rollout_logprob_abs_diff", "dual_clip_frac"):
+    for key in (
+        "ref_kl",
+        "entropy",
+        "tis_weight_mean",
+        "tis_weight_max",
+        "train_rollout_logprob_abs_diff",
+        "dual_clip_frac",
+    ):
         assert key not in d
     assert d["ratio_mean"] == 1.0 and d["clip_frac"] == 0.0
 
@@ -265,7 +273,7 @@ def test_one_sgd_step_moves_the_taken_token_with_the_advantage(advantage):
 
 def test_combine_metrics_adds_sums_and_takes_extremes():
     b = random_flat_batch(11, n_seqs=4)
-    kw = {"dual_c": None, "kl_coef": 0.1, "estimator": "k2", "ent_coef": 0.0, "tis_mode": None}
+    kw = {"dual_c": None, "kl_coef": 0.1, "estimator": "k2", "ent_coef": 0.0, "tis_mode": "clip"}
     whole = run(b, "token_mean", **kw).metrics
     weights = weights_for(b, "token_mean")
     half = b.loss_mask.numel() // 2
@@ -284,9 +292,12 @@ def test_combine_metrics_adds_sums_and_takes_extremes():
                 kl_estimator="k2",
                 entropy=b.entropy()[sl],
                 rollout_logprobs=b.rollout_logprobs[sl],
+                tis_mode="clip",
+                tis_cap=1.5,
             ).metrics
         )
     combined = combine_metrics(parts).as_dict()
+    assert "tis_weight_max" in combined  # a max over the parts, not a sum (issue 34)
     for key, value in whole.as_dict().items():
         assert combined[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     with pytest.raises(ValueError, match="set in some parts and None in others"):

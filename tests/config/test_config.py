@@ -311,6 +311,18 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "but rollout.temperature=0 (greedy) samples from none",
             "`algo.tis.enabled` refuses greedy rollouts",
         ),
+        (  # issue 34: bounded staleness needs engines of their own and the importance-sampling correction
+            ["rollout.max_staleness=1"],
+            "rollout.max_staleness=1 generates the next steps' batches while the trainer trains, on engines of their "
+            "own, but ray.placement=colocate",
+            "`rollout.max_staleness > 0` needs `ray.placement: disaggregate` and `algo.tis.enabled: true`",
+        ),
+        (
+            ["rollout.max_staleness=2", "ray.placement=disaggregate"],
+            "rollout.max_staleness=2 trains on batches sampled with older weights, which the loss corrects by "
+            "importance sampling against the rollout's own logprobs, but algo.tis.enabled=false",
+            "`rollout.max_staleness > 0` needs `ray.placement: disaggregate` and `algo.tis.enabled: true`",
+        ),
         (
             ["rollout.sglang.send_pixel_values=true", "rollout.sglang.launcher=sglang"],
             "rollout.sglang.send_pixel_values=true needs miles_vl's SGLang plugin",

@@ -1020,3 +1020,35 @@ def test_sglang_serves_a_directory_written_by_export(ckpt, processor, tokens, pr
           "checkpoint it started from")  # fmt: skip
     assert exported_diff < 0.1
     assert original_diff > 5 * exported_diff
+
+
+def test_an_aborted_request_returns_its_output_so_far(host, prompts, tokens):
+    """Issue 34 (partial rollouts, not built yet; docs/async.md, "Not done yet"): what SGLang does with
+    `POST /abort_request {"rid": ...}` while the request decodes, as read from 0.5.16's source (the scheduler sets
+    `to_finish = FINISH_ABORT()`, the request runs one more decode step and finishes normally): `/generate` answers
+    HTTP 200 with `finish_reason.type == "abort"`, the output ids so far and one logprob for each. A stand-in of a
+    partial rollout must answer the same."""
+    import concurrent.futures
+
+    ids = prompts[0].prompt_ids.tolist()
+    max_new = 4000  # long enough to still be decoding when the abort arrives (a tiny model: ~1-2 ms a token)
+    payload = build_generate_payload(
+        request_input_ids(ids, tokens.image_token_id, 1),
+        [image_data_url(prompts[0].images[0])],
+        SamplingParams(max_new_tokens=max_new, temperature=1.0),
+        seed=0,
+        stop_token_ids=tokens.eos_token_ids,
+        banned_token_ids=host.engine.banned_token_ids,
+    )
+    payload["rid"] = "issue34-abort"
+    payload["sampling_params"]["ignore_eos"] = True
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(host.client.generate, payload)
+        time.sleep(0.5)  # no event tells that decoding has started; the request runs for seconds
+        host.client.post_json("/abort_request", {"rid": "issue34-abort"})
+        body = answer.result(timeout=120)
+    finish = body["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort", finish
+    assert 0 < len(body["output_ids"]) < max_new
+    assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"])
+    print(f"\n[abort] finish_reason {finish}, {len(body['output_ids'])} output ids kept")

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from miles_vl.config import load_config
 from miles_vl.orchestration import run_job
 from miles_vl.orchestration.checkpoint import step_dir_name
+from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration.jobs import REPO, metrics, stand_ins, write_checkpoint
 from tests.patches.harness.shims import require_bridge
 
@@ -110,3 +111,29 @@ def test_loop_job_8b_1gpu_shape_is_the_8b_model_on_one_gpu_with_the_optimizer_of
     assert cfg.train.optimizer.cpu_offload == 1.0 and cfg.train.recompute == "full"
     assert (cfg.data.min_pixels, cfg.data.max_pixels) == loop_job.PIXELS["8b"]
     assert cfg.num_steps == 4 and cfg.effective_global_batch_size == cfg.samples_per_step == 64
+
+
+@pytest.fixture
+def two_fake_gpus():
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_loop_job_runs_rollouts_ahead_disaggregated(tmp_path, two_fake_gpus):
+    """Issue 34: docs/async.md's GPU command (`loop_run.sh tiny NAME 20 ray.placement=disaggregate train.num_gpus=1
+    rollout.max_staleness=1`) is a valid job: loop_job adds the correction (algo.tis.enabled) and the job runs on the
+    SGLang and Megatron stand-ins with its engine on a GPU of its own, the weights going over the group sync (gloo),
+    each step after the first trained on a batch one step old."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", initializer_range=0.2)
+    extra = ["ray.placement=disaggregate", "train.num_gpus=1", "rollout.max_staleness=1"]
+    derived = loop_job.staleness_overrides(extra)
+    assert derived == ["algo.tis.enabled=true"]
+    assert loop_job.staleness_overrides([*extra, "algo.tis.enabled=false"]) == []  # the command line's own value wins
+    base = loop_job.overrides("tiny", ckpt, tmp_path, "ahead", 3)
+    cfg = load_config(loop_job.CONFIG, [*base, *CPU, *derived, *extra])
+    assert (cfg.ray.placement, cfg.rollout.max_staleness, cfg.algo.tis.enabled) == ("disaggregate", 1, True)
+    sync = WeightSyncOptions(group_backend="gloo")  # gloo in place of NCCL between the fake GPUs
+    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True, megatron=True, weight_sync=sync)))
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["train/tis_weight_max"] > 0 for r in rows)

@@ -125,28 +125,29 @@ def gather_per_sample(
     return out  # type: ignore[return-value]
 
 
-_MAX_FIELDS = ("ratio_max",)
+_MAX_FIELDS = ("ratio_max", "tis_weight_max")
 _MIN_FIELDS = ("ratio_min",)
 
 
 def reduce_metrics(
     metrics: PolicyLossMetrics | None, groups: ParallelGroups, device, template: PolicyLossMetrics | None = None
 ) -> PolicyLossMetrics:
-    """Combine each rank's metrics over DP x CP (sums add; ratio_max / ratio_min take max / min), then send the
-    result from the last PP stage to the others. Stages without logits pass None; `template` (any record of the
-    same options, e.g. from `policy_loss` on empty inputs) gives them the field layout."""
+    """Combine each rank's metrics over DP x CP (sums add; ratio_max and tis_weight_max take the max, ratio_min the
+    min), then send the result from the last PP stage to the others. Stages without logits pass None; `template`
+    (any record of the same options, e.g. from `policy_loss` on empty inputs) gives them the field layout."""
     layout = metrics if metrics is not None else template
     if layout is None:
         raise ValueError("reduce_metrics needs the metrics or a template of their fields")
     names = [f.name for f in fields(PolicyLossMetrics) if getattr(layout, f.name) is not None]
     sums = [n for n in names if n not in _MAX_FIELDS + _MIN_FIELDS]
+    maxes = [n for n in _MAX_FIELDS if n in names]  # tis_weight_max only with TIS
 
     def vector(keys, fill):
         if metrics is None:
             return torch.full((len(keys),), fill, dtype=torch.float64, device=device)
         return torch.stack([getattr(metrics, k).detach().double().reshape(()) for k in keys]).to(device)
 
-    s, hi, lo = vector(sums, 0.0), vector(_MAX_FIELDS, -torch.inf), vector(_MIN_FIELDS, torch.inf)
+    s, hi, lo = vector(sums, 0.0), vector(maxes, -torch.inf), vector(_MIN_FIELDS, torch.inf)
     if groups.last_stage:
         dist.all_reduce(s, group=groups.dp_cp)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=groups.dp_cp)
@@ -156,7 +157,5 @@ def reduce_metrics(
         for t in (s, hi, lo):
             dist.broadcast(t, src=src, group=groups.pp)
     values = dict(zip(sums, s.float().cpu(), strict=True))
-    values |= dict(zip(_MAX_FIELDS, hi.float().cpu(), strict=True)) | dict(
-        zip(_MIN_FIELDS, lo.float().cpu(), strict=True)
-    )
+    values |= dict(zip(maxes, hi.float().cpu(), strict=True)) | dict(zip(_MIN_FIELDS, lo.float().cpu(), strict=True))
     return PolicyLossMetrics(**{f.name: values.get(f.name) for f in fields(PolicyLossMetrics)})
