@@ -231,6 +231,9 @@ _TORCH_WRITE_FAILED = re.compile(
     r"|\[enforce fail at inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+"
     r"|^basic_ios::clear: iostream error$"
 )
+# megatron's background write (train/megatron/checkpoint.py) fails on some rank as megatron-core's CheckpointException,
+# which keeps the writer's error only as text: it carries no errno either.
+_MEGATRON_WRITE_FAILED = "CheckpointWriteError"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_BYTES = 1 << 20
@@ -242,7 +245,8 @@ def out_of_space(err: BaseException, directory: str | Path) -> int | None:
 
     Looked for along the chain of `err` (`__cause__`, `__context__`, and the `cause` of a Ray task error, as the
     trainer actor's errors reach the driver): an OSError with that errno; a safetensors error, whose message holds
-    the OS error number; torch's writer failing (`_TORCH_WRITE_FAILED`), which tells no errno: then a probe file
+    the OS error number; torch's writer failing (`_TORCH_WRITE_FAILED`) or the megatron backend's background write
+    (`CheckpointWriteError`), which tell no errno: then a probe file
     written into `directory` (while the partial files still fill the device) gives the device's own answer, so a
     torch write that failed for another reason (a file size limit, an I/O error) is not called a full disk.
     """
@@ -255,6 +259,7 @@ def out_of_space(err: BaseException, directory: str | Path) -> int | None:
             if int(m.group(1)) in _OUT_OF_SPACE:
                 return int(m.group(1))
         torch_failed |= isinstance(e, RuntimeError) and bool(_TORCH_WRITE_FAILED.search(message))
+        torch_failed |= type(e).__name__ == _MEGATRON_WRITE_FAILED
     if torch_failed:
         probed = _write_probe(Path(directory))
         return probed if probed in _OUT_OF_SPACE else None
