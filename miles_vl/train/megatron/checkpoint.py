@@ -149,9 +149,11 @@ class SaveInFlight:
             ) from self.error
 
     def _finalize(self, blocking: bool) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             self.finished = bool(self.queue.maybe_finalize_async_calls(blocking=blocking))
-        except Exception as err:  # noqa: BLE001 - megatron-core's CheckpointException, raised on every rank alike
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException; raised on every rank
             self.error, self.finished = err, True
 
 

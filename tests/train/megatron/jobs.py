@@ -808,7 +808,7 @@ def job_async_save(ctx, samples, root: str) -> dict:
 
 
 def job_async_save_fails(ctx, samples, root: str) -> dict:
-    """TP=1, DP=2: a background save whose write fails in megatron-core's writer process on rank 1 only (a directory
+    """TP=2 (each rank writes its own shards): a background save whose write fails in megatron-core's writer process on rank 1 only (a directory
     stands where its shard file goes: `IsADirectoryError`): `done()`'s answers until it says the write ended (it
     never raises), `wait()`'s error and what `out_of_space` says of it, the files left; then a save that works."""
     import os
@@ -818,7 +818,7 @@ def job_async_save_fails(ctx, samples, root: str) -> dict:
 
     from miles_vl.orchestration.checkpoint import out_of_space
 
-    backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean")
+    backend = build_backend(ctx, tp=2, cp=1, reduction="token_mean")
     train_step(backend, samples)
     out = {}
     blocked = Path(root) / "blocked"
@@ -840,3 +840,21 @@ def job_async_save_fails(ctx, samples, root: str) -> dict:
     backend.start_checkpoint(after).wait()
     out["after_files"] = sorted(os.listdir(after))
     return out
+
+
+def job_async_save_on_a_full_disk(ctx, disk: str) -> dict:
+    """TP=2: a background save into `disk` (a tmpfs smaller than a rank's shard file): `wait()`'s error and
+    what `out_of_space` says of it while the partial files still fill the disk, and the files left."""
+    import os
+    from pathlib import Path
+
+    from miles_vl.orchestration.checkpoint import out_of_space
+
+    backend = build_backend(ctx, tp=2, cp=1, reduction="token_mean")
+    directory = Path(disk) / "ckpt"
+    write = backend.start_checkpoint(directory)
+    try:
+        write.wait()
+        return {"raised": None}
+    except Exception as err:  # noqa: BLE001 - what is raised is what is checked
+        return {"raised": (type(err).__name__, str(err), out_of_space(err, directory)), "files": os.listdir(directory)}
