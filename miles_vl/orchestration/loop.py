@@ -809,9 +809,8 @@ class Job:
                 )
                 return
             keep = self.cfg.checkpoint.keep_last
-            self.pending_save = start_checkpoint(
-                self.ckpt_root, step, self.committed, self.trainer.start_checkpoint, keep
-            )
+            write = self.trainer.start_checkpoint if background else self.trainer.write_checkpoint
+            self.pending_save = start_checkpoint(self.ckpt_root, step, self.committed, write, keep)
             if not background:
                 self.finish_save(wait=True)
         finally:

@@ -6,6 +6,7 @@
         ...                                         # the collective export and drop their copy
     trainer.open_weight_group(opener, addresses); trainer.send_weights(version); trainer.close_weight_group()
     trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.save_hf(dir, max_shard_bytes); trainer.close()
+    wait = trainer.write_checkpoint(dir)               # written before it returns (checkpoint.async_save=false)
     wait = trainer.start_checkpoint(dir); ...; wait()  # state as of the call, written in the background (torch: a
                                                        # thread of the actor; megatron: megatron-core's async save)
 
@@ -388,6 +389,12 @@ class Trainer:
 
     def save_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def write_checkpoint(self, directory: str | Path) -> Callable[[], None]:
+        """`start_checkpoint` in the foreground: every rank writes its files before this returns (the backend's
+        `save_checkpoint`: megatron's synchronous save); returns a wait with nothing left to wait for."""
+        self.save_checkpoint(directory)
+        return lambda: None
 
     def start_checkpoint(self, directory: str | Path) -> Callable[[], None]:
         """Every rank snapshots its checkpoint state and writes it into `directory` in the background (the next
