@@ -14,14 +14,19 @@ RNG states are not saved: the RL step uses no dropout.
 Background writes (`start_save`, checkpoint.async_save) are megatron-core 0.19's own: `dist_checkpointing.save(...,
 async_sharded_save=True, async_strategy="mcore")` plans the save (collective) and returns an `AsyncRequest`, which an
 `AsyncCallsQueue` schedules: its `preload_fn` copies every shard to host memory in this process (so the next
-optimizer step does not change what is written), then a forked process (`TemporalAsyncCaller`: fork, no CUDA in the
-child) writes the `.distcp` files. `maybe_finalize_async_calls` all-reduces "is any rank still writing"; once none
-is, every rank gathers the write results, rank 0 writes `.metadata` and `metadata.json` (only when every rank's write
-succeeded), and a rank's failed write is raised on every rank (`CheckpointException`). So the checkpoint is complete
-when `done()` or `wait()` returns on every rank; the driver publishes it only then (orchestration/checkpoint.py).
-"mcore" rather than megatron's default "nvrx": nvidia-resiliency-ext is not part of the GPU stack. On CPU the
-megatron-core code needs two CUDA calls stood in (`torch.cuda.current_device`, `torch.cuda.synchronize`: the tests'
-shims, tests/patches/harness/shims.py); nothing else in it needs a GPU, and gloo carries its collectives.
+optimizer step does not change what is written; on the CPU, where that copies nothing, the forked child's
+copy-on-write memory holds the state of the call), then a forked process (`TemporalAsyncCaller`: fork, no CUDA in the
+child) writes the `.distcp` files. A rank that holds only replicas (CP or DP ranks > 0) has nothing to write and forks
+nothing. `maybe_finalize_async_calls` all-reduces "is any rank still writing"; once none is, every rank gathers the
+write results, rank 0 writes `.metadata` and `metadata.json` (only when every rank's write succeeded), and a rank's
+failed write is raised on every rank (`CheckpointException`, a BaseException; the writer's own error is only logged
+by the writer, its class name kept). So the checkpoint is complete when `done()` or `wait()` returns on every rank;
+the driver publishes it only then (orchestration/checkpoint.py). "mcore" rather than megatron's default "nvrx":
+nvidia-resiliency-ext is not part of the GPU stack. On CPU the megatron-core code needs two CUDA calls stood in
+(`torch.cuda.current_device`, `torch.cuda.synchronize`: the tests' shims, tests/patches/harness/shims.py); nothing
+else in it needs a GPU, and gloo carries its collectives. Nothing ties the writer process to its train actor's life:
+if the actor is killed (a second signal, a stalled sync's `ray.kill`) the writer may go on until its write ends or
+fails, into a temporary directory that no resume reads and that the next save removes.
 """
 
 from __future__ import annotations
