@@ -697,9 +697,10 @@ class CheckpointConfig(_Section):
         True,
         description="periodic saves write in the background: the step's state is copied to host memory at once, the "
         "files are written while the next steps run, and the checkpoint appears (renamed into place) only once "
-        "complete. One save at a time; the final save and a stop wait for it. false = the loop waits for every save. "
-        "The torch backend only: megatron's save is collective and is written before training goes on (a warning says "
-        "so).",
+        "complete on every train rank. One save at a time; it is finished before the next weight sync and the next "
+        "save; the final save and a stop wait for it. false = the loop waits for every save. Both backends: torch "
+        "writes in a thread of the train actor, megatron with megatron-core's async save (a forked writer process "
+        "per rank, then a collective finalize).",
     )
     resume: str = Field(
         "auto",

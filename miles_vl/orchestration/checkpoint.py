@@ -14,8 +14,9 @@ Invariants:
   export.py uses for its own). A save that runs out of space raises `DiskFullError`, naming the place and the fix,
   whichever writer met the full disk: Python's (OSError), safetensors' or torch's (`out_of_space`).
 - A save may be written in the background (`start_checkpoint`: the trainer snapshots its state, writes it while the
-  next steps run; `PendingSave.finish` waits for the write and publishes): until the rename the checkpoint is only
-  a temporary directory, which no resume sees; a writer's error reaches `finish` and is handled as above.
+  next steps run: torch in a thread, megatron with megatron-core's async save on every rank; `PendingSave.finish`
+  waits for every rank's write and publishes): until the rename the checkpoint is only a temporary directory, which
+  no resume sees; a writer's error reaches `finish` and is handled as above.
 - `resolve_resume` verifies the checkpoint it picks (driver.json, the manifest's file sizes, the safetensors
   headers, the torch zip archives) before anything starts. With `auto`, a broken newest checkpoint is set aside
   (renamed `<name>.broken-<time>`, kept for inspection) with a warning that names the bad file, and the previous
@@ -231,6 +232,9 @@ _TORCH_WRITE_FAILED = re.compile(
     r"|\[enforce fail at inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+"
     r"|^basic_ios::clear: iostream error$"
 )
+# megatron's background write (train/megatron/checkpoint.py) fails on some rank as megatron-core's CheckpointException,
+# which keeps the writer's error only as text: it carries no errno either.
+_MEGATRON_WRITE_FAILED = "CheckpointWriteError"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_BYTES = 1 << 20
@@ -242,9 +246,10 @@ def out_of_space(err: BaseException, directory: str | Path) -> int | None:
 
     Looked for along the chain of `err` (`__cause__`, `__context__`, and the `cause` of a Ray task error, as the
     trainer actor's errors reach the driver): an OSError with that errno; a safetensors error, whose message holds
-    the OS error number; torch's writer failing (`_TORCH_WRITE_FAILED`), which tells no errno: then a probe file
-    written into `directory` (while the partial files still fill the device) gives the device's own answer, so a
-    torch write that failed for another reason (a file size limit, an I/O error) is not called a full disk.
+    the OS error number; torch's writer failing (`_TORCH_WRITE_FAILED`) or the megatron backend's background write
+    (`CheckpointWriteError`), which tell no errno: then a probe file written into `directory` (while the partial files
+    still fill the device) gives the device's own answer, so a write that failed for another reason (a file size
+    limit, an I/O error) is not called a full disk.
     """
     torch_failed = False
     for e in _chain(err):
@@ -255,6 +260,7 @@ def out_of_space(err: BaseException, directory: str | Path) -> int | None:
             if int(m.group(1)) in _OUT_OF_SPACE:
                 return int(m.group(1))
         torch_failed |= isinstance(e, RuntimeError) and bool(_TORCH_WRITE_FAILED.search(message))
+        torch_failed |= type(e).__name__ == _MEGATRON_WRITE_FAILED
     if torch_failed:
         probed = _write_probe(Path(directory))
         return probed if probed in _OUT_OF_SPACE else None

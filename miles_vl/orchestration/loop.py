@@ -881,7 +881,8 @@ class Job:
                 )
                 return
             keep = self.cfg.checkpoint.keep_last
-            self.pending_save = start_checkpoint(self.ckpt_root, step, self.committed, self.start_checkpoint, keep)
+            write = self.start_checkpoint if background else self.write_checkpoint
+            self.pending_save = start_checkpoint(self.ckpt_root, step, self.committed, write, keep)
             if not background:
                 self.finish_save(wait=True)
         finally:
@@ -890,9 +891,17 @@ class Job:
     def start_checkpoint(self, directory: Path) -> Callable[[], None]:
         """The committed batches generated ahead (if any) into `directory`, then the trainer's files (in the
         background: returns what waits for them)."""
+        self.write_batches_ahead(directory)
+        return self.trainer.start_checkpoint(directory)
+
+    def write_checkpoint(self, directory: Path) -> Callable[[], None]:
+        """`start_checkpoint` in the foreground: the trainer's files are written before this returns."""
+        self.write_batches_ahead(directory)
+        return self.trainer.write_checkpoint(directory)
+
+    def write_batches_ahead(self, directory: Path) -> None:
         if self.committed_ahead:
             write_batches(directory, [b.to_state(t) | {"weight_version": v} for t, v, b in self.committed_ahead])
-        return self.trainer.start_checkpoint(directory)
 
     def finish_save(self, wait: bool) -> None:
         """Publish the save in flight (checkpoint.py: rename into place, prune) once the trainer has written it;

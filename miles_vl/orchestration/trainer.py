@@ -6,7 +6,9 @@
         ...                                         # the collective export and drop their copy
     trainer.open_weight_group(opener, addresses); trainer.send_weights(version); trainer.close_weight_group()
     trainer.save_checkpoint(dir); trainer.load_checkpoint(dir); trainer.save_hf(dir, max_shard_bytes); trainer.close()
-    wait = trainer.start_checkpoint(dir); ...; wait()  # state snapshotted at the call, written in the background
+    wait = trainer.write_checkpoint(dir)               # written before it returns (checkpoint.async_save=false)
+    wait = trainer.start_checkpoint(dir); ...; wait()  # state as of the call, written in the background (torch: a
+                                                       # thread of the actor; megatron: megatron-core's async save)
 
 Rank r sits in the trainer's GPU slot r (placement.py: node-major, so a TP group shares a node) and sees that GPU as
 device 0. The ranks form one `torch.distributed` group (NCCL; gloo without CUDA) at `tcp://<rank 0's node>:<free port>`
@@ -37,7 +39,7 @@ from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import TrainBackendBuilder, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
 from miles_vl.rollout.weight_sync import ExportStats, GroupOpener, SyncReport, WeightGroup, iter_buckets
-from miles_vl.train import train_step
+from miles_vl.train import CheckpointWrite, train_step
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class TrainWorker:
         self.backend = None
         self.weight_group: WeightGroup | None = None
         self.exported: ExportStats | None = None
-        self.saving: concurrent.futures.Future | None = None  # the checkpoint write in flight
+        self.saving: CheckpointWrite | None = None  # the checkpoint write in flight
         self.said_sync_save = False
 
     def rendezvous(self) -> str:
@@ -186,45 +188,39 @@ class TrainWorker:
         self.backend.save_checkpoint(Path(directory))
 
     def start_checkpoint(self, directory: str) -> None:
-        """Snapshot the backend's checkpoint state now and write it into `directory` in a background thread, while
-        this actor goes on (`wait_checkpoint` ends it). A backend without `checkpoint_snapshot` (megatron: its save
-        is collective) writes here, before this returns."""
+        """Start writing the backend's checkpoint state as of now into `directory`, while this actor goes on
+        (`wait_checkpoint` ends it): a backend with `start_checkpoint` writes it itself (megatron: megatron-core's
+        async save; collective, so every rank is called), one with `checkpoint_snapshot` is written in a thread here;
+        any other writes here, before this returns."""
         if self.saving is not None:
             raise RuntimeError("a checkpoint write is still in flight: wait_checkpoint() first")
+        start = getattr(self.backend, "start_checkpoint", None)
         snapshot = getattr(self.backend, "checkpoint_snapshot", None)
-        self.saving = concurrent.futures.Future()
-        if snapshot is None:
+        if start is not None:
+            self.saving = start(Path(directory))
+        elif snapshot is not None:
+            self.saving = _ThreadWrite(snapshot(), Path(directory))
+        else:
             if self.cfg.checkpoint.async_save and not self.said_sync_save:
                 self.said_sync_save = True  # once per rank: the setting is not silently ignored
                 log.warning(
-                    "checkpoint.async_save: the %s backend has no background write (its save is collective); its "
-                    "checkpoints are written before training goes on",
+                    "checkpoint.async_save: the %s backend has no background write; its checkpoints are written "
+                    "before training goes on",
                     type(self.backend).__name__,
                 )
             self.backend.save_checkpoint(Path(directory))
-            self.saving.set_result(None)
-            return
-        write = snapshot()
-        future = self.saving
-
-        def run() -> None:
-            try:
-                write(Path(directory))
-                future.set_result(None)
-            except BaseException as err:  # kept for wait_checkpoint: an error in this thread reaches the driver
-                future.set_exception(err)
-
-        threading.Thread(target=run, name="checkpoint-write", daemon=True).start()
+            self.saving = _ThreadWrite(None, Path(directory))
 
     def checkpoint_written(self) -> bool:
-        """Whether the write `start_checkpoint` began has ended (or none is in flight); does not wait."""
+        """Whether the write `start_checkpoint` began has ended (or none is in flight); does not wait. Collective for
+        megatron (the driver asks every rank)."""
         return self.saving is None or self.saving.done()
 
     def wait_checkpoint(self) -> None:
         """Wait for the write `start_checkpoint` began; raises the write's own error (a full disk, ...)."""
         if self.saving is not None:
-            future, self.saving = self.saving, None
-            future.result()
+            saving, self.saving = self.saving, None
+            saving.wait()
 
     def load_checkpoint(self, directory: str) -> None:
         self.backend.load_checkpoint(Path(directory))
@@ -241,6 +237,32 @@ class TrainWorker:
 def _drain(items: Iterable) -> None:
     for _ in items:
         pass
+
+
+class _ThreadWrite:
+    """A `CheckpointWrite` (train/types.py) of `write(directory)` in a thread of this actor (None: already written).
+    An error in the thread is kept for `wait`, so that it reaches the driver."""
+
+    def __init__(self, write: Callable[[Path], None] | None, directory: Path):
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        if write is None:
+            self.future.set_result(None)
+            return
+
+        def run() -> None:
+            try:
+                write(directory)
+                self.future.set_result(None)
+            except BaseException as err:  # kept for wait(): an error in this thread reaches the driver
+                self.future.set_exception(err)
+
+        threading.Thread(target=run, name="checkpoint-write", daemon=True).start()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -377,6 +399,12 @@ class Trainer:
 
     def save_checkpoint(self, directory: str | Path) -> None:
         ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def write_checkpoint(self, directory: str | Path) -> Callable[[], None]:
+        """`start_checkpoint` in the foreground: every rank writes its files before this returns (the backend's
+        `save_checkpoint`: megatron's synchronous save); returns a wait with nothing left to wait for."""
+        self.save_checkpoint(directory)
+        return lambda: None
 
     def start_checkpoint(self, directory: str | Path) -> Callable[[], None]:
         """Every rank snapshots its checkpoint state and writes it into `directory` in the background (the next

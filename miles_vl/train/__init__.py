@@ -5,9 +5,10 @@ over either is `train_step` (step.py).
 
 from miles_vl.train.step import train_step
 from miles_vl.train.torch_backend import TorchTrainBackend
-from miles_vl.train.types import LossOptions, OptimizerOptions, TrainBackend, TrainOptions, TrainSample
+from miles_vl.train.types import CheckpointWrite, LossOptions, OptimizerOptions, TrainBackend, TrainOptions, TrainSample
 
 __all__ = [
+    "CheckpointWrite",
     "LossOptions",
     "OptimizerOptions",
     "TorchTrainBackend",

@@ -114,6 +114,19 @@ class Accumulated(NamedTuple):
     finite: bool  # every loss was finite (a non-finite one is not back-propagated)
 
 
+class CheckpointWrite(Protocol):
+    """A checkpoint write in flight (`TrainBackend.start_checkpoint`). A distributed backend's calls are collective:
+    every rank calls them in the same order."""
+
+    def done(self) -> bool:
+        """Whether the write has ended (then the files are complete, or `wait` raises why not); does not wait."""
+        ...
+
+    def wait(self) -> None:
+        """Wait for the write to end; raises its error (a full disk, ...)."""
+        ...
+
+
 class TrainBackend(Protocol):
     """Forward, backward, optimizer step and checkpoints of one policy; `train_step` (step.py) is the RL step over it.
     Implemented by `TorchTrainBackend` (embedded) and `MegatronTrainBackend` (production). Every method of a
@@ -169,9 +182,11 @@ class TrainBackend(Protocol):
 
     def save_checkpoint(self, directory: Path) -> None:
         """Write the trainer's checkpoint files into `directory`. A backend that can write in the background also
-        has `checkpoint_snapshot() -> write(directory)` (torch: the state copied to host memory at the call, so the
-        next step does not change what `write` writes, from another thread); the train actor uses it when present
-        (orchestration/trainer.py), else this, before the next step."""
+        has one of (the train actor uses it when present, orchestration/trainer.py; else this, before the next step):
+        - `checkpoint_snapshot() -> write(directory)` (torch: the state copied to host memory at the call, so the next
+          step does not change what `write` writes; the actor runs `write` in a thread);
+        - `start_checkpoint(directory) -> CheckpointWrite` (megatron: the backend starts the write itself, in
+          megatron-core's writer process, and finishes it with collective calls on every rank)."""
         ...
 
     def load_checkpoint(self, directory: Path) -> None: ...

@@ -6,21 +6,17 @@ their process group (gloo here), `build_provider` (AutoBridge on the HF checkpoi
 `configure_provider`), the model megatron-bridge provides with the checkpoint's weights, `MegatronTrainBackend`, its
 export to the engines. Stood in, as in the backend's CPU tests (tests/train/megatron/cpu_parts.py): the TE layers
 (local specs with TE's parameter names), DDP and finalize, megatron's optimizer (torch AdamW behind its methods), the
-schedule, the unwrapping of DDP before the export, and the distributed checkpoint (megatron's needs its distributed
-optimizer: `torch.save` of each rank's model and optimizer state instead). The model runs in fp32 with transformers'
-exact GELU in the patch mergers, so that its logprobs match the torch backend's on the same checkpoint.
+schedule and the unwrapping of DDP before the export. The checkpoints are megatron-core's distributed checkpoints,
+saved and loaded by the backend's own code (train/megatron/checkpoint.py, in the background with
+checkpoint.async_save), with the stand-in optimizer's state sharded as megatron's FP32Optimizer shards it
+(cpu_parts.py). The model runs in fp32 with transformers' exact GELU in the patch mergers, so that its logprobs match
+the torch backend's on the same checkpoint.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 
 def build(hf_path: str, tokens, options, parallel):
-    import torch.distributed as dist
-
     from tests.patches.harness.shims import load_qwen3vl_module
 
     tp, cp, o = parallel.tp_size, parallel.cp_size, options.optimizer
@@ -41,21 +37,6 @@ def build(hf_path: str, tokens, options, parallel):
             # megatron-bridge unwraps megatron's DDP itself; CpuDDP is not one of the wrappers it knows
             chunks = [c.module for c in self.model]
             return export_hf_weights(self.bridge, chunks, skip_prefixes=skip_prefixes, cpu=cpu)
-
-        def save_checkpoint(self, directory: Path) -> None:
-            state = {
-                "model": [c.state_dict() for c in self.model],
-                "optimizer": self.optimizer.inner.state_dict(),
-                "steps": (self.optimizer_steps, self.skipped_steps),
-            }
-            torch.save(state, Path(directory) / f"megatron_cpu_rank{dist.get_rank()}.pt")
-
-        def load_checkpoint(self, directory: Path) -> None:
-            state = torch.load(Path(directory) / f"megatron_cpu_rank{dist.get_rank()}.pt", weights_only=False)
-            for chunk, weights in zip(self.model, state["model"], strict=True):
-                chunk.load_state_dict(weights)
-            self.optimizer.inner.load_state_dict(state["optimizer"])
-            self.optimizer_steps, self.skipped_steps = state["steps"]
 
     provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
     module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
@@ -87,3 +68,30 @@ def build(hf_path: str, tokens, options, parallel):
         device="cpu",
         frozen_prefixes=FROZEN_VISION_PREFIXES if options.freeze_vision else (),
     )
+
+
+def build_gated_save(hf_path: str, tokens, options, parallel, *, gate: str):
+    """`build`, whose background checkpoint writes (megatron-core's writer process, forked on every rank) create
+    `<gate>.writing-<rank>` and then wait for `<gate>.go` before writing anything: a test acts while a save is in
+    flight."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    backend = build(hf_path, tokens, options, parallel)  # first: it imports megatron (the CPU shims before)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write, rank = FileSystemWriterAsync.write_preloaded_data_multithread, dist.get_rank()
+
+    def gated(*args, **kwargs):
+        open(f"{gate}.writing-{rank}", "w").close()
+        deadline = time.monotonic() + 120  # a test that never opens the gate fails instead of hanging
+        while not os.path.exists(f"{gate}.go"):  # a file: the writer is another process
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{gate}.go did not appear in 120 s")
+            time.sleep(0.01)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(gated)
+    return backend

@@ -10,7 +10,10 @@ weights, so its logprobs of step 2's samples must equal the trainer's (`train_ro
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,9 +22,15 @@ import ray
 from miles_vl import stack
 from miles_vl.config import ConfigError, load_config
 from miles_vl.orchestration import run_job
+from miles_vl.orchestration.checkpoint import list_checkpoints
+from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.factories import build_megatron
+from miles_vl.orchestration.loop import JobInterrupted
 from miles_vl.orchestration.placement import engine_slots, reserve_gpus
+from miles_vl.orchestration.trainer import Trainer
 from miles_vl.rollout.weight_sync import WeightSyncOptions
-from tests.orchestration.jobs import REPO, metrics, pretrained, stand_ins, tiny_job, write_checkpoint
+from tests.orchestration import megatron_cpu
+from tests.orchestration.jobs import REPO, metrics, pretrained, stand_ins, tiny_job, wait_for, write_checkpoint
 from tests.patches.harness.shims import require_bridge
 from tests.rollout.sglang.conftest import free_port
 from tests.rollout.sglang.fake_server import read_journal
@@ -89,7 +98,8 @@ def test_megatron_cp2_job_matches_the_torch_backend(bridge, tmp_path, checkpoint
     for rows in (torch_rows, mega_rows):
         print("step 2 train_rollout_logprob_abs_diff", rows[1]["train/train_rollout_logprob_abs_diff"])
         assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4, rows[1]
-    assert (run / "checkpoints" / "step_00000002" / "megatron_cpu_rank1.pt").exists()  # every rank saved
+    saved = run / "checkpoints" / "step_00000002"  # megatron's distributed checkpoint, complete
+    assert {"metadata.json", ".metadata", "__0_0.distcp"} <= {p.name for p in saved.iterdir()}
 
 
 def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake_gpu_ray):
@@ -191,3 +201,68 @@ def test_driver_arguments_fit_the_real_megatron_builder(tmp_path):
         assert (
             bound.arguments["parallel"].tp_size == cfg.train.tp and bound.arguments["parallel"].ep_size == cfg.train.ep
         )
+
+
+def test_a_stop_while_a_megatron_checkpoint_is_written_in_the_background_waits_for_it(
+    bridge, tmp_path, checkpoint, fake_gpu_ray, monkeypatch
+):
+    """Issue 33.3 on the megatron backend (two CP ranks, megatron-core's async save): SIGINT in step 3's rollout while
+    the writer of step 2's checkpoint is held (only its temporary directory exists): the stop waits for
+    the write, step 2 appears complete, its shard files byte for byte those of a run that saved synchronously
+    (`checkpoint.async_save=false`), no temporary directory is left, and the same command resumes from it to the
+    synchronous run's step 3, record for record."""
+    megatron = ("train.backend=megatron", "train.num_gpus=2", "train.cp=2", "model.dtype=fp32")
+    steps = ("num_steps=3", "checkpoint.interval=1", "checkpoint.keep_last=3")
+    sync = config(tmp_path, checkpoint, "sync", *megatron, *steps, "checkpoint.async_save=false")
+    straight = run_job(sync, hooks=stand_ins(megatron=True))
+    gate = tmp_path / "gate"
+    hooks = stand_ins(megatron=True)
+    builder = functools.partial(megatron_cpu.build_gated_save, gate=str(gate))
+    hooks.train_backends["megatron"] = functools.partial(build_megatron, builder=builder)
+    background = config(tmp_path, checkpoint, "background", *megatron, *steps)
+    run_dir, started, rollout, seen = tmp_path / "background", Trainer.start_checkpoint, RolloutEngines.generate, {}
+
+    def start_checkpoint(self, directory):
+        saves = seen.setdefault("saves", [])
+        saves.append(Path(directory))
+        if len(saves) == 2:  # step 2's: its writers wait for the gate
+            Path(f"{gate}.go").unlink()
+        return started(self, directory)
+
+    def generate(self, *args, **kwargs):
+        if len(seen.get("saves", [])) == 2 and "stopped" not in seen:  # step 3's rollout; step 2's save is held
+            seen["stopped"] = True
+            try:
+                # rank 0's writer: at CP=2 the ranks hold replicas, which rank 0 alone writes (rank 1 forks none)
+                wait_for(Path(f"{gate}.writing-0"))
+                assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [1]
+                assert seen["saves"][1].name.startswith(".step_00000002.tmp-") and seen["saves"][1].is_dir()
+                assert not (seen["saves"][1] / "metadata.json").exists()
+                os.kill(os.getpid(), signal.SIGINT)
+            finally:
+                Path(f"{gate}.go").touch()  # the writer goes on while the stop is handled
+        return rollout(self, *args, **kwargs)
+
+    Path(f"{gate}.go").touch()  # step 1's save is not held
+    monkeypatch.setattr(Trainer, "start_checkpoint", start_checkpoint)
+    monkeypatch.setattr(RolloutEngines, "generate", generate)
+    with pytest.raises(JobInterrupted) as info:
+        run_job(background, hooks=hooks)
+    assert "stopped" in seen and info.value.checkpoint == 2
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [1, 2]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    ours, theirs = run_dir / "checkpoints" / "step_00000002", straight / "checkpoints" / "step_00000002"
+    shards = sorted(p.name for p in theirs.glob("*.distcp"))
+    assert shards and sorted(p.name for p in ours.glob("*.distcp")) == shards
+    assert (ours / "metadata.json").is_file() and (ours / ".metadata").is_file()
+    for name in shards:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    monkeypatch.undo()
+    run_job(background, hooks=stand_ins(megatron=True))
+    assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(straight)]
+
+
+def comparable(record: dict) -> dict:
+    """Everything but wall-clock figures."""
+    return {k: v for k, v in record.items() if not k.startswith(("time/", "perf/"))}

@@ -320,8 +320,19 @@ class MegatronTrainBackend:
             dist.barrier()  # the files exist when any rank returns
 
     def save_checkpoint(self, directory: Path) -> None:
-        state = {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
-        ckpt.save_checkpoint(Path(directory), self.model, self.optimizer, state, dp_cp_group=self.groups.dp_cp)
+        ckpt.save_checkpoint(
+            Path(directory), self.model, self.optimizer, self._counters(), dp_cp_group=self.groups.dp_cp
+        )
+
+    def start_checkpoint(self, directory: Path) -> ckpt.SaveInFlight:
+        """`save_checkpoint` in the background (megatron-core's async save, checkpoint.py): returns once the state is
+        staged in host memory, so the next optimizer step does not change what is written. Collective."""
+        return ckpt.start_save(
+            Path(directory), self.model, self.optimizer, self._counters(), dp_cp_group=self.groups.dp_cp
+        )
+
+    def _counters(self) -> dict[str, int]:
+        return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
 
     def load_checkpoint(self, directory: Path) -> None:
         state = ckpt.load_checkpoint(Path(directory), self.model, self.optimizer, dp_cp_group=self.groups.dp_cp)

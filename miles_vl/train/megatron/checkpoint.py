@@ -1,16 +1,37 @@
 """Distributed checkpoints of the megatron backend (megatron-core `dist_checkpointing`, torch_dist format).
 
     save_checkpoint(directory, model, optimizer, {"optimizer_steps": 3})   # collective: every rank calls it
+    write = start_save(directory, model, optimizer, {"optimizer_steps": 3}) # collective; returns once staged
+    ...                                                                    # training goes on
+    write.done(); write.wait()                                             # collective; wait raises a failed write
     state = load_checkpoint(directory, model, optimizer)                   # -> {"optimizer_steps": 3}
 
 Each rank writes its shards of the model (`sharded_state_dict` of the unwrapped chunks) and of the distributed
 optimizer (fp32 main weights and Adam moments, "dp_reshardable": a checkpoint resumes on another DP size but the
 same TP/PP/CP/EP sizes). Plain values in `trainer_state` (counters) go to the common part that rank 0 writes.
 RNG states are not saved: the RL step uses no dropout.
+
+Background writes (`start_save`, checkpoint.async_save) are megatron-core 0.19's own: `dist_checkpointing.save(...,
+async_sharded_save=True, async_strategy="mcore")` plans the save (collective) and returns an `AsyncRequest`, which an
+`AsyncCallsQueue` schedules: its `preload_fn` copies every shard to host memory in this process (so the next
+optimizer step does not change what is written; on the CPU, where that copies nothing, the forked child's
+copy-on-write memory holds the state of the call), then a forked process (`TemporalAsyncCaller`: fork, no CUDA in the
+child) writes the `.distcp` files. A rank that holds only replicas (CP or DP ranks > 0) has nothing to write and forks
+nothing. `maybe_finalize_async_calls` all-reduces "is any rank still writing"; once none is, every rank gathers the
+write results, rank 0 writes `.metadata` and `metadata.json` (only when every rank's write succeeded), and a rank's
+failed write is raised on every rank (`CheckpointException`, a BaseException; the writer's own error is only logged
+by the writer, its class name kept). So the checkpoint is complete when `done()` or `wait()` returns on every rank;
+the driver publishes it only then (orchestration/checkpoint.py). "mcore" rather than megatron's default "nvrx":
+nvidia-resiliency-ext is not part of the GPU stack. On CPU the megatron-core code needs two CUDA calls stood in
+(`torch.cuda.current_device`, `torch.cuda.synchronize`: the tests' shims, tests/patches/harness/shims.py); nothing
+else in it needs a GPU, and gloo carries its collectives. Nothing ties the writer process to its train actor's life:
+if the actor is killed (a second signal, a stalled sync's `ray.kill`) the writer may go on until its write ends or
+fails, into a temporary directory that no resume reads and that the next save removes.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +84,88 @@ def save_checkpoint(
     state[_STATE_KEY] = dict(trainer_state)
     dist_checkpointing.save(state, str(directory), content_metadata=_content(metadata))
     dist.barrier()
+
+
+def start_save(
+    directory: Path, model: list, optimizer, trainer_state: dict[str, Any], *, dp_cp_group=None
+) -> SaveInFlight:
+    """Begin writing what `save_checkpoint` writes into `directory`, in the background (module docstring): returns
+    once every shard is staged in host memory and the writer process has started. Collective.
+
+    Args:
+        as `save_checkpoint`.
+
+    Returns:
+        The write in flight: `done()` / `wait()` finish it (collective, on every rank in the same order).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    directory = Path(directory)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    metadata = _metadata(dp_cp_group)
+    state = _sharded_state(model, optimizer, metadata, is_loading=False)
+    state[_STATE_KEY] = dict(trainer_state)
+    request = dist_checkpointing.save(
+        state, str(directory), content_metadata=_content(metadata), async_sharded_save=True, async_strategy="mcore"
+    )
+    queue = AsyncCallsQueue(persistent=False)  # a fresh forked writer per save: one save is in flight at a time
+    queue.schedule_async_request(request)
+    return SaveInFlight(directory, queue)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write that failed on some train rank (raised on every rank by `SaveInFlight.wait`).
+    megatron-core reports the write's own error (a full disk, ...) only as text, without its errno: the driver finds
+    a full disk by a probe write (orchestration/checkpoint.py, `out_of_space`)."""
+
+
+class SaveInFlight:
+    """A `start_save` write: `done()` finishes it if every rank's write has ended, `wait()` waits for that. Both are
+    collective (megatron-core all-reduces the writers' state), so every rank calls them in the same order."""
+
+    def __init__(self, directory: Path, queue) -> None:
+        self.directory = directory
+        self.queue = queue
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the write has ended on every rank (then it is finalized here); never raises a write's error, which
+        `wait` raises, so that a poll does not leave the checkpoint half handled."""
+        if not self.finished:
+            self._finalize(blocking=False)
+        return self.finished
+
+    def wait(self) -> None:
+        """Wait for every rank's write and finalize the checkpoint.
+
+        Raises:
+            CheckpointWriteError: a rank's write failed (no `metadata.json` is written then).
+        """
+        if not self.finished:
+            self._finalize(blocking=True)
+        if self.error is not None:
+            raise CheckpointWriteError(
+                f"writing the megatron checkpoint {self.directory} failed: {_summary(self.error)} (the train ranks' "
+                "log has the writer's own error)"
+            ) from self.error
+
+    def _finalize(self, blocking: bool) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self.finished = bool(self.queue.maybe_finalize_async_calls(blocking=blocking))
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException; raised on every rank
+            self.error, self.finished = err, True
+
+
+def _summary(err: BaseException) -> str:
+    """The lines of megatron's/torch's `CheckpointException` that say what failed, without the tracebacks."""
+    lines = [ln for ln in str(err).splitlines() if ln and not ln[0].isspace() and not ln.startswith("Traceback")]
+    return re.sub(r"\s+", " ", "; ".join(lines)) or type(err).__name__
 
 
 def load_checkpoint(directory: Path, model: list, optimizer, *, dp_cp_group=None) -> dict[str, Any]:

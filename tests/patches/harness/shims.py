@@ -20,7 +20,8 @@ What the shims do, and why each is needed (DESIGN §5):
   the caller's (`language_layer_spec()` gives the local GPT spec with the same core attention).
 - CPU device: `torch.cuda.current_device()` returns "cpu" (rotary `inv_freq` and a few buffers are created on it);
   NVTX ranges are no-ops; `torch.distributed.all_gather` accepts uneven per-rank sizes on gloo as it does on NCCL
-  (needed by `vision_dp_when_cp`).
+  (needed by `vision_dp_when_cp`); `torch.cuda.synchronize()` is a no-op for megatron-core's checkpoint writer
+  (`install_cpu_checkpointing`).
 
 Never import this from `miles_vl`: it rewires global torch state of the process that calls it.
 """
@@ -89,6 +90,21 @@ def install_cpu_device() -> None:
     torch.cuda.nvtx.range_push = lambda *args, **kwargs: None
     torch.cuda.nvtx.range_pop = lambda *args, **kwargs: None
     install_uneven_all_gather()
+
+
+def install_cpu_checkpointing() -> None:
+    """megatron-core's `dist_checkpointing` save on the CPU (the megatron backend's checkpoints, sync and async):
+    `torch.cuda.synchronize()` is a no-op (its host staging, `FileSystemWriterAsync.preload_tensors`, and its forked
+    writer, `TemporalAsyncCaller.schedule_async_call`, wait for the GPU's copies), and where psutil is not installed
+    (it is on the GPU stack, not in the CPU test environment) the writer's debug memory figure
+    (`filesystem_async._process_memory`) is 0 instead of a RuntimeError that fails every write. With
+    `install_cpu_device` (its CPU tensors for the "is any rank still writing" all-reduce) that is all it needs."""
+    import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    if not filesystem_async.HAVE_PSUTIL:
+        filesystem_async._process_memory = lambda: 0
 
 
 def install_uneven_all_gather() -> None:
@@ -193,6 +209,8 @@ def load_qwen3vl_module(version: str, root: str | Path | None = None) -> ModuleT
     import megatron.core  # noqa: F401  (first, without TE: mcore picks its local code paths)
     import megatron.core.extensions.transformer_engine  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+
+    install_cpu_checkpointing()
 
     te_names = ("transformer_engine", "transformer_engine.pytorch")
     saved = _mock_modules(te_names, __version__="0.0.0")  # 0.0.0: mcore's TE version checks say "no TE"

@@ -97,6 +97,13 @@ class CpuDDP(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
+    # megatron's `unwrap_model` does not know this wrapper: the checkpoint's calls reach the model as through DDP's
+    def sharded_state_dict(self, *args, **kwargs):
+        return self.module.sharded_state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
+
 
 def cpu_finalize(model_chunks, num_tokens: torch.Tensor, **_) -> None:
     """megatron-core 0.19's finalize_model_grads for our configuration (per-token loss, SUM in DDP, untied
@@ -190,6 +197,38 @@ class CpuOptimizer:
                     p.grad.mul_(coeff)
         self.inner.step()
         return True, norm, None
+
+    # megatron's checkpoint interface, as its FP32Optimizer has it (megatron/core/optimizer/optimizer.py): the Adam
+    # moments sharded like the parameters they belong to, one common step
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None) -> dict:
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        if is_loading:  # the state a load fills in must exist
+            for p in self.params:
+                if p not in self.inner.state:
+                    self.inner.state[p] = {
+                        "step": torch.zeros(()),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
+        state = self.inner.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values()}
+        assert len(steps) <= 1, f"one optimizer step for every parameter, found {steps}"
+        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys="step")
+        if steps:
+            state["state"]["common_step"] = steps.pop()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        step = state["state"].pop("common_step", None)
+        for param_state in state["state"].values():
+            param_state["step"] = torch.tensor(step)
+        self.inner.load_state_dict(state)
 
 
 def cpu_schedule():

@@ -742,3 +742,120 @@ def job_lever_refusals(ctx) -> dict:
         except ValueError as err:
             out[name] = str(err)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints written in the background (megatron-core's async save, train/megatron/checkpoint.py)
+
+
+def _trainer_state(backend) -> dict:
+    """This rank's weights, Adam moments and counters, copied."""
+    optim = backend.optimizer.inner.state
+    moments = [{k: v.clone() for k, v in optim[p].items()} for p in backend.optimizer.params]
+    weights = {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
+    return {"weights": weights, "moments": moments, "counters": backend._counters()}
+
+
+def _hold_the_writers(gate: str) -> None:
+    """megatron-core's writer (run in the forked writer process) waits for the file `gate` before it writes, so the
+    test decides when the write ends; both ranks' writers wait for the same file."""
+    import os
+    import time
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    def held(*args, **kwargs):
+        while not os.path.exists(gate):  # a file: the writer is another process
+            time.sleep(0.01)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(held)
+
+
+def job_async_save(ctx, samples, root: str) -> dict:
+    """TP=2: one RL step; a synchronous save (`sync`) and a background one (`async`) of that state, the latter held
+    in its writer while a second RL step changes every weight; then resumes from each into the trained backend
+    and the second step again. Returns what each rank saw."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    backend = build_backend(ctx, tp=2, cp=1, reduction="token_mean")
+    train_step(backend, samples)
+    at_save = _trainer_state(backend)
+    backend.save_checkpoint(Path(root) / "sync")
+    gate = os.path.join(root, "go")
+    _hold_the_writers(gate)
+    write = backend.start_checkpoint(Path(root) / "async")
+    out = {"done_while_held": write.done(), "files_while_held": sorted(os.listdir(Path(root) / "async"))}
+    train_step(backend, samples)  # training goes on while the write is in flight
+    straight = _trainer_state(backend)
+    out["done_after_step"] = write.done()
+    dist.barrier()
+    if ctx.rank == 0:
+        Path(gate).touch()
+    write.wait()
+    out["done_after_wait"] = write.done()
+    for name in ("async", "sync"):
+        backend.load_checkpoint(Path(root) / name)
+        out[f"{name}_loaded"] = _trainer_state(backend)
+        train_step(backend, samples)
+        out[f"{name}_resumed"] = _trainer_state(backend)
+    out |= {"at_save": at_save, "straight": straight}
+    return out
+
+
+def job_async_save_fails(ctx, samples, root: str) -> dict:
+    """TP=2 (each rank writes its own shards): a background save whose write fails in megatron-core's writer process on rank 1 only (a directory
+    stands where its shard file goes: `IsADirectoryError`): `done()`'s answers until it says the write ended (it
+    never raises), `wait()`'s error and what `out_of_space` says of it, the files left; then a save that works."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from miles_vl.orchestration.checkpoint import out_of_space
+
+    backend = build_backend(ctx, tp=2, cp=1, reduction="token_mean")
+    train_step(backend, samples)
+    out = {}
+    blocked = Path(root) / "blocked"
+    if ctx.rank == 1:
+        (blocked / "__1_0.distcp").mkdir(parents=True)  # the name megatron's writer gives rank 1's shard file
+    dist.barrier()
+    write = backend.start_checkpoint(blocked)
+    polls = []
+    while not polls or not polls[-1]:
+        polls.append(write.done())  # collective: the same answers on both ranks, and it never raises
+    out["polls"] = polls[-1:]
+    try:
+        write.wait()
+        out["blocked"] = None
+    except Exception as err:  # noqa: BLE001 - what is raised is what is checked
+        out["blocked"] = (type(err).__name__, str(err), out_of_space(err, blocked))
+    out["blocked_files"] = sorted(os.listdir(blocked))
+    after = Path(root) / "after"
+    backend.start_checkpoint(after).wait()
+    out["after_files"] = sorted(os.listdir(after))
+    return out
+
+
+def job_async_save_on_a_full_disk(ctx, disk: str) -> dict:
+    """TP=2: a background save into `disk` (a tmpfs smaller than a rank's shard file): `wait()`'s error and
+    what `out_of_space` says of it while the partial files still fill the disk, and the files left."""
+    import os
+    from pathlib import Path
+
+    from miles_vl.orchestration.checkpoint import out_of_space
+
+    backend = build_backend(ctx, tp=2, cp=1, reduction="token_mean")
+    directory = Path(disk) / "ckpt"
+    write = backend.start_checkpoint(directory)
+    try:
+        write.wait()
+        return {"raised": None}
+    except Exception as err:  # noqa: BLE001 - what is raised is what is checked
+        return {"raised": (type(err).__name__, str(err), out_of_space(err, directory)), "files": os.listdir(directory)}
