@@ -49,6 +49,10 @@ RESUME_MAY_CHANGE = (
     "rollout.sglang.request_timeout_s",
     "rollout.sglang.sync_timeout_s",
     "rollout.sglang.max_retries",
+    # how the weights reach the engines, and how the vision work is split over the CP ranks: neither changes what a
+    # step computes beyond the order of a reduction (a checkpoint of the old defaults, tensor and False, resumes)
+    "rollout.sglang.colocated_sync",
+    "train.vision_dp_when_cp",
 )
 
 
@@ -272,12 +276,13 @@ class SGLangConfig(_Section):
         "(70 s for a 512 MiB bucket); forming the group may take 60 s or this, if longer.",
     )
     colocated_sync: Literal["ipc", "tensor"] = Field(
-        "tensor",
+        "ipc",
         description="how a colocated job syncs weights: ipc = trainer rank 0 packs each bucket into a persistent GPU "
         "buffer on its own GPU and hands each server one CUDA IPC handle per bucket (no weight byte through the CPU "
-        "or Ray's object store; engines on trainer rank 0's node only; CPU-tested, not yet run on a GPU: opt in); "
-        "tensor = the path every GPU run so far took, through CPU copies and Ray's object store (the default until "
-        "ipc has run against a real server).",
+        "or Ray's object store; the 2B shapes on H100s: 4.26 GB in 0.37 s, 11.6 GB/s, where tensor took 7.9 s); "
+        "tensor = through CPU copies and Ray's object store, needed when a colocated engine runs on another node than "
+        "trainer rank 0 (a CUDA IPC handle opens on its own node only: ipc there is refused once the GPUs are "
+        "reserved, before any actor starts).",
     )
     verify_weights_every: int = Field(
         10,
@@ -476,7 +481,13 @@ class TrainConfig(_Section):
         "(the n samples of a prompt share its images), and read its output at every use: the same embeddings, the "
         "tower's gradient summed over the uses.",
     )
-    vision_dp_when_cp: bool = Field(False, description="split the vision tower's work across CP ranks (megatron).")
+    vision_dp_when_cp: bool = Field(
+        True,
+        description="with CP > 1 (megatron), split the vision tower's work (the images) across the CP ranks and "
+        "all-gather the embeddings, instead of every CP rank encoding every image. Measured at CP=2 (2B shapes, full "
+        "recompute, 16K and 32K tokens of many images): 1.47x the tokens/s per GPU at 20-38 % more peak memory; "
+        "turn it off when memory is the limit. No effect at CP=1.",
+    )
     seed: int = 1234
 
 
@@ -717,8 +728,9 @@ class CheckpointConfig(_Section):
         "(another logging.run_name). These may change on a resume without being listed: "
         + ", ".join(f"`{k}`" for k in RESUME_MAY_CHANGE)
         + " (how long, what is logged, where and how often it is saved, the cluster, the number of train GPUs and "
-        "engines, and the servers' limits: none changes what a step computes; other train GPUs change only the order "
-        "of the data-parallel reduction).",
+        "engines, the servers' limits, how the weights reach the engines and how the vision work is split over the CP "
+        "ranks: none changes what a step computes; other train GPUs and the vision split change only the order of a "
+        "reduction).",
     )
 
 

@@ -29,6 +29,7 @@ from miles_vl.config import ConfigError, JobConfig
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.model import build_model
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
+from miles_vl.orchestration.placement import GpuSlot, engine_slots
 from miles_vl.reward import REWARD_CONFIG_KEYS, RewardResolutionError, WeightedReward, check_reward, resolve_reward
 from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
@@ -234,6 +235,30 @@ def sglang_colocated_sync(cfg: JobConfig) -> GroupSync | None:
         open_colocated_sender, model_path=cfg.model.path or None, verify_every=s.verify_weights_every
     )
     return GroupSync(opener, request_timeout_s=s.request_timeout_s, colocated=True)
+
+
+def check_colocated_group(cfg: JobConfig, group: GroupSync | None, slots: Sequence[GpuSlot] | None) -> None:
+    """Refuse a colocated IPC sync (`group.colocated`) to an engine on another node than trainer rank 0, once the
+    trainer's GPUs are reserved (`slots`, node-major) and before any actor starts: a CUDA IPC handle opens on its own
+    node only. Only then is it known: in a cluster Ray picks the nodes (a private Ray is one node). Left to the
+    actor, the sender's own check (`open_colocated_sender`) failed every sync, so each engine was relaunched
+    `rollout.max_restarts` times before the job ended.
+
+    Raises:
+        ValueError: names the engines, their nodes and the fix (sglang's row is the only one with a colocated group).
+    """
+    if group is None or not group.colocated or not slots:
+        return
+    r = cfg.rollout
+    here = slots[0].node_ip
+    far = {i: s[0].node_ip for i, s in enumerate(engine_slots(slots, r.num_engines, r.gpus_per_engine))}
+    far = {i: node for i, node in far.items() if node != here}
+    if far:
+        raise ValueError(
+            f"rollout.sglang.colocated_sync=ipc: colocated engines {sorted(far)} run on {sorted(set(far.values()))}, "
+            f"another node than trainer rank 0 ({here}), and a CUDA IPC handle opens on its own node only; set "
+            "rollout.sglang.colocated_sync=tensor (the weights then go through Ray's object store)"
+        )
 
 
 ENGINES: Mapping[str, EngineKind] = {

@@ -91,7 +91,7 @@ from miles_vl.orchestration.checkpoint import (
 )
 from miles_vl.orchestration.engines import RolloutEngines
 from miles_vl.orchestration.export import save_hf_due, save_hf_during_run
-from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_rewards
+from miles_vl.orchestration.factories import ENGINES, EngineKind, Hooks, build_rewards, check_colocated_group
 from miles_vl.orchestration.placement import GpuPlacement, ray_session, reserve_gpus
 from miles_vl.orchestration.progress import Progress
 from miles_vl.orchestration.samples import sample_records, show_samples, warn_if_stuck, write_samples
@@ -603,12 +603,14 @@ class Job:
     def __post_init__(self):
         try:  # the caller's close() cannot run before the constructor returns: undo a partial start here
             self.gpus = reserve_gpus(self.cfg.train.num_gpus) if self.cfg.train.num_gpus else None
+            kind = self.hooks.engines[self.cfg.rollout.backend]
+            group = kind.weight_group(self.cfg)
+            check_colocated_group(self.cfg, group, self.gpus.slots if self.gpus else None)
             build = self.hooks.train_backends[self.cfg.train.backend]
             self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build, stop=self.stop_requested)
-            kind = self.hooks.engines[self.cfg.rollout.backend]
             weights = make_weight_sync(
                 self.trainer,
-                group=kind.weight_group(self.cfg),
+                group=group,
                 trainer_gpus=self.cfg.train.num_gpus > 0,
                 # rollouts ahead: a replaced engine gets the weights the others generate with, not the trainer's newer
                 options=dataclasses.replace(

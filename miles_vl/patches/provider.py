@@ -4,7 +4,9 @@
   per CP shard is wrong (miles_vl's loss weights carry the global denominators; see miles_vl.algo.loss_weights).
   0.6 providers set it in `finalize()`; 0.5 providers do not, so it is set here for every release.
 - `apply_rope_fusion=False`: MRoPE uses per-token absolute frequencies that TE's fused RoPE kernels cannot take.
-- `vision_dp_when_cp`: split the vision tower's work across CP ranks (>= 0.6); exposed as `train.vision_dp_when_cp`.
+- `vision_dp_when_cp`: split the vision tower's work across CP ranks (>= 0.6); exposed as `train.vision_dp_when_cp`
+  (on by default). megatron-bridge reads it only when CP > 1, so it is asked of the provider only then: a CP=1 job
+  runs on a release without it.
 
 Nothing is changed silently: `configure_provider` returns every change and logs it.
 """
@@ -23,26 +25,28 @@ def configure_provider(provider: Any, *, cp_size: int, vision_dp_when_cp: bool =
     Args:
         provider: a `Qwen3VLModelProvider` (or MoE provider) from `AutoBridge.to_megatron_provider()`.
         cp_size: context-parallel size.
-        vision_dp_when_cp: split vision work across CP ranks (needs megatron-bridge >= 0.6).
+        vision_dp_when_cp: split vision work across CP ranks when cp_size > 1 (needs megatron-bridge >= 0.6).
 
     Returns:
         {field: (old, new)} for every field whose value changed.
 
     Raises:
-        ValueError: the provider lacks a field (an unsupported release), or vision_dp_when_cp is asked of a release
-            without it.
+        ValueError: the provider lacks a field (an unsupported release), or vision_dp_when_cp is asked under CP of a
+            release without it.
     """
     wanted: dict[str, Any] = {"context_parallel_size": cp_size, "apply_rope_fusion": False}
     if cp_size > 1:
         wanted["calculate_per_token_loss"] = True
-    if vision_dp_when_cp or hasattr(provider, "vision_dp_when_cp"):
-        wanted["vision_dp_when_cp"] = vision_dp_when_cp
+    split_vision = vision_dp_when_cp and cp_size > 1
+    if split_vision or hasattr(provider, "vision_dp_when_cp"):
+        wanted["vision_dp_when_cp"] = split_vision
     missing = [name for name in wanted if not hasattr(provider, name)]
     if missing:
         raise ValueError(
             f"{type(provider).__name__} has no {missing}: "
             + (
-                "train.vision_dp_when_cp needs megatron-bridge >= 0.6"
+                "train.vision_dp_when_cp (on by default) needs megatron-bridge >= 0.6 under CP; set "
+                "train.vision_dp_when_cp=false, or install megatron-bridge 0.6.2"
                 if missing == ["vision_dp_when_cp"]
                 else "not a megatron-bridge Qwen3-VL provider of a supported release"
             )

@@ -4,7 +4,16 @@ gives the weight sync its group opener and timeouts."""
 
 import pytest
 
-from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, EngineKind, actor_class, launch_hf, reward_options
+from miles_vl.orchestration.factories import (
+    ENGINES,
+    TRAIN_BACKENDS,
+    EngineKind,
+    actor_class,
+    check_colocated_group,
+    launch_hf,
+    reward_options,
+)
+from miles_vl.orchestration.placement import GpuPlacement, GpuSlot
 from miles_vl.reward import resolve_reward
 from miles_vl.rollout.sglang import SGLangRolloutHost
 from miles_vl.rollout.sglang.weights import open_colocated_sender, open_trainer_group
@@ -86,11 +95,14 @@ def test_the_train_phase_levers_reach_both_backends_options(tmp_path, on):
 def test_a_colocated_sglang_job_syncs_over_ipc_unless_the_switch_says_tensor(tmp_path):
     """Issue 33.1: colocated, sglang's row gives trainer rank 0 the IPC sender (`open_colocated_sender`) with the job's
     checkpoint for the name check, `rollout.sglang.verify_weights_every` and the request timeout; the strategy runs it
-    without a broadcast backend. `rollout.sglang.colocated_sync=tensor` keeps the earlier path through the driver."""
+    without a broadcast backend. It is the default since it ran against a real SGLang 0.5.16 (2 x H100, 2026-11-26).
+    `rollout.sglang.colocated_sync=tensor` keeps the earlier path through the driver."""
     sglang = ("rollout.backend=sglang", "rollout.gpus_per_engine=1", "ray.placement=colocate")
-    assert ENGINES["sglang"].weight_group(tiny_job(tmp_path, "x", *sglang)) is None  # the default: tensor
-    ipc = ("rollout.sglang.colocated_sync=ipc", "rollout.sglang.verify_weights_every=4")
-    cfg = tiny_job(tmp_path, "x", *sglang, *ipc, "rollout.sglang.request_timeout_s=9")
+    default = ENGINES["sglang"].weight_group(tiny_job(tmp_path, "x", *sglang))
+    assert default is not None and default.colocated and default.open_group.func is open_colocated_sender
+    cfg = tiny_job(
+        tmp_path, "x", *sglang, "rollout.sglang.verify_weights_every=4", "rollout.sglang.request_timeout_s=9"
+    )
     group = ENGINES["sglang"].weight_group(cfg)
     assert group is not None and group.colocated and group.request_timeout_s == 9
     assert group.open_group.func is open_colocated_sender
@@ -99,3 +111,44 @@ def test_a_colocated_sglang_job_syncs_over_ipc_unless_the_switch_says_tensor(tmp
     assert isinstance(sync, NcclWeightSync) and sync.backend == "ipc"
     old = tiny_job(tmp_path, "x", *sglang, "rollout.sglang.colocated_sync=tensor")
     assert ENGINES["sglang"].weight_group(old) is None
+
+
+def _slots(*nodes: str) -> list[GpuSlot]:
+    """The trainer's GPU slots, node-major, one per entry of `nodes` (the node of that GPU)."""
+    return [GpuSlot(bundle=i, node_ip=node, gpu_id=str(i)) for i, node in enumerate(nodes)]
+
+
+def test_a_colocated_ipc_sync_to_an_engine_on_another_node_is_refused_naming_the_switch(tmp_path):
+    """Issue 33.1: ipc, now the default, hands CUDA IPC handles, which open on their own node only. Two nodes of 2 GPUs,
+    2 engines of 2 GPUs: engine 1 sits on the second node, so the job is refused once the GPUs are reserved, naming the
+    engine, its node and `rollout.sglang.colocated_sync=tensor`; with tensor, with one node, or disaggregated it is
+    not. (Left to the train actor, the sender's own check failed every sync and each engine was relaunched.)"""
+    job = ("rollout.backend=sglang", "rollout.num_engines=2", "rollout.gpus_per_engine=2", "ray.placement=colocate")
+    cfg = tiny_job(tmp_path, "x", *job)
+    two_nodes = _slots("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2")
+    with pytest.raises(ValueError, match=r"engines \[1\] run on \['10.0.0.2'\], another node than trainer rank 0 "
+                       r"\(10.0.0.1\).*set rollout.sglang.colocated_sync=tensor"):  # fmt: skip
+        check_colocated_group(cfg, ENGINES["sglang"].weight_group(cfg), two_nodes)
+    check_colocated_group(cfg, ENGINES["sglang"].weight_group(cfg), _slots(*["10.0.0.1"] * 4))
+    check_colocated_group(cfg, ENGINES["sglang"].weight_group(cfg), None)  # no GPUs: a CPU job, one process tree
+    tensor = tiny_job(tmp_path, "x", *job, "rollout.sglang.colocated_sync=tensor")
+    check_colocated_group(tensor, ENGINES["sglang"].weight_group(tensor), two_nodes)
+    apart = tiny_job(tmp_path, "x", *job, "ray.placement=disaggregate")
+    check_colocated_group(apart, ENGINES["sglang"].weight_group(apart), two_nodes)
+
+
+def test_the_driver_refuses_it_before_any_actor_starts(tmp_path, monkeypatch):
+    """The check runs in `Job` right after the GPUs are reserved: no train actor is made, and the GPUs are freed."""
+    from miles_vl.orchestration import loop
+
+    released = []
+    placement = GpuPlacement(group=None, slots=_slots("10.0.0.1", "10.0.0.2"))
+    monkeypatch.setattr(placement, "release", lambda: released.append(True))
+    monkeypatch.setattr(loop, "reserve_gpus", lambda n: placement)
+    monkeypatch.setattr(loop, "Trainer", lambda *a, **k: pytest.fail("a train actor was started"))
+    job = ("rollout.backend=sglang", "rollout.num_engines=2", "rollout.gpus_per_engine=1", "ray.placement=colocate")
+    megatron = ("train.backend=megatron", "train.num_gpus=2", "model.init=pretrained", f"model.path={tmp_path}")
+    cfg = tiny_job(tmp_path, "x", *job, *megatron)
+    with pytest.raises(ValueError, match=r"engines \[1\] run on .*colocated_sync=tensor"):
+        loop.Job(cfg, tmp_path, tmp_path / "ckpt", None, None, None, None, None)
+    assert released == [True]

@@ -7,11 +7,13 @@ import threading
 
 import yaml
 
+from miles_vl.config import redacted
 from miles_vl.data import load_processor, processor_metadata
 from miles_vl.orchestration import loop
 from miles_vl.orchestration.loop import choose_run_dir, write_run_files
 from tests.orchestration.jobs import REPO, FrozenClock, tiny_job
 
+OLD_DEFAULTS = ("rollout.sglang.colocated_sync=tensor", "train.vision_dp_when_cp=false")  # before 2026-11-26
 VIDEO_KEYS = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
 
 
@@ -63,3 +65,17 @@ def test_fresh_starts_in_the_same_second_never_share_a_directory(tmp_path, monke
     stamp = "geo3k_tiny_cpu-20261126-120000"
     assert sorted(p.name for p in claimed) == sorted([stamp] + [f"{stamp}-{i}" for i in range(2, n + 1)])
     assert sorted(tmp_path.iterdir()) == sorted(claimed)  # each one exists: claimed, not just named
+
+
+def test_a_checkpoint_of_the_old_sync_and_vision_defaults_resumes_without_accept_changes(tmp_path):
+    """Issues 33.1 and 32.5 changed two defaults (`rollout.sglang.colocated_sync` tensor -> ipc,
+    `train.vision_dp_when_cp` false -> true). A checkpoint records the resolved config, so every run saved before has
+    the old values, and the same command now resolves the new ones: the resume's config check must not refuse it (both
+    keys are in RESUME_MAY_CHANGE: a transport, and a split of the vision work that changes only a reduction's order).
+    A key that does change a step is still listed."""
+    recorded = {"config": redacted(tiny_job(tmp_path, "old", *OLD_DEFAULTS))}  # as driver.json holds it
+    now = tiny_job(tmp_path, "old")
+    assert (now.rollout.sglang.colocated_sync, now.train.vision_dp_when_cp) == ("ipc", True)
+    assert loop.unaccepted_changes(now, recorded) == []
+    hotter = tiny_job(tmp_path, "old", "rollout.temperature=0.5")
+    assert [key for key, _, _ in loop.unaccepted_changes(hotter, recorded)] == ["rollout.temperature"]

@@ -46,8 +46,11 @@ def test_vision_dp_needs_a_release_with_it():
         "context_parallel_size": (1, 2),
         "calculate_per_token_loss": (False, True),
     }
-    with pytest.raises(ValueError, match="vision_dp_when_cp needs megatron-bridge >= 0.6"):
+    with pytest.raises(ValueError, match=r"vision_dp_when_cp \(on by default\) needs megatron-bridge >= 0.6 under CP; "
+                       "set train.vision_dp_when_cp=false"):  # fmt: skip
         configure_provider(Old(), cp_size=2, vision_dp_when_cp=True)
+    # Issue 32.5: on by default, but megatron-bridge reads it only under CP: a CP=1 job is not refused on 0.5.x
+    assert configure_provider(Old(), cp_size=1, vision_dp_when_cp=True) == {}
 
 
 def job_real_provider(ctx):
