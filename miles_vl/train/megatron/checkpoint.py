@@ -75,15 +75,20 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    directory = Path(directory)
+    state, metadata = _state_to_save(Path(directory), model, optimizer, trainer_state, dp_cp_group)
+    dist_checkpointing.save(state, str(directory), content_metadata=_content(metadata))
+    dist.barrier()
+
+
+def _state_to_save(directory: Path, model: list, optimizer, trainer_state: dict[str, Any], dp_cp_group) -> tuple:
+    """(sharded state, content metadata) of a save into `directory`, which rank 0 has made (collective)."""
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     metadata = _metadata(dp_cp_group)
     state = _sharded_state(model, optimizer, metadata, is_loading=False)
     state[_STATE_KEY] = dict(trainer_state)
-    dist_checkpointing.save(state, str(directory), content_metadata=_content(metadata))
-    dist.barrier()
+    return state, metadata
 
 
 def start_save(
@@ -102,12 +107,7 @@ def start_save(
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     directory = Path(directory)
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    metadata = _metadata(dp_cp_group)
-    state = _sharded_state(model, optimizer, metadata, is_loading=False)
-    state[_STATE_KEY] = dict(trainer_state)
+    state, metadata = _state_to_save(directory, model, optimizer, trainer_state, dp_cp_group)
     request = dist_checkpointing.save(
         state, str(directory), content_metadata=_content(metadata), async_sharded_save=True, async_strategy="mcore"
     )

@@ -809,9 +809,10 @@ def job_async_save(ctx, samples, root: str) -> dict:
 
 
 def job_async_save_fails(ctx, samples, root: str) -> dict:
-    """TP=2 (each rank writes its own shards): a background save whose write fails in megatron-core's writer process on rank 1 only (a directory
-    stands where its shard file goes: `IsADirectoryError`): `done()`'s answers until it says the write ended (it
-    never raises), `wait()`'s error and what `out_of_space` says of it, the files left; then a save that works."""
+    """TP=2 (each rank writes its own shards): a background save whose write fails in megatron-core's writer process
+    on rank 1 only (a directory stands where its shard file goes: `IsADirectoryError`): `done()`'s answers until it
+    says the write ended (it never raises), `wait()`'s error and what `out_of_space` says of it, the files left; then
+    a save that works."""
     import os
     from pathlib import Path
 
