@@ -36,7 +36,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from miles_vl.rollout.sglang.generate import (  # noqa: E402
     build_generate_payload,
     parse_generate_response,
 )
+from miles_vl.rollout.sglang.server import free_port  # noqa: E402
 from miles_vl.sglang_plugin.settings import PluginSettings  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 192 * 32 * 32, 256 * 32 * 32  # a 256x256 image becomes 448x448: 196 vision tokens
@@ -189,12 +189,6 @@ class Prompt:
     video_grid_thw: torch.Tensor | None = None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_prompts(processor, n: int, seed: int) -> list[Prompt]:
     encoder = PromptEncoder(processor, instruction="Let's think step by step and output the final answer in \\boxed{}.")
     out = []
@@ -295,7 +289,7 @@ def bench_sglang(
         env = env | {"MILES_VL_SGLANG_TIMING": timing}
     spec = ServerSpec(
         model_path=ckpt,
-        port=free_port(),
+        port=free_port("127.0.0.1"),
         mem_fraction_static=args.mem_fraction,
         random_seed=args.seed,
         image_min_pixels=MIN_PIXELS,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from PIL import Image
 
 from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang import SGLangClient
+from miles_vl.rollout.sglang.server import free_port as server_free_port
 from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, FakeSGLang
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
@@ -60,9 +60,8 @@ def make_video_prompt(text: list[int], frames: int = 2, *, seed: int = 0) -> Pro
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port (the host's own `free_port`, for tests that start servers or groups themselves)."""
+    return server_free_port("127.0.0.1")
 
 
 def fake_argv(argv: list[str]) -> list[str]:
