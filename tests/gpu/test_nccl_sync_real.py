@@ -306,6 +306,17 @@ def sync_run(tmp_path_factory) -> dict:
         "server_start_s": round(started_s, 1),
         "sync": {"tensors": report.tensors, "bytes": report.bytes, "buckets": report.buckets, "s": report.seconds},
         "weight_version": version,
+        **agreement_figures(run),
+    }
+    print("GPU-NCCL-SYNC " + json.dumps(figures))
+    return run
+
+
+def agreement_figures(run: dict) -> dict:
+    """The logprob comparisons a sync test prints (its `before`/`after` server logprobs against transformers' forward
+    of the original and the perturbed weights), as the three contract tests below assert them."""
+    before, after = run["before"], run["after"]
+    return {
         "tokens_compared": [len(x) for x in after],
         "before_vs_hf_original": mean_abs(before, run["hf_original"]),
         "after_vs_hf_perturbed": mean_abs(after, run["hf_perturbed"]),
@@ -313,8 +324,6 @@ def sync_run(tmp_path_factory) -> dict:
         "control_before_vs_hf_perturbed": mean_abs(before, run["hf_perturbed"]),
         "bound": BOUND,
     }
-    print("GPU-NCCL-SYNC " + json.dumps(figures))
-    return run
 
 
 def test_sync_sends_every_tensor_in_buckets(sync_run):
@@ -325,6 +334,8 @@ def test_sync_sends_every_tensor_in_buckets(sync_run):
     assert sync_run["version"] == "perturbed", sync_run["version"]  # the label the sync set
 
 
+# the contract tests, shared with tests/gpu/test_ipc_sync_real.py (which imports them: pytest runs them there on its own
+# `sync_run`)
 def test_method_agrees_before_the_sync(sync_run):
     """The scoring itself: the server's original weights against transformers' forward of the same checkpoint."""
     diffs = mean_abs(sync_run["before"], sync_run["hf_original"])
