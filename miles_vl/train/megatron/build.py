@@ -27,6 +27,7 @@ import torch.distributed as dist
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.train.megatron.backend import MegatronTrainBackend
+from miles_vl.train.megatron.checkpoint import require_offload_support
 from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions
 from miles_vl.train.types import OptimizerOptions, TrainOptions
 
@@ -227,6 +228,8 @@ def build_megatron_backend(
         check_for_nan_in_grad=False,  # a non-finite step is skipped and counted by the backend
     )
     model = provider.provide_distributed_model(ddp_config=ddp_config, bf16=bf16, fp16=False)
+    if options.optimizer.cpu_offload > 0:
+        require_offload_support()  # what a resume of it calls, checked before the first step
     optimizer = get_megatron_optimizer(optimizer_config(options.optimizer, bf16=bf16), model)
     config = get_model_config(model[0])
     config.finalize_model_grads_func = finalize_model_grads  # DP x CP reduction, then the 1/num_tokens scaling

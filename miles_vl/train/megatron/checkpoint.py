@@ -194,6 +194,28 @@ def load_checkpoint(directory: Path, model: list, optimizer, *, dp_cp_group=None
     return dict(loaded.get(_STATE_KEY, {}))
 
 
+_HDO_SYNC = "_sync_hdo_state_to_sub_optimizers"  # private to megatron-core; checked by require_offload_support
+
+
+def require_offload_support() -> None:
+    """Raise unless the installed megatron-core has what `sync_offloaded_optimizer` calls: checked when an offloaded
+    optimizer is built (train.optimizer.cpu_offload > 0), not first at a resume.
+
+    Raises:
+        RuntimeError: naming the installed megatron-core, the missing method and the fix.
+    """
+    import importlib.metadata
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    if not callable(getattr(HybridDeviceOptimizer, _HDO_SYNC, None)):
+        raise RuntimeError(
+            f"train.optimizer.cpu_offload needs megatron-core's HybridDeviceOptimizer.{_HDO_SYNC} (megatron-core "
+            f"0.19.2) to resume an offloaded optimizer, and megatron-core {importlib.metadata.version('megatron-core')}"
+            " has none: install megatron-core 0.19.2 (scripts/setup_megatron.sh) or set train.optimizer.cpu_offload=0"
+        )
+
+
 def sync_offloaded_optimizer(optimizer) -> int:
     """Hand a loaded optimizer state to the sub-optimizers of every HybridDeviceOptimizer (train.optimizer.cpu_offload);
     returns how many there were.
@@ -210,7 +232,7 @@ def sync_offloaded_optimizer(optimizer) -> int:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if isinstance(inner, HybridDeviceOptimizer):
-            inner._sync_hdo_state_to_sub_optimizers()
+            getattr(inner, _HDO_SYNC)()
             synced += 1
     return synced  # the common (non-sharded) part comes back with the shards
 

@@ -106,3 +106,23 @@ def test_a_load_hands_the_state_to_every_offloaded_optimizer(tmp_path, monkeypat
     assert checkpoint.load_checkpoint(tmp_path, [], chain) == {"optimizer_steps": 3}
     assert events == [("loaded", {"param_state": 1}), "synced"]
     assert checkpoint.sync_offloaded_optimizer(SimpleNamespace(optimizer=plain)) == 0 and len(events) == 2
+
+
+def test_a_megatron_core_without_the_sync_it_needs_is_refused_by_name(monkeypatch):
+    """`build_megatron_backend` checks, before it builds an offloaded optimizer, that megatron-core has the private
+    method a resume of it calls (`require_offload_support`): the installed 0.19.2 passes; a release without it is one
+    error naming the release, the method and both fixes, not an AttributeError at the first resume."""
+    import importlib.metadata
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from miles_vl.train.megatron.checkpoint import require_offload_support
+
+    require_offload_support()
+    monkeypatch.delattr(HybridDeviceOptimizer, "_sync_hdo_state_to_sub_optimizers")
+    with pytest.raises(RuntimeError) as refused:
+        require_offload_support()
+    message = str(refused.value)
+    assert f"megatron-core {importlib.metadata.version('megatron-core')} has none" in message
+    assert "_sync_hdo_state_to_sub_optimizers" in message
+    assert "install megatron-core 0.19.2" in message and "train.optimizer.cpu_offload=0" in message
