@@ -268,7 +268,7 @@ def test_run_sglang_checks_shards_split_the_real_server_tests_into_contiguous_pa
     )  # fmt: skip
     everything = [line for line in collected.stdout.splitlines() if "::" in line]
     assert len(everything) > 10, collected.stdout[-2000:]
-    ran = []
+    ran, pid_files = [], set()
     for k in (1, 2):
         out = tmp_path / f"out{k}"
         result = subprocess.run(
@@ -281,9 +281,11 @@ def test_run_sglang_checks_shards_split_the_real_server_tests_into_contiguous_pa
         log = (out / "driver.log").read_text()
         assert result.returncode == 0, result.stdout + log[-3000:]
         assert f"shard {k}/2: tests" in log
+        pid_files |= set(re.findall(r"servers' pid file: (\S+)", log))
         ran.append(re.findall(r"^(tests/\S+::\S+) SKIPPED", log, flags=re.M))
     assert ran[0] and ran[1] and not set(ran[0]) & set(ran[1])
     assert ran[0] + ran[1] == everything
+    assert len(pid_files) == 2  # shards run at once on two GPUs: each stops only its own leftover servers
 
 
 def test_run_sglang_checks_refuses_a_malformed_shard():

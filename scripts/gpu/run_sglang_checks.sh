@@ -55,8 +55,9 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
 fail() { say "FAILED at stage '$1': $2 (log: $log)"; cleanup_servers; exit 1; }
 
 # The SGLang servers run in their own sessions (so that stopping one stops its workers); a stage killed by its
-# timeout may leave one behind, holding the GPU. The tests and the benchmark write each server's pid here.
-export MILES_VL_SGLANG_PIDFILE=/tmp/miles_vl_sglang_pids${variant:+_$variant}
+# timeout may leave one behind, holding the GPU. The tests and the benchmark write each server's pid here: one file
+# per variant and shard, so that the shards running at once on two GPUs stop only their own servers.
+export MILES_VL_SGLANG_PIDFILE=/tmp/miles_vl_sglang_pids${variant:+_$variant}${shard:+_shard${shard%/*}of${shard#*/}}
 cleanup_servers() {
   [ -f "$MILES_VL_SGLANG_PIDFILE" ] || return 0
   while read -r pid; do
@@ -80,6 +81,7 @@ pack_outputs() {
 trap pack_outputs EXIT
 
 cleanup_servers
+say "servers' pid file: $MILES_VL_SGLANG_PIDFILE"
 site=${STACK_ACTIVE_SITE:-${STACK_SITE:-/tmp/stack_site}}  # the variant's site folder under a variant
 
 # -- stage: imports and prebuilt kernels --------------------------------------------------------------------------
