@@ -223,9 +223,12 @@ def _note_pid(host: SGLangRolloutHost) -> None:
 
 
 @pytest.fixture(scope="module")
-def record() -> dict:
-    """Results shared between the tests of this module (they run in file order)."""
-    return {}
+def checkpoint_greedy(host, prompts) -> tuple[list[int], torch.Tensor]:
+    """The greedy answer to the first prompt on the checkpoint's weights, taken when a test first asks for it, before
+    that test changes any weight: test_generate_uses_our_prompt_ids asks first in the whole file; in a shard of it
+    (`run_sglang_checks.sh --shard`) the first test of the shard that needs it (a test that changed the weights of
+    this module's server restores them before it ends)."""
+    return _greedy(host, prompts[0])
 
 
 GREEDY = SamplingParams(n=1, max_new_tokens=12, temperature=0.0, seed=0)
@@ -257,7 +260,7 @@ def test_the_plugins_marker_names_the_release_its_adapter_and_every_patch(host):
         assert marker["mm_feature_transport"] == info["mm_feature_transport"] == "cpu"
 
 
-def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
+def test_generate_uses_our_prompt_ids(host, prompts, tokens, checkpoint_greedy):
     ids = prompts[0].prompt_ids.tolist()
     payload = build_generate_payload(
         request_input_ids(ids, tokens.image_token_id, 1),  # one pad per image: SGLang expands it again
@@ -285,7 +288,6 @@ def test_generate_uses_our_prompt_ids(host, prompts, tokens, record):
             assert bool((gen.logprobs <= 0).all()) and bool(torch.isfinite(gen.logprobs).all())
             assert gen.finish_reason in ("stop", "length")
             assert not set(gen.response_ids.tolist()) & set(host.engine.banned_token_ids)
-    record["greedy"] = _greedy(host, prompts[0])
 
 
 def test_a_prompts_n_samples_in_one_request(host, prompts, tokens):
@@ -668,7 +670,7 @@ def _scored(model, tokens, prompts, groups, banned_token_ids) -> tuple[torch.Ten
     return torch.cat(backend.compute_logprobs(samples)).cpu(), torch.cat([s.rollout_logprobs for s in samples])
 
 
-def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
+def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt):
     """Both request forms on one server (pixel values, the default; PNG images, which SGLang processes again)."""
     from miles_vl.models.qwen3_vl.model import build_model
 
@@ -696,7 +698,6 @@ def test_train_rollout_logprobs_agree(host, prompts, tokens, ckpt, record):
         # The distribution is far from uniform (mean logprob above -log V), so agreement is informative.
         assert float(rollout.mean()) > -math.log(tokens.vocab_size) + 0.5
         assert float(diff.mean()) < 0.1, results[form]
-    record["consistency"] = results["pixel values"]
     del model
     torch.cuda.empty_cache()
 
@@ -742,7 +743,7 @@ def test_video_prompts_go_as_pixel_values(host, tokens, ckpt):
     assert float(diff.mean()) < 0.1, result
 
 
-def test_weight_update_changes_logprobs_as_expected(host, prompts, tokens, ckpt_weights, record):
+def test_weight_update_changes_logprobs_as_expected(host, prompts, tokens, ckpt_weights, checkpoint_greedy):
     lm_head = ckpt_weights["lm_head.weight"]
     report = host.load_weights([("lm_head.weight", torch.zeros_like(lm_head))], weight_version="zero-lm-head")
     assert report.tensors == 1
@@ -759,12 +760,12 @@ def test_weight_update_changes_logprobs_as_expected(host, prompts, tokens, ckpt_
     # The engine's check (verify.py): lm_head was sent with new values, and the server's hash of it changed.
     assert restored.verified == ("lm_head.weight",)
     ids, lps = _greedy(host, prompts[0])
-    before_ids, before_lps = record["greedy"]
+    before_ids, before_lps = checkpoint_greedy
     assert ids == before_ids
     assert torch.allclose(lps, before_lps, atol=1e-3)
 
 
-def test_flush_release_and_resume_memory(host, prompts, ckpt_weights, record):
+def test_flush_release_and_resume_memory(host, prompts, ckpt_weights, checkpoint_greedy):
     host.client.flush_cache(timeout_s=60)
     free_before = torch.cuda.mem_get_info()[0]
     host.release_memory()
@@ -785,10 +786,10 @@ def test_flush_release_and_resume_memory(host, prompts, ckpt_weights, record):
         host.generate(prompts[:1], GREEDY)
     report = host.load_weights(ckpt_weights.items(), weight_version="after-resume")
     assert report.tensors == len(ckpt_weights)
-    assert _greedy(host, prompts[0])[0] == record["greedy"][0]
+    assert _greedy(host, prompts[0])[0] == checkpoint_greedy[0]
 
 
-def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
+def test_killed_server_is_restarted(host, prompts, ckpt_weights, checkpoint_greedy):
     os.killpg(host.server.pid, signal.SIGKILL)  # the server's own process group (scheduler, detokenizer too)
     deadline = time.monotonic() + 30
     while host.server.is_alive():
@@ -799,7 +800,7 @@ def test_killed_server_is_restarted(host, prompts, ckpt_weights, record):
     _note_pid(host)
     assert host.restarts == 1 and host.health()
     host.load_weights(ckpt_weights.items(), weight_version="after-restart")
-    assert _greedy(host, prompts[0])[0] == record["greedy"][0]
+    assert _greedy(host, prompts[0])[0] == checkpoint_greedy[0]
 
 
 def _process_group(pgid: int) -> list[int]:
@@ -859,7 +860,7 @@ def test_a_server_refuses_calls_without_its_key(host):
     assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
 
 
-def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt, record):
+def test_the_trainers_weight_names_land_and_others_are_skipped(host, tokens, ckpt):
     from miles_vl.models.qwen3_vl.model import build_model
     from miles_vl.rollout.sglang import checkpoint_names
     from miles_vl.rollout.sglang.verify import PROBE_MAX_NUMEL, parse_checksums, server_name
