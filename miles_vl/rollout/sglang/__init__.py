@@ -4,7 +4,7 @@
 - `client`: `SGLangClient`, one server's HTTP API with timeouts and bounded retries.
 - `generate`: the `/generate` request and response, and the check that SGLang used our prompt ids.
 - `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
-- `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API.
+- `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API, sent as `EngineOptions` say.
 - `host`: `SGLangRolloutHost`, the `RolloutEngine`: launch + restart + engine in one object; Ray runs one per engine;
   it checks that a server meant to run miles_vl's SGLang plugin (miles_vl/sglang_plugin/) reports it.
 - `weights`: SGLang's weight-sync wire: the `/update_weights_from_tensor` payload (colocated) and trainer rank 0's
@@ -22,7 +22,7 @@ from miles_vl.rollout.sglang.client import (
     SGLangServerDiedError,
     SGLangUnavailableError,
 )
-from miles_vl.rollout.sglang.engine import EngineStateError, SGLangRolloutEngine, WeightVersionError
+from miles_vl.rollout.sglang.engine import EngineOptions, EngineStateError, SGLangRolloutEngine, WeightVersionError
 from miles_vl.rollout.sglang.generate import PromptMismatchError
 from miles_vl.rollout.sglang.host import SGLangPluginMissingError, SGLangPortTakenError, SGLangRolloutHost
 from miles_vl.rollout.sglang.server import (
@@ -38,6 +38,7 @@ from miles_vl.rollout.sglang.verify import WeightSyncError, checkpoint_names
 
 __all__ = [
     "SGLANG_LAUNCH_MODULE",
+    "EngineOptions",
     "EngineStateError",
     "PromptMismatchError",
     "SGLangClient",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 from PIL import Image
 
 from miles_vl.models import SpecialTokens
-from miles_vl.rollout.sglang import SGLangClient
+from miles_vl.rollout.sglang import EngineOptions, SGLangClient, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import free_port as server_free_port
 from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, FakeSGLang
 
@@ -76,6 +77,13 @@ def quick_client(url: str, **kwargs) -> SGLangClient:
     kwargs.setdefault("max_retries", 2)
     kwargs.setdefault("backoff_s", 0.01)
     return SGLangClient(url, **kwargs)
+
+
+def make_engine(client: SGLangClient, **kwargs) -> SGLangRolloutEngine:
+    """An engine on `client` with TOKENS; `kwargs` are `EngineOptions` fields and the engine's own keywords, by name."""
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    options = EngineOptions(**{k: v for k, v in kwargs.items() if k in fields})
+    return SGLangRolloutEngine(client, TOKENS, options, **{k: v for k, v in kwargs.items() if k not in fields})
 
 
 @pytest.fixture
