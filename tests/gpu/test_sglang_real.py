@@ -58,6 +58,7 @@ from miles_vl.rollout import SamplingParams
 from miles_vl.rollout.sglang import (
     EngineOptions,
     EngineStateError,
+    RequestPolicy,
     ServerSpec,
     SGLangRequestError,
     SGLangRolloutHost,
@@ -192,8 +193,7 @@ def _start_host(
         tokens,
         EngineOptions(prompts_per_request=PLUGIN_PROMPTS_PER_REQUEST if plugin else 1),
         startup_timeout_s=float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "300")),
-        request_timeout_s=120.0,
-        max_retries=1,
+        requests=RequestPolicy(timeout_s=120.0, max_retries=1),
         max_restarts=1,
         log_path=Path(out) / f"{log_name}.log" if out else None,
         env=SERVER_ENV,

@@ -1,7 +1,7 @@
 """The production rollout engine: SGLang 0.5.16 servers driven over HTTP (see docs/sglang.md).
 
 - `server`: the launch command (`build_server_argv`, pure), its environment, process supervision, health wait.
-- `client`: `SGLangClient`, one server's HTTP API with timeouts and bounded retries.
+- `client`: `SGLangClient`, one server's HTTP API with timeouts and bounded retries (`RequestPolicy`).
 - `generate`: the `/generate` request and response, and the check that SGLang used our prompt ids.
 - `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
 - `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API, sent as `EngineOptions` say.
@@ -15,6 +15,7 @@ miles_vl/rollout/weight_sync.py; orchestration/factories.py's engine table gives
 """
 
 from miles_vl.rollout.sglang.client import (
+    RequestPolicy,
     SGLangClient,
     SGLangError,
     SGLangRequestError,
@@ -41,6 +42,7 @@ __all__ = [
     "EngineOptions",
     "EngineStateError",
     "PromptMismatchError",
+    "RequestPolicy",
     "SGLangClient",
     "SGLangError",
     "SGLangPluginMissingError",

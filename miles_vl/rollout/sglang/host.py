@@ -46,6 +46,7 @@ from torch import Tensor
 from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang.client import (
+    RequestPolicy,
     SGLangClient,
     SGLangError,
     SGLangRequestError,
@@ -103,9 +104,8 @@ class SGLangRolloutHost(RolloutEngine):
             colocated sync sends are checked against the checkpoint at `spec.model_path` whenever it is a local
             directory.
         startup_timeout_s: how long a (re)start may take to become healthy (rollout.sglang.startup_timeout_s).
-        request_timeout_s: per-attempt timeout of every call (rollout.sglang.request_timeout_s).
-        max_retries: retries of a failed call (rollout.sglang.max_retries).
-        retry_backoff_s: first backoff between retries.
+        requests: how every call to the server times out and retries (`RequestPolicy`, given to its client); None:
+            its defaults.
         max_restarts: relaunches of a dead server over the host's life before giving up.
         log_path: the server's log file (its directory is created); None: a file in the host's private directory.
         python: the interpreter that runs the server.
@@ -128,9 +128,7 @@ class SGLangRolloutHost(RolloutEngine):
         options: EngineOptions | None = None,
         *,
         startup_timeout_s: float = 600.0,
-        request_timeout_s: float = 600.0,
-        max_retries: int = 3,
-        retry_backoff_s: float = 0.5,
+        requests: RequestPolicy | None = None,
         max_restarts: int = 2,
         log_path: str | Path | None = None,
         python: str = sys.executable,
@@ -189,9 +187,7 @@ class SGLangRolloutHost(RolloutEngine):
             self.client = SGLangClient(
                 spec.url,
                 api_key=spec.api_key,
-                timeout_s=request_timeout_s,
-                max_retries=max_retries,
-                backoff_s=retry_backoff_s,
+                policy=RequestPolicy() if requests is None else requests,
                 liveness=self.server.death_reason,
             )
             self.engine = SGLangRolloutEngine(

@@ -103,7 +103,7 @@ import torch
 from torch import Tensor
 
 from miles_vl.gpu_env import CUMEM_ENV
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient, SGLangError
 from miles_vl.rollout.sglang.verify import SyncVerifier, checkpoint_names
 from miles_vl.rollout.weight_sync import (
     ABORT_GRACE_S,
@@ -420,7 +420,9 @@ def open_colocated_sender(
         torch.multiprocessing.set_sharing_strategy("file_system")
     return ColocatedWeightSender(
         [
-            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            EngineEndpoint(
+                SGLangClient(e.url, api_key=e.api_key, policy=RequestPolicy(timeout_s=request_timeout_s)), e.tp_size
+            )
             for e in engines
         ],
         known_names=checkpoint_names(model_path) if model_path else None,
@@ -812,7 +814,9 @@ def open_trainer_group(
         port = s.getsockname()[1]
     sender = DistributedWeightSender(
         [
-            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            EngineEndpoint(
+                SGLangClient(e.url, api_key=e.api_key, policy=RequestPolicy(timeout_s=request_timeout_s)), e.tp_size
+            )
             for e in engines
         ],
         master_address="127.0.0.1" if all(e.node_ip == here for e in engines) else here,
