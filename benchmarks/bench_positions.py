@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_vl.packing import pack_thd, packed_position_ids, zigzag_index
+from miles_vl.packing import MediaTokens, pack_thd, packed_position_ids, zigzag_index
 
 IMAGE, VIDEO, VSTART, VEND, PAD = 151655, 151656, 151652, 151653, 151643
 TOKENS = dict(spatial_merge_size=2, image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART)
@@ -58,8 +58,9 @@ def geo3k_like(n: int, seed: int) -> list[Sample]:
 
 
 def ours(input_ids, cu, grids, prompt_lens, cp_size):
+    media = MediaTokens(TOKENS["spatial_merge_size"], TOKENS["image_token_id"], TOKENS["video_token_id"])
     positions, vision = packed_position_ids(
-        input_ids, cu, grids, None, media_ends=prompt_lens, return_media_mask=True, **_no_start(TOKENS)
+        input_ids, cu, grids, None, media, media_ends=prompt_lens, return_media_mask=True
     )
     natural = torch.cumsum(vision.long(), 0) - 1
     per_rank = []
@@ -67,10 +68,6 @@ def ours(input_ids, cu, grids, prompt_lens, cp_size):
         idx = zigzag_index(cu, cp_size, r)
         per_rank.append((positions[:, idx], natural[idx][vision[idx]]))
     return per_rank
-
-
-def _no_start(tokens):
-    return {k: v for k, v in tokens.items() if k != "vision_start_token_id"}
 
 
 @functools.cache

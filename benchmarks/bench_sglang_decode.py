@@ -58,7 +58,7 @@ from miles_vl.models import SpecialTokens  # noqa: E402
 from miles_vl.models.qwen3_vl.model import build_model  # noqa: E402
 from miles_vl.models.qwen3_vl.tokens import special_tokens  # noqa: E402
 from miles_vl.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
-from miles_vl.rollout.sglang import SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost  # noqa: E402
+from miles_vl.rollout.sglang import SGLANG_LAUNCH_MODULE, RequestPolicy, ServerSpec, SGLangRolloutHost  # noqa: E402
 from miles_vl.rollout.sglang.generate import (  # noqa: E402
     PromptMedia,
     batch_payload,
@@ -313,8 +313,7 @@ def bench_sglang(
         spec,
         tokens,
         startup_timeout_s=args.startup_timeout,
-        request_timeout_s=300.0,
-        max_retries=0,
+        requests=RequestPolicy(timeout_s=300.0, max_retries=0),
         max_restarts=0,
         log_path=Path(log_dir) / f"sglang_bench_{log_name or variant}.log" if log_dir else None,
         env=SERVER_ENV | env,

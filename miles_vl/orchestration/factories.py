@@ -33,7 +33,13 @@ from miles_vl.orchestration.placement import GpuSlot, engine_slots
 from miles_vl.reward import REWARD_CONFIG_KEYS, RewardResolutionError, WeightedReward, check_reward, resolve_reward
 from miles_vl.reward.types import reward_name
 from miles_vl.rollout import HFRolloutEngine
-from miles_vl.rollout.sglang import SGLANG_LAUNCH_MODULE, ServerSpec, SGLangRolloutHost
+from miles_vl.rollout.sglang import (
+    SGLANG_LAUNCH_MODULE,
+    EngineOptions,
+    RequestPolicy,
+    ServerSpec,
+    SGLangRolloutHost,
+)
 from miles_vl.rollout.sglang.host import deterministic_inference
 from miles_vl.rollout.sglang.weights import open_colocated_sender, open_trainer_group
 from miles_vl.rollout.weight_sync import GroupSync, WeightSyncOptions
@@ -200,15 +206,16 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
         .remote(
             server_spec(cfg, slot.index),
             tokens,
-            ban_vision_tokens=cfg.rollout.ban_vision_tokens,
+            EngineOptions(
+                ban_vision_tokens=cfg.rollout.ban_vision_tokens,
+                one_request_per_prompt=s.one_request_per_prompt,
+                prompts_per_request=s.prompts_per_request,
+            ),
             startup_timeout_s=s.startup_timeout_s,
-            request_timeout_s=s.request_timeout_s,
-            max_retries=s.max_retries,
+            requests=RequestPolicy(timeout_s=s.request_timeout_s, max_retries=s.max_retries),
             max_restarts=cfg.rollout.max_restarts,
             log_path=str(slot.log_dir / f"sglang_{slot.index}.log"),
             launch_module=launch_module,
-            one_request_per_prompt=s.one_request_per_prompt,
-            prompts_per_request=s.prompts_per_request,
             send_pixel_values=s.send_pixel_values,
             env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
             cpu_tensors_by_name=True,

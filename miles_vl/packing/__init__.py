@@ -8,13 +8,14 @@ Public API (DESIGN §4; outside checks call these names):
     pack_thd(samples, *, cp_size, tp_size, pad_token_id, ...) -> PackedBatch;  PackedBatch.shard(r) -> LocalShard
 """
 
-from miles_vl.models.qwen3_vl.rope import get_rope_index, packed_position_ids
+from miles_vl.models.qwen3_vl.rope import MediaTokens, get_rope_index, packed_position_ids
 from miles_vl.packing.plan import plan_micro_batches
 from miles_vl.packing.thd import LocalShard, PackedBatch, cat_present, pack_thd, padded_length
 from miles_vl.packing.zigzag import detect_layout, unzigzag, zigzag_index
 
 __all__ = [
     "LocalShard",
+    "MediaTokens",
     "PackedBatch",
     "cat_present",
     "detect_layout",

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import LongTensor, Tensor
 
-from miles_vl.models.qwen3_vl.rope import packed_position_ids
+from miles_vl.models.qwen3_vl.rope import MediaTokens, packed_position_ids
 from miles_vl.packing.zigzag import segment_lengths, unzigzag, zigzag_index
 
 
@@ -35,10 +35,8 @@ def model_side_position_ids(
     cu_seqlens: Tensor,
     image_grid_thw: LongTensor | None,
     video_grid_thw: LongTensor | None,
+    media: MediaTokens,
     *,
-    spatial_merge_size: int,
-    image_token_id: int,
-    video_token_id: int,
     media_ends: list[int] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LongTensor:
@@ -48,22 +46,14 @@ def model_side_position_ids(
         local_input_ids: LongTensor[T/C], this rank's zigzag shard.
         cu_seqlens: [n_seg + 1] of the full row.
         image_grid_thw, video_grid_thw: the grids of the whole micro-batch, in row order.
+        media: the media token ids and the spatial merge.
         media_ends: per segment, where its prompt ends (media tokens after it are text); None: no limit.
         group: the CP process group.
     """
     cp_size = dist.get_world_size(group)
     cp_rank = dist.get_rank(group)
     full_ids = gather_full_row(local_input_ids, cu_seqlens, group)
-    positions = packed_position_ids(
-        full_ids,
-        cu_seqlens,
-        image_grid_thw,
-        video_grid_thw,
-        spatial_merge_size=spatial_merge_size,
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
-        media_ends=media_ends,
-    )
+    positions = packed_position_ids(full_ids, cu_seqlens, image_grid_thw, video_grid_thw, media, media_ends=media_ends)
     return positions[:, zigzag_index(cu_seqlens, cp_size, cp_rank).to(positions.device)]
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import BoolTensor, LongTensor, Tensor
 
-from miles_vl.models.qwen3_vl.rope import packed_position_ids
+from miles_vl.models.qwen3_vl.rope import MediaTokens, packed_position_ids
 from miles_vl.packing.zigzag import zigzag_index
 
 
@@ -211,9 +211,7 @@ def pack_thd(
         cu,
         image_grid_thw,
         video_grid_thw,
-        spatial_merge_size=spatial_merge_size,
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
+        MediaTokens(spatial_merge_size, image_token_id, video_token_id),
         media_ends=media_ends,
         grid_rows_per_segment=(n_images, n_videos),
         return_media_mask=True,

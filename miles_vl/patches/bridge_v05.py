@@ -64,7 +64,7 @@ from types import ModuleType
 
 import torch
 
-from miles_vl.packing import detect_layout
+from miles_vl.packing import MediaTokens, detect_layout
 from miles_vl.packing.distributed import count_based_vision_index, gather_full_row, model_side_position_ids
 from miles_vl.patches.bridge_v06 import rebind_reorganize_inputs
 from miles_vl.patches.core import Patch, PatchTargetMissing, require, wrap_forward
@@ -133,9 +133,7 @@ def _prepare(model, args: dict) -> _PreShardedCall | None:
             cu,
             args.get("image_grid_thw"),
             args.get("video_grid_thw"),
-            spatial_merge_size=model.config.spatial_merge_size,
-            image_token_id=model.image_token_id,
-            video_token_id=model.video_token_id,
+            MediaTokens(model.config.spatial_merge_size, model.image_token_id, model.video_token_id),
             group=cp_group,
         ).unsqueeze(1)
     elif position_ids.dim() == 2 and position_ids.shape == (3, local_len):

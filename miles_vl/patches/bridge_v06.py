@@ -38,6 +38,7 @@ from types import ModuleType
 
 import torch
 
+from miles_vl.packing import MediaTokens
 from miles_vl.packing.distributed import gather_full_row, model_side_position_ids
 from miles_vl.patches.core import Patch, require, wrap_forward
 
@@ -65,9 +66,7 @@ def _apply(module: ModuleType) -> None:
                 cu_seqlens,
                 kwargs.get("image_grid_thw"),
                 kwargs.get("video_grid_thw"),
-                spatial_merge_size=merge,
-                image_token_id=self.image_token_id,
-                video_token_id=self.video_token_id,
+                MediaTokens(merge, self.image_token_id, self.video_token_id),
                 group=cp_group,
             )
             position_ids = local.unsqueeze(1)  # [3, 1, T/C]

@@ -40,6 +40,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -48,7 +49,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -445,18 +446,25 @@ def score_batch(
         return pool.score(samples)
 
 
-async def score_batch_async(
-    fn: RewardFn,
-    samples: Sequence[RewardSample],
-    timeout_s: float,
-    *,
-    num_workers: int = 2,
-    async_concurrency: int = 32,
-) -> tuple[list[RewardResult], RewardStats]:
-    """`score_batch` from inside a running event loop (the pool runs in a thread; the loop stays free)."""
-    return await asyncio.to_thread(
-        score_batch, fn, samples, timeout_s, num_workers=num_workers, async_concurrency=async_concurrency
-    )
+def _in_a_thread[**P, R](fn: Callable[P, R], name: str, doc: str) -> Callable[P, Coroutine[Any, Any, R]]:
+    """`fn` as an `async def` named `name` that runs it in a thread (`asyncio.to_thread`), so the caller's event loop
+    stays free; it takes `fn`'s parameters (`functools.wraps`: `inspect.signature` shows them, type checkers see them
+    through `P`)."""
+
+    @functools.wraps(fn)
+    async def in_a_thread(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    in_a_thread.__name__ = in_a_thread.__qualname__ = name
+    in_a_thread.__doc__ = doc
+    return in_a_thread
+
+
+score_batch_async = _in_a_thread(
+    score_batch,
+    "score_batch_async",
+    "`score_batch` from inside a running event loop (the pool runs in a thread; the loop stays free).",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

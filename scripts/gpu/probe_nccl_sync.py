@@ -76,7 +76,7 @@ def child(url: str, variant: str, group_timeout_s: float, ckpt: str) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from miles_vl.rollout.sglang.client import SGLangClient
+    from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient
     from miles_vl.rollout.sglang.weights import DistributedWeightSender, EngineEndpoint
 
     out: dict = {
@@ -94,7 +94,7 @@ def child(url: str, variant: str, group_timeout_s: float, ckpt: str) -> None:
     torch.cuda.set_device(0)
     weights = load_file(str(Path(ckpt) / "model.safetensors"))
     names = sorted(weights)
-    client = SGLangClient(url, timeout_s=max(60.0, group_timeout_s * 3), max_retries=0)
+    client = SGLangClient(url, policy=RequestPolicy(timeout_s=max(60.0, group_timeout_s * 3), max_retries=0))
 
     def checksum():  # /weights_checker; the NCCL result stands without it
         try:
@@ -180,7 +180,7 @@ def run_variant(url: str, variant: str, gpu0: str, ckpt: str, server_log: Path, 
 
 def start_server(ckpt: str, gpu1: str, extra_env: dict, log_path: Path):
     from miles_vl.rollout import sglang as sg
-    from miles_vl.rollout.sglang.client import SGLangClient
+    from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient
 
     spec = sg.ServerSpec(
         model_path=ckpt,
@@ -195,7 +195,7 @@ def start_server(ckpt: str, gpu1: str, extra_env: dict, log_path: Path):
         env.pop("NCCL_CUMEM_ENABLE", None)  # as in production today: SGLang sets 0 for itself
     server = sg.ServerProcess(sg.build_server_argv(spec, module=sg.SGLANG_LAUNCH_MODULE), env=env, log_path=log_path)
     server.start()
-    client = SGLangClient(spec.url, timeout_s=60, max_retries=0)
+    client = SGLangClient(spec.url, policy=RequestPolicy(timeout_s=60, max_retries=0))
     waited = sg.wait_until_healthy(client, server, timeout_s=240, poll_s=0.5)
     return server, client, spec.url, waited
 

@@ -71,7 +71,7 @@ def sync_run(tmp_path_factory) -> dict:
     from miles_vl.data import load_processor
     from miles_vl.models.qwen3_vl.tokens import special_tokens
     from miles_vl.rollout import sglang as sg
-    from miles_vl.rollout.sglang.client import SGLangClient
+    from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient
     from miles_vl.rollout.sglang.weights import EngineAddress, open_colocated_sender
 
     writer = _writer()
@@ -89,7 +89,7 @@ def sync_run(tmp_path_factory) -> dict:
     log_path = server.log_path
     server.start()
     record_pid(server)
-    client = SGLangClient(spec.url, timeout_s=120, max_retries=0, liveness=server.death_reason)
+    client = SGLangClient(spec.url, policy=RequestPolicy(timeout_s=120, max_retries=0), liveness=server.death_reason)
     torch.cuda.set_device(0)
     on_gpu = {n: t.to("cuda:0") for n, t in new.items()}
     try:

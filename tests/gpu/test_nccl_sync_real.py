@@ -242,7 +242,7 @@ def sync_run(tmp_path_factory) -> dict:
     from miles_vl.data import load_processor
     from miles_vl.models.qwen3_vl.tokens import special_tokens
     from miles_vl.rollout import sglang as sg
-    from miles_vl.rollout.sglang.client import SGLangClient
+    from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient
     from miles_vl.rollout.sglang.weights import EngineAddress, open_trainer_group
 
     writer = _writer()
@@ -263,7 +263,7 @@ def sync_run(tmp_path_factory) -> dict:
     os.environ["NCCL_CUMEM_ENABLE"] = env["NCCL_CUMEM_ENABLE"]  # as the job's runtime env gives the train actor
     server.start()
     record_pid(server)
-    client = SGLangClient(spec.url, timeout_s=120, max_retries=0, liveness=server.death_reason)
+    client = SGLangClient(spec.url, policy=RequestPolicy(timeout_s=120, max_retries=0), liveness=server.death_reason)
     try:
         startup = float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "240"))
         started_s = sg.wait_until_healthy(client, server, timeout_s=startup, poll_s=0.5)

@@ -56,7 +56,9 @@ import torch
 from miles_vl.config.schema import PLUGIN_PROMPTS_PER_REQUEST
 from miles_vl.rollout import SamplingParams
 from miles_vl.rollout.sglang import (
+    EngineOptions,
     EngineStateError,
+    RequestPolicy,
     ServerSpec,
     SGLangRequestError,
     SGLangRolloutHost,
@@ -189,14 +191,13 @@ def _start_host(
     host = SGLangRolloutHost(
         spec,
         tokens,
+        EngineOptions(prompts_per_request=PLUGIN_PROMPTS_PER_REQUEST if plugin else 1),
         startup_timeout_s=float(os.environ.get("MILES_VL_SGLANG_STARTUP_S", "300")),
-        request_timeout_s=120.0,
-        max_retries=1,
+        requests=RequestPolicy(timeout_s=120.0, max_retries=1),
         max_restarts=1,
         log_path=Path(out) / f"{log_name}.log" if out else None,
         env=SERVER_ENV,
         health_poll_s=0.5,
-        prompts_per_request=PLUGIN_PROMPTS_PER_REQUEST if plugin else 1,
         send_pixel_values=plugin,
     )
     _note_pid(host)

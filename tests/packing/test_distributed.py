@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, find, settings
 from hypothesis import strategies as st
 
-from miles_vl.packing import pack_thd
+from miles_vl.packing import MediaTokens, pack_thd
 from miles_vl.packing.distributed import count_based_vision_index, gather_full_row, model_side_position_ids
 from tests.dist import run_gloo
 from tests.packing.samples import IMAGE, PAD, TOKENS, VIDEO, samples
@@ -39,9 +39,7 @@ def _worker(rank, world_size, batch):
         packed.cu_seqlens,
         packed.image_grid_thw,
         packed.video_grid_thw,
-        spatial_merge_size=TOKENS["spatial_merge_size"],
-        image_token_id=TOKENS["image_token_id"],
-        video_token_id=TOKENS["video_token_id"],
+        MediaTokens(TOKENS["spatial_merge_size"], TOKENS["image_token_id"], TOKENS["video_token_id"]),
         media_ends=media_ends,
     )
     return {

@@ -18,10 +18,22 @@ tokens or segments, only a few host reads of per-run aggregates for validation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import BoolTensor, LongTensor, Tensor
 
 IMAGE, VIDEO = 1, 2
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """How a row's media tokens map onto its grid rows: which ids are media, and the vision tower's spatial merge `m`
+    (a grid row `(t, h, w)` stands for `t * (h/m) * (w/m)` tokens)."""
+
+    spatial_merge_size: int  # 2 for Qwen3-VL
+    image_token_id: int  # `<|image_pad|>`
+    video_token_id: int  # `<|video_pad|>`
 
 
 def get_rope_index(
@@ -61,16 +73,8 @@ def get_rope_index(
         )
     cu_seqlens = torch.tensor([0, length], dtype=torch.int32, device=input_ids.device)
     ends = None if media_end is None else [media_end]
-    return packed_position_ids(
-        input_ids,
-        cu_seqlens,
-        image_grid_thw,
-        video_grid_thw,
-        spatial_merge_size=spatial_merge_size,
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
-        media_ends=ends,
-    )
+    media = MediaTokens(spatial_merge_size, image_token_id, video_token_id)
+    return packed_position_ids(input_ids, cu_seqlens, image_grid_thw, video_grid_thw, media, media_ends=ends)
 
 
 def packed_position_ids(
@@ -78,10 +82,8 @@ def packed_position_ids(
     cu_seqlens: Tensor,
     image_grid_thw: LongTensor | None,
     video_grid_thw: LongTensor | None,
+    media: MediaTokens,
     *,
-    spatial_merge_size: int,
-    image_token_id: int,
-    video_token_id: int,
     media_ends: list[int] | Tensor | None = None,
     grid_rows_per_segment: tuple[list[int], list[int]] | None = None,
     return_media_mask: bool = False,
@@ -94,6 +96,7 @@ def packed_position_ids(
         cu_seqlens: [n_seg + 1] segment boundaries of the row (`cu_seqlens[-1] == T`).
         image_grid_thw: LongTensor[n_images, 3], all segments' image grids in row order, or None.
         video_grid_thw: LongTensor[n_videos, 3], all segments' video grids in row order (unsplit), or None.
+        media: the media token ids and the spatial merge.
         media_ends: per segment, the segment-relative index from which media tokens are text; None = no limit.
         grid_rows_per_segment: optional (images, videos) grid-row counts per segment (after video expansion is
             NOT applied: count original video rows). When given, each segment's runs are checked against its own
@@ -117,7 +120,7 @@ def packed_position_ids(
     n_seg = seg_lens.numel()
     pos_in_seg = torch.arange(total, device=device) - torch.repeat_interleave(cu[:-1], seg_lens, output_size=total)
 
-    is_image, is_video = input_ids == image_token_id, input_ids == video_token_id
+    is_image, is_video = input_ids == media.image_token_id, input_ids == media.video_token_id
     if media_ends is not None:
         ends = torch.as_tensor(media_ends, dtype=torch.long, device=device)
         if ends.numel() != n_seg:
@@ -136,7 +139,7 @@ def packed_position_ids(
     if grid_rows_per_segment is not None:
         run_segment = torch.searchsorted(cu, run_start_idx, right=True) - 1
         _check_rows_per_segment(run_modality, run_segment, grid_rows_per_segment, video_grid_thw, n_seg, segment_label)
-    grid = _grids_for_runs(run_modality, image_grid_thw, video_grid_thw, spatial_merge_size, device)  # [R, 3] merged
+    grid = _grids_for_runs(run_modality, image_grid_thw, video_grid_thw, media.spatial_merge_size, device)  # [R, 3]
 
     positions = torch.empty(3, total, dtype=torch.long, device=device)
     if not n_runs:

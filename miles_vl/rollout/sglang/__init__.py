@@ -1,10 +1,10 @@
 """The production rollout engine: SGLang 0.5.16 servers driven over HTTP (see docs/sglang.md).
 
 - `server`: the launch command (`build_server_argv`, pure), its environment, process supervision, health wait.
-- `client`: `SGLangClient`, one server's HTTP API with timeouts and bounded retries.
+- `client`: `SGLangClient`, one server's HTTP API with timeouts and bounded retries (`RequestPolicy`).
 - `generate`: the `/generate` request and response, and the check that SGLang used our prompt ids.
 - `verify`: did a colocated sync land (names SGLang loads, server-side hashes of a few tensors).
-- `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API.
+- `engine`: `SGLangRolloutEngine`, generation and weights over one server's HTTP API, sent as `EngineOptions` say.
 - `host`: `SGLangRolloutHost`, the `RolloutEngine`: launch + restart + engine in one object; Ray runs one per engine;
   it checks that a server meant to run miles_vl's SGLang plugin (miles_vl/sglang_plugin/) reports it.
 - `weights`: SGLang's weight-sync wire: the `/update_weights_from_tensor` payload (colocated) and trainer rank 0's
@@ -15,6 +15,7 @@ miles_vl/rollout/weight_sync.py; orchestration/factories.py's engine table gives
 """
 
 from miles_vl.rollout.sglang.client import (
+    RequestPolicy,
     SGLangClient,
     SGLangError,
     SGLangRequestError,
@@ -22,7 +23,7 @@ from miles_vl.rollout.sglang.client import (
     SGLangServerDiedError,
     SGLangUnavailableError,
 )
-from miles_vl.rollout.sglang.engine import EngineStateError, SGLangRolloutEngine, WeightVersionError
+from miles_vl.rollout.sglang.engine import EngineOptions, EngineStateError, SGLangRolloutEngine, WeightVersionError
 from miles_vl.rollout.sglang.generate import PromptMismatchError
 from miles_vl.rollout.sglang.host import SGLangPluginMissingError, SGLangPortTakenError, SGLangRolloutHost
 from miles_vl.rollout.sglang.server import (
@@ -38,8 +39,10 @@ from miles_vl.rollout.sglang.verify import WeightSyncError, checkpoint_names
 
 __all__ = [
     "SGLANG_LAUNCH_MODULE",
+    "EngineOptions",
     "EngineStateError",
     "PromptMismatchError",
+    "RequestPolicy",
     "SGLangClient",
     "SGLangError",
     "SGLangPluginMissingError",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -71,16 +72,40 @@ class SGLangResponseError(SGLangError):
     """The server answered 200 with a body that does not follow the SGLang 0.5.16 schema we rely on."""
 
 
+@dataclass(frozen=True)
+class RequestPolicy:
+    """How an `SGLangClient` times out and retries its calls (the retry rule of this module).
+
+    Attributes:
+        timeout_s: per-attempt timeout of every call (read, write and pool); connecting gets at most 10 s
+            (rollout.sglang.request_timeout_s).
+        max_retries: extra attempts for retryable failures (0: try once; rollout.sglang.max_retries).
+        backoff_s: sleep before the first retry; doubled per retry, capped at `max_backoff_s`.
+        max_backoff_s: cap of the backoff.
+
+    Raises:
+        ValueError: `timeout_s` <= 0 or `max_retries` < 0.
+    """
+
+    timeout_s: float = 600.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, found {self.timeout_s} (rollout.sglang.request_timeout_s)")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, found {self.max_retries} (rollout.sglang.max_retries)")
+
+
 class SGLangClient:
     """Calls one SGLang server. Thread-safe: the engine shares one client across its request threads.
 
     Args:
         base_url: e.g. `http://127.0.0.1:30000` (no trailing slash needed).
         api_key: sent as `Authorization: Bearer <api_key>` when set (the server's `--api-key`).
-        timeout_s: per-attempt timeout of every call (read, write and pool); connecting gets at most 10 s.
-        max_retries: extra attempts for retryable failures (0: try once).
-        backoff_s: sleep before the first retry; doubled per retry, capped at `max_backoff_s`.
-        max_backoff_s: cap of the backoff.
+        policy: timeouts and retries (`RequestPolicy`).
         liveness: returns None while the server process lives, else why it died; checked before each attempt
             and after each failure, so a dead server fails fast with `SGLangServerDiedError`.
     """
@@ -90,27 +115,17 @@ class SGLangClient:
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 8.0,
+        policy: RequestPolicy = RequestPolicy(),
         liveness: Callable[[], str | None] | None = None,
     ):
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, found {timeout_s} (rollout.sglang.request_timeout_s)")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, found {max_retries} (rollout.sglang.max_retries)")
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.policy = policy
         self.liveness = liveness
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            timeout=httpx.Timeout(policy.timeout_s, connect=min(10.0, policy.timeout_s)),
             # The engine runs up to `max_concurrency` requests at once; keep that many connections.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # never route loopback traffic through an HTTP(S)_PROXY from the environment
@@ -147,7 +162,7 @@ class SGLangClient:
             SGLangRequestError: a non-retryable 4xx.
             SGLangUnavailableError: every attempt failed with a retryable error.
         """
-        attempts = 1 + (self.max_retries if retry else 0)
+        attempts = 1 + (self.policy.max_retries if retry else 0)
         timeout = None if timeout_s is None else httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
         last = ""
         for attempt in range(attempts):
@@ -173,7 +188,7 @@ class SGLangClient:
                 last = f"HTTP {response.status_code}: {detail}"
             self._check_alive(path)
             if attempt + 1 < attempts:
-                delay = min(self.backoff_s * 2**attempt, self.max_backoff_s)
+                delay = min(self.policy.backoff_s * 2**attempt, self.policy.max_backoff_s)
                 log.warning(
                     "SGLang %s %s failed (%s); retry %d/%d in %.2fs",
                     method,
@@ -279,7 +294,7 @@ class SGLangClient:
         """
         try:
             self.request(
-                "POST", "/flush_cache", params={"timeout": timeout_s}, timeout_s=max(self.timeout_s, timeout_s)
+                "POST", "/flush_cache", params={"timeout": timeout_s}, timeout_s=max(self.policy.timeout_s, timeout_s)
             )
         except SGLangRequestError as e:
             if e.status_code != 400:

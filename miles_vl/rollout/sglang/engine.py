@@ -101,72 +101,93 @@ class _SyncInProgress:
     bytes: int = 0
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an `SGLangRolloutEngine` sends requests and weights, whatever server it talks to: the settings its host
+    (`SGLangRolloutHost(..., options=...)`) hands over unchanged. What the engine must know of its server (TP size,
+    memory saver, pixel directory, ...) is given to the engine itself.
+
+    Attributes:
+        ban_vision_tokens: give `<|image_pad|>` and friends a -1e9 logit bias (as the hf engine does).
+        max_concurrency: requests in flight at once; with `prompts_per_request` > 1, prompts (one request carries
+            up to that many: a prompt's pixels wait in the server's memory until its samples are sent).
+        weight_bucket_bytes: bound of one `/update_weights_from_tensor` bucket.
+        weight_device: where `load_weights` moves tensors before sharing them with the server ("cuda" needs this
+            process to see the engine's GPU); "auto": "cuda" when available, else the tensors stay where they are.
+        flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
+        max_abort_retries: times a request that SGLang aborted is sent again.
+        verify_weights: after every colocated sync, check with `/weights_checker` that a few small tensors sent with
+            new values changed on the server (verify.py).
+        one_request_per_prompt: send a prompt's `n` samples as one request (module docstring); None: yes unless the
+            server is deterministic (where it is refused: the samples would be identical).
+        prompts_per_request: with `one_request_per_prompt`, how many prompts (each with its `n` samples) one request
+            carries; more than 1 only for a server with miles_vl's SGLang plugin (module docstring).
+
+    Raises:
+        ValueError: `max_concurrency` or `prompts_per_request` below 1.
+    """
+
+    ban_vision_tokens: bool = True
+    max_concurrency: int = 128
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    weight_device: str | None = "auto"
+    flush_timeout_s: float = 60.0
+    max_abort_retries: int = 2
+    verify_weights: bool = True
+    one_request_per_prompt: bool | None = None
+    prompts_per_request: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, found {self.max_concurrency}")
+        if self.prompts_per_request < 1:
+            raise ValueError(f"prompts_per_request must be >= 1, found {self.prompts_per_request}")
+
+
 class SGLangRolloutEngine:
     """`RolloutEngine` backed by one SGLang server.
 
     Args:
         client: the server's client (timeouts and retries live there).
         tokens: special token ids; EOS ids become `stop_token_ids`, vision ids are banned when asked.
-        ban_vision_tokens: give `<|image_pad|>` and friends a -1e9 logit bias (as the hf engine does).
+        options: how requests and weights are sent (`EngineOptions`).
         tp_size: the server's TP size (one weight payload per rank).
-        max_concurrency: requests in flight at once; with `prompts_per_request` > 1, prompts (one request carries
-            up to that many: a prompt's pixels wait in the server's memory until its samples are sent).
-        weight_bucket_bytes: bound of one `/update_weights_from_tensor` bucket.
-        weight_device: where `load_weights` moves tensors before sharing them with the server ("cuda" needs this
-            process to see the engine's GPU); "auto": "cuda" when available, else the tensors stay where they are.
         weight_version: the version the server starts with (`ServerSpec.weight_version`); None: unchecked until the
             first sync.
         memory_saver: the server runs with `--enable-memory-saver` (colocated); required by `release_memory`.
         weights_cpu_backup: the server runs with `--enable-weights-cpu-backup` (weights survive release/resume).
-        flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
-        max_abort_retries: times a request that SGLang aborted is sent again.
         known_names: the tensor names of the checkpoint the server loaded (`verify.checkpoint_names(model_path)`):
             a colocated sync refuses any other name, which SGLang would skip silently; None: names are not checked.
-        verify_weights: after every colocated sync, check with `/weights_checker` that a few small tensors sent with
-            new values changed on the server (verify.py).
         deterministic: the server runs with `--enable-deterministic-inference` (or `--rl-on-policy-target`, which turns
             it on): only then does it sample with each request's `sampling_seed`. Without it the engine warns once
             that sampled responses are not reproducible by `SamplingParams.seed`.
-        one_request_per_prompt: send a prompt's `n` samples as one request (module docstring); None: yes unless
-            `deterministic` (where it is refused: the samples would be identical).
-        prompts_per_request: with `one_request_per_prompt`, how many prompts (each with its `n` samples) one request
-            carries; more than 1 only for a server with miles_vl's SGLang plugin (module docstring).
         pixel_dir: the server's pixel directory (`MILES_VL_SGLANG_PIXEL_DIR` of a server with miles_vl's SGLang
             plugin): prompts go as their own ids and pixel values; None: as one pad per image and PNG images.
         pixel_dtype: the dtype pixel values are written in: the server model's dtype (the model casts them to it),
             or float32.
         spatial_merge_size: the vision tower's merge (vision_config.spatial_merge_size): checks ids against grids.
+
+    Raises:
+        ValueError: `options.one_request_per_prompt` on a deterministic server.
     """
 
     def __init__(
         self,
         client: SGLangClient,
         tokens: SpecialTokens,
+        options: EngineOptions = EngineOptions(),
         *,
-        ban_vision_tokens: bool = True,
         tp_size: int = 1,
-        max_concurrency: int = 128,
-        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        weight_device: str | None = "auto",
         weight_version: str | None = None,
         memory_saver: bool = False,
         weights_cpu_backup: bool = False,
-        flush_timeout_s: float = 60.0,
-        max_abort_retries: int = 2,
         known_names: frozenset[str] | None = None,
-        verify_weights: bool = True,
         deterministic: bool = False,
-        one_request_per_prompt: bool | None = None,
-        prompts_per_request: int = 1,
         pixel_dir: str | None = None,
         pixel_dtype: torch.dtype = torch.float32,
         spatial_merge_size: int = 2,
     ):
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, found {max_concurrency}")
-        if prompts_per_request < 1:
-            raise ValueError(f"prompts_per_request must be >= 1, found {prompts_per_request}")
-        if one_request_per_prompt and deterministic:
+        if options.one_request_per_prompt and deterministic:
             raise ValueError(
                 "one_request_per_prompt with a deterministic server (--enable-deterministic-inference): SGLang gives "
                 "every sample of a request the same sampling_seed, so the n samples of a prompt would be identical; "
@@ -174,25 +195,21 @@ class SGLangRolloutEngine:
             )
         self.client = client
         self.tokens = tokens
+        self.options = options
         self.stop_token_ids = tuple(int(t) for t in tokens.eos_token_ids)
-        self.banned_token_ids = vision_token_ids(tokens) if ban_vision_tokens else ()
+        self.banned_token_ids = vision_token_ids(tokens) if options.ban_vision_tokens else ()
         self.tp_size = tp_size
-        self.max_concurrency = max_concurrency
-        self.weight_bucket_bytes = weight_bucket_bytes
-        if weight_device == "auto":
-            weight_device = "cuda" if torch.cuda.is_available() else None
-        self.weight_device = weight_device
+        auto = "cuda" if torch.cuda.is_available() else None
+        self.weight_device = auto if options.weight_device == "auto" else options.weight_device
         self.memory_saver = memory_saver
         self.weights_cpu_backup = weights_cpu_backup
-        self.flush_timeout_s = flush_timeout_s
-        self.max_abort_retries = max_abort_retries
         self.deterministic = deterministic
-        self.one_request_per_prompt = not deterministic if one_request_per_prompt is None else one_request_per_prompt
-        self.prompts_per_request = prompts_per_request
+        grouped = options.one_request_per_prompt
+        self.one_request_per_prompt = not deterministic if grouped is None else grouped
         self.pixel_dir = pixel_dir
         self.pixel_dtype = pixel_dtype
         self.spatial_merge_size = spatial_merge_size
-        self.verifier = SyncVerifier(client, known_names, check_values=verify_weights)
+        self.verifier = SyncVerifier(client, known_names, check_values=options.verify_weights)
         self._warned_seed = False
         self.initial_weight_version = weight_version
         self.weight_version = weight_version  # what every response must report
@@ -231,12 +248,12 @@ class SGLangRolloutEngine:
             self._check_prompt(prompt, i)
         # a job: (prompt indices, sample index); None: all `n` samples of those prompts in one request
         if self.one_request_per_prompt and params.n > 1:
-            step = self.prompts_per_request
+            step = self.options.prompts_per_request
             jobs = [(range(s, min(s + step, len(prompts))), None) for s in range(0, len(prompts), step)]
-            in_flight = max(1, self.max_concurrency // step)  # about max_concurrency prompts at once, as with step 1
+            in_flight = max(1, self.options.max_concurrency // step)  # about max_concurrency prompts at once, as step 1
         else:
             jobs = [(range(i, i + 1), j) for i in range(len(prompts)) for j in range(params.n)]
-            in_flight = self.max_concurrency
+            in_flight = self.options.max_concurrency
         results: dict[int, list[Generation]] = {i: [] for i in range(len(prompts))}
         with ThreadPoolExecutor(max_workers=min(in_flight, len(jobs)), thread_name_prefix="sglang-gen") as pool:
 
@@ -290,7 +307,7 @@ class SGLangRolloutEngine:
         if len(indices) == 1:
             return [build(indices[0])]
         with ThreadPoolExecutor(
-            max_workers=min(self.max_concurrency, len(indices)), thread_name_prefix="media"
+            max_workers=min(self.options.max_concurrency, len(indices)), thread_name_prefix="media"
         ) as pool:
             futures = [pool.submit(build, i) for i in indices]
         built, errors = [], []
@@ -340,12 +357,12 @@ class SGLangRolloutEngine:
     ) -> Generation:
         ids = [int(t) for t in prompt_ids.tolist()]
         payload = self._payload(media, params, sampling_seed(params.seed, i, j, params.n))
-        for attempt in range(self.max_abort_retries + 1):
+        for attempt in range(self.options.max_abort_retries + 1):
             body = self.client.generate(payload)
             try:
                 return self._parse(body, ids, params, i)
             except GenerationAbortedError as e:
-                if attempt == self.max_abort_retries:
+                if attempt == self.options.max_abort_retries:
                     raise SGLangError(f"{e} ({attempt + 1} attempts); see the server log for why it aborts") from e
                 log.warning("%s; sending it again", e)
         raise AssertionError("unreachable")
@@ -411,7 +428,7 @@ class SGLangRolloutEngine:
             A `SyncReport`.
         """
         self.begin_weight_sync()
-        for bucket in iter_buckets(named_tensors, self.weight_bucket_bytes):
+        for bucket in iter_buckets(named_tensors, self.options.weight_bucket_bytes):
             self.load_weight_bucket(bucket)
         return self.finish_weight_sync(weight_version)
 
@@ -459,7 +476,7 @@ class SGLangRolloutEngine:
             raise EngineStateError("finish_weight_sync() without any bucket: there were no tensors to sync")
         version = weight_version or f"miles_vl-{self.syncs + 1}"
         try:
-            finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.flush_timeout_s)
+            finish_tensor_sync(self.client, weight_version=version, flush_timeout_s=self.options.flush_timeout_s)
         except SGLangRequestError as e:
             if e.path != "/flush_cache":
                 raise
@@ -532,7 +549,7 @@ class SGLangRolloutEngine:
         # timeout first waits out any request still running (e.g. one a timed-out client attempt left behind), and
         # its refusal means the server is not idle.
         try:
-            self.client.flush_cache(timeout_s=self.flush_timeout_s)
+            self.client.flush_cache(timeout_s=self.options.flush_timeout_s)
         except SGLangRequestError as e:
             raise EngineStateError(
                 f"release_memory() refused: {e}. Releasing a busy server would kill it (0.5.16 asserts an idle "

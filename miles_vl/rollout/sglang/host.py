@@ -46,13 +46,14 @@ from torch import Tensor
 from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.models import SpecialTokens
 from miles_vl.rollout.sglang.client import (
+    RequestPolicy,
     SGLangClient,
     SGLangError,
     SGLangRequestError,
     SGLangServerDiedError,
     SGLangUnavailableError,
 )
-from miles_vl.rollout.sglang.engine import SGLangPrompt, SGLangRolloutEngine
+from miles_vl.rollout.sglang.engine import EngineOptions, SGLangPrompt, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import (
     LOOPBACK_HOSTS,
     SGLANG_LAUNCH_MODULE,
@@ -72,7 +73,7 @@ from miles_vl.rollout.sglang.server import (
 from miles_vl.rollout.sglang.verify import checkpoint_names
 from miles_vl.rollout.sglang.weights import EngineAddress
 from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
-from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport
+from miles_vl.rollout.weight_sync import SyncReport
 from miles_vl.sglang_plugin.marker import marker_problem
 from miles_vl.sglang_plugin.wire import PIXEL_DIR_ENV
 
@@ -98,26 +99,20 @@ class SGLangRolloutHost(RolloutEngine):
         spec: what to launch; without an `api_key`, the server gets a random one, without a `port` a free one of this
             node (module docstring).
         tokens: special token ids (EOS ids stop generation; vision ids are banned when asked).
-        ban_vision_tokens: see `SGLangRolloutEngine`.
+        options: how the engine sends requests and weights (`EngineOptions`, handed to `SGLangRolloutEngine`; None:
+            its defaults); `prompts_per_request` above 1 without the plugin is slower (a warning). The names a
+            colocated sync sends are checked against the checkpoint at `spec.model_path` whenever it is a local
+            directory.
         startup_timeout_s: how long a (re)start may take to become healthy (rollout.sglang.startup_timeout_s).
-        request_timeout_s: per-attempt timeout of every call (rollout.sglang.request_timeout_s).
-        max_retries: retries of a failed call (rollout.sglang.max_retries).
-        retry_backoff_s: first backoff between retries.
+        requests: how every call to the server times out and retries (`RequestPolicy`, given to its client); None:
+            its defaults.
         max_restarts: relaunches of a dead server over the host's life before giving up.
         log_path: the server's log file (its directory is created); None: a file in the host's private directory.
-        max_concurrency: requests in flight at once.
-        weight_bucket_bytes: bound of one weight bucket.
         python: the interpreter that runs the server.
         launch_module: the module run with `python -m`: `sglang.launch_server` (with miles_vl's plugin where
             `spec.plugin` opts in), or a stand-in that takes SGLang's flags (tests).
         env: extra environment variables for the server process.
         health_poll_s: pause between health polls while starting.
-        verify_weights: check after every colocated sync that the weights landed (see `SGLangRolloutEngine`); the
-            names sent are checked against the checkpoint at `spec.model_path` whenever it is a local directory.
-        one_request_per_prompt: send a prompt's n samples as one request (`SGLangRolloutEngine`); None: unless the
-            server's flags make it deterministic.
-        prompts_per_request: prompts (each with its n samples) in one request (`SGLangRolloutEngine`;
-            rollout.sglang.prompts_per_request resolves it); more than 1 without the plugin is slower (a warning).
         send_pixel_values: send prompts as their ids and pixel values through a private directory the server reads
             (`SGLangRolloutEngine.pixel_dir`; needs `spec.plugin`, or a stand-in that reads them). False: PNG images,
             which SGLang processes again.
@@ -130,27 +125,21 @@ class SGLangRolloutHost(RolloutEngine):
         self,
         spec: ServerSpec,
         tokens: SpecialTokens,
+        options: EngineOptions | None = None,
         *,
-        ban_vision_tokens: bool = True,
         startup_timeout_s: float = 600.0,
-        request_timeout_s: float = 600.0,
-        max_retries: int = 3,
-        retry_backoff_s: float = 0.5,
+        requests: RequestPolicy | None = None,
         max_restarts: int = 2,
         log_path: str | Path | None = None,
-        max_concurrency: int = 128,
-        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         python: str = sys.executable,
         launch_module: str = SGLANG_LAUNCH_MODULE,
         env: Mapping[str, str] | None = None,
         health_poll_s: float = 1.0,
-        verify_weights: bool = True,
-        one_request_per_prompt: bool | None = None,
-        prompts_per_request: int = 1,
         send_pixel_values: bool = False,
         cpu_tensors_by_name: bool = False,
         name: str = "the rollout engine",
     ):
+        options = EngineOptions() if options is None else options
         if cpu_tensors_by_name and not torch.cuda.is_available():
             torch.multiprocessing.set_sharing_strategy("file_system")
         if log_path is not None:
@@ -171,12 +160,12 @@ class SGLangRolloutHost(RolloutEngine):
                 "None (rollout.sglang.launcher: sglang); set rollout.sglang.send_pixel_values=false or launcher: "
                 "miles_vl"
             )
-        if prompts_per_request > 1 and spec.plugin is None:
+        if options.prompts_per_request > 1 and spec.plugin is None:
             log.warning(
                 "prompts_per_request=%d without miles_vl's SGLang plugin: SGLang prefills the prompts of a batch one "
                 "after another and sends every sample alone; the plugin (rollout.sglang.launcher: miles_vl) sends them "
                 "together",
-                prompts_per_request,
+                options.prompts_per_request,
             )
         self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
         self.pixel_dir: Path | None = None
@@ -198,26 +187,19 @@ class SGLangRolloutHost(RolloutEngine):
             self.client = SGLangClient(
                 spec.url,
                 api_key=spec.api_key,
-                timeout_s=request_timeout_s,
-                max_retries=max_retries,
-                backoff_s=retry_backoff_s,
+                policy=RequestPolicy() if requests is None else requests,
                 liveness=self.server.death_reason,
             )
             self.engine = SGLangRolloutEngine(
                 self.client,
                 tokens,
-                ban_vision_tokens=ban_vision_tokens,
+                options,
                 tp_size=spec.tp_size,
-                max_concurrency=max_concurrency,
-                weight_bucket_bytes=weight_bucket_bytes,
                 weight_version=spec.weight_version,
                 memory_saver=spec.colocated,
                 weights_cpu_backup=spec.weights_cpu_backup,
-                deterministic=deterministic_inference(spec.extra_args),
                 known_names=checkpoint_names(spec.model_path),
-                verify_weights=verify_weights,
-                one_request_per_prompt=one_request_per_prompt,
-                prompts_per_request=prompts_per_request,
+                deterministic=deterministic_inference(spec.extra_args),
                 pixel_dir=None if self.pixel_dir is None else str(self.pixel_dir),
                 pixel_dtype=pixel_wire_dtype(spec),
                 spatial_merge_size=spatial_merge_size(spec.model_path),

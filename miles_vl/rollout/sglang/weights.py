@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import io
 import logging
@@ -103,7 +104,7 @@ import torch
 from torch import Tensor
 
 from miles_vl.gpu_env import CUMEM_ENV
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangError
+from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient, SGLangError
 from miles_vl.rollout.sglang.verify import SyncVerifier, checkpoint_names
 from miles_vl.rollout.weight_sync import (
     ABORT_GRACE_S,
@@ -131,6 +132,7 @@ __all__ = [
     "DistributedWeightSender",
     "EngineAddress",
     "EngineEndpoint",
+    "GroupRendezvous",
     "check_cumem_agrees",
     "finish_tensor_sync",
     "group_layout",
@@ -420,7 +422,9 @@ def open_colocated_sender(
         torch.multiprocessing.set_sharing_strategy("file_system")
     return ColocatedWeightSender(
         [
-            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            EngineEndpoint(
+                SGLangClient(e.url, api_key=e.api_key, policy=RequestPolicy(timeout_s=request_timeout_s)), e.tp_size
+            )
             for e in engines
         ],
         known_names=checkpoint_names(model_path) if model_path else None,
@@ -456,13 +460,27 @@ def group_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
-def init_trainer_group(
-    *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float
-):
+@dataclass(frozen=True)
+class GroupRendezvous:
+    """Where and how the weight-update group forms: what both ends are told, the engines in the body of
+    `/init_weights_update_group` (each with its own `rank_offset`), the trainer by `init_trainer_group`."""
+
+    master_address: str  # rank 0's (the trainer's) address, reachable from the engines
+    master_port: int
+    world_size: int  # the trainer and every engine's TP ranks (`group_layout`)
+    group_name: str
+    backend: str  # "nccl" or "gloo"
+
+
+def init_trainer_group(rendezvous: GroupRendezvous, *, timeout_s: float):
     """Join the weight-update group as rank 0, the way SGLang 0.5.16's `init_custom_process_group` builds it.
 
     Uses torch's private `_new_process_group_helper` (what SGLang uses on its side): a group independent of the
     trainer's default process group, so it works whether or not `torch.distributed` is initialized.
+
+    Args:
+        rendezvous: the group, as the engines are told it.
+        timeout_s: the group's timeout (rendezvous and every collective).
 
     Returns:
         The process group.
@@ -475,14 +493,16 @@ def init_trainer_group(
             f"torch {torch.__version__} lacks torch.distributed.distributed_c10d.{missing}, which the NCCL weight "
             "sync uses to build a group independent of the default one; use the torch version SGLang pins (2.11)"
         )
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+    r, timeout = rendezvous, timedelta(seconds=timeout_s)
+    store, rank, _ = next(
+        c10d.rendezvous(f"tcp://{r.master_address}:{r.master_port}", 0, r.world_size, timeout=timeout)
     )
-    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # group rank == "global" rank, as SGLang
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(r.group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        r.world_size, rank, [], c10d.Backend(r.backend), store, group_name=r.group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(r.world_size)}  # group rank == "global" rank, as SGLang
     return group
 
 
@@ -519,53 +539,36 @@ class DistributedWeightSender:
             raise ValueError("DistributedWeightSender needs at least one engine")
         check_bucket_bytes(max_bucket_bytes)
         self.engines = list(engines)
-        self.master_address = master_address
-        self.master_port = master_port
-        self.group_name = group_name
-        self.backend = backend
         self.max_bucket_bytes = max_bucket_bytes
         self.flush_timeout_s = flush_timeout_s
         self.timeout_s = timeout_s
         self.sync_timeout_s = sync_timeout_s
         bucket_timeout_s(0, sync_timeout_s)  # a bad value fails here, not at the first sync
         self.broken = False  # a sync failed: the group is aborted and must not be torn down with the engines
-        self.rank_offsets, self.world_size = group_layout([e.tp_size for e in self.engines])
+        self.rank_offsets, world_size = group_layout([e.tp_size for e in self.engines])
+        self.rendezvous = GroupRendezvous(master_address, master_port, world_size, group_name, backend)
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="sglang-weights")
 
     def init_group(self) -> None:
         """Form the group: every engine's POST and the trainer's own join run concurrently (all block until then)."""
         if self.group is not None:
-            raise RuntimeError(f"weight-update group {self.group_name!r} is already initialized")
+            raise RuntimeError(f"weight-update group {self.rendezvous.group_name!r} is already initialized")
+        body = dataclasses.asdict(self.rendezvous)
         futures = [
-            self._pool.submit(
-                e.client.init_weights_update_group,
-                master_address=self.master_address,
-                master_port=self.master_port,
-                rank_offset=offset,
-                world_size=self.world_size,
-                group_name=self.group_name,
-                backend=self.backend,
-            )
+            self._pool.submit(e.client.init_weights_update_group, rank_offset=offset, **body)
             for e, offset in zip(self.engines, self.rank_offsets, strict=True)
         ]
         # forming the group includes the servers' own set-up (a first import of torch.distributed): at least the floor
         deadline = time.monotonic() + max(SYNC_FLOOR_S, bucket_timeout_s(0, self.sync_timeout_s))
         with self._watchdog(deadline, "init_weights_update_group"):
-            self.group = init_trainer_group(
-                master_address=self.master_address,
-                master_port=self.master_port,
-                world_size=self.world_size,
-                group_name=self.group_name,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-            )
+            self.group = init_trainer_group(self.rendezvous, timeout_s=self.timeout_s)
             self._until(functools.partial(_all_done, futures), futures, deadline, "init_weights_update_group")
         self._wait(futures, "init_weights_update_group")
         log.info(
             "weight-update group %r formed: %d ranks; deadline of each bucket: %s",
-            self.group_name,
-            self.world_size,
+            self.rendezvous.group_name,
+            self.rendezvous.world_size,
             self._bound_text(),
         )
 
@@ -587,8 +590,10 @@ class DistributedWeightSender:
         if self.group is None:
             raise RuntimeError("call init_group() before send(): the engines have not joined the weight-update group")
         if self.broken:
-            raise RuntimeError(f"weight-update group {self.group_name!r} broke in an earlier sync: close() it first")
-        if self.backend == "nccl":  # NCCL broadcasts from this process's GPU
+            raise RuntimeError(
+                f"weight-update group {self.rendezvous.group_name!r} broke in an earlier sync: close() it first"
+            )
+        if self.rendezvous.backend == "nccl":  # NCCL broadcasts from this process's GPU
             device = torch.device("cuda", torch.cuda.current_device())
             named_tensors = ((name, t.to(device)) for name, t in named_tensors)
         start = time.monotonic()
@@ -601,7 +606,7 @@ class DistributedWeightSender:
                     names=[m.name for m in metas],
                     dtypes=[m.dtype for m in metas],
                     shapes=[m.shape for m in metas],
-                    group_name=self.group_name,
+                    group_name=self.rendezvous.group_name,
                     flush_cache=False,
                 )
                 for e in self.engines
@@ -645,7 +650,10 @@ class DistributedWeightSender:
             self._pool.shutdown(wait=False, cancel_futures=True)  # a stalled server's request may never return
             return
         if self.group is not None:
-            futures = [self._pool.submit(e.client.destroy_weights_update_group, self.group_name) for e in self.engines]
+            futures = [
+                self._pool.submit(e.client.destroy_weights_update_group, self.rendezvous.group_name)
+                for e in self.engines
+            ]
             torch.distributed.destroy_process_group(self.group)
             self.group = None
             for e, f in zip(self.engines, futures, strict=True):
@@ -693,7 +701,7 @@ class DistributedWeightSender:
             try:
                 torch.distributed.distributed_c10d._abort_process_group(self.group)
             except Exception as err:  # noqa: BLE001  (a backend without abort: the group is dropped unused instead)
-                log.debug("could not abort weight-update group %r: %s", self.group_name, err)
+                log.debug("could not abort weight-update group %r: %s", self.rendezvous.group_name, err)
 
     @contextlib.contextmanager
     def _watchdog(self, deadline: float, what: str) -> Iterator[None]:
@@ -812,7 +820,9 @@ def open_trainer_group(
         port = s.getsockname()[1]
     sender = DistributedWeightSender(
         [
-            EngineEndpoint(SGLangClient(e.url, api_key=e.api_key, timeout_s=request_timeout_s), e.tp_size)
+            EngineEndpoint(
+                SGLangClient(e.url, api_key=e.api_key, policy=RequestPolicy(timeout_s=request_timeout_s)), e.tp_size
+            )
             for e in engines
         ],
         master_address="127.0.0.1" if all(e.node_ip == here for e in engines) else here,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 from PIL import Image
 
 from miles_vl.models import SpecialTokens
-from miles_vl.rollout.sglang import SGLangClient
+from miles_vl.rollout.sglang import EngineOptions, RequestPolicy, SGLangClient, SGLangRolloutEngine
 from miles_vl.rollout.sglang.server import free_port as server_free_port
 from tests.rollout.sglang.fake_server import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, FakeSGLang
 
@@ -71,11 +72,18 @@ def fake_argv(argv: list[str]) -> list[str]:
 
 
 def quick_client(url: str, **kwargs) -> SGLangClient:
-    """A client with test-sized timeouts and backoff (every retry loop here ends within a few seconds)."""
-    kwargs.setdefault("timeout_s", 5.0)
-    kwargs.setdefault("max_retries", 2)
-    kwargs.setdefault("backoff_s", 0.01)
-    return SGLangClient(url, **kwargs)
+    """A client with test-sized timeouts and backoff (every retry loop here ends within a few seconds); `kwargs` are
+    `RequestPolicy` fields and the client's own keywords, by name."""
+    policy = {"timeout_s": 5.0, "max_retries": 2, "backoff_s": 0.01}
+    policy |= {k: kwargs.pop(k) for k in [k for k in kwargs if k in policy]}
+    return SGLangClient(url, policy=RequestPolicy(**policy), **kwargs)
+
+
+def make_engine(client: SGLangClient, **kwargs) -> SGLangRolloutEngine:
+    """An engine on `client` with TOKENS; `kwargs` are `EngineOptions` fields and the engine's own keywords, by name."""
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    options = EngineOptions(**{k: v for k, v in kwargs.items() if k in fields})
+    return SGLangRolloutEngine(client, TOKENS, options, **{k: v for k, v in kwargs.items() if k not in fields})
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from miles_vl.rollout.sglang import (
 )
 from miles_vl.rollout.sglang.generate import image_hash, sampling_seed
 from miles_vl.rollout.types import SamplingParams
-from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
+from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_engine, make_prompt, quick_client
 from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
 
 
@@ -33,7 +33,7 @@ def engine(fake, **kwargs) -> SGLangRolloutEngine:
     # The stand-in runs in this process, where CUDA IPC handles of our own memory cannot be opened: keep the
     # weights on the CPU (shared by file descriptor) even on a GPU machine. test_gpu.py covers the CUDA path.
     kwargs.setdefault("weight_device", None)
-    return SGLangRolloutEngine(quick_client(fake.url), TOKENS, **kwargs)
+    return make_engine(quick_client(fake.url), **kwargs)
 
 
 def prompts():

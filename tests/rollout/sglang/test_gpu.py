@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from miles_vl.rollout.sglang import SGLangRolloutEngine
+from miles_vl.rollout.sglang import EngineOptions, SGLangRolloutEngine
 from miles_vl.rollout.sglang.weights import DistributedWeightSender, EngineEndpoint, serialize_named_tensors
 from tests.rollout.sglang.conftest import FAKE_SERVER, TOKENS, free_port, quick_client
 
@@ -50,7 +50,9 @@ def start_fake(*args: str, env: dict | None = None):
 def test_cuda_ipc_weights_reach_another_process():
     server, client = start_fake("--tp-size", "2")
     try:
-        engine = SGLangRolloutEngine(client, TOKENS, tp_size=2, weight_bucket_bytes=1 << 20, weight_device="cuda")
+        engine = SGLangRolloutEngine(
+            client, TOKENS, EngineOptions(weight_bucket_bytes=1 << 20, weight_device="cuda"), tp_size=2
+        )
         g = torch.Generator().manual_seed(0)
         tensors = [
             ("a.weight", torch.randn(256, 512, generator=g).to(torch.bfloat16)),  # 256 KiB

@@ -20,6 +20,7 @@ import torch
 from miles_vl.gpu_env import nccl_peer_env
 from miles_vl.rollout.sglang import (
     EngineStateError,
+    RequestPolicy,
     ServerSpec,
     SGLangPluginMissingError,
     SGLangPortTakenError,
@@ -59,9 +60,7 @@ def host(
         spec,
         TOKENS,
         startup_timeout_s=20,
-        request_timeout_s=5,
-        max_retries=1,
-        retry_backoff_s=0.01,
+        requests=RequestPolicy(timeout_s=5, max_retries=1, backoff_s=0.01),
         log_path=tmp_path / "server.log",
         launch_module="tests.rollout.sglang.fake_server",
         env=kwargs.pop("env", {"PYTHONPATH": str(REPO_ROOT)}),

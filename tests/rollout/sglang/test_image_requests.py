@@ -25,7 +25,7 @@ from PIL import Image
 
 from miles_vl.data import PromptEncoder, load_processor
 from miles_vl.models.qwen3_vl.tokens import special_tokens
-from miles_vl.rollout.sglang import SGLangRolloutEngine, SGLangUnavailableError
+from miles_vl.rollout.sglang import EngineOptions, SGLangRolloutEngine, SGLangUnavailableError
 from miles_vl.rollout.sglang.generate import request_input_ids
 from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, TOKENS, make_prompt, quick_client
@@ -110,7 +110,7 @@ def test_the_engines_request_round_trips_to_the_canonical_ids(processor, canonic
             return {"output_ids": [eos], "prompt_token_ids": prompt, "meta_info": meta}
 
     prompt = type("P", (), {"prompt_ids": torch.tensor(ids), "image_grid_thw": grid, "images": ims})()
-    engine = SGLangRolloutEngine(Processing(), tokens, weight_device=None)
+    engine = SGLangRolloutEngine(Processing(), tokens, EngineOptions(weight_device=None))
     [[gen]] = engine.generate([prompt], SamplingParams(max_new_tokens=4))  # raises on any prompt-id mismatch
     assert gen.finish_reason == "stop"
     [payload] = sent

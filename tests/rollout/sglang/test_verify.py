@@ -27,7 +27,7 @@ from miles_vl.rollout.sglang import (
 )
 from miles_vl.rollout.sglang.verify import server_name
 from miles_vl.rollout.types import SamplingParams
-from tests.rollout.sglang.conftest import TOKENS, make_prompt, quick_client
+from tests.rollout.sglang.conftest import make_engine, make_prompt, quick_client
 from tests.rollout.sglang.fake_server import value_hash
 
 LM, VIS = "model.language_model.", "model.visual."
@@ -60,8 +60,8 @@ def server(fake):
 
 def engine(fake, **kwargs) -> SGLangRolloutEngine:
     kwargs.setdefault("known_names", frozenset(NAMES))
-    return SGLangRolloutEngine(
-        quick_client(fake.url), TOKENS, weight_version="base", weight_device=None, weight_bucket_bytes=256, **kwargs
+    return make_engine(
+        quick_client(fake.url), weight_version="base", weight_device=None, weight_bucket_bytes=256, **kwargs
     )
 
 

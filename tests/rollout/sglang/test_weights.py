@@ -117,7 +117,7 @@ def test_nccl_path_end_to_end_over_gloo():
                 "/flush_cache",
                 "/destroy_weights_update_group",
             ]
-            assert calls[-7]["body"] == {"master_address": "127.0.0.1", "master_port": sender.master_port,
+            assert calls[-7]["body"] == {"master_address": "127.0.0.1", "master_port": sender.rendezvous.master_port,
                                          "rank_offset": offset, "world_size": 3, "group_name": "miles_vl_test_sync",
                                          "backend": "gloo"}  # fmt: skip
             assert calls[-6]["body"] == {"names": ["model.layers.0.weight", "model.norm.weight"],
