@@ -763,12 +763,14 @@ class Job:
         return {} if used is None else {key: used}
 
     def sync_sizes(self) -> dict[str, float]:
-        """What the last weight sync moved (the trainer's export): tensors, bytes, buckets."""
+        """What the last weight sync moved (the trainer's export): tensors, bytes, buckets; for a group sync (NCCL
+        or colocated IPC) also the seconds of each of its phases, `sync/<phase>_s` (`weight_sync.PhaseClock`)."""
         exported = self.trainer.last_export()
         if exported is None:
             return {}
+        phases = {f"sync/{phase}_s": seconds for phase, seconds in exported.phases.items()}
         return {"sync/tensors": float(exported.tensors), "sync/bytes": float(exported.bytes),
-                "sync/buckets": float(exported.buckets)}  # fmt: skip
+                "sync/buckets": float(exported.buckets), **phases}  # fmt: skip
 
     def sampling(self, step: int, round_: int = 0, eval_: bool = False) -> SamplingParams:
         r = self.cfg.rollout

@@ -176,7 +176,7 @@ class TrainWorker:
             report = self.weight_group.send(weights, weight_version=weight_version)
         finally:
             _drain(weights)  # the other ranks are still in the collective export
-        self.exported = ExportStats(tensors=report.tensors, bytes=report.bytes, buckets=report.buckets)
+        self.exported = ExportStats(report.tensors, report.bytes, report.buckets, dict(report.phases))
         return report
 
     def close_weight_group(self) -> None:

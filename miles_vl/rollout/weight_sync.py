@@ -35,8 +35,10 @@ A new engine adds a row to the engine table and a module in its folder (a `Group
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -86,15 +88,39 @@ class SyncReport:
     seconds: float
     weight_version: str
     verified: tuple[str, ...] = ()  # tensors whose landing the server confirmed (colocated syncs, see verify.py)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the sync (`PhaseClock`)
+
+
+class PhaseClock:
+    """Wall seconds spent in each named phase of one sync, summed over its buckets (`with clock("pack"): ...`), so
+    that a sync's time says where it goes. The phases a sender names (the group senders, miles_vl/rollout/sglang/
+    weights.py): `export` (waiting for the trainer's next tensors: the backend's export, on the CPU side; its GPU
+    kernels finish in the next phase that synchronizes), `pack` (copies into the flat buffer and the stream sync
+    before a server maps it), `send` (the broadcast of a bucket, NCCL/gloo, until every engine answered), `wait`
+    (waiting for the servers' answers: the copies out of a buffer before it is packed again, and the last ones),
+    `check` (the name and value checks: `/weights_checker`), `label` (the version label and the cache flush)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
 @dataclass
 class ExportStats:
-    """What one export of the trainer's weights held: tensors, bytes and buckets."""
+    """What one export of the trainer's weights held: tensors, bytes and buckets (and, for a group sync, the seconds
+    of each phase: `SyncReport.phases`)."""
 
     tensors: int = 0
     bytes: int = 0
     buckets: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
 
     def add(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         self.buckets += 1

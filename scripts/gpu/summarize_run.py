@@ -9,7 +9,9 @@ Last stdout line: one JSON object with
 - `logprob_abs_diff_step1`: `train/train_rollout_logprob_abs_diff` of the first step (trainer vs engine, same weights);
 - per phase (rollout = generation, reward, train, sync, step): the median seconds over the steps after the first
   (the first compiles kernels and allocates);
-- `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`;
+- `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`; for a group sync (NCCL or
+  colocated IPC) `sync_phases_s`: the median seconds of each of its phases (`sync/<phase>_s`: export, pack, send,
+  wait, check, label; miles_vl/rollout/weight_sync.py `PhaseClock`), where a sync's time goes;
 - `train_peak_mem_gib` (the fullest train rank's peak allocated memory in the train phase: the trainer reports the
   maximum over ranks) and `gpu_used_gib_rollout` (everything on train rank 0's GPU while the engine and trainer are
   both resident): maxima over the steps;
@@ -132,6 +134,9 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
     )  # fmt: skip
     if out["train_tokens_per_s"] is not None:
         out["train_tokens_per_s_per_gpu"] = round(out["train_tokens_per_s"] / train_gpus, 1)
+    phases = sorted({k for r in later for k in r if k.startswith("sync/") and k.endswith("_s")})
+    if phases:
+        out["sync_phases_s"] = {k.removeprefix("sync/").removesuffix("_s"): med(k) for k in phases}
     if out["sync_bytes"] and out["sync_s"]:
         out["sync_gb_per_s"] = round(out["sync_bytes"] / 1e9 / out["sync_s"], 2)
     if ckpt:

@@ -173,6 +173,8 @@ def test_colocated_sync_restart_and_resync(tmp_path, checkpoint, hooks, local_ra
         assert len(flushed) == 3
         # values checked on the first sync and on the re-sync (a new sender), not on step 2 (verify_weights_every=10)
         assert [paths[k - 1] == "/weights_checker" for k in starts] == [True, True, False]
+        # where each sync's seconds went (issue 33.1), logged every step
+        assert all({"sync/export_s", "sync/pack_s", "sync/wait_s", "sync/check_s"} <= set(r) for r in rows)
     assert "/update_weights_from_distributed" not in paths
     # Colocated memory: all of it released before each of the 2 train steps; after it the weights resumed alone, the
     # sync, then the KV cache and CUDA graphs (an 8B engine on one GPU cannot hold its KV cache beside the sync).

@@ -95,3 +95,15 @@ def test_gpu_memory_names_a_bad_line(tmp_path):
     csv.write_text("2026/11/26 14:00:00.000, 0, 1024, 81559\nNo devices were found\n")
     with pytest.raises(ValueError, match=r"gpu_memory.csv:2: expected 'timestamp, index, memory.used"):
         summarize_run.gpu_memory(csv)
+
+
+def test_sync_phases_are_medians_over_the_steps_after_the_first(tmp_path):
+    """Issue 33.1: where a group sync's seconds go, `sync/<phase>_s` per step -> `sync_phases_s`, the median over the
+    steps after the first (step 1's export compiles and allocates); a run without them (tensor sync) has none."""
+    run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
+    assert "sync_phases_s" not in summarize_run.summarize(run, None, PEAK)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r, (export, wait) in zip(rows, [(9.0, 5.0), (0.2, 0.1), (0.4, 0.3)], strict=True):
+        r |= {"sync/export_s": export, "sync/wait_s": wait, "sync/bytes": 4.0e9}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert summarize_run.summarize(run, None, PEAK)["sync_phases_s"] == {"export": 0.3, "wait": 0.2}

@@ -112,6 +112,7 @@ from miles_vl.rollout.weight_sync import (
     SYNC_BYTES_PER_S,
     SYNC_FLOOR_S,
     FlatEntry,
+    PhaseClock,
     SyncReport,
     TensorMeta,
     bucket_timeout_s,
@@ -310,28 +311,36 @@ class ColocatedWeightSender:
         """
         self.syncs += 1
         values = verify_due(self.syncs, self.verify_every)
-        for v in self.verifiers:
-            v.begin(values)
+        clock = PhaseClock()
         start = time.monotonic()
+        with clock("check"):
+            for v in self.verifiers:
+                v.begin(values)
         buckets = tensors = nbytes = 0
         pending = iter_buckets(named_tensors, self.max_bucket_bytes)
-        bucket = next(pending, None)
+        with clock("export"):
+            bucket = next(pending, None)
         if bucket is None:
             raise ValueError("no tensors to sync: named_tensors was empty")
         try:
             while bucket is not None:
-                for v in self.verifiers:
-                    v.bucket(bucket)  # refuses a name the servers would skip, before anything of it is sent
-                following = next(pending, None)  # the last bucket's request carries the version and the flush
+                with clock("check"):
+                    for v in self.verifiers:
+                        v.bucket(bucket)  # refuses a name the servers would skip, before anything of it is sent
+                with clock("export"):
+                    following = next(pending, None)  # the last bucket's request carries the version and the flush
                 slot = buckets % len(self._buffers)
-                self._fence(slot)
-                entries = pack_bucket(bucket, self._buffer(slot, flat_layout(bucket)[1]))
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # packed before a server maps it
+                with clock("wait"):
+                    self._fence(slot)
+                with clock("pack"):
+                    entries = pack_bucket(bucket, self._buffer(slot, flat_layout(bucket)[1]))
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()  # packed before a server maps it
                 last = following is None
                 if last:  # the label and the flush may act only once every earlier bucket has loaded
-                    for other in range(len(self._buffers)):
-                        self._fence(other)
+                    with clock("wait"):
+                        for other in range(len(self._buffers)):
+                            self._fence(other)
                 self._in_flight[slot] = [
                     self._pool.submit(
                         e.client.update_weights_from_tensor,
@@ -347,13 +356,16 @@ class ColocatedWeightSender:
                 nbytes += sum(x.nbytes for x in entries)
                 bucket = following
         finally:
-            errors = self._drain()  # never leave a request reading a buffer behind, also when raising
+            with clock("wait"):
+                errors = self._drain()  # never leave a request reading a buffer behind, also when raising
         if errors:
             raise SGLangError("update_weights_from_tensor failed on:\n" + "\n".join(errors))
-        verified = [n for v in self.verifiers for n in v.finish()]
+        with clock("check"):
+            verified = [n for v in self.verifiers for n in v.finish()]
         if self.device.type == "cuda":
             torch.cuda.ipc_collect()  # the servers' references to earlier buffers (a grown one) are released
-        return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version, tuple(verified))
+        seconds = time.monotonic() - start
+        return SyncReport(buckets, tensors, nbytes, seconds, weight_version, tuple(verified), clock.seconds)
 
     def close(self) -> None:
         """Free the buffers (after every request that reads them answered)."""
@@ -596,9 +608,15 @@ class DistributedWeightSender:
         if self.rendezvous.backend == "nccl":  # NCCL broadcasts from this process's GPU
             device = torch.device("cuda", torch.cuda.current_device())
             named_tensors = ((name, t.to(device)) for name, t in named_tensors)
+        clock = PhaseClock()
         start = time.monotonic()
         buckets = tensors = nbytes = 0
-        for bucket in iter_buckets(named_tensors, self.max_bucket_bytes):
+        pending = iter_buckets(named_tensors, self.max_bucket_bytes)
+        while True:
+            with clock("export"):
+                bucket = next(pending, None)
+            if bucket is None:
+                break
             metas = [TensorMeta.of(name, t) for name, t in bucket]
             futures = [
                 self._pool.submit(
@@ -613,7 +631,7 @@ class DistributedWeightSender:
             ]
             deadline = time.monotonic() + bucket_timeout_s(sum(m.nbytes for m in metas), self.sync_timeout_s)
             what = "update_weights_from_distributed"
-            with self._watchdog(deadline, what):
+            with self._watchdog(deadline, what), clock("send"):
                 # every broadcast of the bucket enqueued at once (in order, as the server receives them), then
                 # watched together: waiting per tensor would cost a poll interval per tensor
                 sent = [t.contiguous() for _, t in bucket]  # held until their broadcasts completed
@@ -627,16 +645,18 @@ class DistributedWeightSender:
                     self._fail_if_refused(futures, what)
                     self._fail(f"{what} failed: the broadcast from the trainer broke off ({err})")
                 self._until(functools.partial(_all_done, futures), futures, deadline, what)
-            self._wait(futures, what)
+            with clock("wait"):
+                self._wait(futures, what)
             buckets += 1
             tensors += len(metas)
             nbytes += sum(m.nbytes for m in metas)
         if buckets == 0:
             raise ValueError("no tensors to sync: named_tensors was empty")
-        for e in self.engines:
-            e.client.update_weight_version(weight_version)
-            e.client.flush_cache(timeout_s=self.flush_timeout_s)
-        return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version)
+        with clock("label"):
+            for e in self.engines:
+                e.client.update_weight_version(weight_version)
+                e.client.flush_cache(timeout_s=self.flush_timeout_s)
+        return SyncReport(buckets, tensors, nbytes, time.monotonic() - start, weight_version, phases=clock.seconds)
 
     def close(self) -> None:
         """Leave the group on every engine and here, concurrently: tearing down an NCCL communicator waits for its

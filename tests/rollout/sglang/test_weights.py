@@ -105,6 +105,8 @@ def test_nccl_path_end_to_end_over_gloo():
         finally:
             sender.close()
         assert (report.buckets, report.tensors, report.bytes) == (3, 4, 164)
+        assert set(report.phases) == {"export", "send", "wait", "label"}  # where the sync's seconds went
+        assert all(t >= 0 for t in report.phases.values()) and sum(report.phases.values()) <= report.seconds
 
         for offset, client in zip([1, 2], clients, strict=True):
             calls = client.get_json("/_fake/calls")
@@ -388,6 +390,35 @@ def test_the_colocated_sender_sends_one_flat_bucket_per_request_and_labels_the_v
     assert [(c["flush"], c["version"]) for c in server.calls] == [(False, None), (False, None), (True, "v1")]
     assert (report.buckets, report.tensors, report.bytes, report.weight_version) == (3, 6, 6 * 256, "v1")
     assert all(torch.equal(server.loaded[n], t) for n, t in sent)
+    sender.close()
+
+
+def test_the_colocated_senders_seconds_are_split_by_phase_where_they_were_spent(monkeypatch):
+    """Issue 33.1 ("with where the rest goes"): `SyncReport.phases`. On a clock that only the test moves, the
+    trainer's export (the tensors' generator) takes 1 s a tensor and the servers' answers 100 s (the final drain);
+    packing and the checks take none: each phase holds exactly its own seconds."""
+    from miles_vl.rollout import weight_sync
+
+    now = [0.0]
+    monkeypatch.setattr(weight_sync, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    sent = _weights(3)
+
+    def exported():
+        for item in sent:
+            now[0] += 1.0
+            yield item
+
+    server = StandInServer(dict(sent))
+    sender = ColocatedWeightSender([EngineEndpoint(server)], max_bucket_bytes=512, device="cpu")
+    drain = sender._drain
+
+    def slow_drain():
+        now[0] += 100.0
+        return drain()
+
+    monkeypatch.setattr(sender, "_drain", slow_drain)
+    report = sender.send(exported(), weight_version="v1")
+    assert report.phases == {"check": 0.0, "export": 6.0, "wait": 100.0, "pack": 0.0}
     sender.close()
 
 
