@@ -4,6 +4,7 @@ CP=1, CP=2, CP=4, TP=2 x CP=2, each with and without `vision_dp_when_cp`, at 16K
     python benchmarks/bench_megatron_cp.py [--lengths 16384,32768,65536] [--images task] [--steps 2] [--gpus 2]
                                            [--layouts cp1,cp2] [--recompute none|full] [--timeout-s 540] [--out F]
                                            [--path bench|rl_loss|rl_step] [--response N] [--samples N] [--env K=V]
+                                           [--logits-only-where-loss]
     bash benchmarks/megatron_cp_ladder.sh     # the whole ladder on 4 GPUs (docs/long_context.md)
 
 Needs CUDA, Transformer Engine and megatron-bridge (inside scripts/gpu/stack.sh, or scripts/gpu_check.sh --bench).
@@ -43,7 +44,9 @@ line: one JSON object (also appended to `--out`).
   model: `--samples` samples of one prompt (its images, `--response` tokens each, one micro-batch each at a budget of
   the length), the old-logprob pass first (forward only, eval mode), megatron's pipeline schedule, the distributed
   optimizer (`build.optimizer_config`, DDP with `use_distributed_optimizer`) and its step.
-`--env KEY=VALUE` (repeatable) sets a variable for both ranks from process start, e.g. the RL trainer's
+`--logits-only-where-loss` (rl paths): `train.logits_only_where_loss`, the output layer runs on the hidden states of
+the loss positions only, so no `[T/C, V]` logits (nor their gradient) exist in the train step. `--env KEY=VALUE`
+(repeatable) sets a variable for both ranks from process start, e.g. the RL trainer's
 `CUDA_DEVICE_MAX_CONNECTIONS=1` (trainer.py) and `NCCL_CUMEM_ENABLE=0` (gpu_env.nccl_peer_env).
 """
 
@@ -150,11 +153,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response", type=int, default=1024, help="response tokens of a sample (the loss's)")
     parser.add_argument("--samples", type=int, default=4, help="rl_step: samples of the prompt per step")
     parser.add_argument(
+        "--logits-only-where-loss", action="store_true", help="rl paths: train.logits_only_where_loss (docstring)"
+    )
+    parser.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable of both ranks"
     )
     args = parser.parse_args(argv)
     if args.steps < 0:
         parser.error(f"--steps must be >= 0, found {args.steps}")
+    if args.logits_only_where_loss and args.path == "bench":
+        parser.error("--logits-only-where-loss is an option of the RL paths (--path rl_loss or rl_step)")
     if args.response < 1 or args.samples < 1:
         parser.error(f"--response and --samples must be >= 1, found {args.response} and {args.samples}")
     try:
@@ -258,9 +266,11 @@ def rl_samples(length: int, images: int, response: int, n: int):
     return out
 
 
-def step_function(path: str, chunks: list, length: int, images: int, response: int, n_samples: int, seed: int):
-    """One step of `path` (module docstring) on the model `chunks`; (step, real tokens per step of this rank's DP
-    group)."""
+def step_function(
+    path: str, chunks: list, length: int, images: int, response: int, n_samples: int, seed: int, where: bool = False
+):
+    """One step of `path` (module docstring) on the model `chunks`, `where`: `--logits-only-where-loss`; (step, real
+    tokens per step of this rank's DP group)."""
     from megatron.core import parallel_state as ps
 
     from miles_vl.models import SpecialTokens
@@ -316,7 +326,7 @@ def step_function(path: str, chunks: list, length: int, images: int, response: i
         options = ForwardOptions(
             mode="train", groups=groups, device=torch.device("cuda", torch.cuda.current_device()), loss=loss,
             samples=[sample], vocab_size=tokens.vocab_size, token_norm=float(mb.packed.num_tokens),
-            model_kwargs={"fp32_output": False},
+            logits_only_where_loss=where, model_kwargs={"fp32_output": False},
         )  # fmt: skip
 
         def step() -> None:
@@ -339,7 +349,7 @@ def step_function(path: str, chunks: list, length: int, images: int, response: i
 
     options = TrainOptions(
         optimizer=OptimizerOptions(lr=1e-6, weight_decay=0.01), loss=loss, micro_batch_max_tokens=length,
-        global_batch_size=n_samples,
+        global_batch_size=n_samples, logits_only_where_loss=where,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(optimizer_config(options.optimizer, bf16=True), chunks)
     config = get_model_config(model)
@@ -361,6 +371,7 @@ def job(
     path: str = "bench",
     response: int = 1024,
     n_samples: int = 4,
+    where: bool = False,
 ):
     """Every layout, every length, on this rank; each result is also appended to `log_dir/rank{r}.jsonl` as soon as
     it is known, so that a launch killed by its time bound still reports what it measured."""
@@ -385,7 +396,7 @@ def job(
                 continue
             n_images = images_for(length, images)
             step, tokens = step_function(
-                path, chunks, length, n_images, response, n_samples, seed=ps.get_data_parallel_rank()
+                path, chunks, length, n_images, response, n_samples, seed=ps.get_data_parallel_rank(), where=where
             )
             oom = torch.zeros(1, device="cuda")
             try:
@@ -492,7 +503,8 @@ def main() -> None:
                     args.path,
                     args.response,
                     args.samples,
-                ),  # fmt: skip
+                    args.logits_only_where_loss,
+                ),
                 timeout_s=args.timeout_s,
             )
         except Exception as exc:  # noqa: BLE001  (a timeout or a rank's error: report what was measured)
@@ -515,6 +527,7 @@ def main() -> None:
             "response": args.response,
             "samples": args.samples if args.path == "rl_step" else None,
             "env": args.env,
+            "logits_only_where_loss": args.logits_only_where_loss,
             "error": error,
             "results": aggregate(per_rank, args.lengths, args.layouts, args.gpus, missing),
         }

@@ -4,17 +4,20 @@ so far"): one launch of 2 GPUs, <= 9 minutes.
 
     python benchmarks/diagnose_cp_backward.py [--variants a,b] [--budget-s 420] [--out F] [--logs DIR]
 
-Runs `benchmarks/bench_megatron_cp.py` once per variant (`VARIANTS`, in order: each adds differences of the RL job
-to the one before), every one at 32K tokens, CP=2 with `vision_dp_when_cp` (the RL job's default), full recompute, the
-warm-up step only. Then each variant that failed with an error (not a timeout, not out of memory) runs again under
-`CUDA_LAUNCH_BLOCKING=1`, so that the error is raised by the launch that caused it and the traceback names the op
-(`where`: the last frames of the log), fewest differences first, while the budget lasts. One JSON line per run on
-stdout (and appended to `--out`): variant, blocking, ok, error, peak memory per GPU, wall seconds, where. Each run's
-log is kept in `--logs`. A variant the budget leaves no time for is reported "not run: budget".
+Runs `benchmarks/bench_megatron_cp.py` once per variant (`VARIANTS`, in order: the parts of the RL job's train step
+that the bench lacks, the most suspect first), at 32K tokens (rl_loss also 24K), CP=2 with `vision_dp_when_cp` (the
+RL job's default), full recompute, the warm-up step only. The first variant that fails with an error (not a timeout,
+not out of memory) runs again at once under `CUDA_LAUNCH_BLOCKING=1`, so that the error is raised by the launch that
+caused it and the traceback names the op (`where`: the last frames of the log); later failures run so at the end,
+while the budget lasts. One JSON line per run on stdout (and appended to `--out`): variant, blocking, ok, error, the
+result per length (peak GiB per GPU or what stopped it), wall seconds, where. Each run's log is kept in `--logs`. A
+variant the budget leaves no time for is reported "not run: budget".
 
-Reading the result: the first variant that fails holds the cause among the differences it adds; if every variant
-trains, the cause lies in what only the Ray job has (the colocated SGLang server on GPU 0 and its released memory,
-Ray's placement): run the job itself under CUDA_LAUNCH_BLOCKING=1 next.
+Reading the result (docs/long_context.md): rl_loss failing at 32K only, rl_loss_where and rl_step_where training, is
+the RL loss's backward over the `[T/C, V]` logits past 2^31 elements (`train.logits_only_where_loss` avoids it);
+bench_env failing is the environment; rl_step failing where rl_loss trains is the rest of the step (old-logprob pass,
+schedule, distributed optimizer); every variant training puts the cause in what only the Ray job has (the colocated
+SGLang server on GPU 0, Ray's placement): run the job itself under CUDA_LAUNCH_BLOCKING=1 next.
 """
 
 from __future__ import annotations
@@ -43,30 +46,53 @@ BLOCKING_ENV = {"CUDA_LAUNCH_BLOCKING": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
 @dataclass(frozen=True)
 class Variant:
     name: str
-    adds: str  # the RL job's differences this variant has that the one before has not
+    has: str  # what of the RL job's train step it runs
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 150.0
 
     def argv(self) -> list[str]:
-        """The bench's command line (the environment goes in with `--env`, so the bench's JSON line records it)."""
+        """The bench's command line (the environment goes in with `--env`, so the bench's JSON line records it; a
+        later `--lengths` wins over COMMON's)."""
         return [*COMMON, *self.args, *(f"--env={k}={v}" for k, v in self.env.items())]
 
 
+RL = ("--response", "128")  # the RL job's responses: rollout.max_response_len=128, every one cut there
 VARIANTS = (
-    Variant("bench", "nothing: the bench that trained (docs/gpu-runs/2026-11-26-bench-cp-2xh100)", ("--path", "bench")),
-    Variant("bench_env", "the train actors' environment", ("--path", "bench"), RL_TRAINER_ENV),
+    # the first suspect: the RL loss on the full bf16 logits [T/C, V], whose backward only the RL path runs
+    # (IndexSelectBackward0 and SelectBackward0 fill [T/C, V] tensors); at 24K (12,288 x 151,936 = 1.87e9 elements
+    # per rank, under 2^31) and at 32K (2.49e9, over it) in one launch
     Variant(
         "rl_loss",
-        "the RL loss on bf16 logits: index_select of the 128 response rows, vocab_parallel_logprobs, PPO loss, "
-        "fp32 pixels, the vision input mask",
-        ("--path", "rl_loss", "--response", "128"),
+        "the RL loss on the model's bf16 logits (index_select of the response rows, vocab_parallel_logprobs, PPO "
+        "loss), fp32 pixels, the vision input mask, the trainer's environment; 24K then 32K",
+        ("--path", "rl_loss", *RL, "--lengths", "24576,32768"),
+        RL_TRAINER_ENV,
+    ),
+    Variant(
+        "rl_loss_where",
+        "rl_loss at 32K with train.logits_only_where_loss (logits at the loss positions only: no [T/C, V] tensor)",
+        ("--path", "rl_loss", *RL, "--logits-only-where-loss"),
+        RL_TRAINER_ENV,
+    ),
+    Variant(
+        "rl_step_where",
+        "the whole RL train step (4 samples, old-logprob pass, megatron schedule, distributed optimizer and its "
+        "step) with train.logits_only_where_loss, the trainer's environment",
+        ("--path", "rl_step", *RL, "--samples", "4", "--logits-only-where-loss"),
+        RL_TRAINER_ENV,
+        timeout_s=200.0,
+    ),
+    Variant(
+        "bench_env",
+        "the bench's step (it trained: docs/gpu-runs/2026-11-26-bench-cp-2xh100) in the trainer's environment",
+        ("--path", "bench"),
         RL_TRAINER_ENV,
     ),
     Variant(
         "rl_step",
-        "the whole train step: 4 samples, old-logprob pass, megatron schedule, distributed optimizer and its step",
-        ("--path", "rl_step", "--response", "128", "--samples", "4"),
+        "the whole RL train step as the failing job runs it, less Ray and SGLang",
+        ("--path", "rl_step", *RL, "--samples", "4"),
         RL_TRAINER_ENV,
         timeout_s=200.0,
     ),
@@ -112,21 +138,24 @@ def where(log: str, frames: int = 4) -> list[str]:
 
 
 def outcome(variant: Variant, returncode: int | None, log: str, blocking: bool, wall_s: float) -> dict:
-    """One JSON record of a run: ok, the error (the bench's, else the log's last line), peak memory, where."""
-    record = {"variant": variant.name, "adds": variant.adds, "blocking": blocking, "wall_s": round(wall_s, 1)}
+    """One JSON record of a run: ok, the error (the bench's, else the log's last line), each length's result (peak
+    memory per GPU, or what stopped it), the fullest GPU, where."""
+    record = {"variant": variant.name, "has": variant.has, "blocking": blocking, "wall_s": round(wall_s, 1)}
     result = bench_result(log)
-    value = next(iter(result["results"].values()), None) if result else None
+    values = result["results"] if result else {}
+    values = {k: v for k, v in values.items() if not k.startswith("L")}  # no ratios between layouts
+    failed = next((v for v in values.values() if not isinstance(v, dict)), None)
     if returncode is None:
         error = f"timeout after {variant.timeout_s:g} s"
     elif result is None:
         error = (log.strip().splitlines() or ["no output"])[-1]
-    elif isinstance(value, str) or value is None:
-        error = result["error"] or str(value)
     else:
-        error = result["error"]
+        error = result["error"] or failed or (None if values else "no result")
     record["ok"] = returncode == 0 and error is None
     record["error"] = error
-    record["peak_gib_per_gpu"] = value.get("peak_gib_per_gpu") if isinstance(value, dict) else None
+    record["results"] = {k: v["peak_gib_per_gpu"] if isinstance(v, dict) else v for k, v in values.items()}
+    peaks = [v["peak_gib_per_gpu"] for v in values.values() if isinstance(v, dict)]
+    record["peak_gib_per_gpu"] = max(peaks) if peaks else None
     record["where"] = [] if record["ok"] else where(log)
     return record
 
@@ -171,18 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    failed = []
-    for blocking, names in ((False, args.variants), (True, None)):
-        todo = [BY_NAME[n] for n in names] if names is not None else failed
-        for variant in todo:
-            left = deadline - time.monotonic()
-            if left < min(variant.timeout_s, 60.0):
-                emit({"variant": variant.name, "blocking": blocking, "ok": None, "error": "not run: budget"}, args.out)
-                continue
-            record = run(variant, blocking, logs, min(variant.timeout_s * (1.5 if blocking else 1.0), left))
-            emit(record, args.out)
-            if not blocking and rerun_worth(record):
-                failed.append(variant)
+
+    def attempt(variant: Variant, blocking: bool) -> dict | None:
+        left = deadline - time.monotonic()
+        if left < min(variant.timeout_s, 60.0):
+            emit({"variant": variant.name, "blocking": blocking, "ok": None, "error": "not run: budget"}, args.out)
+            return None
+        record = run(variant, blocking, logs, min(variant.timeout_s * (1.5 if blocking else 1.0), left))
+        emit(record, args.out)
+        return record
+
+    failed: list[Variant] = []
+    for name in args.variants:
+        record = attempt(BY_NAME[name], False)
+        if record is not None and rerun_worth(record):
+            if not failed:  # the first failure names its op at once: the rest of the budget may not reach the end
+                attempt(BY_NAME[name], True)
+            failed.append(BY_NAME[name])
+    for variant in failed[1:]:
+        attempt(variant, True)
     return 0
 
 

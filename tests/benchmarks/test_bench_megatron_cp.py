@@ -86,12 +86,14 @@ def test_parse_args_rl_paths_and_env(capsys):
     args = bench.parse_args(["--path", "rl_step", "--response", "128", "--samples", "4", "--env", "A=1", "--env=B="])
     assert (args.path, args.response, args.samples, args.env) == ("rl_step", 128, 4, {"A": "1", "B": ""})
     assert bench.parse_args([]).path == "bench" and bench.parse_args([]).env == {}
+    assert bench.parse_args(["--path", "rl_loss", "--logits-only-where-loss"]).logits_only_where_loss
     for argv, message in (
         (["--path", "rl"], "invalid choice"),
         (["--env", "NOVALUE"], "--env: KEY=VALUE, found 'NOVALUE'"),
         (["--env", "=1"], "--env: KEY=VALUE, found '=1'"),
         (["--response", "0"], "--response and --samples must be >= 1"),
         (["--steps", "-1"], "--steps must be >= 0"),
+        (["--logits-only-where-loss"], "an option of the RL paths"),
     ):
         with pytest.raises(SystemExit) as info:
             bench.parse_args(argv)
