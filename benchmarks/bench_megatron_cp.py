@@ -266,6 +266,31 @@ def rl_samples(length: int, images: int, response: int, n: int):
     return out
 
 
+def special_tokens():
+    """The special tokens of the bench's samples (Qwen3-VL's ids; the vocabulary of the 2B shapes)."""
+    from miles_vl.models import SpecialTokens
+
+    return SpecialTokens(**TOKENS, pad_token_id=PAD, eos_token_ids=(PAD,), vocab_size=151936)
+
+
+def rl_options(length: int, n_samples: int, response: int, where: bool = False):
+    """The `TrainOptions` the RL job's backend gets (`factories.train_options` of `scripts/gpu/loop_job.py`'s long
+    shape at `length`, tests/benchmarks checks it): AdamW at lr 1e-6, weight decay 0.01, clipping at 1; the PPO loss
+    (clip 0.2 / 0.28, token mean, no KL, no TIS) scoring the distribution without the vision tokens; one micro-batch
+    budget of `length`; all `n_samples` samples in one optimizer step; `where`: train.logits_only_where_loss."""
+    from miles_vl.models.qwen3_vl.tokens import vision_token_ids
+    from miles_vl.train.types import LossOptions, OptimizerOptions, TrainOptions
+
+    return TrainOptions(
+        optimizer=OptimizerOptions(lr=1e-6, weight_decay=0.01),
+        # rollout.ban_vision_tokens (the default): the engine never samples them
+        loss=LossOptions(max_response_len=response, suppress_token_ids=vision_token_ids(special_tokens())),
+        micro_batch_max_tokens=length,
+        global_batch_size=n_samples,
+        logits_only_where_loss=where,
+    )
+
+
 def step_function(
     path: str, chunks: list, length: int, images: int, response: int, n_samples: int, seed: int, where: bool = False
 ):
@@ -273,16 +298,14 @@ def step_function(
     tokens per step of this rank's DP group)."""
     from megatron.core import parallel_state as ps
 
-    from miles_vl.models import SpecialTokens
-    from miles_vl.models.qwen3_vl.tokens import vision_token_ids
     from miles_vl.packing import pack_thd
-    from miles_vl.train.types import LossOptions
     from tests.patches.harness.runner import thd_params
 
     model = chunks[0]
     cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
-    tokens = SpecialTokens(**TOKENS, pad_token_id=PAD, eos_token_ids=(PAD,), vocab_size=151936)
-    loss = LossOptions(suppress_token_ids=vision_token_ids(tokens))  # rollout.ban_vision_tokens (the default)
+    tokens = special_tokens()
+    options = rl_options(length, n_samples, response, where)
+    loss = options.loss
     if path == "bench":
         # DP ranks: each its own sample (seed by DP rank); a TP x CP group shares one sample
         sample, pixels = long_sample(length, images, seed=seed, response=response)
@@ -323,7 +346,7 @@ def step_function(
         )
         denominators = loss_denominators(torch.tensor([sample_loss_tokens(sample)]))
         mb = attach_loss_inputs(mb, [sample], None, None, denominators, reduction=loss.reduction)
-        options = ForwardOptions(
+        forward = ForwardOptions(
             mode="train", groups=groups, device=torch.device("cuda", torch.cuda.current_device()), loss=loss,
             samples=[sample], vocab_size=tokens.vocab_size, token_norm=float(mb.packed.num_tokens),
             logits_only_where_loss=where, model_kwargs={"fp32_output": False},
@@ -331,7 +354,7 @@ def step_function(
 
         def step() -> None:
             model.zero_grad_buffer()
-            output, loss_func = forward_step(options, iter([mb]), model)
+            output, loss_func = forward_step(forward, iter([mb]), model)
             value, _, _ = loss_func(output)
             value.backward()
             model.finish_grad_sync()
@@ -345,12 +368,7 @@ def step_function(
     from miles_vl.train.megatron.backend import MegatronTrainBackend
     from miles_vl.train.megatron.build import optimizer_config
     from miles_vl.train.step import train_step
-    from miles_vl.train.types import OptimizerOptions, TrainOptions
 
-    options = TrainOptions(
-        optimizer=OptimizerOptions(lr=1e-6, weight_decay=0.01), loss=loss, micro_batch_max_tokens=length,
-        global_batch_size=n_samples, logits_only_where_loss=where,
-    )  # fmt: skip
     optimizer = get_megatron_optimizer(optimizer_config(options.optimizer, bf16=True), chunks)
     config = get_model_config(model)
     config.finalize_model_grads_func = finalize_model_grads

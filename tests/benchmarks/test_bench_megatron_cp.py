@@ -124,3 +124,16 @@ def test_rl_samples_train_like_the_rl_job():
         mb = attach_loss_inputs(mb, samples[:1], None, None, den, reduction="token_mean")
         positions += mb.loss.positions.numel()
     assert positions == 128
+
+
+@pytest.mark.parametrize("where", [False, True])
+def test_rl_options_are_the_rl_jobs(tmp_path, where):
+    """The rl paths train with what the failing job's backend got: `factories.train_options` of loop_job's 2b_long32k
+    shape at CP=2 (the config of docs/gpu-runs/2026-11-26-loop-long32k-cp2-2xh200), so they cannot drift apart."""
+    from miles_vl.config import load_config
+    from miles_vl.orchestration.factories import train_options
+    from scripts.gpu import loop_job
+
+    extra = ["train.num_gpus=2", "train.cp=2", f"train.logits_only_where_loss={str(where).lower()}"]
+    cfg = load_config(loop_job.CONFIG, [*loop_job.overrides("2b_long32k", tmp_path / "ckpt", tmp_path, "x", 2), *extra])
+    assert train_options(cfg, bench.special_tokens()) == bench.rl_options(32768, 4, 128, where)
