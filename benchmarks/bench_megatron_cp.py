@@ -333,6 +333,8 @@ def step_function(
 
         return step, length
     if path == "rl_loss":
+        from megatron.core.utils import get_model_config
+
         from miles_vl.algo import loss_denominators
         from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_tokens
         from miles_vl.train.megatron.parallel import ParallelGroups
@@ -348,7 +350,8 @@ def step_function(
         mb = attach_loss_inputs(mb, [sample], None, None, denominators, reduction=loss.reduction)
         forward = ForwardOptions(
             mode="train", groups=groups, device=torch.device("cuda", torch.cuda.current_device()), loss=loss,
-            samples=[sample], vocab_size=tokens.vocab_size, token_norm=float(mb.packed.num_tokens),
+            samples=[sample], vocab_size=getattr(get_model_config(model), "vocab_size", None),  # as the backend
+            token_norm=float(mb.packed.num_tokens),
             logits_only_where_loss=where, model_kwargs={"fp32_output": False},
         )  # fmt: skip
 
