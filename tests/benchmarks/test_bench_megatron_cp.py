@@ -6,6 +6,7 @@ GPU, per-GPU throughput, "oom" / "skipped" / "timeout" passed through) and the p
 import json
 
 import pytest
+import torch
 
 from benchmarks import bench_megatron_cp as bench
 from benchmarks.bench_train_throughput import IMAGE
@@ -79,3 +80,60 @@ def test_read_partial_keeps_what_each_rank_recorded(tmp_path):
     per_rank = bench.read_partial(str(tmp_path), 2)
     assert per_rank == [{"cp2_L16384": rank(1.0, 20.0)}, {}]
     assert bench.aggregate(per_rank, [16384], ["cp2"], 2, "timeout")["cp2_L16384"] == "timeout"
+
+
+def test_parse_args_rl_paths_and_env(capsys):
+    args = bench.parse_args(["--path", "rl_step", "--response", "128", "--samples", "4", "--env", "A=1", "--env=B="])
+    assert (args.path, args.response, args.samples, args.env) == ("rl_step", 128, 4, {"A": "1", "B": ""})
+    assert bench.parse_args([]).path == "bench" and bench.parse_args([]).env == {}
+    assert bench.parse_args(["--path", "rl_loss", "--logits-only-where-loss"]).logits_only_where_loss
+    for argv, message in (
+        (["--path", "rl"], "invalid choice"),
+        (["--env", "NOVALUE"], "--env: KEY=VALUE, found 'NOVALUE'"),
+        (["--env", "=1"], "--env: KEY=VALUE, found '=1'"),
+        (["--response", "0"], "--response and --samples must be >= 1"),
+        (["--steps", "-1"], "--steps must be >= 0"),
+        (["--logits-only-where-loss"], "an option of the RL paths"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            bench.parse_args(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_rl_samples_train_like_the_rl_job():
+    """The rl paths' samples are the RL job's at 32K: one prompt's 31 images, 128-token responses that differ, and at
+    CP=2 the backend's micro-batch puts the 128 loss positions (one per response token) on the two ranks."""
+    from miles_vl.algo import loss_denominators
+    from miles_vl.models import SpecialTokens
+    from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_tokens
+    from miles_vl.train.megatron.plan import MicroBatchSpec
+
+    samples = bench.rl_samples(32768, 31, 128, 4)
+    assert [s.input_ids.numel() for s in samples] == [32768] * 4 and {s.response_len for s in samples} == {128}
+    assert all(s.input_ids[: s.prompt_len].equal(samples[0].input_ids[: s.prompt_len]) for s in samples)
+    assert not samples[0].input_ids[-128:].equal(samples[1].input_ids[-128:])
+    assert samples[0].pixel_values.dtype == torch.float32 and samples[0].pixel_values.shape[0] == 31 * 4096
+    tokens = SpecialTokens(**bench.TOKENS, pad_token_id=bench.PAD, eos_token_ids=(bench.PAD,), vocab_size=151936)
+    positions = 0
+    for cp_rank in (0, 1):
+        mb = pack_micro_batch(
+            samples[:1], MicroBatchSpec([0]), tokens=tokens, spatial_merge_size=2, cp_size=2, cp_rank=cp_rank
+        )
+        assert mb.num_local_tokens == 16384
+        den = loss_denominators(torch.tensor([sample_loss_tokens(samples[0])]))
+        mb = attach_loss_inputs(mb, samples[:1], None, None, den, reduction="token_mean")
+        positions += mb.loss.positions.numel()
+    assert positions == 128
+
+
+@pytest.mark.parametrize("where", [False, True])
+def test_rl_options_are_the_rl_jobs(tmp_path, where):
+    """The rl paths train with what the failing job's backend got: `factories.train_options` of loop_job's 2b_long32k
+    shape at CP=2 (the config of docs/gpu-runs/2026-11-26-loop-long32k-cp2-2xh200), so they cannot drift apart."""
+    from miles_vl.config import load_config
+    from miles_vl.orchestration.factories import train_options
+    from scripts.gpu import loop_job
+
+    extra = ["train.num_gpus=2", "train.cp=2", f"train.logits_only_where_loss={str(where).lower()}"]
+    cfg = load_config(loop_job.CONFIG, [*loop_job.overrides("2b_long32k", tmp_path / "ckpt", tmp_path, "x", 2), *extra])
+    assert train_options(cfg, bench.special_tokens()) == bench.rl_options(32768, 4, 128, where)
