@@ -13,11 +13,13 @@ events (a sample reached its hold; the abort arrived), never on time.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 
 import pytest
 import torch
 
+from miles_vl.algo import tis_weights, to_train_samples
 from miles_vl.rollout.sglang import EngineStateError
 from miles_vl.rollout.sglang.generate import sampling_seed
 from miles_vl.rollout.types import SamplingParams
@@ -140,6 +142,42 @@ def test_every_sample_of_a_group_request_is_kept_and_continued(fake):
         )[0]
         assert g.response_ids.tolist() == span1 + rest
         assert g.spans == ((0, HOLD + 1, "base"), (HOLD + 1, HOLD + 1 + len(rest), "v1"))
+
+
+def test_the_importance_weights_use_each_spans_own_behaviour_logprobs(fake):
+    """A continued sample trains with the logprobs of the engine that produced each token: with b_t = the "base"
+    server's logprob for t < 4 (span 1) and the "v1" server's for t >= 4 (span 2), and old_t the trainer's, the
+    importance weight of token t is w_t = min(exp(old_t - b_t), cap) (clip) and, masked, w_t = exp(old_t - b_t) if
+    that is <= cap else 0."""
+    prompt = make_prompt([51, 52], 1, color=5)
+    max_new = 40
+    seed = seed_where(prompt, max_new, lambda out: len(out) > HOLD + 1)
+    eng = engine(fake, deterministic=True, partial_rollouts=True)
+    fake.inject("/generate", "hold", HOLD)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(eng.generate, [prompt], SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
+        wait_held(fake, 1)
+        eng.pause_generation()
+        sync(fake, eng, "v1")
+        eng.continue_generation()
+        [[g]] = answer.result(timeout=30)
+    first = fake_tokens(prompt.prompt_ids.tolist(), sampling(seed, max_new), "base")
+    span1 = first[0][: HOLD + 1]
+    second = fake_tokens(prompt.prompt_ids.tolist() + span1, sampling(seed, max_new - len(span1)), "v1")
+    behaviour = first[1][: HOLD + 1] + second[1]  # b_t, span by span, as each server returned them
+
+    reward = type("Reward", (), {"overall": 1.0})()
+    [sample], _ = to_train_samples([prompt], [[g]], [[reward]], estimator="grpo", norm_adv_by_std=False)
+    old = torch.linspace(-3.0, -0.1, sample.response_len)  # the trainer's logprobs of the same tokens
+    cap = 1.5
+    clipped, capped = tis_weights(old, sample.rollout_logprobs, mode="clip", cap=cap)
+    masked, _ = tis_weights(old, sample.rollout_logprobs, mode="mask", cap=cap)
+    for t in range(sample.response_len):
+        ratio = math.exp(float(old[t]) - float(torch.tensor(behaviour[t], dtype=torch.float32)))
+        assert float(clipped[t]) == pytest.approx(min(ratio, cap), rel=1e-5)
+        assert float(masked[t]) == pytest.approx(ratio if ratio <= cap else 0.0, rel=1e-5)
+        assert bool(capped[t]) == (ratio > cap)
+    assert 0 < int(capped.sum()) < sample.response_len  # both branches of the formula are exercised
 
 
 @pytest.mark.parametrize("ending", ["eos", "max_new_tokens"])
