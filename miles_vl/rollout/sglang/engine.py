@@ -237,7 +237,8 @@ class SGLangRolloutEngine:
             SGLangError: the server failed (after the client's bounded retries).
         """
         _check_params(params)
-        self._check_ready()
+        if not self.partial_rollouts:  # else per request, once no pause holds it (a sync may be in progress now)
+            self._check_ready()
         if params.temperature > 0 and not self.deterministic and not self._warned_seed:
             self._warned_seed = True
             log.warning(
@@ -411,6 +412,8 @@ class SGLangRolloutEngine:
         returns (its answer, the pause count and the weight version when it was sent)."""
         with self._gate:
             self._gate.wait_for(lambda: not self._paused)
+            if self.partial_rollouts:  # under the gate: no pause (and so no sync) can begin before it is counted
+                self._check_ready()
             self._sending += 1
             sent = (self._pauses, self.weight_version)
         try:
