@@ -13,7 +13,8 @@
         (the next step's first batch of prompts is encoded in a background thread while this step trains and syncs;
         a periodic checkpoint is written in the background while the next steps run: checkpoint.async_save;
         with rollout.max_staleness > 0 the rollout, reward and advantages of the next steps run on a rollout thread
-        while this step trains, and the sync waits for it: ahead.py, docs/async.md)
+        while this step trains, and the sync waits for it: ahead.py, docs/async.md; with rollout.partial_rollouts the
+        sync pauses the engines instead and the generations in flight continue under the new weights)
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
