@@ -369,14 +369,15 @@ class SGLangRolloutEngine:
         out: list[int] = []  # the response so far, over the spans of a continued sample
         logprobs: list[float] = []
         spans: list[tuple[int, int, str | None]] = []
-        retries = 0
+        retries = 0 if answer is None else -1  # a group's sample aborted is sent alone max_abort_retries + 1 times
         while True:
             rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(out))
             if answer is None:
                 answer = self._send(self.client.generate, self._payload(media, rest, seed, prefix=out))
             (body, pauses, version), answer = answer, None
-            kept = parse_aborted_response(body, prompt_ids=prompt + out, prompt_index=i)
-            if kept is not None and self.partial_rollouts and pauses != self._pauses:  # pause_generation's abort
+            ours = self.partial_rollouts and pauses != self._pauses  # a pause_generation came since it was sent
+            kept = parse_aborted_response(body, prompt_ids=prompt + out, prompt_index=i) if ours else None
+            if kept is not None:  # aborted by that pause: keep its tokens, continue after it
                 new, new_logprobs, reported = kept
                 self._check_version(reported, i, version)
                 if len(new) > rest.max_new_tokens:

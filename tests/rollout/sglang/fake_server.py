@@ -39,6 +39,8 @@ release and resume follow 0.5.16's scheduler: a busy server is not flushed (400)
 resuming memory that is not released, or loading weights (`/update_weights_from_tensor`) while the `weights` tag is
 released (the KV cache may stay released) kills the server (`_die`). Faults (`inject`) add 5xx answers, delays, exits,
 aborts (200 with an abort finish reason, or 400/500/503) and servers that ignore the weights they are sent.
+`POST /abort_request` (`rid`, or `abort_all`) ends the samples the "hold" fault keeps decoding as 0.5.16 ends a running
+request (`Handler._hold`: 200, finish reason abort, the output so far with its logprobs): partial rollouts.
 
 The "model" draws output tokens from a generator seeded by the prompt, the weight version and, only when the server
 runs with `--enable-deterministic-inference` (as 0.5.16, which otherwise ignores `sampling_seed`), the request's
@@ -733,9 +735,10 @@ class Handler(BaseHTTPRequestHandler):
         request did). 0.5.16 (scheduler.py `abort_request`): the running request gets `to_finish = FINISH_ABORT()`,
         runs one more decode step and finishes normally, so `/generate` answers 200 with finish reason abort, the
         output ids so far (`tokens` + 1 here, or fewer where the sample ends there: the abort's finish reason wins
-        over EOS and max_new_tokens in 0.5.16's `Req.update_finish_state`) and one logprob each. Checked on a real server by
-        tests/gpu/test_sglang_real.py::test_an_aborted_request_returns_its_output_so_far (a rid) and
-        ::test_abort_all_returns_every_sample_so_far (abort_all, n > 1). Driven by the abort, never by time."""
+        over EOS and max_new_tokens in 0.5.16's `Req.update_finish_state`) and one logprob each. Checked on a real
+        server by tests/gpu/test_sglang_real.py::test_an_aborted_request_returns_its_output_so_far (a rid) and
+        ::test_abort_all_returns_every_sample_so_far_and_the_engine_continues_them (abort_all, n > 1). Driven by
+        the abort, never by time."""
         s = self.server.state
 
         def reached() -> bool:
