@@ -4,13 +4,14 @@
 
 Duck-typed inputs (so that algo imports neither data nor rollout): a prompt has `prompt_ids` [P], `image_grid_thw`,
 `pixel_values`, `video_grid_thw` and `pixel_values_videos` (`rollout.types.PromptLike`; None without images / videos);
-a generation has `response_ids` [R] and `logprobs` [R]; a reward has `overall`. Groups are one list per prompt,
+a generation has `response_ids` [R] and `logprobs` [R] (and, continued by a partial rollout, `spans`: (start, end,
+weight version label) of each span); a reward has `overall`. Groups are one list per prompt,
 `n_samples_per_prompt` long.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ class TrainSample:
     pixel_values_videos: Tensor | None = None
     loss_mask: LongTensor | None = None  # [L]; None: every response token
     weight_version: int = 0  # the weights that sampled it: those after this many RL steps (staleness = step - it)
+    # partial rollouts: [R] the weights that sampled each response token (a sample continued after a sync; its
+    # `rollout_logprobs` are each token's own engine's); None: all of them `weight_version`
+    token_versions: LongTensor | None = None
 
     @property
     def response_len(self) -> int:
@@ -47,10 +51,12 @@ def to_train_samples(
     estimator: Estimator,
     norm_adv_by_std: bool,
     weight_version: int = 0,
+    version_of: Callable[[str | None], int] | None = None,
 ) -> tuple[list[TrainSample], dict[str, float]]:
     """One `TrainSample` per generation, with its group advantage (fp32; zero for a group whose rewards are all
-    equal) and `weight_version` (the RL step of the weights that sampled the groups), and the metric
-    `rollout/zero_adv_group_fraction`."""
+    equal) and `weight_version` (the RL step of the weights that sampled the groups; for a sample continued by a
+    partial rollout, those of its first span, the oldest), and the metric `rollout/zero_adv_group_fraction`.
+    `version_of`: a span's weight version label -> its RL step, for `token_versions` (partial rollouts)."""
     flat_rewards = torch.tensor([r.overall for rs in rewards for r in rs], dtype=torch.float32)
     adv = compute_advantages(
         flat_rewards,
@@ -73,7 +79,20 @@ def to_train_samples(
                     video_grid_thw=p.video_grid_thw,
                     pixel_values_videos=p.pixel_values_videos,
                     weight_version=weight_version,
+                    token_versions=_token_versions(g, version_of),
                 )
             )
             k += 1
     return samples, {"rollout/zero_adv_group_fraction": adv.zero_adv_group_fraction}
+
+
+def _token_versions(generation, version_of: Callable[[str | None], int] | None) -> LongTensor | None:
+    """[R] the RL step of the weights that sampled each token of a continued generation (its `spans`); None for one
+    sampled with one version."""
+    spans = getattr(generation, "spans", ())
+    if not spans or version_of is None:
+        return None
+    versions = torch.empty(generation.response_ids.numel(), dtype=torch.long)
+    for start, end, label in spans:
+        versions[start:end] = version_of(label)
+    return versions

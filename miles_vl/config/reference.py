@@ -49,6 +49,7 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
   the graphs).
 - `algo.tis.enabled` refuses greedy rollouts (`rollout.temperature: 0`): TIS reweights by a sampling distribution.
 - `rollout.max_staleness > 0` needs `ray.placement: disaggregate` and `algo.tis.enabled: true` (docs/async.md).
+- `rollout.partial_rollouts: true` needs `rollout.max_staleness > 0` and `rollout.backend: sglang` (docs/async.md).
 - `rollout.sglang.host` beyond loopback needs `rollout.sglang.api_key`.
 - `reward.functions`: the weights' magnitudes sum to at most 1e6 (each function scores within ±1e6, and a total
   reward beyond ±1e12 could overflow the float32 advantages).

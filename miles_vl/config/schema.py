@@ -396,6 +396,12 @@ class RolloutConfig(_Section):
         "s - v <= N. Needs ray.placement=disaggregate and algo.tis.enabled=true (the correction against the "
         "rollout's own logprobs).",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="with rollout.max_staleness > 0: a weight sync aborts the generations ahead still in flight, "
+        "keeps their tokens and logprobs, and continues them under the new weights (docs/async.md); each sample "
+        "records the weight version of each token span. Needs rollout.backend=sglang.",
+    )
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
 
@@ -906,6 +912,18 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.max_staleness={r.max_staleness} generates the next steps' batches while the trainer trains, on "
             f"engines of their own, but ray.placement={cfg.ray.placement} shares the devices between them; set "
             "ray.placement=disaggregate or rollout.max_staleness=0"
+        )
+    if r.partial_rollouts and r.max_staleness == 0:
+        errors.append(
+            "rollout.partial_rollouts=true continues the generations ahead of training across a weight sync, but "
+            "rollout.max_staleness=0 generates none ahead (the synchronous loop); set rollout.max_staleness >= 1 "
+            "(with ray.placement=disaggregate) or rollout.partial_rollouts=false"
+        )
+    if r.partial_rollouts and r.backend != "sglang":
+        errors.append(
+            "rollout.partial_rollouts=true aborts requests in flight on an SGLang server (/abort_request), but "
+            f"rollout.backend={r.backend} has no such call; set rollout.backend=sglang or "
+            "rollout.partial_rollouts=false"
         )
     if r.max_staleness > 0 and not a.tis.enabled:
         errors.append(

@@ -17,7 +17,10 @@ numbers only, never on timing: a run is reproducible and a resumed run repeats t
 
 Threads. Only the rollout thread produces while it runs (the data cursor, the engines, the reward pool are its); the
 main thread trains. Everything that reads the data cursor (a commit) or uses the engines (a sync, eval) comes after
-`wait()`. An error of the rollout thread is raised by the next `wait` or `take` in the main thread.
+`wait()`. An error of the rollout thread is raised by the next `wait` or `take` in the main thread. With partial
+rollouts (`rollout.partial_rollouts`) the driver pauses the engines before a sync instead of calling `wait()` (the
+thread's requests are aborted, kept and continued after the sync: rollout/sglang/engine.py), and calls `wait()` after
+the sync, before eval and the commit.
 
 What a checkpoint holds. The batches ready at a commit (`pending()`) are written into the checkpoint
 (`write_batches`, `rollouts_ahead.pt`, with the data cursor past them) and restored on resume (`restore`): the

@@ -34,7 +34,7 @@ import ray
 
 from miles_vl.config import JobConfig
 from miles_vl.models import SpecialTokens
-from miles_vl.orchestration.factories import EngineKind, EngineSlot
+from miles_vl.orchestration.factories import GENERATE_GROUP, EngineKind, EngineSlot
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options, engine_slots
 from miles_vl.rollout import EngineDiedError, Generation, RolloutEngine, SamplingParams
 from miles_vl.rollout.weight_sync import Failed, WeightSync
@@ -100,7 +100,7 @@ class RolloutEngines:
             prompts = strip_pixels(prompts)
         chunks = _split(list(prompts), len(self.engines))
         results: dict[int, list[list[Generation]]] = {}
-        pending = {i: self.engines[i].generate.remote(c, params) for i, c in enumerate(chunks) if c}
+        pending = {i: self._generate(i, c, params) for i, c in enumerate(chunks) if c}
         failures = 0
         while pending:
             i = next(iter(pending))
@@ -115,8 +115,26 @@ class RolloutEngines:
                     ) from error
                 log.warning("rollout engine %d failed; recovering it and retrying its %d prompts", i, len(chunks[i]))
                 self._recover({i: error})
-                pending[i] = self.engines[i].generate.remote(chunks[i], params)
+                pending[i] = self._generate(i, chunks[i], params)
         return [g for i in range(len(chunks)) for g in results.get(i, [])]
+
+    def _generate(self, i: int, prompts: list, params: SamplingParams):
+        """Engine `i`'s generate call; with partial rollouts in the actor's generate group, so that a pause reaches
+        the engine while it runs (factories.py `actor_class`)."""
+        method = self.engines[i].generate
+        if self.cfg.rollout.partial_rollouts:
+            method = method.options(concurrency_group=GENERATE_GROUP)
+        return method.remote(prompts, params)
+
+    def pause_generation(self) -> int:
+        """Partial rollouts, before a weight sync: every engine aborts its requests in flight and keeps their samples
+        (rollout/sglang/engine.py); returns once none runs, with how many requests were aborted. Not recovered: an
+        engine that fails here fails the step (the run's checkpoints stay as they are)."""
+        return sum(ray.get([e.pause_generation.remote() for e in self.engines]))
+
+    def continue_generation(self) -> None:
+        """Partial rollouts, after the sync: the paused generations go on under the new weights."""
+        ray.get([e.continue_generation.remote() for e in self.engines])
 
     def release_memory(self) -> None:
         """Colocated: the engines free their accelerator memory for the trainer (no-op when disaggregated); a dead

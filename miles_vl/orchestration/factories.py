@@ -128,9 +128,16 @@ def build_policy(cfg: JobConfig, tokens: SpecialTokens):
 
 
 @functools.cache
-def actor_class(cls: type):
-    """`cls` as a Ray actor class (made once per class; making it does not start Ray)."""
+def actor_class(cls: type, generate_apart: bool = False):
+    """`cls` as a Ray actor class (made once per class; making it does not start Ray). `generate_apart`: calls
+    made with `.options(concurrency_group=GENERATE_GROUP)` run in a thread of their own, beside the actor's other
+    calls (partial rollouts pause a generate in flight: `RolloutEngines.pause_generation`)."""
+    if generate_apart:
+        return ray.remote(concurrency_groups={GENERATE_GROUP: 1})(cls)
     return ray.remote(cls)
+
+
+GENERATE_GROUP = "generate"
 
 
 def launch_hf(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, engine: type = HFRolloutEngine, **kwargs):
@@ -201,7 +208,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
     if launch_module is None:
         launch_module = SGLANG_LAUNCH_MODULE
     return (
-        actor_class(SGLangRolloutHost)
+        actor_class(SGLangRolloutHost, cfg.rollout.partial_rollouts)
         .options(**slot.ray_options)
         .remote(
             server_spec(cfg, slot.index),
@@ -220,6 +227,7 @@ def launch_sglang(cfg: JobConfig, tokens: SpecialTokens, slot: EngineSlot, *, la
             env={"CUDA_VISIBLE_DEVICES": ",".join(slot.gpu_ids)} if slot.gpu_ids else None,
             cpu_tensors_by_name=True,
             name=f"rollout engine {slot.index}",
+            partial_rollouts=cfg.rollout.partial_rollouts,
         )
     )
 

@@ -13,7 +13,8 @@
         (the next step's first batch of prompts is encoded in a background thread while this step trains and syncs;
         a periodic checkpoint is written in the background while the next steps run: checkpoint.async_save;
         with rollout.max_staleness > 0 the rollout, reward and advantages of the next steps run on a rollout thread
-        while this step trains, and the sync waits for it: ahead.py, docs/async.md)
+        while this step trains, and the sync waits for it: ahead.py, docs/async.md; with rollout.partial_rollouts the
+        sync pauses the engines instead and the generations in flight continue under the new weights)
 
 Everything that can be wrong with the config, the data, the reward function or the checkpoint to resume from is
 found before Ray starts (`ConfigError`, `DataError`, `RewardResolutionError`, `RewardWorkerError`,
@@ -641,6 +642,10 @@ class Job:
         timer.seconds |= batch.timer.seconds  # the rollout thread's rollout, reward and advantages seconds
         staleness = [step - s.weight_version for s in batch.samples] or [step - version]
         metrics = {"rollout/staleness_mean": mean(staleness), "rollout/staleness_max": float(max(staleness))}
+        if self.cfg.rollout.partial_rollouts:  # per response token: a continued sample's later spans are fresher
+            tokens = [step - v for s in batch.samples for v in token_versions(s)]
+            metrics["rollout/token_staleness_mean"] = mean(tokens)
+            metrics["rollout/continued_samples"] = float(sum(s.token_versions is not None for s in batch.samples))
         return StepBatch(batch.samples, batch.metrics | metrics, timer)
 
     def produce_batch(self, step: int, version: int) -> StepBatch:
@@ -682,6 +687,7 @@ class Job:
                     estimator=a.estimator,
                     norm_adv_by_std=a.norm_adv_by_std,
                     weight_version=version,
+                    version_of=version_number,
                 )
         warn_if_stuck(step + 1, stats | adv_stats, self.cfg.rollout.max_response_len)
         self.record_samples_if_due(step, batch, samples)
@@ -703,9 +709,17 @@ class Job:
                 train_metrics = self.trainer.train(batch.samples)
                 self.rollout.resume_memory(WEIGHTS_MEMORY)  # only what the sync writes: the KV cache comes after it
             self.publish_save_before_sync()
-            self.wait_rollouts_ahead(timer)
+            if self.cfg.rollout.partial_rollouts:  # the generations ahead in flight are aborted, kept, continued
+                with timer("sync_wait"):
+                    self.rollout.pause_generation()
+            else:
+                self.wait_rollouts_ahead(timer)
             with timer("sync"):
                 self.rollout.sync_weights(weight_version(step + 1))
+            if self.cfg.rollout.partial_rollouts:
+                self.rollout.continue_generation()
+                with timer("continued"):  # the rest of the batches ahead, under the new weights, before eval/commit
+                    self.ahead.wait()
             with timer("resume"):
                 self.rollout.resume_memory()  # colocated: the KV cache and CUDA graphs, once the sync is done
         finally:
@@ -1019,3 +1033,17 @@ class Timer:
 def weight_version(step: int) -> str:
     """The label of the weights after `step` completed RL steps (what sglang responses must carry)."""
     return f"step-{step}"
+
+
+def version_number(label: str | None) -> int:
+    """`weight_version`'s inverse; any other label (the engines' initial one, "base") is the initial weights: 0."""
+    if label is not None and label.startswith("step-") and label.removeprefix("step-").isdigit():
+        return int(label.removeprefix("step-"))
+    return 0
+
+
+def token_versions(sample: TrainSample) -> list[int]:
+    """The RL step of the weights that sampled each response token of `sample`."""
+    if sample.token_versions is not None:
+        return sample.token_versions.tolist()
+    return [sample.weight_version] * sample.response_len

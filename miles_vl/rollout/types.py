@@ -34,6 +34,10 @@ class Generation:
     response_ids: LongTensor  # [R], ends with an EOS token when finish_reason == "stop"
     logprobs: FloatTensor  # [R] log-probability of each sampled token under the sampling distribution
     finish_reason: Literal["stop", "length"]
+    # A generation continued under newer weights (partial rollouts: rollout/sglang/engine.py): (start, end, weight
+    # version) of each span of `response_ids`, in order, covering it; `logprobs[start:end]` are that version's.
+    # Empty: the whole response was sampled with one version (the one the engine held for the call).
+    spans: tuple[tuple[int, int, str | None], ...] = ()
 
 
 # What an engine's memory release covers, by SGLang's names (sglang/srt/constants.py, 0.5.16): a colocated step

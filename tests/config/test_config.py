@@ -323,6 +323,23 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "importance sampling against the rollout's own logprobs, but algo.tis.enabled=false",
             "`rollout.max_staleness > 0` needs `ray.placement: disaggregate` and `algo.tis.enabled: true`",
         ),
+        (  # issue 34 item 2: partial rollouts continue generations ahead, on SGLang servers (/abort_request)
+            ["rollout.partial_rollouts=true", "rollout.backend=sglang"],
+            "rollout.partial_rollouts=true continues the generations ahead of training across a weight sync, but "
+            "rollout.max_staleness=0 generates none ahead",
+            "`rollout.partial_rollouts: true` needs `rollout.max_staleness > 0` and `rollout.backend: sglang`",
+        ),
+        (
+            [
+                "rollout.partial_rollouts=true",
+                "rollout.max_staleness=1",
+                "ray.placement=disaggregate",
+                "algo.tis.enabled=true",
+            ],  # fmt: skip
+            "rollout.partial_rollouts=true aborts requests in flight on an SGLang server (/abort_request), but "
+            "rollout.backend=hf has no such call; set rollout.backend=sglang or rollout.partial_rollouts=false",
+            "`rollout.partial_rollouts: true` needs `rollout.max_staleness > 0` and `rollout.backend: sglang`",
+        ),
         (
             ["rollout.sglang.send_pixel_values=true", "rollout.sglang.launcher=sglang"],
             "rollout.sglang.send_pixel_values=true needs miles_vl's SGLang plugin",

@@ -1054,3 +1054,42 @@ def test_an_aborted_request_returns_its_output_so_far(host, prompts, tokens):
     assert 0 < len(body["output_ids"]) < max_new
     assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"])
     print(f"\n[abort] finish_reason {finish}, {len(body['output_ids'])} output ids kept")
+
+
+def test_abort_all_returns_every_sample_so_far_and_the_engine_continues_them(host, prompts):
+    """Issue 34, partial rollouts (rollout/sglang/engine.py `pause_generation` / `continue_generation`): with
+    `n = 2` samples in one request (SGLang gives the copies fresh rids of its own, so the engine aborts with
+    `{"abort_all": true}`), each aborted sample comes back with its output so far and its logprobs (HTTP 200); the
+    engine keeps them and, after a relabelled weight version, sends each as prompt + tokens so far with the prompt's
+    image: SGLang's prompt ids of the continuation are ours + the first span (the engine checks them), and the
+    sample is one generation whose spans carry both versions. What the stand-in's `Handler._hold` does."""
+    import concurrent.futures
+
+    engine = host.engine
+    engine.partial_rollouts = True
+    before = engine.weight_version
+    params = SamplingParams(n=2, max_new_tokens=3000, temperature=1.0, seed=0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(engine.generate, prompts[:1], params)
+            time.sleep(0.5)  # no event tells that decoding has started; the request runs for seconds
+            in_flight = engine.pause_generation()
+            host.client.post_json("/update_weight_version", {"new_version": "issue34-continued"})
+            engine.expect_weight_version("issue34-continued")
+            engine.continue_generation()
+            [group] = answer.result(timeout=300)
+    finally:
+        engine.partial_rollouts = False
+        host.client.post_json("/update_weight_version", {"new_version": before or "default"})  # the label of before
+        if before is not None:
+            engine.expect_weight_version(before)
+        else:
+            engine.weight_version = None
+    assert in_flight == 1 and len(group) == 2
+    continued = [g for g in group if len(g.spans) == 2]
+    assert continued, [g.spans for g in group]  # a sample that emitted EOS within 0.5 s is the only other outcome
+    for g in continued:
+        (s0, e0, v0), (s1, e1, v1) = g.spans
+        assert (s0, v0, s1, e1, v1) == (0, before, e0, g.response_ids.numel(), "issue34-continued") and e0 > 0
+        assert g.logprobs.numel() == g.response_ids.numel() and bool((g.logprobs <= 0).all())
+    print(f"\n[abort_all] spans {[g.spans for g in group]}")

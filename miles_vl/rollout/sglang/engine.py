@@ -26,6 +26,16 @@ then sends every sample to the scheduler at once, so they start decoding togethe
 (docs/sglang.md). SGLang's own server takes such a request too, but waits for each prompt's prefill in turn, so the
 engine sends it one prompt per request.
 
+Partial rollouts (`partial_rollouts=True`, docs/async.md): `pause_generation()` before a weight sync aborts every
+request in flight (`POST /abort_request {"abort_all": true}`) and holds new ones; SGLang 0.5.16 answers each aborted
+request with its output so far and one logprob per token (generate.py, `parse_aborted_response`), which the engine
+keeps. `continue_generation()` after the sync sends each kept sample again as prompt + tokens so far (its images with
+it: the server rebuilds the prefix from them) for the remaining `max_new_tokens`, under the new weights; the sample's
+response is the concatenation and `Generation.spans` records the weight version of each span, whose logprobs are the
+ones that version's server returned. A sample whose first span ended with EOS or reached `max_new_tokens` is finished
+there. `abort_all`, not a rid: SGLang gives the `n` copies of a request fresh rids (`regenerate_rid`), which the
+engine never sees, and the server serves this engine alone.
+
 Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, rollout/sglang/weights.py); a caller
 that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
 `finish_weight_sync` (a server restart in between is detected and the sync must begin again); after an NCCL sync driven
@@ -42,9 +52,11 @@ silently), and a few small tensors sent with new values must have changed on the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,12 +67,13 @@ from torch import Tensor
 
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import vision_token_ids
-from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError
+from miles_vl.rollout.sglang.client import SGLangClient, SGLangError, SGLangRequestError, SGLangResponseError
 from miles_vl.rollout.sglang.generate import (
     GenerationAbortedError,
     PromptMedia,
     batch_payload,
     build_generate_payload,
+    parse_aborted_response,
     parse_generate_response,
     pixel_media,
     png_media,
@@ -166,6 +179,8 @@ class SGLangRolloutEngine:
         pixel_dtype: the dtype pixel values are written in: the server model's dtype (the model casts them to it),
             or float32.
         spatial_merge_size: the vision tower's merge (vision_config.spatial_merge_size): checks ids against grids.
+        partial_rollouts: `pause_generation` keeps the samples it aborts and `continue_generation` continues them
+            under the weights synced in between (module docstring).
 
     Raises:
         ValueError: `options.one_request_per_prompt` on a deterministic server.
@@ -186,6 +201,7 @@ class SGLangRolloutEngine:
         pixel_dir: str | None = None,
         pixel_dtype: torch.dtype = torch.float32,
         spatial_merge_size: int = 2,
+        partial_rollouts: bool = False,
     ):
         if options.one_request_per_prompt and deterministic:
             raise ValueError(
@@ -218,6 +234,11 @@ class SGLangRolloutEngine:
         self.weights_missing: str | None = None  # why the server's weights cannot be used now, if they cannot
         self.server_restarts = 0
         self._sync: _SyncInProgress | None = None
+        self.partial_rollouts = partial_rollouts
+        self._gate = threading.Condition()  # guards the three below; generate's threads wait on it while paused
+        self._paused = False
+        self._pauses = 0  # pause_generation calls so far: a request sent before the last one was aborted by it
+        self._sending = 0  # /generate requests in flight
 
     # ------------------------------------------------------------------------------------------------------------
     # generation
@@ -233,7 +254,8 @@ class SGLangRolloutEngine:
             SGLangError: the server failed (after the client's bounded retries).
         """
         _check_params(params)
-        self._check_ready()
+        if not self.partial_rollouts:  # else per request, once no pause holds it (a sync may be in progress now)
+            self._check_ready()
         if params.temperature > 0 and not self.deterministic and not self._warned_seed:
             self._warned_seed = True
             log.warning(
@@ -336,39 +358,141 @@ class SGLangRolloutEngine:
         whose `image_data` must then be one entry per prompt (`GenerateReqInput._normalize_image_data`,
         `srt/managers/io_struct.py:509`), so a flat list of two images would be refused."""
         n = params.n
-        ids = {i: [int(t) for t in prompts[i].prompt_ids.tolist()] for i in indices}
         payloads = [self._payload(media[i], params, sampling_seed(params.seed, i, 0, n), n=n) for i in indices]
-        bodies = self.client.generate_n(batch_payload(payloads), n * len(indices))
+        bodies, pauses, version = self._send(self.client.generate_n, batch_payload(payloads), n * len(indices))
         out = []
         for k, i in enumerate(indices):
-            generations: list[Generation] = []
-            for j, body in enumerate(bodies[k * n : (k + 1) * n]):  # SGLang answers prompt by prompt, n each
-                try:
-                    generation = self._parse(body, ids[i], params, i)
-                except GenerationAbortedError as e:
-                    log.warning("%s (sample %d of %d); sending that sample again alone", e, j, n)
-                    generation = self._generate_one(prompts[i].prompt_ids, media[i], params, i, j)
-                generations.append(generation)
+            generations = [  # SGLang answers prompt by prompt, n each
+                self._generate_one(prompts[i].prompt_ids, media[i], params, i, j, answer=(body, pauses, version))
+                for j, body in enumerate(bodies[k * n : (k + 1) * n])
+            ]
             out.append((i, generations))
         return out
 
     def _generate_one(
-        self, prompt_ids: Tensor, media: PromptMedia, params: SamplingParams, i: int, j: int
+        self,
+        prompt_ids: Tensor,
+        media: PromptMedia,
+        params: SamplingParams,
+        i: int,
+        j: int,
+        answer: tuple[dict, int, str | None] | None = None,
     ) -> Generation:
-        ids = [int(t) for t in prompt_ids.tolist()]
-        payload = self._payload(media, params, sampling_seed(params.seed, i, j, params.n))
-        for attempt in range(self.options.max_abort_retries + 1):
-            body = self.client.generate(payload)
-            try:
-                return self._parse(body, ids, params, i)
+        """Sample `j` of prompt `i`. `answer`: (body, pause count, weight version) of the request that already carried
+        it (a group's, `_send`); None: sent here. A sample SGLang aborted on its own is sent again alone (at most
+        `max_abort_retries` times); one `pause_generation` aborted is kept and continued (module docstring)."""
+        prompt = [int(t) for t in prompt_ids.tolist()]
+        seed = sampling_seed(params.seed, i, j, params.n)
+        out: list[int] = []  # the response so far, over the spans of a continued sample
+        logprobs: list[float] = []
+        spans: list[tuple[int, int, str | None]] = []
+        retries = 0 if answer is None else -1  # a group's sample aborted is sent alone max_abort_retries + 1 times
+        while True:
+            rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(out))
+            if answer is None:
+                answer = self._send(self.client.generate, self._payload(media, rest, seed, prefix=out))
+            (body, pauses, version), answer = answer, None
+            ours = self.partial_rollouts and pauses != self._pauses  # a pause_generation came since it was sent
+            kept = parse_aborted_response(body, prompt_ids=prompt + out, prompt_index=i) if ours else None
+            if kept is not None:  # aborted by that pause: keep its tokens, continue after it
+                new, new_logprobs, reported = kept
+                self._check_version(reported, i, version)
+                if len(new) > rest.max_new_tokens:
+                    raise SGLangResponseError(
+                        f"/generate for prompt {i}: {len(new)} tokens returned, max_new_tokens was "
+                        f"{rest.max_new_tokens}"
+                    )
+                if new:
+                    spans.append((len(out), len(out) + len(new), version))
+                    out, logprobs = out + new, logprobs + new_logprobs
+                finished = "stop" if out and out[-1] in self.stop_token_ids else None
+                if len(out) == params.max_new_tokens:
+                    finished = finished or "length"
+                if finished:
+                    return _joined(out, logprobs, finished, spans)
+                continue  # after the sync: continue_generation lets the request through
+            try:  # partial rollouts: the version it was sent under (a sync may have come since); else the last synced
+                generation = self._parse(body, prompt + out, rest, i, version if self.partial_rollouts else None)
             except GenerationAbortedError as e:
-                if attempt == self.options.max_abort_retries:
-                    raise SGLangError(f"{e} ({attempt + 1} attempts); see the server log for why it aborts") from e
-                log.warning("%s; sending it again", e)
-        raise AssertionError("unreachable")
+                retries += 1
+                if retries > self.options.max_abort_retries:
+                    raise SGLangError(f"{e} ({retries} attempts); see the server log for why it aborts") from e
+                log.warning("%s (sample %d of %d); sending it again alone", e, j, params.n)
+                continue
+            if not spans:  # one request (or continued from no tokens): one version, the call's
+                return generation
+            spans.append((len(out), len(out) + generation.response_ids.numel(), version))
+            out, logprobs = out + generation.response_ids.tolist(), logprobs + generation.logprobs.tolist()
+            return _joined(out, logprobs, generation.finish_reason, spans)
 
-    def _parse(self, body: dict, ids: list[int], params: SamplingParams, i: int) -> Generation:
-        """One answer body as a Generation, checked against our prompt ids and the last synced weight version."""
+    def _send(self, call: Callable[..., object], *args: object) -> tuple:
+        """`call(*args)` (one /generate) once no pause holds new requests, counted as in flight while it runs;
+        returns (its answer, the pause count and the weight version when it was sent)."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            if self.partial_rollouts:  # under the gate: no pause (and so no sync) can begin before it is counted
+                self._check_ready()
+            self._sending += 1
+            sent = (self._pauses, self.weight_version)
+        try:
+            return (call(*args), *sent)
+        finally:
+            with self._gate:
+                self._sending -= 1
+                self._gate.notify_all()
+
+    def pause_generation(self, timeout_s: float = 60.0) -> int:
+        """Before a weight sync (partial rollouts): abort every request in flight and hold new ones until
+        `continue_generation`. The aborted samples are kept (module docstring). Returns once no request is in flight
+        (the server runs none of ours: the sync may change the weights), with how many were.
+
+        `abort_all` is sent again every second while requests remain (as SGLang's own `pause_generation` does in its
+        abort mode): one that reached the server after an abort runs until the next one.
+
+        Raises:
+            EngineStateError: the engine was built without `partial_rollouts`, or requests still in flight after
+                `timeout_s`.
+        """
+        if not self.partial_rollouts:
+            raise EngineStateError(
+                "pause_generation() needs an engine built with partial_rollouts=True (rollout.partial_rollouts)"
+            )
+        with self._gate:
+            self._paused = True
+            self._pauses += 1
+            in_flight = self._sending
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._gate:
+                if self._sending == 0:
+                    return in_flight
+            if time.monotonic() > deadline:
+                raise EngineStateError(
+                    f"pause_generation(): {self._sending} request(s) still in flight {timeout_s:.0f} s after "
+                    f"/abort_request on {self.client.base_url}; check the server log"
+                )
+            self.client.post_json("/abort_request", {"abort_all": True})
+            with self._gate:
+                self._gate.wait_for(lambda: self._sending == 0, timeout=1.0)
+
+    def continue_generation(self) -> None:
+        """After the sync that `pause_generation` made way for: the held requests, and the samples it aborted, go on
+        under the new weights.
+
+        Raises:
+            EngineStateError: the weights are not usable (a sync that did not complete).
+        """
+        if self.weights_missing is not None:
+            raise EngineStateError(f"continue_generation() refused: {self.weights_missing}; finish the sync first")
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
+
+    def _parse(
+        self, body: dict, ids: list[int], params: SamplingParams, i: int, expected: str | None = None
+    ) -> Generation:
+        """One answer body as a Generation, checked against our prompt ids and the weight version the request was
+        sent under (`expected`; default: the last synced one)."""
         generation, version = parse_generate_response(
             body,
             prompt_ids=ids,
@@ -376,12 +500,15 @@ class SGLangRolloutEngine:
             max_new_tokens=params.max_new_tokens,
             prompt_index=i,
         )
-        self._check_version(version, i)
+        self._check_version(version, i, expected)
         return generation
 
-    def _payload(self, media: PromptMedia, params: SamplingParams, seed: int, n: int = 1) -> dict:
+    def _payload(
+        self, media: PromptMedia, params: SamplingParams, seed: int, n: int = 1, prefix: Sequence[int] = ()
+    ) -> dict:
+        """A request for `media`'s prompt, followed by `prefix` (a continued sample's response so far)."""
         return build_generate_payload(
-            media.input_ids,
+            [*media.input_ids, *prefix],
             media.image_data,
             params,
             seed=seed,
@@ -392,10 +519,11 @@ class SGLangRolloutEngine:
             video_data=media.video_data,
         )
 
-    def _check_version(self, version: str | None, prompt_index: int) -> None:
-        if self.weight_version is not None and version is not None and version != self.weight_version:
+    def _check_version(self, version: str | None, prompt_index: int, expected: str | None = None) -> None:
+        expected = expected or self.weight_version
+        if expected is not None and version is not None and version != expected:
             raise WeightVersionError(
-                f"prompt {prompt_index} was answered with weights {version!r}, but {self.weight_version!r} were "
+                f"prompt {prompt_index} was answered with weights {version!r}, but {expected!r} were "
                 "synced last: the server restarted (reloading model_path) or a sync did not finish; check its log "
                 "and sync the weights again"
             )
@@ -576,6 +704,18 @@ class SGLangRolloutEngine:
         self.released.difference_update(todo)
         if "weights" in todo and not self.weights_cpu_backup:
             self.weights_missing = "the server released its weights and keeps no CPU backup, so they are undefined"
+
+
+def _joined(
+    out: list[int], logprobs: list[float], finish_reason: str, spans: list[tuple[int, int, str | None]]
+) -> Generation:
+    """A continued sample's response: the spans' tokens and logprobs, in order, with their versions."""
+    return Generation(
+        response_ids=torch.tensor(out, dtype=torch.long),
+        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        finish_reason=finish_reason,
+        spans=tuple(spans),
+    )
 
 
 def _check_params(params: SamplingParams) -> None:

@@ -519,20 +519,7 @@ def parse_generate_response(
             + _MISMATCH_HINT
         )
 
-    output_ids = _field(body, "output_ids", list, where)
-    logprob_rows = _field(meta, "output_token_logprobs", list, where + " meta_info")
-    if len(logprob_rows) != len(output_ids):
-        raise SGLangResponseError(
-            f"{where}: {len(output_ids)} output ids but {len(logprob_rows)} output_token_logprobs; was "
-            "return_logprob sent?"
-        )
-    logprobs = []
-    for k, (row, token) in enumerate(zip(logprob_rows, output_ids, strict=True)):
-        if not isinstance(row, list | tuple) or len(row) < 2 or row[0] is None or int(row[1]) != int(token):
-            raise SGLangResponseError(
-                f"{where}: output_token_logprobs[{k}] = {row!r} does not score output_ids[{k}] = {token}"
-            )
-        logprobs.append(float(row[0]))
+    output_ids, logprobs = _output_tokens(body, meta, where)
     if not output_ids:
         raise SGLangResponseError(f"{where}: empty output_ids (finish_reason {finish})")
     if len(output_ids) > max_new_tokens:
@@ -557,6 +544,54 @@ def parse_generate_response(
     )
     version = meta.get("weight_version")
     return generation, None if version is None else str(version)
+
+
+def parse_aborted_response(
+    body: dict[str, Any], *, prompt_ids: Sequence[int], prompt_index: int
+) -> tuple[list[int], list[float], str | None] | None:
+    """The output so far of a request SGLang aborted (`finish_reason.type == "abort"`, HTTP 200), as 0.5.16 answers
+    an `/abort_request` that reaches a decoding request (scheduler.py `abort_request`: `to_finish = FINISH_ABORT()`,
+    one more decode step, then a normal answer with the output ids so far and, with `return_logprob`, one logprob
+    each; one still waiting in the queue comes back with none).
+
+    Returns:
+        (output ids so far, their logprobs, meta_info.weight_version), or None when the body is not an abort.
+
+    Raises:
+        PromptMismatchError: the answer names other prompt ids than ours.
+        SGLangResponseError: output ids and logprobs that do not pair up.
+    """
+    where = f"/generate for prompt {prompt_index}"
+    meta = _field(body, "meta_info", dict, where)
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") != "abort":
+        return None
+    if body.get("prompt_token_ids") is not None:  # an abort in the waiting queue may come back before tokenizing
+        check_prompt_tokens(prompt_ids, body["prompt_token_ids"], prompt_index=prompt_index)
+    if not body.get("output_ids"):
+        return [], [], None
+    output_ids, logprobs = _output_tokens(body, meta, where)
+    version = meta.get("weight_version")
+    return [int(t) for t in output_ids], logprobs, None if version is None else str(version)
+
+
+def _output_tokens(body: dict[str, Any], meta: dict[str, Any], where: str) -> tuple[list, list[float]]:
+    """`output_ids` and the logprob of each (`meta_info.output_token_logprobs`), checked to pair up."""
+    output_ids = _field(body, "output_ids", list, where)
+    logprob_rows = _field(meta, "output_token_logprobs", list, where + " meta_info")
+    if len(logprob_rows) != len(output_ids):
+        raise SGLangResponseError(
+            f"{where}: {len(output_ids)} output ids but {len(logprob_rows)} output_token_logprobs; was "
+            "return_logprob sent?"
+        )
+    logprobs = []
+    for k, (row, token) in enumerate(zip(logprob_rows, output_ids, strict=True)):
+        if not isinstance(row, list | tuple) or len(row) < 2 or row[0] is None or int(row[1]) != int(token):
+            raise SGLangResponseError(
+                f"{where}: output_token_logprobs[{k}] = {row!r} does not score output_ids[{k}] = {token}"
+            )
+        logprobs.append(float(row[0]))
+    return output_ids, logprobs
 
 
 _MISMATCH_HINT = (

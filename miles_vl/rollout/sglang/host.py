@@ -119,6 +119,7 @@ class SGLangRolloutHost(RolloutEngine):
         cpu_tensors_by_name: without a GPU, share CPU weight tensors with the server by shared-memory file name
             (torch's process-wide "file_system" strategy): the server cannot open this process's file descriptors.
         name: how messages name this engine (e.g. "rollout engine 1").
+        partial_rollouts: the engine keeps the samples `pause_generation` aborts (`SGLangRolloutEngine`).
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class SGLangRolloutHost(RolloutEngine):
         send_pixel_values: bool = False,
         cpu_tensors_by_name: bool = False,
         name: str = "the rollout engine",
+        partial_rollouts: bool = False,
     ):
         options = EngineOptions() if options is None else options
         if cpu_tensors_by_name and not torch.cuda.is_available():
@@ -203,6 +205,7 @@ class SGLangRolloutHost(RolloutEngine):
                 pixel_dir=None if self.pixel_dir is None else str(self.pixel_dir),
                 pixel_dtype=pixel_wire_dtype(spec),
                 spatial_merge_size=spatial_merge_size(spec.model_path),
+                partial_rollouts=partial_rollouts,
             )
         except BaseException:  # nothing started yet: only the private files to remove
             self._remove_private_files()
@@ -354,6 +357,16 @@ class SGLangRolloutHost(RolloutEngine):
     def expect_weight_version(self, version: str) -> None:
         """Record an NCCL sync the trainer drove (`DistributedWeightSender.send`) to this engine's server."""
         self.engine.expect_weight_version(version)
+
+    def pause_generation(self) -> int:
+        """`SGLangRolloutEngine.pause_generation` (partial rollouts). It runs while a `generate` is in flight: the
+        actor runs `generate` in a concurrency group of its own (orchestration/factories.py `launch_sglang`). Not
+        under the restart rule: a server that died fails the pause, and the generate in flight recovers it."""
+        return self.engine.pause_generation()
+
+    def continue_generation(self) -> None:
+        """`SGLangRolloutEngine.continue_generation` (partial rollouts), after the sync."""
+        self.engine.continue_generation()
 
     # -----------------------------------------------------------------------------------------------------------------
 

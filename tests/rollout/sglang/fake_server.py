@@ -39,6 +39,8 @@ release and resume follow 0.5.16's scheduler: a busy server is not flushed (400)
 resuming memory that is not released, or loading weights (`/update_weights_from_tensor`) while the `weights` tag is
 released (the KV cache may stay released) kills the server (`_die`). Faults (`inject`) add 5xx answers, delays, exits,
 aborts (200 with an abort finish reason, or 400/500/503) and servers that ignore the weights they are sent.
+`POST /abort_request` (`rid`, or `abort_all`) ends the samples the "hold" fault keeps decoding as 0.5.16 ends a running
+request (`Handler._hold`: 200, finish reason abort, the output so far with its logprobs): partial rollouts.
 
 The "model" draws output tokens from a generator seeded by the prompt, the weight version and, only when the server
 runs with `--enable-deterministic-inference` (as 0.5.16, which otherwise ignores `sampling_seed`), the request's
@@ -154,6 +156,7 @@ REQUEST_FIELDS = {
     "/release_memory_occupation": BASE_REQ | {"tags"},
     "/resume_memory_occupation": BASE_REQ | {"tags"},
 }
+ABORT_FIELDS = BASE_REQ | {"abort_all", "finished_reason", "abort_message"}  # AbortReq (io_struct.py:1795)
 MEMORY_TAGS = {"kv_cache", "weights", "cuda_graph"}
 # SafeUnpickler.ALLOWED_MODULE_PREFIXES of 0.5.16 (the prefixes a weight payload may reference).
 ALLOWED_MODULE_PREFIXES = (
@@ -207,7 +210,8 @@ class ServerError(Exception):
 @dataclass
 class Fault:
     # "status" | "delay" | "exit" | "abort" (200 with finish_reason abort) | "abort_status" (value 400, 500 or 503) |
-    # "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs"
+    # "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs" | "hold" (a sample stops decoding after `value`
+    # tokens until an /abort_request reaches it: `Handler._hold`)
     kind: str
     value: Any = None
     times: int = 1
@@ -247,6 +251,10 @@ class FakeState:
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)  # what the server wrote to its log (also on stderr as a process)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # /abort_request: every abort so far as (abort_all, rid), and a condition held samples wait on (`Handler._hold`)
+    aborts: list[tuple[bool, str]] = field(default_factory=list)
+    aborted: threading.Condition = field(default_factory=threading.Condition)
+    held: int = 0  # samples that have reached their hold (tests wait for this, under `aborted`)
 
     def take_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
         with self.lock:
@@ -695,6 +703,9 @@ class Handler(BaseHTTPRequestHandler):
             work.append((input_ids, pngs, sampling, None))
 
         version = s.weight_version
+        with s.aborted:  # an abort reaches the requests that arrived before it (`_hold`)
+            arrived = len(s.aborts)
+        rid = body.get("rid") if n == 1 and not batched else None  # 0.5.16 gives n > 1 copies fresh uuid rids
         if (f := s.take_fault("/generate", ("weight_version",))) is not None:
             version = str(f.value)
         if (f := s.take_fault("/generate", ("abort_status",))) is not None:
@@ -713,8 +724,45 @@ class Handler(BaseHTTPRequestHandler):
                     )
                 else:
                     out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
+                if (f := s.take_fault("/generate", ("hold",))) is not None and len(out) > int(f.value):
+                    out, logprobs, finish = self._hold(out, logprobs, int(f.value), arrived, rid)
                 responses.append(self._response(body, list(prompt_ids), out, logprobs, finish, version))
         self._json(200, responses if n > 1 or batched else responses[0])
+
+    def _hold(self, out: list, logprobs: list, tokens: int, arrived: int, rid: str | None) -> tuple[list, list, dict]:
+        """A sample that is still decoding when an `/abort_request` reaches it (the "hold" fault: it stops after
+        `tokens` tokens until an abort with `abort_all`, or with a prefix of this request's `rid`, arrives after the
+        request did). 0.5.16 (scheduler.py `abort_request`): the running request gets `to_finish = FINISH_ABORT()`,
+        runs one more decode step and finishes normally, so `/generate` answers 200 with finish reason abort, the
+        output ids so far (`tokens` + 1 here, or fewer where the sample ends there: the abort's finish reason wins
+        over EOS and max_new_tokens in 0.5.16's `Req.update_finish_state`) and one logprob each. Checked on a real
+        server by tests/gpu/test_sglang_real.py::test_an_aborted_request_returns_its_output_so_far (a rid) and
+        ::test_abort_all_returns_every_sample_so_far_and_the_engine_continues_them (abort_all, n > 1). Driven by
+        the abort, never by time."""
+        s = self.server.state
+
+        def reached() -> bool:
+            return any(every or (rid is not None and rid.startswith(r)) for every, r in s.aborts[arrived:])
+
+        with s.aborted:
+            s.held += 1
+            s.aborted.notify_all()
+            s.aborted.wait_for(reached)
+        finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        return out[: tokens + 1], logprobs[: tokens + 1], finish
+
+    def abort_request(self, body, query):
+        """`POST /abort_request` (`AbortReq`: `rid`, or `abort_all`): 200 with an empty body; 0.5.16 ignores an empty
+        rid without abort_all (tokenizer_manager.py `abort_request`)."""
+        _require_fields(body or {}, ABORT_FIELDS, "AbortReq")
+        body = body or {}
+        every, rid = bool(body.get("abort_all", False)), str(body.get("rid") or "")
+        s = self.server.state
+        if every or rid:
+            with s.aborted:
+                s.aborts.append((every, rid))
+                s.aborted.notify_all()
+        self._send(200, b"", "text/plain")
 
     def _pixels(self, images: list, videos: list) -> dict[str, Any]:
         """One prompt's processor_output items (images, videos) as 0.5.16 with miles_vl's launcher takes them: at most
@@ -1054,6 +1102,7 @@ ROUTES = {
     ("GET", "/model_info"): Handler.model_info,
     ("GET", "/server_info"): Handler.server_info,
     ("POST", "/generate"): Handler.generate,
+    ("POST", "/abort_request"): Handler.abort_request,
     ("GET", "/flush_cache"): Handler.flush_cache,
     ("POST", "/flush_cache"): Handler.flush_cache,
     ("POST", "/update_weights_from_tensor"): Handler.update_weights_from_tensor,

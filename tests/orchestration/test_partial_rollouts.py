@@ -1,0 +1,154 @@
+"""Partial rollouts in the driver loop (issue 34, item 2: `rollout.partial_rollouts`), end to end on CPU with the
+SGLang stand-in servers of test_sglang_loop.py (tests/rollout/sglang/hf_server.py: the tiny HF Qwen3-VL behind
+SGLang 0.5.16's HTTP API, launched by the real host), disaggregated, `max_staleness=1`.
+
+The stand-in holds one sample of the batch generated ahead (its "hold" fault, from a fault file: it decodes 2 tokens
+and waits for an `/abort_request`): the batch cannot finish before the trainer is done with the step, so the weight
+sync that ends the step meets a generation in flight. The driver pauses the engine (abort_all), syncs, and continues:
+the held sample comes back with its 3 tokens so far, is sent again as prompt + those tokens under the new weights, and
+is trained at the next step as one sample whose tokens carry two versions (span 1: the weights of step 0, span 2:
+those of step 1): nothing lost, nothing trained twice; the step's per-token staleness is below its per-sample one.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import ray
+
+from miles_vl.orchestration import run_job
+from miles_vl.orchestration.engines import RolloutEngines
+from miles_vl.orchestration.loop import JobInterrupted
+from miles_vl.orchestration.trainer import Trainer
+from miles_vl.rollout.weight_sync import WeightSyncOptions
+from tests.orchestration.jobs import metrics, stand_ins, write_checkpoint
+from tests.orchestration.test_sglang_loop import config
+
+SAMPLES = 4  # rollout.batch_size=2 x n_samples_per_prompt=2 (the tiny job)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_qwen3vl"))
+
+
+class Recorder:
+    """The samples of every train call the driver makes."""
+
+    def __init__(self, monkeypatch):
+        self.trained: list[list] = []
+        train = Trainer.train
+
+        def record_train(trainer, samples):
+            self.trained.append(list(samples))
+            return train(trainer, samples)
+
+        monkeypatch.setattr(Trainer, "train", record_train)
+
+    def prompt_counts(self) -> collections.Counter:
+        return collections.Counter(tuple(s.input_ids[: s.prompt_len].tolist()) for ss in self.trained for s in ss)
+
+
+def partial_job(tmp_path: Path, checkpoint: Path, name: str, fault: Path | None = None):
+    """3 steps, max_staleness 1, partial rollouts; with `fault`: the stand-in's fault file (read when it starts)."""
+    extra = f"rollout.sglang.extra_args=[--fake-fault-file,{fault}]" if fault else "rollout.sglang.extra_args=[]"
+    return config(
+        tmp_path,
+        checkpoint,
+        name,
+        "num_steps=3",
+        "ray.placement=disaggregate",
+        "rollout.num_engines=1",
+        "eval.interval=0",
+        "rollout.max_staleness=1",
+        "rollout.partial_rollouts=true",
+        "algo.tis.enabled=true",
+        extra,
+    )
+
+
+def hold_after_batch_0(path: Path) -> Path:
+    """The first sample after batch 0's (generated before the trainer starts) holds until an abort reaches it."""
+    path.write_text(json.dumps({"path": "/generate", "kind": "hold", "value": 2, "times": 1, "after": SAMPLES}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, checkpoint, local_ray):
+    tmp_path = tmp_path_factory.mktemp("partial")
+    fault = hold_after_batch_0(tmp_path / "fault.json")
+    with pytest.MonkeyPatch.context() as m:
+        rec = Recorder(m)
+        run = run_job(partial_job(tmp_path, checkpoint, "straight", fault), hooks=hooks_())
+    assert not fault.exists()  # the server took the fault
+    return run, rec
+
+
+def hooks_():
+    return stand_ins(sglang=True, weight_sync=WeightSyncOptions(bucket_bytes=64 * 1024))
+
+
+def test_a_generation_in_flight_at_a_sync_is_continued_and_trained_once(straight):
+    run, rec = straight
+    rows = metrics(run)
+    assert [r["rollout/continued_samples"] for r in rows] == [0.0, 1.0, 0.0]
+    assert rows[1]["rollout/staleness_mean"] == 1.0  # every sample began under the weights of step 0 ...
+    assert rows[1]["rollout/token_staleness_mean"] < 1.0  # ... but the continued one's second span is fresh
+
+    assert [len(samples) for samples in rec.trained] == [SAMPLES] * 3  # nothing lost
+    [continued] = [s for samples in rec.trained for s in samples if s.token_versions is not None]
+    assert any(s is continued for s in rec.trained[1])  # trained once, at the step its batch belongs to
+    versions = continued.token_versions.tolist()
+    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1} and len(versions) > 3  # span 1: 2 + 1 tokens
+    assert continued.weight_version == 0  # the bound is measured by its oldest span
+    assert sum(rec.prompt_counts().values()) == 3 * SAMPLES
+    log = (run / "driver.log").read_text()
+    assert "Traceback" not in log
+
+
+def test_a_stop_at_the_sync_that_continues_a_sample_resumes_with_the_same_prompts(tmp_path, checkpoint, straight):
+    """SIGINT as the sync of step 1 pauses the engine with a sample in flight: the step finishes (the sample is
+    continued and its batch completed before the commit), the checkpoint of step 1 holds that batch, continued sample
+    included, and the resumed run trains it at step 2: over both runs every prompt is trained as often as in the
+    straight run, and the continued sample once, with its two versions."""
+    _, reference = straight
+    fault = hold_after_batch_0(tmp_path / "fault.json")
+    counts: collections.Counter = collections.Counter()
+    pause = RolloutEngines.pause_generation
+    with pytest.MonkeyPatch.context() as m:
+        rec = Recorder(m)
+
+        def stop_then_pause(engines):
+            m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            os.kill(os.getpid(), signal.SIGINT)
+            return pause(engines)
+
+        m.setattr(RolloutEngines, "pause_generation", stop_then_pause)
+        with pytest.raises(JobInterrupted) as info:
+            run_job(partial_job(tmp_path, checkpoint, "chain", fault), hooks=hooks_())
+    assert info.value.checkpoint == 1
+    counts += rec.prompt_counts()
+    assert [len(samples) for samples in rec.trained] == [SAMPLES]
+    with pytest.MonkeyPatch.context() as m:
+        rec = Recorder(m)
+        assert not fault.exists()  # taken by the first run's server: the resumed one holds nothing
+        run = run_job(partial_job(tmp_path, checkpoint, "chain", fault), hooks=hooks_())
+    counts += rec.prompt_counts()
+    assert counts == reference.prompt_counts()
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    [continued] = [s for s in rec.trained[0] if s.token_versions is not None]  # from the checkpoint's batch ahead
+    versions = continued.token_versions.tolist()
+    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
+    assert sum(s.token_versions is not None for ss in rec.trained for s in ss) == 1
