@@ -67,6 +67,19 @@ def sync(fake, eng, version: str) -> None:
     eng.expect_weight_version(version)
 
 
+def across_a_sync(fake, eng, prompt, params: SamplingParams, version: str = "v1") -> tuple[list, int]:
+    """Generate `prompt` while a sync happens: once a sample holds (the stand-in's event), pause the engine (the
+    abort), label `version`, continue; returns (the prompt's group, what pause_generation returned)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(eng.generate, [prompt], params)
+        wait_held(fake, 1)
+        in_flight = eng.pause_generation()
+        sync(fake, eng, version)
+        eng.continue_generation()
+        [group] = answer.result(timeout=30)
+    return group, in_flight
+
+
 class Gate(threading.Condition):
     """The engine's gate, telling when a thread found it closed (an event, so the test needs no sleep)."""
 
@@ -89,13 +102,8 @@ def test_an_aborted_sample_is_continued_under_the_new_weights_as_one_generation(
     seed = seed_where(prompt, max_new, lambda out: len(out) > HOLD + 1)
     eng = engine(fake, deterministic=True, partial_rollouts=True)
     fake.inject("/generate", "hold", HOLD)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(eng.generate, [prompt], SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
-        wait_held(fake, 1)
-        assert eng.pause_generation() == 1
-        sync(fake, eng, "v1")
-        eng.continue_generation()
-        [[g]] = answer.result(timeout=30)
+    [g], in_flight = across_a_sync(fake, eng, prompt, SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
+    assert in_flight == 1
 
     first = fake_tokens(prompt.prompt_ids.tolist(), sampling(seed, max_new), "base")
     span1, span1_logprobs = first[0][: HOLD + 1], first[1][: HOLD + 1]
@@ -121,13 +129,9 @@ def test_every_sample_of_a_group_request_is_kept_and_continued(fake):
     eng = engine(fake, one_request_per_prompt=True, partial_rollouts=True)  # the stand-in honours the shared seed
     seed = next(s for s in range(1000) if len(drawn(prompt, s, max_new, "base", n=n)) > HOLD + 1)
     fake.inject("/generate", "hold", HOLD, times=n)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(eng.generate, [prompt], SamplingParams(n=n, max_new_tokens=max_new, seed=seed))
-        wait_held(fake, 1)  # the first copy holds; the other two reach their hold after the abort: aborted at once
-        assert eng.pause_generation() == 1  # one request in flight, three samples
-        sync(fake, eng, "v1")
-        eng.continue_generation()
-        [group] = answer.result(timeout=30)
+    # the first copy holds; the other two reach their hold after the abort: aborted at once
+    group, in_flight = across_a_sync(fake, eng, prompt, SamplingParams(n=n, max_new_tokens=max_new, seed=seed))
+    assert in_flight == 1  # one request in flight, three samples
 
     span1 = drawn(prompt, seed, max_new, "base", n=n)[: HOLD + 1]
     assert len(group) == n
@@ -154,13 +158,7 @@ def test_the_importance_weights_use_each_spans_own_behaviour_logprobs(fake):
     seed = seed_where(prompt, max_new, lambda out: len(out) > HOLD + 1)
     eng = engine(fake, deterministic=True, partial_rollouts=True)
     fake.inject("/generate", "hold", HOLD)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(eng.generate, [prompt], SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
-        wait_held(fake, 1)
-        eng.pause_generation()
-        sync(fake, eng, "v1")
-        eng.continue_generation()
-        [[g]] = answer.result(timeout=30)
+    [g], _ = across_a_sync(fake, eng, prompt, SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
     first = fake_tokens(prompt.prompt_ids.tolist(), sampling(seed, max_new), "base")
     span1 = first[0][: HOLD + 1]
     second = fake_tokens(prompt.prompt_ids.tolist() + span1, sampling(seed, max_new - len(span1)), "v1")
@@ -193,13 +191,7 @@ def test_a_sample_that_ended_in_its_first_span_is_not_continued(fake, ending):
         seed = seed_where(prompt, max_new, lambda out: len(out) == max_new and EOS not in out)
     eng = engine(fake, deterministic=True, partial_rollouts=True)
     fake.inject("/generate", "hold", HOLD)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(eng.generate, [prompt], SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
-        wait_held(fake, 1)
-        eng.pause_generation()
-        sync(fake, eng, "v1")
-        eng.continue_generation()
-        [[g]] = answer.result(timeout=30)
+    [g], _ = across_a_sync(fake, eng, prompt, SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
     assert g.response_ids.tolist() == drawn(prompt, seed, max_new, "base")
     assert g.finish_reason == ("stop" if ending == "eos" else "length")
     assert g.spans == ((0, HOLD + 1, "base"),)
