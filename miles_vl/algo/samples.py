@@ -54,8 +54,8 @@ def to_train_samples(
     version_of: Callable[[str | None], int] | None = None,
 ) -> tuple[list[TrainSample], dict[str, float]]:
     """One `TrainSample` per generation, with its group advantage (fp32; zero for a group whose rewards are all
-    equal) and `weight_version` (the RL step of the weights that sampled the groups; for a sample continued by a
-    partial rollout, those of its first span, the oldest), and the metric `rollout/zero_adv_group_fraction`.
+    equal) and `weight_version` (the RL step of the weights the batch began with: no token of it is older; with
+    partial rollouts `token_versions` holds each token's own), and the metric `rollout/zero_adv_group_fraction`.
     `version_of`: a span's weight version label -> its RL step, for `token_versions` (partial rollouts)."""
     flat_rewards = torch.tensor([r.overall for rs in rewards for r in rs], dtype=torch.float32)
     adv = compute_advantages(

@@ -645,7 +645,8 @@ class Job:
         if self.cfg.rollout.partial_rollouts:  # per response token: a continued sample's later spans are fresher
             tokens = [step - v for s in batch.samples for v in token_versions(s)]
             metrics["rollout/token_staleness_mean"] = mean(tokens)
-            metrics["rollout/continued_samples"] = float(sum(s.token_versions is not None for s in batch.samples))
+            continued = [s for s in batch.samples if s.token_versions is not None and len(set(token_versions(s))) > 1]
+            metrics["rollout/continued_samples"] = float(len(continued))
         return StepBatch(batch.samples, batch.metrics | metrics, timer)
 
     def produce_batch(self, step: int, version: int) -> StepBatch:

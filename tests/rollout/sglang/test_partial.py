@@ -212,15 +212,37 @@ def test_requests_wait_while_paused_and_an_abort_not_asked_for_starts_over(fake)
         assert not generate_bodies(fake) and not answer.done()  # ... unsent
         eng.continue_generation()
         [[g]] = answer.result(timeout=30)
-    assert g.spans == () and len(generate_bodies(fake)) == 1
+    assert (
+        g.spans == ((0, g.response_ids.numel(), "base"),) and len(generate_bodies(fake)) == 1
+    )  # one span, one version
     assert not [c for c in fake.calls if c["path"] == "/abort_request"]
 
     fake.inject("/generate", "abort")  # the server's own abort (no pause): the sample starts over, nothing kept
     [[g]] = eng.generate([prompt], SamplingParams(n=1, max_new_tokens=8, seed=1))
-    assert g.spans == () and g.response_ids.tolist() == drawn(prompt, 1, 8, "base")
+    assert g.spans == ((0, g.response_ids.numel(), "base"),) and g.response_ids.tolist() == drawn(prompt, 1, 8, "base")
 
     with pytest.raises(EngineStateError, match="partial_rollouts=True"):
         engine(fake).pause_generation()
     eng.begin_weight_sync()  # a sync begun and not finished: the weights are not usable yet
     with pytest.raises(EngineStateError, match="finish the sync first"):
         eng.continue_generation()
+
+
+def test_a_sample_sent_only_after_the_sync_is_tagged_with_the_new_version(fake):
+    """Review finding: with one request at a time (max_concurrency=1), prompt 1 waits in the engine while prompt 0
+    holds; the pause aborts prompt 0 (kept, continued) and prompt 1 is sent only after the sync: all its tokens are the
+    new weights', so its one span says "v1" (before: no spans, read as the batch's older version)."""
+    prompts = [make_prompt([61, 62], 1, color=6), make_prompt([63, 64], 1, color=7)]
+    max_new = 40
+    seed = seed_where(prompts[0], max_new, lambda out: len(out) > HOLD + 1)
+    eng = engine(fake, deterministic=True, partial_rollouts=True, max_concurrency=1)
+    fake.inject("/generate", "hold", HOLD)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(eng.generate, prompts, SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
+        wait_held(fake, 1)
+        assert eng.pause_generation() == 1
+        sync(fake, eng, "v1")
+        eng.continue_generation()
+        [[first], [second]] = answer.result(timeout=30)
+    assert [v for _, _, v in first.spans] == ["base", "v1"]
+    assert second.spans == ((0, second.response_ids.numel(), "v1"),)
