@@ -360,14 +360,19 @@ class SGLangRolloutEngine:
         n = params.n
         payloads = [self._payload(media[i], params, sampling_seed(params.seed, i, 0, n), n=n) for i in indices]
         bodies, pauses, version = self._send(self.client.generate_n, batch_payload(payloads), n * len(indices))
-        out = []
-        for k, i in enumerate(indices):
-            generations = [  # SGLang answers prompt by prompt, n each
-                self._generate_one(prompts[i].prompt_ids, media[i], params, i, j, answer=(body, pauses, version))
-                for j, body in enumerate(bodies[k * n : (k + 1) * n])
-            ]
-            out.append((i, generations))
-        return out
+
+        def one(k: int, j: int, body: dict) -> Generation:
+            i = indices[k]
+            return self._generate_one(prompts[i].prompt_ids, media[i], params, i, j, answer=(body, pauses, version))
+
+        jobs = [(k, j, body) for k in range(len(indices)) for j, body in enumerate(bodies[k * n : (k + 1) * n])]
+        if self.partial_rollouts and len(jobs) > 1:  # the kept samples are continued at once, not one after another
+            workers = min(len(jobs), self.options.max_concurrency)
+            with ThreadPoolExecutor(workers, thread_name_prefix="sglang-continue") as pool:
+                done = list(pool.map(lambda job: one(*job), jobs))
+        else:
+            done = [one(*job) for job in jobs]
+        return [(i, done[k * n : (k + 1) * n]) for k, i in enumerate(indices)]  # SGLang answers prompt by prompt
 
     def _generate_one(
         self,

@@ -246,3 +246,58 @@ def test_a_sample_sent_only_after_the_sync_is_tagged_with_the_new_version(fake):
         [[first], [second]] = answer.result(timeout=30)
     assert [v for _, _, v in first.spans] == ["base", "v1"]
     assert second.spans == ((0, second.response_ids.numel(), "v1"),)
+
+
+def test_a_groups_kept_samples_are_continued_at_once(fake):
+    """Review finding: the n kept samples of a group request were continued one after another (n times the time on
+    the step's path). Now at once: after the first sync their n continuations are all decoding together (each holds at
+    the stand-in; one after another, only the first would be, and this test would time out), the next pause aborts
+    all n requests, and after a second sync every sample ends with three spans."""
+    prompt = make_prompt([71, 72], 1, color=8)
+    max_new, n = 40, 3
+    eng = engine(fake, one_request_per_prompt=True, partial_rollouts=True)
+
+    def long_enough(seed: int) -> bool:  # every sample outlives its first two holds
+        first = drawn(prompt, seed, max_new, "base", n=n)
+        span1 = first[: HOLD + 1]
+        rests = [
+            fake_tokens(
+                prompt.prompt_ids.tolist() + span1,
+                {**sampling(seed, max_new - len(span1)), "sampling_seed": sampling_seed(seed, 0, j, n)},
+                "v1",
+            )[0]
+            for j in range(n)
+        ]
+        return len(first) > HOLD + 1 and all(len(rest) > HOLD + 1 for rest in rests)
+
+    seed = next(s for s in range(1000) if long_enough(s))
+    fake.inject("/generate", "hold", HOLD, times=n)
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:  # a daemon thread: were the continuations sent one after another, one would stay held
+        try:
+            answer.set_result(eng.generate([prompt], SamplingParams(n=n, max_new_tokens=max_new, seed=seed)))
+        except BaseException as e:  # noqa: BLE001 (handed to the test through the future)
+            answer.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        wait_held(fake, 1)
+        assert eng.pause_generation() == 1
+        sync(fake, eng, "v1")
+        fake.inject("/generate", "hold", HOLD, times=n)
+        eng.continue_generation()
+        wait_held(fake, 2 * n)  # the group's n holds, then its n continuations', all at once
+        assert eng.pause_generation() == n
+        sync(fake, eng, "v2")
+        eng.continue_generation()
+        [group] = answer.result(timeout=30)
+    finally:  # a failed check leaves a sample held in the engine's own threads: abort until the generation ends
+        for _ in range(60):
+            if answer.done():
+                break
+            if eng._paused:  # a check failed between a pause and its continue
+                eng.continue_generation()
+            eng.client.post_json("/abort_request", {"abort_all": True})
+            concurrent.futures.wait([answer], timeout=0.5)
+    assert [[version for *_, version in g.spans] for g in group] == [["base", "v1", "v2"]] * n
