@@ -112,7 +112,7 @@ from miles_vl.rollout.collect import (
     trim_to_whole_batches,
 )
 from miles_vl.rollout.types import WEIGHTS_MEMORY
-from miles_vl.rollout.weight_sync import make_weight_sync
+from miles_vl.rollout.weight_sync import PhaseClock, make_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -643,10 +643,9 @@ class Job:
         staleness = [step - s.weight_version for s in batch.samples] or [step - version]
         metrics = {"rollout/staleness_mean": mean(staleness), "rollout/staleness_max": float(max(staleness))}
         if self.cfg.rollout.partial_rollouts:  # per response token: a continued sample's later spans are fresher
-            tokens = [step - v for s in batch.samples for v in token_versions(s)]
-            metrics["rollout/token_staleness_mean"] = mean(tokens)
-            continued = [s for s in batch.samples if s.token_versions is not None and len(set(token_versions(s))) > 1]
-            metrics["rollout/continued_samples"] = float(len(continued))
+            versions = [token_versions(s) for s in batch.samples]
+            metrics["rollout/token_staleness_mean"] = mean([step - v for vs in versions for v in vs])
+            metrics["rollout/continued_samples"] = float(sum(len(set(vs)) > 1 for vs in versions))  # two versions
         return StepBatch(batch.samples, batch.metrics | metrics, timer)
 
     def produce_batch(self, step: int, version: int) -> StepBatch:
@@ -1012,18 +1011,13 @@ class Job:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class Timer:
-    """Wall-clock seconds per named phase of one step, summed over the phase's entries: `with timer("train"): ...`."""
+class Timer(PhaseClock):
+    """Wall-clock seconds per named phase of one step, summed over the phase's entries: `with timer("train"): ...`
+    (`weight_sync.PhaseClock`), and the step's own seconds since the timer was made."""
 
     def __init__(self):
-        self.seconds: dict[str, float] = {}
+        super().__init__()
         self.start = time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         out = {f"time/{k}_s": v for k, v in self.seconds.items()}
