@@ -424,12 +424,11 @@ class SGLangRolloutEngine:
                     raise SGLangError(f"{e} ({retries} attempts); see the server log for why it aborts") from e
                 log.warning("%s (sample %d of %d); sending it again alone", e, j, params.n)
                 continue
-            if not spans:  # one request (or continued from no tokens): one version, the call's
-                if not self.partial_rollouts:
-                    return generation
-                # its one span says so: sent after a sync (queued at the pause, aborted before its first token, a
-                # later round or batch), its tokens are that version's, not the batch's older one
-                return dataclasses.replace(generation, spans=((0, generation.response_ids.numel(), version),))
+            if not self.partial_rollouts:  # one request: one version, the last synced
+                return generation
+            # the span of this request's tokens, in the version it was sent under: also for one sent only after a sync
+            # (queued at the pause, aborted before its first token, a later round or batch), whose tokens are that
+            # version's, not its batch's older one
             spans.append((len(out), len(out) + generation.response_ids.numel(), version))
             out, logprobs = out + generation.response_ids.tolist(), logprobs + generation.logprobs.tolist()
             return _joined(out, logprobs, generation.finish_reason, spans)
