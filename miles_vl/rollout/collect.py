@@ -191,6 +191,14 @@ def score_groups(
     return [results[i * n : (i + 1) * n] for i in range(len(groups))], stats
 
 
+def vision_blocks(prompt_ids: torch.Tensor, media: torch.Tensor) -> int:
+    """The contiguous runs of image / video pad tokens in a prompt `[L]`: one per image and one per video frame group,
+    the blocks the vision tower attends within (Qwen3-VL's vision attention does not cross images or frames), so
+    `scripts/gpu/summarize_run.py` counts its attention FLOPs per block, not over all of a sample's patches."""
+    mask = torch.isin(prompt_ids, media)
+    return int(mask[:1].sum()) + int((mask[1:] & ~mask[:-1]).sum())
+
+
 def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dynamic_sampling: bool) -> dict[str, Any]:
     """`reward/*` and `rollout/*` metrics of everything a batch generated, kept or not (module docstring), and the
     count of groups kept (`rollout/prompts`); `media_token_ids`: image and video pads."""
@@ -207,6 +215,7 @@ def rollout_metrics(batch: CollectedBatch, *, media_token_ids: Sequence[int], dy
         "rollout/truncated_fraction": mean([g.finish_reason == "length" for g in gens]),
         "rollout/response_tokens": float(sum(g.response_ids.numel() for g in gens)),
         "rollout/visual_tokens_per_sample": mean([int(torch.isin(g.prompt_ids, media).sum()) for g in batch.generated]),
+        "rollout/vision_blocks_per_sample": mean([vision_blocks(g.prompt_ids, media) for g in batch.generated]),
         # the longest prompt + response: what a long-context run must carry through the trainer
         "rollout/sample_len_max": float(
             max(

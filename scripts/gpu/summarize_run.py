@@ -28,8 +28,11 @@ Last stdout line: one JSON object with
   FLOPs per step = (2 * forward passes + 6 * forward-backward passes) * (N_text * T + N_vis * P)
   + the attention terms of bench_train_throughput.py with every sample at the step's mean length, where T is the
   trained tokens (`train/tokens`), P the image patches (4 per visual token), N_text / N_vis the text (lm_head once)
-  and vision matmul parameters of the checkpoint's architecture (counted on the meta device). Forward passes: 1
-  (old logprobs; 2 with a KL reference), forward-backward passes: `train.ppo_epochs`. Without --ckpt: no MFU.
+  and vision matmul parameters of the checkpoint's architecture (counted on the meta device). The vision attention
+  is counted per block, an image or a video frame group (`rollout/vision_blocks_per_sample`; the tower does not attend
+  across them), each block at the mean size: 2 * depth * hidden * P^2 / blocks per sample. Runs recorded before
+  that metric: `--vision-blocks` (default 1, one image a sample). Forward passes: 1 (old logprobs; 2 with a KL
+  reference), forward-backward passes: `train.ppo_epochs`. Without --ckpt: no MFU.
 """
 
 from __future__ import annotations
@@ -67,17 +70,19 @@ def matmul_params(ckpt: str) -> tuple[int, int, dict]:
                                vis_depth=cfg.vision_config.depth, vis_hidden=cfg.vision_config.hidden_size)  # fmt: skip
 
 
-def step_flops(row: dict, cfg: dict, n_text: int, n_vis: int, arch: dict) -> float:
-    """Useful FLOPs of one step's train phase (module docstring)."""
+def step_flops(row: dict, cfg: dict, n_text: int, n_vis: int, arch: dict, vision_blocks: float = 1.0) -> float:
+    """Useful FLOPs of one step's train phase (module docstring); `vision_blocks`: the blocks per sample of a run
+    whose rows lack `rollout/vision_blocks_per_sample`."""
     samples = row["rollout/prompts"] * cfg["rollout"]["n_samples_per_prompt"]
     tokens = row["train/tokens"]
     patches_per_sample = 4 * row.get("rollout/visual_tokens_per_sample", 0.0)
+    blocks = max(row.get("rollout/vision_blocks_per_sample", vision_blocks), 1.0)
     mean_len = tokens / samples
     per_pass = (
         n_text * tokens
         + n_vis * patches_per_sample * samples
         + arch["layers"] * arch["attn_dim"] * mean_len**2 * samples  # causal: 2 L^2 d of 4 L^2 d per forward
-        + 2 * arch["vis_depth"] * arch["vis_hidden"] * patches_per_sample**2 * samples
+        + 2 * arch["vis_depth"] * arch["vis_hidden"] * patches_per_sample**2 / blocks * samples  # blocks x (P/blocks)^2
     )
     forwards = 1 + (1 if cfg["algo"]["kl_coef"] > 0 else 0)
     return (2 * forwards + 6 * cfg["train"]["ppo_epochs"]) * per_pass
@@ -90,7 +95,7 @@ def gpu_counts(cfg: dict) -> tuple[int, int]:
     return train_gpus, train_gpus + (engine_gpus if cfg["ray"]["placement"] == "disaggregate" else 0)
 
 
-def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
+def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float, vision_blocks: float = 1.0) -> dict:
     rows = read_metrics(run_dir)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     later = rows[1:] or rows
@@ -141,7 +146,7 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float) -> dict:
         out["sync_gb_per_s"] = round(out["sync_bytes"] / 1e9 / out["sync_s"], 2)
     if ckpt:
         n_text, n_vis, arch = matmul_params(ckpt)
-        flops = statistics.median(step_flops(r, cfg, n_text, n_vis, arch) for r in later)
+        flops = statistics.median(step_flops(r, cfg, n_text, n_vis, arch, vision_blocks) for r in later)
         out["train_flops_per_step"] = flops
         out["train_tflops_per_gpu"] = round(flops / out["train_s"] / train_gpus / 1e12, 1)
         out["train_mfu"] = round(flops / out["train_s"] / (train_gpus * peak_tflops * 1e12), 4)
@@ -182,8 +187,13 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None, help="the checkpoint the run started from (for the MFU)")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H100 SXM / H200)")
     ap.add_argument("--gpu-memory", type=Path, default=None, help="nvidia-smi samples of the job's GPUs (CSV)")
+    ap.add_argument("--vision-blocks", type=float, default=1.0,
+                    help="images + video frame groups per sample, for runs recorded before "
+                    "rollout/vision_blocks_per_sample (the metric wins where a row has it)")  # fmt: skip
     args = ap.parse_args()
-    out = summarize(args.run_dir, args.ckpt, args.peak_tflops)
+    if args.vision_blocks < 1:
+        ap.error(f"--vision-blocks must be at least 1 (the blocks of one sample), found {args.vision_blocks}")
+    out = summarize(args.run_dir, args.ckpt, args.peak_tflops, args.vision_blocks)
     if args.gpu_memory is not None:
         out.update(gpu_memory(args.gpu_memory))
     print(json.dumps(out))

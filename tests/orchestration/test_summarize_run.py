@@ -107,3 +107,25 @@ def test_sync_phases_are_medians_over_the_steps_after_the_first(tmp_path):
         r |= {"sync/export_s": export, "sync/wait_s": wait, "sync/bytes": 4.0e9}
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert summarize_run.summarize(run, None, PEAK)["sync_phases_s"] == {"export": 0.3, "wait": 0.2}
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_vision_attention_is_counted_per_image(tmp_path, monkeypatch, recorded):
+    """The vision tower attends within each image (or video frame group), not across a sample's images: a sample of
+    62 images of 4096 patches costs 62 x 4096^2 of attention, not (62 x 4096)^2 (the 64K run of 2026-11-26 reported
+    a train MFU of 96.6 % with the latter). Runs without `rollout/vision_blocks_per_sample` take --vision-blocks."""
+    arch = dict(layers=0, attn_dim=0, vis_depth=2, vis_hidden=10)  # only the vision attention term is non-zero
+    monkeypatch.setattr(summarize_run, "matmul_params", lambda ckpt: (0, 0, arch))
+    run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["rollout/visual_tokens_per_sample"] = 62 * 1024.0  # 62 images of 4096 patches
+        if recorded:
+            row["rollout/vision_blocks_per_sample"] = 62.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # 4 prompts x 2 samples, 8 passes' worth (2 forward + 6 forward-backward), 2 L d P^2 per block, 62 blocks
+    per_image = 8 * 2 * 2 * 10 * 4096**2 * 62 * 8
+    out = summarize_run.summarize(run, "ckpt", PEAK, vision_blocks=1.0 if recorded else 62.0)
+    assert out["train_flops_per_step"] == pytest.approx(per_image)
+    whole = summarize_run.summarize(run, "ckpt", PEAK)  # one block a sample: what a single-image job records
+    assert whole["train_flops_per_step"] == pytest.approx(per_image * (62 if not recorded else 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from miles_vl.reward import RewardResult
@@ -116,6 +117,24 @@ def test_a_step_that_keeps_nothing_logs_what_it_generated():
     assert stats["rollout/response_tokens"] == sum(n for _, n, _ in seen)
     assert stats["rollout/truncated_fraction"] == 0.5
     assert stats["rollout/visual_tokens_per_sample"] == sum(p // 3 for p in range(12)) / 12  # 1.5
+    assert stats["rollout/vision_blocks_per_sample"] == 9 / 12  # prompts 3..11 have one run of image tokens
     assert (
         stats["rollout/sample_len_max"] == max(1 + p // 3 + n for p, n, _ in seen) == 9
     )  # prompt 9: 4 ids + 5 response tokens
+
+
+@pytest.mark.parametrize(
+    "ids, blocks",
+    [
+        ([1, 2, 3], 0),
+        ([7, 7, 1], 1),  # a run at the start
+        ([1, 7, 7, 7, 2], 1),
+        ([1, 7, 7, 2, 8, 8, 3, 7], 3),  # two images and a video frame group (8), the last run at the end
+        ([7, 8, 1], 1),  # image and video pads touching: one run (a processor never writes this)
+    ],
+)
+def test_vision_blocks_are_the_runs_of_media_tokens(ids, blocks):
+    """The vision tower's attention blocks of a prompt, for the MFU's vision attention term (summarize_run.py)."""
+    from miles_vl.rollout.collect import vision_blocks
+
+    assert vision_blocks(torch.tensor(ids), torch.tensor([7, 8])) == blocks
