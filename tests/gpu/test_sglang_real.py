@@ -22,8 +22,8 @@ Qwen3-VL checkpoint (scripts/gpu/make_tiny_qwen3vl.py) and the engine's HTTP con
   restoring the weights brings back the greedy generation of before;
 - `/flush_cache`, `/release_memory_occupation` (GPU memory really freed) and `/resume_memory_occupation` (weights
   undefined until the next sync: the engine refuses to generate, a full sync makes it generate as before);
-- a killed server is relaunched by the host on the same port; the engine refuses to generate until weights are
-  synced again, then generates as before;
+- a killed server is relaunched by the host on the same port; having lost the weights synced before (the test syncs
+  them first), the engine refuses to generate until weights are synced again, then generates as before;
 - weights land under the names the trainer exports: `/get_weights_by_name` is refused for Qwen3-VL (why the engine
   verifies with `/weights_checker` hashes, miles_vl/rollout/sglang/verify.py); the names of
   `TorchTrainBackend.export_weights` (megatron's `export_hf_weights` yields the same HF names) are the checkpoint's;
@@ -40,6 +40,7 @@ OUT (when set, the server log is written to $OUT/sglang_server.log).
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import math
@@ -791,16 +792,26 @@ def test_flush_release_and_resume_memory(host, prompts, ckpt_weights, checkpoint
 
 
 def test_killed_server_is_restarted(host, prompts, ckpt_weights, checkpoint_greedy):
+    """What a restart loses is the weights synced since the start (`SGLangRolloutEngine.server_restarted`: a server
+    that was never synced reloads the very weights it served, and generates on). So the test syncs first, the
+    checkpoint's weights under a label of its own, whatever ran before it (alone, `-k killed_server`, nothing had)."""
+    host.load_weights(ckpt_weights.items(), weight_version="before-kill")
+    assert host.weights_missing is None and host.engine.weight_version == "before-kill"
+    restarts = host.restarts
     os.killpg(host.server.pid, signal.SIGKILL)  # the server's own process group (scheduler, detokenizer too)
     deadline = time.monotonic() + 30
     while host.server.is_alive():
         assert time.monotonic() < deadline, "the killed server did not exit"
         time.sleep(0.1)
-    with pytest.raises(EngineStateError):  # relaunched with model_path's weights: the synced ones are lost
+    # relaunched with model_path's weights: the synced ones are lost, and the engine says which
+    lost = "restarted and reloaded model_path, losing the synced weights 'before-kill'"
+    with pytest.raises(EngineStateError, match=lost):
         host.generate(prompts[:1], GREEDY)
     _note_pid(host)
-    assert host.restarts == 1 and host.health()
+    assert host.restarts == restarts + 1 and host.health()
+    assert host.needs_weights()  # still refused: only a sync ends it
     host.load_weights(ckpt_weights.items(), weight_version="after-restart")
+    assert not host.needs_weights()
     assert _greedy(host, prompts[0])[0] == checkpoint_greedy[0]
 
 
@@ -1024,14 +1035,36 @@ def test_sglang_serves_a_directory_written_by_export(ckpt, processor, tokens, pr
     assert original_diff > 5 * exported_diff
 
 
+def _wait_until_running(host, requests: int, pending, timeout_s: float = 60.0) -> None:
+    """Return once SGLang's scheduler runs `requests` requests: `GET /v1/loads` (0.5.16 and 0.5.17) reports
+    `num_running_reqs`, the running batch, which a request joins after its prefill with its first token, so that an
+    abort from then on returns output so far. The scheduler publishes it at every prefill and every 15 decode steps
+    (`--load-snapshot-publish-interval`): it trails the batch by milliseconds.
+
+    Args:
+        pending: the future of the call that sends the requests: ending first (an answer, or an error) fails the test
+            with what it returned, as does `timeout_s` without it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = host.client.get_json("/v1/loads", params={"include": "core"})["loads"]
+        if sum(load["num_running_reqs"] for load in loads) >= requests:
+            return
+        # waiting on the call's end is the pause between polls: nothing signals the running batch
+        done, _ = concurrent.futures.wait([pending], timeout=0.05)
+        if done:
+            outcome = pending.exception() or pending.result()
+            pytest.fail(f"the call ended before SGLang ran {requests} request(s) of it: {str(outcome)[:300]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"SGLang did not run {requests} request(s) within {timeout_s:g} s; /v1/loads: {loads}")
+
+
 def test_an_aborted_request_returns_its_output_so_far(host, prompts, tokens):
     """Issue 34 (partial rollouts, not built yet; docs/async.md, "Not done yet"): what SGLang does with
     `POST /abort_request {"rid": ...}` while the request decodes, as read from 0.5.16's source (the scheduler sets
     `to_finish = FINISH_ABORT()`, the request runs one more decode step and finishes normally): `/generate` answers
     HTTP 200 with `finish_reason.type == "abort"`, the output ids so far and one logprob for each. A stand-in of a
     partial rollout must answer the same."""
-    import concurrent.futures
-
     ids = prompts[0].prompt_ids.tolist()
     max_new = 4000  # long enough to still be decoding when the abort arrives (a tiny model: ~1-2 ms a token)
     payload = build_generate_payload(
@@ -1046,7 +1079,7 @@ def test_an_aborted_request_returns_its_output_so_far(host, prompts, tokens):
     payload["sampling_params"]["ignore_eos"] = True
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(host.client.generate, payload)
-        time.sleep(0.5)  # no event tells that decoding has started; the request runs for seconds
+        _wait_until_running(host, 1, answer)  # decoding: an earlier abort finds no request, or no output yet
         host.client.post_json("/abort_request", {"rid": "issue34-abort"})
         body = answer.result(timeout=120)
     finish = body["meta_info"]["finish_reason"]
@@ -1062,17 +1095,26 @@ def test_abort_all_returns_every_sample_so_far_and_the_engine_continues_them(hos
     `{"abort_all": true}`), each aborted sample comes back with its output so far and its logprobs (HTTP 200); the
     engine keeps them and, after a relabelled weight version, sends each as prompt + tokens so far with the prompt's
     image: SGLang's prompt ids of the continuation are ours + the first span (the engine checks them), and the
-    sample is one generation whose spans carry both versions. What the stand-in's `Handler._hold` does."""
-    import concurrent.futures
+    sample is one generation whose spans carry both versions. What the stand-in's `Handler._hold` does.
 
+    Both samples must still be decoding when the pause comes: the tiny random checkpoint samples an EOS within a few
+    dozen tokens (GPU runs of 2026-11-26: both samples had ended by EOS after 0.5 s), so the engine bans its EOS ids
+    here (its own `banned_token_ids`, a -1e9 logit bias: nothing else stops a sample before `max_new_tokens`), and the
+    pause waits until SGLang's scheduler runs both samples (`_wait_until_running`). An `abort_all` that reached the
+    request before that would not test this: 0.5.16 lets such a request through (the engine's next `abort_all`, a
+    second later, aborts it), 0.5.17 fails it with HTTP 499 (its tokenizer marks the request aborted,
+    `TokenizerManager._raise_if_logical_rid_aborted`). Once the samples decode, both releases abort the same way
+    (scheduler.py `abort_request`: `to_finish = FINISH_ABORT()`, one more decode step, the output so far)."""
     engine = host.engine
     engine.partial_rollouts = True
+    banned = engine.banned_token_ids
+    engine.banned_token_ids = (*banned, *engine.stop_token_ids)
     before = engine.weight_version
     params = SamplingParams(n=2, max_new_tokens=3000, temperature=1.0, seed=0)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(engine.generate, prompts[:1], params)
-            time.sleep(0.5)  # no event tells that decoding has started; the request runs for seconds
+            _wait_until_running(host, params.n, answer)
             in_flight = engine.pause_generation()
             host.client.post_json("/update_weight_version", {"new_version": "issue34-continued"})
             engine.expect_weight_version("issue34-continued")
@@ -1080,16 +1122,19 @@ def test_abort_all_returns_every_sample_so_far_and_the_engine_continues_them(hos
             [group] = answer.result(timeout=300)
     finally:
         engine.partial_rollouts = False
+        engine.banned_token_ids = banned
         host.client.post_json("/update_weight_version", {"new_version": before or "default"})  # the label of before
         if before is not None:
             engine.expect_weight_version(before)
         else:
             engine.weight_version = None
-    assert in_flight == 1 and len(group) == 2
-    continued = [g for g in group if len(g.spans) == 2]
-    assert continued, [g.spans for g in group]  # a sample that emitted EOS within 0.5 s is the only other outcome
-    for g in continued:
-        (s0, e0, v0), (s1, e1, v1) = g.spans
-        assert (s0, v0, s1, e1, v1) == (0, before, e0, g.response_ids.numel(), "issue34-continued") and e0 > 0
-        assert g.logprobs.numel() == g.response_ids.numel() and bool((g.logprobs <= 0).all())
     print(f"\n[abort_all] spans {[g.spans for g in group]}")
+    assert in_flight == 1 and len(group) == 2
+    for g in group:  # aborted while decoding, continued to max_new_tokens (no EOS to end either span)
+        assert len(g.spans) == 2, [g.spans for g in group]
+        (s0, e0, v0), (s1, e1, v1) = g.spans
+        assert (s0, v0, s1, e1, v1) == (0, before, e0, params.max_new_tokens, "issue34-continued"), g.spans
+        assert 0 < e0 < params.max_new_tokens
+        assert g.response_ids.numel() == params.max_new_tokens and g.finish_reason == "length"
+        assert not set(g.response_ids.tolist()) & set(engine.stop_token_ids)
+        assert g.logprobs.numel() == g.response_ids.numel() and bool((g.logprobs <= 0).all())
