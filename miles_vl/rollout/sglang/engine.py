@@ -34,7 +34,9 @@ it: the server rebuilds the prefix from them) for the remaining `max_new_tokens`
 response is the concatenation and `Generation.spans` records the weight version of each span, whose logprobs are the
 ones that version's server returned. A sample whose first span ended with EOS or reached `max_new_tokens` is finished
 there. `abort_all`, not a rid: SGLang gives the `n` copies of a request fresh rids (`regenerate_rid`), which the
-engine never sees, and the server serves this engine alone.
+engine never sees, and the server serves this engine alone. An abort that reaches a request before SGLang started it
+(0.5.17 answers it with HTTP 499 and no output: `UNSTARTED_ABORT`) keeps nothing and sends the sample again after the
+sync, as one aborted in the queue.
 
 Weights: `load_weights` is the colocated path (`/update_weights_from_tensor`, rollout/sglang/weights.py); a caller
 that receives the buckets one at a time calls `begin_weight_sync`, `load_weight_bucket` per bucket and
@@ -99,6 +101,13 @@ class SGLangPrompt(PromptLike, Protocol):
 
 class WeightVersionError(SGLangError):
     """The server's weights are not the ones last synced (restart, or a sync that did not complete)."""
+
+
+# SGLang 0.5.17 answers an abort_all that reaches a request before its scheduler holds it (still tokenizing, or its
+# group's prefix being prefilled: tokenizer_manager.py `_raise_if_logical_rid_aborted`) with HTTP 499 and no output;
+# 0.5.16 lets such a request start and the next abort_all reaches it. For a pause of ours, the 499 stands for this
+# answer: aborted, no tokens so far (`parse_aborted_response`), so the sample is sent again whole after the sync.
+UNSTARTED_ABORT = {"meta_info": {"finish_reason": {"type": "abort", "message": "aborted before it started (HTTP 499)"}}}
 
 
 class EngineStateError(RuntimeError):
@@ -359,7 +368,10 @@ class SGLangRolloutEngine:
         `srt/managers/io_struct.py:509`), so a flat list of two images would be refused."""
         n = params.n
         payloads = [self._payload(media[i], params, sampling_seed(params.seed, i, 0, n), n=n) for i in indices]
-        bodies, pauses, version = self._send(self.client.generate_n, batch_payload(payloads), n * len(indices))
+        count = n * len(indices)
+        bodies, pauses, version = self._send(
+            self.client.generate_n, batch_payload(payloads), count, unstarted=[UNSTARTED_ABORT] * count
+        )
 
         def one(k: int, j: int, body: dict) -> Generation:
             i = indices[k]
@@ -395,7 +407,8 @@ class SGLangRolloutEngine:
         while True:
             rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(out))
             if answer is None:
-                answer = self._send(self.client.generate, self._payload(media, rest, seed, prefix=out))
+                payload = self._payload(media, rest, seed, prefix=out)
+                answer = self._send(self.client.generate, payload, unstarted=UNSTARTED_ABORT)
             (body, pauses, version), answer = answer, None
             ours = self.partial_rollouts and pauses != self._pauses  # a pause_generation came since it was sent
             kept = parse_aborted_response(body, prompt_ids=prompt + out, prompt_index=i) if ours else None
@@ -433,9 +446,11 @@ class SGLangRolloutEngine:
             out, logprobs = out + generation.response_ids.tolist(), logprobs + generation.logprobs.tolist()
             return _joined(out, logprobs, generation.finish_reason, spans)
 
-    def _send(self, call: Callable[..., object], *args: object) -> tuple:
+    def _send(self, call: Callable[..., object], *args: object, unstarted: object = None) -> tuple:
         """`call(*args)` (one /generate) once no pause holds new requests, counted as in flight while it runs;
-        returns (its answer, the pause count and the weight version when it was sent)."""
+        returns (its answer, the pause count and the weight version when it was sent). `unstarted`: the answer to
+        return instead of SGLang 0.5.17's HTTP 499 for a request a pause of ours aborted before the scheduler held
+        it (`UNSTARTED_ABORT`, one per sample: aborted with no tokens, sent again after the sync)."""
         with self._gate:
             self._gate.wait_for(lambda: not self._paused)
             if self.partial_rollouts:  # under the gate: no pause (and so no sync) can begin before it is counted
@@ -444,6 +459,13 @@ class SGLangRolloutEngine:
             sent = (self._pauses, self.weight_version)
         try:
             return (call(*args), *sent)
+        except SGLangRequestError as e:
+            with self._gate:
+                ours = self.partial_rollouts and self._pauses != sent[0]
+            if unstarted is None or e.status_code != 499 or not ours:
+                raise
+            log.info("a request aborted by the pause before SGLang started it (HTTP 499): sent again after the sync")
+            return (unstarted, *sent)
         finally:
             with self._gate:
                 self._sending -= 1

@@ -211,7 +211,8 @@ class ServerError(Exception):
 class Fault:
     # "status" | "delay" | "exit" | "abort" (200 with finish_reason abort) | "abort_status" (value 400, 500 or 503) |
     # "prompt_ids" | "prompt_tokens" | "weight_version" | "logprobs" | "hold" (a sample stops decoding after `value`
-    # tokens until an /abort_request reaches it: `Handler._hold`)
+    # tokens until an /abort_request reaches it: `Handler._hold`) | "unstarted_abort" (the request waits before the
+    # scheduler until an abort_all reaches it, then HTTP 499 as 0.5.17: `Handler._unstarted_abort`)
     kind: str
     value: Any = None
     times: int = 1
@@ -710,6 +711,8 @@ class Handler(BaseHTTPRequestHandler):
             version = str(f.value)
         if (f := s.take_fault("/generate", ("abort_status",))) is not None:
             return self._abort_with_status(int(f.value))
+        if s.take_fault("/generate", ("unstarted_abort",)) is not None:
+            return self._unstarted_abort(arrived, body.get("rid"))
         if self.server.model is not None and s.released:
             raise BadRequest(f"generate while memory is released ({sorted(s.released)}): resume it first")
         responses = []
@@ -750,6 +753,21 @@ class Handler(BaseHTTPRequestHandler):
             s.aborted.wait_for(reached)
         finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         return out[: tokens + 1], logprobs[: tokens + 1], finish
+
+    def _unstarted_abort(self, arrived: int, rid: str | None) -> None:
+        """A request an `abort_all` reaches before the scheduler holds it (the "unstarted_abort" fault: it waits,
+        counted in `held`, for an abort_all that arrives after it did). SGLang 0.5.17 marks every request state
+        aborted and raises `RequestAbortedError` (tokenizer_manager.py `_raise_if_logical_rid_aborted`, its
+        `status_code` 499) where the request would go on, which `/generate` answers as `{"error": {"message"}}` with
+        HTTP 499 (http_server.py `_create_error_response`); 0.5.16 ignores such an abort (the request then starts and
+        the next abort_all reaches it). Read from the 0.5.17 source, not confirmed on a real server: a pause that
+        lands in that window cannot be timed from outside the server."""
+        s = self.server.state
+        with s.aborted:
+            s.held += 1
+            s.aborted.notify_all()
+            s.aborted.wait_for(lambda: any(every for every, _ in s.aborts[arrived:]))
+        self._json(499, {"error": {"message": f"Request {rid or '0'} was aborted"}})
 
     def abort_request(self, body, query):
         """`POST /abort_request` (`AbortReq`: `rid`, or `abort_all`): 200 with an empty body; 0.5.16 ignores an empty

@@ -301,3 +301,36 @@ def test_a_groups_kept_samples_are_continued_at_once(fake):
             eng.client.post_json("/abort_request", {"abort_all": True})
             concurrent.futures.wait([answer], timeout=0.5)
     assert [[version for *_, version in g.spans] for g in group] == [["base", "v1", "v2"]] * n
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_sample_aborted_before_sglang_started_it_is_sent_again_after_the_sync(fake, n):
+    """SGLang 0.5.17 answers an abort_all that reaches a request still being tokenized (or its group's prefix
+    prefilled) with HTTP 499 and no output (the stand-in's "unstarted_abort"). For a pause of ours that is an abort
+    with nothing kept: each sample is sent again whole after the sync, under the new weights, one span of that
+    version; nothing fails, nothing is lost. Without the pause a 499 stays an error."""
+    prompt = make_prompt([31, 32], 1, color=3)
+    max_new = 12
+    # n = 3 goes as one request (the stand-in then honours the shared seed, as the group test above)
+    eng = engine(fake, deterministic=n == 1, partial_rollouts=True, one_request_per_prompt=n > 1)
+    fake.inject("/generate", "unstarted_abort")
+    group, in_flight = across_a_sync(fake, eng, prompt, SamplingParams(n=n, max_new_tokens=max_new, seed=5))
+    assert in_flight == 1 and len(group) == n
+    for g in group:  # drawn whole by the new weights: one span of "v1", no token kept from before the sync
+        assert g.spans == ((0, g.response_ids.numel(), "v1"),) and g.response_ids.numel() > 0
+    if n == 1:
+        assert group[0].response_ids.tolist() == drawn(prompt, 5, max_new, "v1")
+    bodies = generate_bodies(fake)
+    assert len(bodies) == 1 + n  # the aborted request, then each sample alone
+    first = bodies[0]["input_ids"][0] if n > 1 else bodies[0]["input_ids"]  # a group goes in the batch form
+    assert all(b["input_ids"] == first for b in bodies[1:])  # the prompt alone: nothing kept
+    assert [b["sampling_params"]["max_new_tokens"] for b in bodies[1:]] == [max_new] * n
+
+
+def test_a_499_without_a_pause_is_an_error(fake):
+    from miles_vl.rollout.sglang.client import SGLangRequestError
+
+    eng = engine(fake, partial_rollouts=True)
+    fake.inject("/generate", "status", 499)
+    with pytest.raises(SGLangRequestError, match="499"):
+        eng.generate([make_prompt([41], 1)], SamplingParams(n=1, max_new_tokens=4, seed=0))
