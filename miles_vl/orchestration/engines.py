@@ -19,6 +19,15 @@ every call of the loop: generate, release_memory, resume_memory (an engine that 
 here) and the weight sync. A replacement starts with its memory held: after release_memory it is released too, after
 resume_memory it needs nothing more. Counted in the step metrics: `rollout/engine_restarts` (actors replaced +
 servers relaunched) and `rollout/weight_resyncs`.
+
+Two threads. With batches generated ahead (orchestration/ahead.py) the rollout thread runs `generate` beside the
+driver's calls (with partial rollouts: pause, sync, continue), and both may find one dead engine. A lock serializes
+every recovery and every weight sync, and a recovery replaces engine i only if the handle that failed is still engine
+i's: when the other thread already replaced it (and gave it the current weights), the caller uses the new engine and
+nothing is relaunched twice. Between `pause_generation` and `continue_generation` a replacement is paused as it
+starts, so that a retried generate waits for the sync like the others. An engine found dead by the pause or the
+continue counts as paused (continued) with nothing in flight: its generate in flight fails, and the rollout thread's
+recovery replaces it and sends its prompts again from the start.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +91,8 @@ class RolloutEngines:
         self.closed = False  # after close(): a failed call is not recovered (a rollout thread may still call)
         self._server_restarts = [0] * cfg.rollout.num_engines  # last seen per engine
         self._server_restarts_of_replaced = 0
+        self._lock = threading.RLock()  # recovery and weight syncs, from the driver and the rollout thread
+        self._paused = False  # between pause_generation and continue_generation: a replacement starts paused
         self.engines: list[RolloutEngine] = [self._launch(i) for i in range(cfg.rollout.num_engines)]  # actor handles
         try:
             ray.get([e.ready.remote() for e in self.engines])  # a server that cannot start fails here, with its log
@@ -100,12 +112,13 @@ class RolloutEngines:
             prompts = strip_pixels(prompts)
         chunks = _split(list(prompts), len(self.engines))
         results: dict[int, list[list[Generation]]] = {}
-        pending = {i: self._generate(i, c, params) for i, c in enumerate(chunks) if c}
+        pending = {i: self._generate(i, c, params) for i, c in enumerate(chunks) if c}  # i -> (engine, its call)
         failures = 0
         while pending:
             i = next(iter(pending))
+            engine, ref = pending.pop(i)
             try:
-                results[i] = ray.get(pending.pop(i))
+                results[i] = ray.get(ref)
             except ray.exceptions.RayError as error:
                 failures += 1
                 if failures > self.cfg.rollout.max_restarts:
@@ -114,27 +127,40 @@ class RolloutEngines:
                         f"{self.cfg.rollout.max_restarts}); see its log above"
                     ) from error
                 log.warning("rollout engine %d failed; recovering it and retrying its %d prompts", i, len(chunks[i]))
-                self._recover({i: error})
+                self._recover({i: error}, {i: engine})
                 pending[i] = self._generate(i, chunks[i], params)
         return [g for i in range(len(chunks)) for g in results.get(i, [])]
 
-    def _generate(self, i: int, prompts: list, params: SamplingParams):
-        """Engine `i`'s generate call; with partial rollouts in the actor's generate group, so that a pause reaches
-        the engine while it runs (factories.py `actor_class`)."""
-        method = self.engines[i].generate
+    def _generate(self, i: int, prompts: list, params: SamplingParams) -> tuple[RolloutEngine, ray.ObjectRef]:
+        """Engine `i` and its generate call; with partial rollouts in the actor's generate group, so that a pause
+        reaches the engine while it runs (factories.py `actor_class`)."""
+        engine = self.engines[i]
+        method = engine.generate
         if self.cfg.rollout.partial_rollouts:
             method = method.options(concurrency_group=GENERATE_GROUP)
-        return method.remote(prompts, params)
+        return engine, method.remote(prompts, params)
 
     def pause_generation(self) -> int:
         """Partial rollouts, before a weight sync: every engine aborts its requests in flight and keeps their samples
-        (rollout/sglang/engine.py); returns once none runs, with how many requests were aborted. Not recovered: an
-        engine that fails here fails the step (the run's checkpoints stay as they are)."""
-        return sum(ray.get([e.pause_generation.remote() for e in self.engines]))
+        (rollout/sglang/engine.py); returns once none runs, with how many requests were aborted. An engine that is
+        dead counts as paused with nothing in flight (module docstring); an engine replaced until
+        `continue_generation` starts paused.
+
+        Raises:
+            ray.exceptions.RayError: an engine failed its pause without being dead (e.g. `EngineStateError`).
+        """
+        with self._lock:  # a replacement is either in this list or launched after the flag is set
+            self._paused = True
+            engines = list(self.engines)
+        return sum(_each_alive(engines, "pause_generation", "paused with nothing in flight"))
 
     def continue_generation(self) -> None:
-        """Partial rollouts, after the sync: the paused generations go on under the new weights."""
-        ray.get([e.continue_generation.remote() for e in self.engines])
+        """Partial rollouts, after the sync: the paused generations go on under the new weights. A dead engine is
+        skipped (the rollout thread's recovery replaces it, unpaused)."""
+        with self._lock:
+            self._paused = False
+            engines = list(self.engines)
+        _each_alive(engines, "continue_generation", "nothing to continue")
 
     def release_memory(self) -> None:
         """Colocated: the engines free their accelerator memory for the trainer (no-op when disaggregated); a dead
@@ -151,10 +177,12 @@ class RolloutEngines:
 
     def sync_weights(self, version: str) -> None:
         """The trainer's current weights to every engine, labelled `version` (engines that fail are recovered)."""
-        self.weight_version = version
-        failed = self.weight_sync.push(self.engines, version)
-        if failed:
-            self._recover(failed)
+        with self._lock:  # not beside a recovery of the rollout thread: that one would sync or replace engines too
+            self.weight_version = version
+            engines = list(self.engines)
+            failed = self.weight_sync.push(engines, version)
+            if failed:
+                self._recover(failed, dict(enumerate(engines)))
 
     def restarts(self) -> int:
         """Engine restarts of the whole run: actors replaced plus SGLang servers relaunched by their hosts (an engine
@@ -182,7 +210,8 @@ class RolloutEngines:
         Raises:
             RuntimeError: an engine failed more than `rollout.max_restarts` times in this call.
         """
-        pending = {i: getattr(e, method).remote(*args) for i, e in enumerate(self.engines)}
+        used = dict(enumerate(self.engines))
+        pending = {i: getattr(e, method).remote(*args) for i, e in used.items()}
         for attempt in range(self.cfg.rollout.max_restarts + 1):
             failed: Failed = {}
             for i, ref in pending.items():
@@ -198,16 +227,27 @@ class RolloutEngines:
                     f"{self.cfg.rollout.max_restarts}); see their logs"
                 ) from next(iter(failed.values()))
             log.warning("rollout engine(s) %s failed in %s; recovering them", sorted(failed), method)
-            self._recover(failed)
+            self._recover(failed, used)
             if not again_after_recovery:
                 return
-            pending = {i: getattr(self.engines[i], method).remote(*args) for i in failed}
+            used = {i: self.engines[i] for i in failed}
+            pending = {i: getattr(e, method).remote(*args) for i, e in used.items()}
 
-    def _recover(self, failed: Failed) -> None:
+    def _recover(self, failed: Failed, used: Mapping[int, RolloutEngine]) -> None:
         """Bring the failed engines back with the current weights (module docstring); at most
-        `rollout.max_restarts` rounds when the repair itself fails."""
+        `rollout.max_restarts` rounds when the repair itself fails. `used`: the engine each failed call went to; one
+        that is no longer engine i's was replaced (and given the current weights) by the other thread: skipped."""
+        with self._lock:
+            self._recover_locked(failed, used)
+
+    def _recover_locked(self, failed: Failed, used: Mapping[int, RolloutEngine]) -> None:
         if self.closed:
             raise RuntimeError("the rollout engines were closed (the job is ending): not recovering them")
+        for i in sorted(i for i in failed if self.engines[i] is not used[i]):
+            log.warning("rollout engine %d was already replaced by another call's recovery; using the new one", i)
+        failed = {i: error for i, error in failed.items() if self.engines[i] is used[i]}
+        if not failed:
+            return
         for _ in range(self.cfg.rollout.max_restarts + 1):
             for i, error in failed.items():
                 self._triage(i, error)
@@ -226,9 +266,7 @@ class RolloutEngines:
     def _triage(self, i: int, error: BaseException) -> None:
         """Replace engine i if it is dead; return if it lives but lost its weights (the repair syncs it); raise
         `error` otherwise (e.g. a prompt-id mismatch: retrying would not help)."""
-        dead = isinstance(error, ray.exceptions.RayActorError) or isinstance(
-            getattr(error, "cause", None), EngineDiedError
-        )
+        dead = _is_dead(error)
         if not dead:
             try:
                 lost_weights = ray.get(self.engines[i].needs_weights.remote())
@@ -245,6 +283,8 @@ class RolloutEngines:
         self._server_restarts[i] = 0
         self.engines[i] = self._launch(i)
         ray.get(self.engines[i].ready.remote())
+        if self._paused:  # its retried generate must wait for the sync like the other engines' requests
+            ray.get(self.engines[i].pause_generation.remote())
         self.replaced += 1
 
     def _launch(self, i: int):
@@ -266,6 +306,28 @@ def strip_pixels(prompts: Sequence) -> list:
     """The prompts without `pixel_values`, for an engine that processes the `images` itself (sglang): the pixels would
     only cost object-store traffic (tens of MB per prompt at geo3k resolutions)."""
     return [dataclasses.replace(p, pixel_values=None) for p in prompts]
+
+
+def _is_dead(error: BaseException) -> bool:
+    """The engine's actor died, or it raised `EngineDiedError` (e.g. its sglang server is gone)."""
+    return isinstance(error, ray.exceptions.RayActorError) or isinstance(getattr(error, "cause", None), EngineDiedError)
+
+
+def _each_alive(engines: Sequence[RolloutEngine], method: str, dead_means: str) -> list[Any]:
+    """`method()` on every engine, each apart; the answers of the live ones. A dead engine is logged (`dead_means`:
+    how the caller counts it) and left out; any other failure is raised."""
+    refs = [getattr(e, method).remote() for e in engines]
+    answers = []
+    for i, ref in enumerate(refs):
+        try:
+            answers.append(ray.get(ref))
+        except ray.exceptions.RayError as error:
+            if not _is_dead(error):
+                raise
+            log.warning(
+                "rollout engine %d is dead at %s (%s): %s", i, method, str(error).splitlines()[0][:300], dead_means
+            )
+    return answers
 
 
 def _end(engine) -> None:

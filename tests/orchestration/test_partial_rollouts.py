@@ -8,6 +8,11 @@ sync that ends the step meets a generation in flight. The driver pauses the engi
 the held sample comes back with its 3 tokens so far, is sent again as prompt + those tokens under the new weights, and
 is trained at the next step as one sample whose tokens carry two versions (span 1: the weights of step 0, span 2:
 those of step 1): nothing lost, nothing trained twice; the step's per-token staleness is below its per-sample one.
+
+An engine killed near that sync (while paused, or just before the pause) is found dead by two threads: the driver's
+pause or sync and the rollout thread's generate. The pause counts it as paused, one of the two replaces it and the
+other uses the replacement (one relaunch), the replacement waits for the sync, and the engine's prompts are generated
+again from the start under the new weights: the step completes and nothing is lost.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import collections
 import json
 import os
 import signal
+import threading
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -157,3 +164,113 @@ def test_a_stop_at_the_sync_that_continues_a_sample_resumes_with_the_same_prompt
     versions = continued.token_versions.tolist()
     assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
     assert sum(was_continued(s) for ss in rec.trained for s in ss) == 1
+
+
+WAIT_S = 120  # a test's own wait for the other thread: far above what it takes, so that a hang fails the test
+
+
+def kill_engine(engine) -> None:
+    """End engine `engine`'s actor, then its server (its process group outlives the actor: nobody would stop it)."""
+    pid = ray.get(engine.__ray_call__.remote(lambda host: host.server.pid))
+    ray.kill(engine, no_restart=True)
+    with suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def on_rollout_thread() -> bool:
+    return threading.current_thread().name.startswith("rollouts-ahead")
+
+
+def check_the_dead_engines_batch_was_generated_again(run: Path, rec: Recorder, reference: Recorder) -> None:
+    """One relaunch; every step trained its samples, the prompts of the straight run each as often; the batch in flight
+    at the kill was generated again from the start, after the sync: each of its tokens carries version 1 (its kept span
+    of version 0 died with the engine), none was continued."""
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rollout/engine_restarts"] == 1  # the engine was relaunched once, not by each thread
+    assert [len(samples) for samples in rec.trained] == [SAMPLES] * 3
+    assert rec.prompt_counts() == reference.prompt_counts()
+    assert [set(s.token_versions.tolist()) for s in rec.trained[1]] == [{1}] * SAMPLES
+    assert [r["rollout/continued_samples"] for r in rows] == [0.0, 0.0, 0.0]
+
+
+def test_an_engine_killed_while_paused_is_relaunched_once_by_the_sync(tmp_path, checkpoint, straight):
+    """The engine dies after the pause of step 1 returned, with its held sample kept. The driver's sync finds it dead
+    and replaces it first (the rollout thread's recovery is held until the sync returns); the rollout thread's
+    recovery then finds its failed engine already replaced and sends the prompts to the new one instead of relaunching
+    it again."""
+    _, reference = straight
+    fault = hold_after_batch_0(tmp_path / "fault.json")
+    killed, synced = threading.Event(), threading.Event()
+    pause, sync, recover = RolloutEngines.pause_generation, RolloutEngines.sync_weights, RolloutEngines._recover
+    with pytest.MonkeyPatch.context() as m:
+        rec = Recorder(m)
+
+        def pause_then_kill(engines):
+            m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            aborted = pause(engines)
+            assert aborted == 1  # the held sample was in flight
+            kill_engine(engines.engines[0])
+            killed.set()
+            return aborted
+
+        def sync_then_tell(engines, version):
+            sync(engines, version)
+            if killed.is_set():
+                synced.set()
+
+        def recover_after_the_sync(engines, *args):
+            if on_rollout_thread():
+                assert synced.wait(WAIT_S), "the driver's sync did not return"
+            return recover(engines, *args)
+
+        m.setattr(RolloutEngines, "pause_generation", pause_then_kill)
+        m.setattr(RolloutEngines, "sync_weights", sync_then_tell)
+        m.setattr(RolloutEngines, "_recover", recover_after_the_sync)
+        run = run_job(partial_job(tmp_path, checkpoint, "killed-paused", fault), hooks=hooks_())
+    assert synced.is_set()
+    check_the_dead_engines_batch_was_generated_again(run, rec, reference)
+
+
+def test_an_engine_killed_just_before_the_pause_is_counted_paused_and_its_replacement_waits(
+    tmp_path, checkpoint, straight
+):
+    """The engine dies as the pause of step 1 begins, its sample held in flight. The pause counts it as paused with
+    nothing in flight instead of failing the step; the rollout thread's recovery replaces it before the driver's sync
+    (which is held until then), and the replacement starts paused: the retried prompts wait for the sync and are
+    generated under the new weights."""
+    _, reference = straight
+    fault = hold_after_batch_0(tmp_path / "fault.json")
+    paused, recovered = threading.Event(), threading.Event()
+    pause, sync, recover = RolloutEngines.pause_generation, RolloutEngines.sync_weights, RolloutEngines._recover
+    with pytest.MonkeyPatch.context() as m:
+        rec = Recorder(m)
+
+        def kill_then_pause(engines):
+            m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            kill_engine(engines.engines[0])
+            try:
+                return pause(engines)
+            finally:
+                paused.set()
+
+        def sync_after_the_recovery(engines, version):
+            if paused.is_set():
+                assert recovered.wait(WAIT_S), "the rollout thread did not recover the engine"
+            return sync(engines, version)
+
+        def recover_after_the_pause(engines, *args):
+            if not on_rollout_thread():
+                return recover(engines, *args)
+            assert paused.wait(WAIT_S), "the driver did not pause"
+            try:
+                return recover(engines, *args)
+            finally:
+                recovered.set()
+
+        m.setattr(RolloutEngines, "pause_generation", kill_then_pause)
+        m.setattr(RolloutEngines, "sync_weights", sync_after_the_recovery)
+        m.setattr(RolloutEngines, "_recover", recover_after_the_pause)
+        run = run_job(partial_job(tmp_path, checkpoint, "killed-at-pause", fault), hooks=hooks_())
+    assert recovered.is_set()
+    check_the_dead_engines_batch_was_generated_again(run, rec, reference)
