@@ -15,6 +15,8 @@ What it checks, each problem one line with its fix:
   `model.path`) loads from local files, unless it is `offline`. A hub id not in the cache is a problem only where
   the hub cannot be reached (`HF_HUB_OFFLINE=1`); else `fetch_hub_models`, which `miles-vl train` runs before this,
   downloads it, and `check` says so (`models.hub`);
+- the megatron trainer's logits on one rank stay under the size whose backward fails on CUDA (`train_logits_problems`,
+  from the config and the model's vocabulary), so that a job does not learn it after its first rollout;
 - `checkpoint.resume`, when it names a checkpoint, is a complete one;
 - the run directory (`logging.output_dir`/`logging.run_name`) and the checkpoint directory (`checkpoint.dir`, else
   `<run dir>/checkpoints`) can be created and written: a directory is made and removed there, or in the nearest
@@ -37,11 +39,13 @@ from miles_vl.data import load_processor, video_settings
 from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, resolve_layout
 from miles_vl.data.processor import OFFLINE
 from miles_vl.models.hub import ModelNotFoundError, hub_offline, is_hub_id, local_model_dir
+from miles_vl.models.qwen3_vl.shapes import hf_config_dict
 from miles_vl.orchestration.checkpoint import verify_checkpoint, write_problem
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.orchestration.placement import driver_runtime_env, job_runtime_env_problem, private_session_problem
 from miles_vl.stack import backend_problems, captured_output
+from miles_vl.train.megatron.step import train_logits_problem
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ def preflight_problems(cfg: JobConfig) -> list[str]:
     problems += reward_problems(cfg)
     problems += data_problems(cfg)
     problems += model_problems(cfg)
+    problems += train_logits_problems(cfg)
     problems += resume_problems(cfg)
     problems += output_problems(cfg)
     if problem := private_session_problem(cfg.ray.address):
@@ -131,6 +136,41 @@ def model_problems(cfg: JobConfig) -> list[str]:
             except (DataError, ImportError) as err:
                 problems.append(f"model.processor={processor!r}: {err}")
     return problems
+
+
+def train_logits_problems(cfg: JobConfig) -> list[str]:
+    """The megatron trainer's logits on one rank at their largest must stay under `MAX_TRAIN_LOGITS_ELEMENTS`
+    (`train.megatron.step.train_logits_problem`, which the train step applies again to the rows it forms). A rank's rows
+    are at most `train.micro_batch_max_tokens / train.cp`; with `train.logits_only_where_loss` they are its loss
+    positions, which are also at most a DP rank's share of the mini-batch x `rollout.max_response_len`. The vocabulary
+    is the model's (`model.path`'s config.json, the cached snapshot of a hub id, or the released shape of that name);
+    where none of them is here, nothing is checked (the train step still is)."""
+    t = cfg.train
+    if t.backend != "megatron" or not cfg.model.path:
+        return []
+    try:
+        where = str(local_model_dir(cfg.model.path))
+    except ModelNotFoundError:  # model_problems says so; a released shape may still give the vocabulary
+        where = cfg.model.path
+    config, _ = hf_config_dict(where)
+    vocab = (config or {}).get("text_config", config or {}).get("vocab_size")
+    if not vocab:
+        return []
+    rows = -(-t.micro_batch_max_tokens // t.cp)
+    tokens_from = f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} / train.cp={t.cp}"
+    if t.logits_only_where_loss:
+        samples = -(-cfg.effective_global_batch_size // cfg.dp_size)  # a micro-batch holds some of them, whole
+        responses = samples * cfg.rollout.max_response_len
+        if responses < rows:
+            rows = responses
+            tokens_from = (
+                f"{samples} samples of a data-parallel rank's mini-batch x rollout.max_response_len="
+                f"{cfg.rollout.max_response_len}"
+            )
+    problem = train_logits_problem(
+        rows, vocab, t.tp, logits_only_where_loss=t.logits_only_where_loss, tokens_from=tokens_from
+    )
+    return [problem] if problem else []
 
 
 def hub_models(cfg: JobConfig) -> list[str]:

@@ -20,8 +20,9 @@ model can learn it). Per shape:
           (memory at SHAPES["8b_1gpu"]; its host needs ~131 GiB of RAM for the offloaded state)
     2b_long16k, 2b_long32k, 2b_long64k  the long-context job (docs/long_context.md): Qwen3-VL-2B shapes on the
           `many_images` task, 1024x1024 images of 1024 vision tokens, as many as make samples of 16K / 32K / 64K tokens
-          (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute; the train
-          layout comes from the command line (e.g. train.num_gpus=4 train.cp=4)
+          (prompt + 128 new tokens), 1 prompt x 4 samples, one optimizer step per step, full recompute, the output
+          layer on the response positions only (train.logits_only_where_loss: the full logits of a sample would pass
+          2^31 elements a rank); the train layout comes from the command line (e.g. train.num_gpus=4 train.cp=4)
 Running NAME again with a larger NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto). An override
 `rollout.max_staleness=N` (N > 0: rollouts ahead of training, docs/async.md) adds `algo.tis.enabled=true` unless the
 command line sets it.
@@ -154,6 +155,11 @@ def long_shape(length: int, tokens_per_image: int = 1024) -> tuple[str, ...]:
         f"rollout.max_response_len={LONG_RESPONSE}",
         "train.global_batch_size=4",
         f"train.micro_batch_max_tokens={length}",
+        # the output layer on the response positions only: full logits of a 32K sample at CP=2 or a 64K one at CP=4
+        # are 16,384 tokens x 151,936 = 2.49e9 elements a rank, past the 2^31 whose backward fails with `CUDA error:
+        # invalid argument` (issue 32: both jobs failed so at their first backward and trained with this; `miles-vl
+        # check` refuses them without it, train/megatron/step.py MAX_TRAIN_LOGITS_ELEMENTS)
+        "train.logits_only_where_loss=true",
         "train.optimizer.lr=1e-6",
         "train.recompute=full",
     )

@@ -11,7 +11,9 @@ DP ranks (equal counts, balanced tokens), each rank's share is cut into micro-ba
 packed as THD rows and zigzag-sharded over CP (`batch.py`); megatron's schedule runs forward/backward per
 micro-batch (`step.py`) with the loss of each rank's local label positions weighted by the mini-batch's global
 denominators, so gradients summed over CP, DP and micro-batches are those of the mini-batch loss (the scaling is
-derived in step.py); `optimizer_step` clips and steps, skipping a non-finite gradient norm.
+derived in step.py); `optimizer_step` clips and steps, skipping a non-finite gradient norm. A mini-batch whose train
+logits on some rank would have 2^31 elements or more (`step.MAX_TRAIN_LOGITS_ELEMENTS`: past it the backward fails with
+`CUDA error: invalid argument`) is refused on every rank before its first forward.
 
 The same per-sample loss as the torch backend: logits at a row position score the next token, divided by the
 temperature, with the engine's suppressed tokens removed (`vocab_parallel.py`), and `miles_vl.algo.policy_loss`
@@ -48,7 +50,7 @@ from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_m
 from miles_vl.train.megatron.export import export_hf_weights
 from miles_vl.train.megatron.parallel import ParallelGroups, all_reduce_sum, gather_per_sample, reduce_metrics
 from miles_vl.train.megatron.plan import plan_data_parallel, split_for_data_parallel
-from miles_vl.train.megatron.step import ForwardOptions, check_token_norm, forward_step
+from miles_vl.train.megatron.step import ForwardOptions, check_token_norm, forward_step, train_logits_problem
 from miles_vl.train.types import Accumulated, LossOptions, MiniBatch, TrainOptions, TrainSample
 
 miles_vl.patches.install()  # megatron-bridge's Qwen3-VL module must be patched before the first forward
@@ -215,6 +217,7 @@ class MegatronTrainBackend:
                 mb, samples, old, ref, denominators, reduction=loss.reduction, max_response_len=loss.max_response_len
             )
             micro.append(mb)
+        self._check_train_logits(micro)
         (token_norm,) = all_reduce_sum([sum(mb.packed.num_tokens for mb in micro)], g.dp, self.device)
         for chunk in self.model:
             chunk.train()
@@ -223,6 +226,30 @@ class MegatronTrainBackend:
         local = combine_metrics([r["metrics"] for r in reports]) if reports else None
         metrics = reduce_metrics(local, g, self.device, template=_metrics_template(self.loss))
         return Accumulated(metrics, int(token_norm), True)
+
+    def _check_train_logits(self, micro: Sequence[MicroBatch]) -> None:
+        """Refuse, before any forward, a mini-batch whose train logits on some rank would reach the CUDA limit
+        (`step.train_logits_problem`). The largest rows over every rank's micro-batches are all-reduced (MAX) first,
+        so every rank decides alike: one that went on into the forward alone would wait in its collectives forever.
+
+        Raises:
+            ValueError: the message of `train_logits_problem`.
+        """
+        only = self.options.logits_only_where_loss
+        # the rows of the output layer's output: [T/C, V/TP], or [n loss positions, V/TP] (`logits_at`)
+        local = max((mb.loss.positions.numel() if only else mb.num_local_tokens for mb in micro), default=0)
+        rows = torch.tensor([local], dtype=torch.int64, device=self.device)
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.groups.dp_cp)
+        where = "the most loss positions of a rank" if only else "the longest local row (T/C) of a rank"
+        problem = train_logits_problem(
+            int(rows),
+            self.config.vocab_size,
+            self.groups.tp_size,
+            logits_only_where_loss=only,
+            tokens_from=f"{where} in this mini-batch's micro-batches",
+        )
+        if problem:
+            raise ValueError(problem)
 
     def optimizer_step(self, finite: bool = True) -> tuple[float, bool]:
         # megatron's optimizer.step() clips and steps even on a NaN norm (the NaN reaches the weights), so the norm

@@ -40,6 +40,49 @@ from miles_vl.train.megatron.parallel import ParallelGroups
 from miles_vl.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from miles_vl.train.types import LossOptions, TrainSample, response_logprobs
 
+# One rank's train logits must have fewer elements than this. Past 2^31 the first backward of the RL loss fails with
+# `CUDA error: invalid argument` (through IndexSelectBackward0 / SelectBackward0 of `train_loss_func`), raised
+# asynchronously and naming no kernel: 16,384 tokens a rank x 151,936 = 2.49e9 failed at 32K CP=2 and 64K CP=4
+# (issue 32, docs/long_context.md), every run of at most 8,192 tokens a rank (1.24e9) trained, and the same jobs with
+# logits_only_where_loss trained. The forward-only logprob pass over the same 2.49e9-element logits ran, so only the
+# train forward is held to it. A module attribute, read at each check, so that tests can lower it.
+MAX_TRAIN_LOGITS_ELEMENTS = 2**31
+
+
+def train_logits_problem(
+    tokens: int, vocab_size: int, tp_size: int, *, logits_only_where_loss: bool, tokens_from: str
+) -> str | None:
+    """Why a train forward whose logits on one rank are `[tokens, ceil(vocab_size / tp_size)]` must not run (the
+    message names the sizes, the limit `MAX_TRAIN_LOGITS_ELEMENTS`, the symptom and the fixes), or None.
+
+    Args:
+        tokens: the rows of one rank's logits: its local row `T/C`, or with `logits_only_where_loss` its loss
+            positions.
+        vocab_size: the model's vocabulary (megatron-bridge's provider does not pad it: `should_pad_vocab` is off).
+        tp_size: tensor parallel size (the output layer splits the vocabulary over it).
+        logits_only_where_loss: whether `tokens` counts loss positions (`train.logits_only_where_loss`).
+        tokens_from: where `tokens` comes from, for the message.
+    """
+    vocab = -(-vocab_size // tp_size)
+    elements = tokens * vocab
+    limit = MAX_TRAIN_LOGITS_ELEMENTS
+    if elements < limit:
+        return None
+    what = "loss positions" if logits_only_where_loss else "tokens"
+    if logits_only_where_loss:
+        fixes = "lower train.micro_batch_max_tokens (fewer responses per micro-batch), or raise train.tp / train.cp"
+    else:
+        fixes = (
+            "set train.logits_only_where_loss=true (logits at the response positions only), or lower "
+            "train.micro_batch_max_tokens, or raise train.cp / train.tp"
+        )
+    return (
+        f"the train forward's logits on one rank would be {tokens:,} {what} ({tokens_from}) x {vocab:,} vocabulary "
+        f"entries (vocab {vocab_size:,} / train.tp={tp_size}) = {elements:,} elements, at or past the limit of "
+        f"{limit:,}: the backward of the RL loss over them fails with `CUDA error: invalid argument`. At this vocab "
+        f"a rank may hold at most {(limit - 1) // vocab:,} {what}: {fixes}"
+    )
+
 
 @dataclass
 class ForwardOptions:

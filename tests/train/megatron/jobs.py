@@ -675,6 +675,56 @@ def job_levers(ctx, samples, layouts: dict[str, dict], variants: dict[str, dict]
     return out
 
 
+def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
+    """The limit on one rank's train logits (`step.MAX_TRAIN_LOGITS_ELEMENTS`), lowered around what each layout and
+    `logits_only_where_loss` setting forms. Per run (one `train_step` from the seed-0 weights) the rows the output
+    layer projected in training mode on this rank; first at the real limit, which measures them, then with the limit
+    at exactly the largest rows over all ranks x V/TP (refused) and one element above it (trains).
+    {layout: {"full" | "only": {"rows": this rank's largest, "largest": over all ranks, "vocab": V/TP,
+    "at": {"error", "train_rows"}, "above": {"error", "train_rows"}}}}"""
+    import torch.distributed as dist
+
+    from miles_vl.train.megatron import step
+    from tests.patches.harness.tiny import VOCAB
+
+    real = step.MAX_TRAIN_LOGITS_ELEMENTS
+    out: dict = {}
+    for layout, sizes in layouts.items():
+        for name, only in (("full", False), ("only", True)):
+
+            def run(limit: int, sizes=sizes, only=only) -> dict:
+                step.MAX_TRAIN_LOGITS_ELEMENTS = limit
+                backend = build_backend(ctx, **sizes, reduction="token_mean", logits_only_where_loss=only)
+                rows: list[int] = []  # hidden states the output layer projected in a train forward (not the scoring)
+                backend.model[0].module.language_model.output_layer.register_forward_hook(
+                    lambda m, args, out, rows=rows: rows.append(args[0].shape[0]) if m.training else None
+                )
+                try:
+                    train_step(backend, samples)
+                    error = None
+                except ValueError as err:
+                    error = str(err)
+                finally:
+                    step.MAX_TRAIN_LOGITS_ELEMENTS = real
+                return {"error": error, "train_rows": rows}
+
+            measured = run(real)
+            assert measured["error"] is None, measured["error"]
+            mine = max(measured["train_rows"])
+            largest = torch.tensor([mine])
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            vocab = VOCAB // sizes["tp"]
+            limit = int(largest) * vocab
+            out.setdefault(layout, {})[name] = {
+                "rows": mine,
+                "largest": int(largest),
+                "vocab": vocab,
+                "at": run(limit),
+                "above": run(limit + 1),
+            }
+    return out
+
+
 RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 

@@ -1,0 +1,103 @@
+"""Contract (issue 32): `miles-vl check` and `miles-vl train` refuse, before anything starts, a megatron job whose
+train logits on one rank could reach 2^31 elements (`train.megatron.step.MAX_TRAIN_LOGITS_ELEMENTS`, whose backward
+fails with `CUDA error: invalid argument`), from the config and the model's vocabulary: `micro_batch_max_tokens / cp`
+tokens a rank, or with `logits_only_where_loss` at most a data-parallel rank's samples x `max_response_len` loss
+positions; x vocab / tp. The jobs are scripts/gpu/loop_job.py's long shapes, the ones that failed on GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from miles_vl.cli import main
+from miles_vl.config import load_config
+from miles_vl.models.qwen3_vl.shapes import RELEASED_SHAPES
+from miles_vl.orchestration.preflight import train_logits_problems
+from tests.orchestration.jobs import REPO
+
+spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
+loop_job = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loop_job)
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"  # not on this machine: the released shape of that name (vocab 151,936)
+
+
+def job(shape: str, *extra: str, model: str = MODEL):
+    return load_config(loop_job.CONFIG, [*loop_job.overrides(shape, model, "/runs", "x", 2), *extra])
+
+
+@pytest.mark.parametrize(("shape", "cp"), [("2b_long32k", 2), ("2b_long64k", 4)])
+def test_the_long_jobs_that_failed_on_gpus_are_refused_without_logits_only_where_loss(shape, cp):
+    """32K at CP=2 and 64K at CP=4: 16,384 tokens a rank x 151,936 = 2,489,319,424 elements, the GPU jobs that failed
+    at their first backward; the shapes now set train.logits_only_where_loss, and with it (4 samples x 128 response
+    tokens = 512 loss positions at most: 77.8M elements) they pass."""
+    layout = (f"train.num_gpus={cp}", f"train.cp={cp}")
+    assert job(shape, *layout).train.logits_only_where_loss
+    assert train_logits_problems(job(shape, *layout)) == []
+    [problem] = train_logits_problems(job(shape, *layout, "train.logits_only_where_loss=false"))
+    length = loop_job.LONG_LENGTHS[shape]
+    assert (
+        f"16,384 tokens (train.micro_batch_max_tokens={length} / train.cp={cp}) x 151,936 vocabulary entries "
+        "(vocab 151,936 / train.tp=1) = 2,489,319,424 elements, at or past the limit of 2,147,483,648" in problem
+    )
+    assert "`CUDA error: invalid argument`" in problem and "at most 14,134 tokens" in problem
+    fixes = problem.split(": ")[-1]
+    assert fixes == (
+        "set train.logits_only_where_loss=true (logits at the response positions only), or lower "
+        "train.micro_batch_max_tokens, or raise train.cp / train.tp"
+    )
+    # the other fixes it names: TP=2 halves the vocabulary a rank holds, CP=4 halves a 32K sample's tokens a rank
+    tp2 = (f"train.num_gpus={2 * cp}", "train.tp=2")
+    assert train_logits_problems(job(shape, *layout, "train.logits_only_where_loss=false", *tp2)) == []
+    cp4 = ("train.num_gpus=4", "train.cp=4", "train.logits_only_where_loss=false")
+    assert train_logits_problems(job("2b_long32k", *cp4)) == []
+
+
+def test_every_earlier_trained_shape_passes():
+    """The 8,192-token micro-batches of the 2b shape at CP=1 (1.24e9 elements a rank) trained on GPUs."""
+    assert train_logits_problems(job("2b")) == []
+
+
+def test_logits_only_where_loss_is_bounded_by_its_loss_positions():
+    """With the logits at the response positions only, a rank's rows are at most its tokens and at most its
+    data-parallel rank's samples x max_response_len: 16 samples x 1,024 = 16,384 loss positions is refused at CP=1,
+    8 samples (DP=2) x 1,024 = 8,192 is not; the message names the bound and offers the fixes that still apply."""
+    long_responses = ("rollout.max_response_len=1024", "train.global_batch_size=16", "rollout.batch_size=4")
+    cfg = job("2b_long32k", *long_responses, "data.max_prompt_len=31000")
+    [problem] = train_logits_problems(cfg)
+    assert (
+        "16,384 loss positions (16 samples of a data-parallel rank's mini-batch x rollout.max_response_len=1024)"
+        in (problem)
+    )
+    assert problem.split(": ")[-1] == (
+        "lower train.micro_batch_max_tokens (fewer responses per micro-batch), or raise train.tp / train.cp"
+    )
+    two_dp = job("2b_long32k", *long_responses, "data.max_prompt_len=31000", "train.num_gpus=2")
+    assert two_dp.dp_size == 2 and train_logits_problems(two_dp) == []
+
+
+def test_the_vocabulary_comes_from_the_models_config_json(tmp_path):
+    """A local checkpoint's config.json gives the vocabulary (text_config.vocab_size): a smaller one passes where the
+    2B's does not; no checkpoint and no released shape of that name: nothing to check here (the train step still
+    checks), and the torch backend never forms a whole row's logits (it projects in chunks)."""
+    small = {**RELEASED_SHAPES["Qwen3-VL-2B"], "model_type": "qwen3_vl"}
+    small["text_config"] = {**small["text_config"], "vocab_size": 100_000}  # 16,384 x 100,000 = 1.64e9
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    cp2 = ("train.num_gpus=2", "train.cp=2", "train.logits_only_where_loss=false")
+    assert train_logits_problems(job("2b_long32k", *cp2)) != []
+    assert train_logits_problems(job("2b_long32k", *cp2, model=str(tmp_path))) == []
+    assert train_logits_problems(job("2b_long32k", *cp2, model=str(tmp_path / "nowhere"))) == []
+
+
+def test_check_refuses_it_with_exit_2_before_anything_starts(capsys, tmp_path):
+    """`miles-vl check` (the same preflight as `train`): exit 2, the message among the problems, no run directory."""
+    import ray
+
+    argv = ["check", str(loop_job.CONFIG), *loop_job.overrides("2b_long32k", MODEL, tmp_path / "runs", "x", 2)]
+    assert main([*argv, "train.num_gpus=2", "train.cp=2", "train.logits_only_where_loss=false"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "= 2,489,319,424 elements, at or past the limit of 2,147,483,648" in err
+    assert not (tmp_path / "runs").exists() and not ray.is_initialized()

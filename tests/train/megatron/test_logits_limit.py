@@ -1,0 +1,84 @@
+"""Contract (issue 32): the megatron backend refuses a train forward whose logits on some rank would have
+`step.MAX_TRAIN_LOGITS_ELEMENTS` (2^31) elements or more, before that forward runs, on every rank alike, with one
+message that names the rows, V/TP, their product, the limit, the symptom it avoids and the fixes; the rows are the
+local row T/C, or the loss positions with `logits_only_where_loss`. On the CPU harness (two gloo ranks: DP 2, CP 2,
+TP 2) with the limit lowered to exactly what a layout forms (refused) and one element above it (trains).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_vl.train.megatron import step
+from tests.patches.harness.shims import bridge_available
+from tests.train.megatron import cpu_parts, jobs
+
+LAYOUTS = {
+    "dp2": dict(tp=1, cp=1),
+    "cp2": dict(tp=1, cp=2),
+    "tp2": dict(tp=2, cp=1),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bridge():
+    if reason := bridge_available("0.6.2"):
+        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    # a text sample of 15 tokens and an image sample of 22: under DP 2 each rank trains one (rows 16 and 22), under CP 2
+    # the two ranks hold different numbers of loss positions. A rank that went on alone would wait in a collective:
+    # the spawn's bound ends such a run instead of a hang.
+    return cpu_parts.spawn(jobs.job_train_logits_limit, 2, args=(jobs.train_samples()[:2], LAYOUTS), timeout_s=240)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("only", [False, True], ids=["full_logits", "logits_only_where_loss"])
+def test_train_logits_at_the_limit_are_refused_before_the_forward_on_every_rank(runs, layout, only):
+    name = "only" if only else "full"
+    largest = max(rank[layout][name]["rows"] for rank in runs)
+    for rank in runs:
+        run = rank[layout][name]
+        vocab = run["vocab"]
+        assert run["largest"] == largest  # every rank decides on the largest rows of any rank
+        at, above = run["at"], run["above"]
+        # refused on every rank (the DP ranks' own largest rows differ: the all-reduce makes them agree), before any
+        # train forward reached the output layer
+        assert at["error"] is not None and at["train_rows"] == []
+        what = "loss positions" if only else "tokens"
+        limit = largest * vocab
+        assert f"{largest:,} {what}" in at["error"]
+        assert f"x {vocab:,} vocabulary entries (vocab 96 / train.tp={96 // vocab})" in at["error"]
+        assert f"= {limit:,} elements, at or past the limit of {limit:,}" in at["error"]
+        assert "`CUDA error: invalid argument`" in at["error"]
+        assert f"at most {largest - 1:,} {what}" in at["error"]
+        first_fix = "lower train.micro_batch_max_tokens" if only else "set train.logits_only_where_loss=true"
+        assert at["error"].split(": ")[-1].startswith(first_fix)
+        # one element more and the same step trains, its largest train forward exactly at the measured rows
+        assert above["error"] is None and above["train_rows"] and max(above["train_rows"]) == run["rows"]
+    if layout == "dp2" or (layout, name) == ("cp2", "only"):  # the all-reduce's case: one rank's own rows would pass
+        assert min(rank[layout][name]["rows"] for rank in runs) < largest
+
+
+def test_logits_only_where_loss_forms_fewer_rows_than_the_local_row(runs):
+    """The fix the message offers first: the same step's loss positions are fewer than its local rows."""
+    for rank in runs:
+        for layout in LAYOUTS:
+            assert rank[layout]["only"]["rows"] < rank[layout]["full"]["rows"]
+
+
+def test_the_message_at_the_real_sizes():
+    """The numbers of the failing GPU jobs (issue 32): 16,384 tokens a rank (32K at CP=2, 64K at CP=4) x 151,936 =
+    2,489,319,424 elements, past 2^31 = 2,147,483,648; 14,134 x 151,936 = 2,147,463,424 is the most that passes."""
+    assert step.MAX_TRAIN_LOGITS_ELEMENTS == 2**31
+    full = step.train_logits_problem(16384, 151936, 1, logits_only_where_loss=False, tokens_from="32768 / cp 2")
+    assert full is not None
+    assert "16,384 tokens (32768 / cp 2) x 151,936 vocabulary entries (vocab 151,936 / train.tp=1)" in full
+    assert "= 2,489,319,424 elements, at or past the limit of 2,147,483,648" in full
+    assert "at most 14,134 tokens" in full
+    assert step.train_logits_problem(14134, 151936, 1, logits_only_where_loss=False, tokens_from="") is None
+    assert step.train_logits_problem(14135, 151936, 1, logits_only_where_loss=False, tokens_from="") is not None
+    # TP splits the vocabulary: 16,384 x 75,968 = 1.24e9, what the 8K-token runs trained with at TP=1
+    assert step.train_logits_problem(16384, 151936, 2, logits_only_where_loss=False, tokens_from="") is None
