@@ -12,6 +12,7 @@ before any gathering, so they cost nothing.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 from torch import Tensor
@@ -28,8 +29,54 @@ def export_hf_weights(
         skip_prefixes: megatron parameter names (unwrapped, global, e.g. "vision_model.") not to export.
         cpu: move each tensor to the CPU.
     """
+    tasks = conversion_tasks(bridge, model, skip_prefixes)
+    # HFWeightTuple is a NamedTuple (param_name, weight): it unpacks as the (name, tensor) pair
+    yield from bridge.export_hf_weights(model, cpu=cpu, show_progress=False, conversion_tasks=tasks)
+
+
+def conversion_tasks(bridge, model: list, skip_prefixes: Sequence[str] = ()) -> list:
+    """megatron-bridge's conversion tasks of `model`, minus those of megatron parameters under `skip_prefixes`.
+    Collective over the pipeline group on a bridge's first call (it gathers every stage's parameter names)."""
     tasks = [t for t in bridge.get_conversion_tasks(model) if t is not None]
     if skip_prefixes:
         tasks = [t for t in tasks if not t.global_param_name.startswith(tuple(skip_prefixes))]
-    # HFWeightTuple is a NamedTuple (param_name, weight): it unpacks as the (name, tensor) pair
-    yield from bridge.export_hf_weights(model, cpu=cpu, show_progress=False, conversion_tasks=tasks)
+    return tasks
+
+
+class ExportPlan:
+    """`export_hf_weights` with the conversion tasks built once per model instead of on every sync.
+
+    A task (megatron-bridge's `WeightConversionTask`) holds the model's structure, not its values: the parameter
+    names, the mapping that converts the layout (QKV, gate/up), the owning module and a reference to the parameter
+    object itself, whose values the export reads when it runs. So tasks stay right while values change in place
+    (optimizer steps, `load_state_dict` of a checkpoint, megatron's offload and memory-saver pauses keep the
+    parameter objects), and are wrong for another model, or for a model whose parameter objects were replaced. Each
+    `weights` call checks, before reusing the tasks, that the chunks and the identities of their parameters and
+    persistent buffers are those the tasks were built from (a walk over the module tree, no tensor data read) and
+    builds them again otherwise. The old tasks keep the old parameter objects alive until then, so no id is reused.
+    """
+
+    def __init__(self, bridge, *, skip_prefixes: Sequence[str] = ()) -> None:
+        self.bridge = bridge
+        self.skip_prefixes = tuple(skip_prefixes)
+        self.builds = 0  # how many times the tasks were built (the tests read it)
+        self._tasks: list | None = None
+        self._key: tuple | None = None
+
+    def weights(self, model: list, *, cpu: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) of every exported weight, as `export_hf_weights`; collective likewise."""
+        key = _structure_key(model)
+        if self._tasks is None or key != self._key:
+            self._tasks, self._key = conversion_tasks(self.bridge, model, self.skip_prefixes), key
+            self.builds += 1
+        yield from self.bridge.export_hf_weights(model, cpu=cpu, show_progress=False, conversion_tasks=self._tasks)
+
+
+def _structure_key(model: list) -> tuple:
+    """The identities of the chunks and of every tensor a task can reference: parameters and persistent buffers
+    (megatron-bridge exports both), in order. Non-persistent buffers are not exported, and some are replaced on
+    every forward (they would rebuild the tasks on every sync for nothing)."""
+    from megatron.bridge.models.conversion.utils import persistent_buffers
+
+    tensors = (itertools.chain(c.parameters(), (b for _, b in persistent_buffers(c))) for c in model)
+    return tuple(id(x) for x in itertools.chain(model, *tensors))
