@@ -15,7 +15,8 @@ runs (the median), with every tensor consumed as the sync consumes it:
 - `tasks_s`: `get_conversion_tasks` alone;
 - `loop_s`: the export loop over prebuilt tasks;
 - `sync_uncached_s`: `export_hf_weights` of export.py without a task cache (what every sync paid before the cache);
-- `sync_cached_s`: the same through an `ExportPlan` (export.py), whose tasks are built on the first sync only;
+- `sync_cached_s`: the same through an `ExportPlan` (export.py), whose tasks are built on the first sync only
+  (`plan_builds`: how often they were built over all the runs; 1 unless the model's parameter objects changed);
 - `per_mapping`: per mapping class (ordered by time): tasks, tensors, bytes, seconds in `megatron_to_hf` (host time:
   on CUDA the kernels run asynchronously), and how many outputs are copies rather than views of the parameter
   (`copies`: a QKV / gate-up split or a dtype cast makes one; the move to the CPU is counted apart in `to_cpu`).
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace, folder: str) -> dict:
         from tests.patches.harness.shims import load_qwen3vl_module
 
         load_qwen3vl_module("0.6.2")  # the TE stub and CPU shims, before anything imports megatron
+    import miles_vl.train.megatron.backend  # noqa: F401  (installs miles_vl.patches, as on the train ranks)
     from miles_vl.train.megatron.build import FROZEN_VISION_PREFIXES
     from miles_vl.train.megatron.export import ExportPlan, export_hf_weights
 
@@ -256,6 +258,7 @@ def run(args: argparse.Namespace, folder: str) -> dict:
         sync_uncached_s=timed(lambda: consume(export_hf_weights(bridge, model, skip_prefixes=skip, cpu=cpu)), r, dev),
         sync_cached_s=timed(lambda: consume(plan.weights(model, cpu=cpu)), r, dev),
     )
+    result["plan_builds"] = plan.builds  # 1: the cached tasks held over every sync above
     result["loop_us_per_tensor"] = round(1e6 * result["loop_s"] / max(n, 1), 1)
     result["tasks_us_per_task"] = round(1e6 * result["tasks_s"] / max(len(tasks), 1), 1)
     result["per_mapping"] = per_mapping(bridge, model, tasks)
