@@ -19,7 +19,8 @@ runs (the median), with every tensor consumed as the sync consumes it:
   (`plan_builds`: how often they were built over all the runs; 1 unless the model's parameter objects changed);
 - `per_mapping`: per mapping class (ordered by time): tasks, tensors, bytes, seconds in `megatron_to_hf` (host time:
   on CUDA the kernels run asynchronously), and how many outputs are copies rather than views of the parameter
-  (`copies`: a QKV / gate-up split or a dtype cast makes one; the move to the CPU is counted apart in `to_cpu`).
+  (`copies`: the QKV splits gather; gate/up splits are views; `cpu=True` adds a move to the CPU after the mapping);
+  and, inside the QKV mappings, `remove_non_pickleables` and `split_qkv_weights` / `split_qkv_biases` timed apart.
 
 The model: `--hf-dir` (a Qwen3-VL HF checkpoint, e.g. the GPU loop's /tmp/ckpt_loop_2b written by
 scripts/gpu/make_tiny_qwen3vl.py --shape 2b), or one written to a temporary folder: `--shape tiny` (the CPU tests'
@@ -153,8 +154,9 @@ def consume(weights) -> tuple[int, int]:
 
 def per_mapping(bridge, model, tasks) -> dict:
     """One export with every mapping class's `megatron_to_hf` timed (host time; the outermost call only: mappings
-    delegate to each other) and its outputs checked for copies; `remove_non_pickleables` (a copy of the transformer
-    config that QKV mappings make on every call, even with PP = 1) timed apart."""
+    delegate to each other) and its outputs checked for copies; inside the QKV mappings, `remove_non_pickleables` (a
+    copy of the transformer config made on every call, even with PP = 1) and `split_qkv_weights` / `split_qkv_biases`
+    (index tensors built on the CPU, then three gathers) timed apart."""
     import megatron.bridge.models.conversion.param_mapping as param_mapping
 
     stats: dict[str, dict] = defaultdict(lambda: dict(tasks=0, tensors=0, bytes=0, seconds=0.0, copies=0))
@@ -185,26 +187,32 @@ def per_mapping(bridge, model, tasks) -> dict:
                 return out
 
             cls.megatron_to_hf = wrapped
-    strip = param_mapping.remove_non_pickleables
-    strip_stats = dict(calls=0, seconds=0.0)
+    helpers = ("remove_non_pickleables", "split_qkv_weights", "split_qkv_biases")
+    helper_stats = {name: dict(calls=0, seconds=0.0) for name in helpers}
+    helper_originals = {name: getattr(param_mapping, name) for name in helpers}
 
-    def timed_strip(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = strip(*args, **kwargs)
-        strip_stats["seconds"] += time.perf_counter() - t0
-        strip_stats["calls"] += 1
-        return out
+    def timed_helper(name):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = helper_originals[name](*args, **kwargs)
+            helper_stats[name]["seconds"] += time.perf_counter() - t0
+            helper_stats[name]["calls"] += 1
+            return out
 
-    param_mapping.remove_non_pickleables = timed_strip
+        return call
+
+    for name in helpers:  # module globals: the QKV mappings look them up at call time
+        setattr(param_mapping, name, timed_helper(name))
     try:
         consume(bridge.export_hf_weights(model, cpu=False, show_progress=False, conversion_tasks=tasks))
     finally:
         for cls, fn in originals.items():
             cls.megatron_to_hf = fn
-        param_mapping.remove_non_pickleables = strip
+        for name, fn in helper_originals.items():
+            setattr(param_mapping, name, fn)
     out = {k: v | {"seconds": round(v["seconds"], 5)} for k, v in stats.items()}
     out = dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
-    return out | {"remove_non_pickleables": strip_stats | {"seconds": round(strip_stats["seconds"], 5)}}
+    return out | {name: v | {"seconds": round(v["seconds"], 5)} for name, v in helper_stats.items()}
 
 
 def run(args: argparse.Namespace, folder: str) -> dict:

@@ -27,5 +27,8 @@ def test_bench_export_tiny_cpu_prints_one_json_line():
     assert (result["tensors"], result["tasks"], result["plan_builds"]) == (70, 64, 1)
     mappings = result["per_mapping"]
     assert mappings["QKVMapping"]["copies"] == mappings["QKVMapping"]["tensors"] > 0
-    assert sum(m["tasks"] for k, m in mappings.items() if k != "remove_non_pickleables") == result["tasks"]
+    assert sum(m["tasks"] for k, m in mappings.items() if k.endswith("Mapping")) == result["tasks"]
+    # one config copy and one split per QKV task: 2 text weights, 2 vision weights and 2 vision biases
+    splits = mappings["split_qkv_weights"]["calls"] + mappings["split_qkv_biases"]["calls"]
+    assert splits == mappings["remove_non_pickleables"]["calls"] == 6
     assert all(result[k] > 0 for k in ("tasks_s", "loop_s", "sync_uncached_s", "sync_cached_s"))
