@@ -28,15 +28,13 @@ def build(hf_path: str, tokens, options, parallel):
 
     from miles_vl.train.megatron.backend import MegatronTrainBackend
     from miles_vl.train.megatron.build import FROZEN_VISION_PREFIXES, build_provider
-    from miles_vl.train.megatron.export import export_hf_weights
     from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
     from tests.train.megatron.jobs import cpu_te_named_gpt_spec, cpu_te_named_vit_spec, exact_gelu_in_patch_mergers
 
     class CpuBackend(MegatronTrainBackend):
         def hf_weights(self, skip_prefixes=(), *, cpu=True):
             # megatron-bridge unwraps megatron's DDP itself; CpuDDP is not one of the wrappers it knows
-            chunks = [c.module for c in self.model]
-            return export_hf_weights(self.bridge, chunks, skip_prefixes=skip_prefixes, cpu=cpu)
+            return self.export_plan(skip_prefixes).weights([c.module for c in self.model], cpu=cpu)
 
     provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
     module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec

@@ -47,7 +47,7 @@ from miles_vl.models.qwen3_vl.vision_once import distinct_images
 from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.megatron import checkpoint as ckpt
 from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
-from miles_vl.train.megatron.export import export_hf_weights
+from miles_vl.train.megatron.export import ExportPlan
 from miles_vl.train.megatron.parallel import ParallelGroups, all_reduce_sum, gather_per_sample, reduce_metrics
 from miles_vl.train.megatron.plan import plan_data_parallel, split_for_data_parallel
 from miles_vl.train.megatron.step import ForwardOptions, check_token_norm, forward_step, train_logits_problem
@@ -103,6 +103,7 @@ class MegatronTrainBackend:
         self.schedule = schedule
         self.bridge = bridge
         self.frozen_prefixes = tuple(frozen_prefixes)
+        self._export_plans: dict[tuple[str, ...], ExportPlan] = {}  # export_plan: per skipped-prefix set
         self.vision_trainable = True  # set_vision_trainable
         self.device = torch.device(device) if device is not None else _default_device()
         self.config = get_model_config(self.model[0])
@@ -329,9 +330,18 @@ class MegatronTrainBackend:
     def hf_weights(self, skip_prefixes: Sequence[str] = (), *, cpu: bool = True) -> Iterable[tuple[str, Tensor]]:
         """Every weight but those under `skip_prefixes` (megatron names) as (HF name, full tensor; on the CPU with
         `cpu`), through megatron-bridge's HF export (export.py). Collective: every rank must consume the iterator."""
+        return self.export_plan(skip_prefixes).weights(self.model, cpu=cpu)
+
+    def export_plan(self, skip_prefixes: Sequence[str] = ()) -> ExportPlan:
+        """The export of every weight but those under `skip_prefixes`, with megatron-bridge's conversion tasks built
+        on its first use and reused while the model's parameters are the same objects (export.py): every sync
+        exports the trainable weights, and building the tasks walks the whole model."""
         if self.bridge is None:
             raise ValueError("exporting HF weights needs the AutoBridge the model was built from; pass bridge=...")
-        return export_hf_weights(self.bridge, self.model, skip_prefixes=skip_prefixes, cpu=cpu)
+        key = tuple(skip_prefixes)
+        if key not in self._export_plans:
+            self._export_plans[key] = ExportPlan(self.bridge, skip_prefixes=key)
+        return self._export_plans[key]
 
     def save_hf(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """The whole model (frozen vision tower too) as an HF model directory with the config of the checkpoint the

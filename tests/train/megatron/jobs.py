@@ -910,3 +910,77 @@ def job_async_save_on_a_full_disk(ctx, disk: str) -> dict:
         return {"raised": None}
     except Exception as err:  # noqa: BLE001 - what is raised is what is checked
         return {"raised": (type(err).__name__, str(err), out_of_space(err, directory)), "files": os.listdir(directory)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the export's conversion tasks, cached across syncs (train/megatron/export.py: ExportPlan)
+
+
+def _bridge_model(hf_dir: str):
+    """(bridge, model chunks) of the HF checkpoint, built as `job_export` builds them (fp32, CPU stand-ins)."""
+    import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
+
+    from miles_vl.train.megatron.build import build_provider
+
+    provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
+    bridge, provider = build_provider(hf_dir, bf16=False)
+    model = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
+    )
+    return bridge, model
+
+
+def job_export_plan(ctx, hf_dir: str, hf_samples) -> dict:
+    """One rank: the backend's export (its `ExportPlan`) against a fresh, uncached `export_hf_weights` of the same
+    model, before and after an RL step changed the weights; then the plan handed another model object of the same
+    checkpoint (other values), and the first model with one parameter object replaced. Every export is cloned as it
+    is read (on the CPU the exported tensors alias the parameters)."""
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from miles_vl.train.megatron.build import FROZEN_VISION_PREFIXES
+    from miles_vl.train.megatron.export import export_hf_weights
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
+    ctx.init_parallel(tp=1, cp=1)
+    bridge, model = _bridge_model(hf_dir)
+
+    class Backend(MegatronTrainBackend):
+        def hf_weights(self, skip_prefixes=(), *, cpu=True):
+            # megatron-bridge unwraps megatron's DDP itself; CpuDDP is not one of the wrappers it knows
+            return self.export_plan(skip_prefixes).weights([c.module for c in self.model], cpu=cpu)
+
+    def read(weights) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in weights}
+
+    chunks = [CpuDDP(m) for m in model]
+    backend = Backend(
+        chunks,
+        CpuOptimizer(chunks, lr=1e-2),  # large enough that every trained weight moves visibly in one step
+        tokens(),
+        cross_backend_options(),
+        schedule=cpu_schedule(),
+        bridge=bridge,
+        device="cpu",
+        frozen_prefixes=FROZEN_VISION_PREFIXES,
+    )
+    out = {"before": read(backend.export_weights())}  # the first sync builds the tasks
+    train_step(backend, hf_samples)
+    out["cached"] = read(backend.export_weights())
+    out["uncached"] = read(export_hf_weights(bridge, model, skip_prefixes=FROZEN_VISION_PREFIXES))
+    plan = backend.export_plan(FROZEN_VISION_PREFIXES)
+    out["builds_after_two_syncs"] = plan.builds
+
+    _, other = _bridge_model(hf_dir)  # a model rebuilt (as after a relaunch), other values
+    with torch.no_grad():
+        for p in other[0].parameters():
+            p.add_(1.0)
+    out["other"] = read(plan.weights(other))
+    out["other_uncached"] = read(export_hf_weights(bridge, other, skip_prefixes=FROZEN_VISION_PREFIXES))
+    out["builds_after_other"] = plan.builds
+
+    norm = model[0].language_model.decoder.final_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() + 5.0)  # a new parameter object in the first model
+    out["replaced"] = read(plan.weights(model))
+    out["replaced_uncached"] = read(export_hf_weights(bridge, model, skip_prefixes=FROZEN_VISION_PREFIXES))
+    out["builds_after_replaced"] = plan.builds
+    return out
