@@ -370,7 +370,9 @@ class NcclWeightSync:
             return failed
         try:
             if not self.open:
-                addresses = ray.get([e.endpoint.remote() for e in engines])
+                addresses = _each_value(engines, failed, "endpoint")
+                if failed:  # an engine that died after begin_weight_sync: the caller recovers it, then syncs again
+                    return failed
                 self.trainer.open_weight_group(
                     self.group.open_group,
                     addresses,
@@ -417,6 +419,22 @@ def _call_each(targets: dict, failed: Failed, method: str, *args) -> None:
             ray.get(ref)
         except ray.exceptions.RayError as error:
             failed[i] = error
+
+
+def _each_value(engines: Sequence, failed: Failed, method: str) -> list:
+    """`method()` of every engine, concurrently, in order; an engine whose call fails (its actor died) is recorded in
+    `failed` (its value None) instead of raising."""
+    import ray
+
+    refs = [getattr(e, method).remote() for e in engines]
+    values = []
+    for i, ref in enumerate(refs):
+        try:
+            values.append(ray.get(ref))
+        except ray.exceptions.RayError as error:
+            failed[i] = error
+            values.append(None)
+    return values
 
 
 def _blame(engines: Sequence, error: BaseException) -> Failed:

@@ -8,6 +8,7 @@ The engines are Ray actors of `PausingEngine`, a stand-in that only answers the 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,3 +94,33 @@ def test_a_pause_that_fails_without_a_death_still_raises(tmp_path):
     with pytest.raises(EngineStateError, match="needs an engine built with partial_rollouts"):
         group.pause_generation()
     group.close()
+
+
+class SyncingEngine:
+    """A stand-in engine for the NCCL sync's first steps: `begin_weight_sync` answers; `endpoint` answers an address,
+    or (`dies`) ends the actor's process, as an engine killed between the two calls."""
+
+    def __init__(self, dies: bool):
+        self.dies = dies
+
+    def begin_weight_sync(self) -> None:
+        pass
+
+    def endpoint(self) -> str:
+        if self.dies:
+            os._exit(1)
+        return "http://127.0.0.1:1"
+
+
+def test_an_engine_that_dies_before_the_nccl_group_forms_is_reported_failed_not_raised():
+    """`NcclWeightSync.push` on the first sync asks every engine for its endpoint after `begin_weight_sync`: an engine
+    that died in between (seen under load in test_partial_rollouts.py's killed-while-paused test) is returned as
+    failed, for the caller to recover and sync again, instead of an ActorDiedError that failed the step."""
+    from miles_vl.rollout.weight_sync import NcclWeightSync
+
+    actor = ray.remote(SyncingEngine)
+    engines = [actor.remote(dies=False), actor.remote(dies=True)]
+    sync = NcclWeightSync(trainer=None, group=None, backend="gloo", options=None)  # not reached: no group forms
+    failed = sync.push(engines, "v1")
+    assert list(failed) == [1] and isinstance(failed[1], ray.exceptions.RayActorError)
+    assert not sync.open
