@@ -370,9 +370,10 @@ class NcclWeightSync:
             return failed
         try:
             if not self.open:
-                addresses = _each_value(engines, failed, "endpoint")
+                answers = _call_each(dict(enumerate(engines)), failed, "endpoint")
                 if failed:  # an engine that died after begin_weight_sync: the caller recovers it, then syncs again
                     return failed
+                addresses = [answers[i] for i in range(len(engines))]
                 self.trainer.open_weight_group(
                     self.group.open_group,
                     addresses,
@@ -409,32 +410,19 @@ class NcclWeightSync:
 WeightSync = TensorWeightSync | NcclWeightSync
 
 
-def _call_each(targets: dict, failed: Failed, method: str, *args) -> None:
-    """`method(*args)` on every target engine not failed yet, concurrently; failures are recorded, not raised."""
+def _call_each(targets: dict, failed: Failed, method: str, *args) -> dict:
+    """`method(*args)` on every target engine not failed yet, concurrently; failures are recorded, not raised.
+    Returns {index: answer} of the engines that answered."""
     import ray
 
     refs = {i: getattr(e, method).remote(*args) for i, e in targets.items() if i not in failed}
+    answers = {}
     for i, ref in refs.items():
         try:
-            ray.get(ref)
+            answers[i] = ray.get(ref)
         except ray.exceptions.RayError as error:
             failed[i] = error
-
-
-def _each_value(engines: Sequence, failed: Failed, method: str) -> list:
-    """`method()` of every engine, concurrently, in order; an engine whose call fails (its actor died) is recorded in
-    `failed` (its value None) instead of raising."""
-    import ray
-
-    refs = [getattr(e, method).remote() for e in engines]
-    values = []
-    for i, ref in enumerate(refs):
-        try:
-            values.append(ray.get(ref))
-        except ray.exceptions.RayError as error:
-            failed[i] = error
-            values.append(None)
-    return values
+    return answers
 
 
 def _blame(engines: Sequence, error: BaseException) -> Failed:
