@@ -93,8 +93,9 @@ def write_checkpoint(
     model.to(torch.bfloat16).save_pretrained(directory)
 
 
-def init_single_rank(device: str, folder: str) -> None:
-    """One-rank process group and megatron's parallel state (TP = PP = CP = 1)."""
+def init_single_rank(device: str, folder: str, seed: int = 0) -> None:
+    """One-rank process group and megatron's parallel state (TP = PP = CP = 1); on CUDA also megatron's model-parallel
+    CUDA RNG, seeded with `seed`."""
     import torch.distributed as dist
 
     backend = "nccl" if device == "cuda" else "gloo"
@@ -104,6 +105,15 @@ def init_single_rank(device: str, folder: str) -> None:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
+    if device == "cuda":
+        # The layers built on the GPU draw their initial weights inside get_cuda_rng_tracker().fork(), which raises
+        # "cuda rng state model-parallel-rng is not added" unless the tracker is seeded (the train ranks seed it in
+        # provider.initialize_model_parallel(seed=...), tests/gpu/nccl.py as here). The CPU build
+        # (use_cpu_initialization) draws with torch's CPU generator and never forks it.
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
 
 
 def build_model(hf_dir: str, device: str, bf16: bool):
