@@ -277,12 +277,13 @@ class SGLangConfig(_Section):
     )
     colocated_sync: Literal["ipc", "tensor"] = Field(
         "ipc",
-        description="how a colocated job syncs weights: ipc = trainer rank 0 packs each bucket into a persistent GPU "
-        "buffer on its own GPU and hands each server one CUDA IPC handle per bucket (no weight byte through the CPU "
-        "or Ray's object store; the 2B shapes on H100s: 4.26 GB in 0.37 s, 11.6 GB/s, where tensor took 7.9 s); "
-        "tensor = through CPU copies and Ray's object store, needed when a colocated engine runs on another node than "
-        "trainer rank 0 (a CUDA IPC handle opens on its own node only: ipc there is refused once the GPUs are "
-        "reserved, before any actor starts).",
+        description="how a colocated job syncs weights: ipc = each trainer rank that shares a GPU with a server's "
+        "TP rank packs each bucket into a persistent buffer on that GPU, and trainer rank 0 hands each TP rank one "
+        "CUDA IPC handle of the buffer on its own GPU per bucket (no weight byte through the CPU or Ray's object "
+        "store; the 2B shapes on H100s: 4.26 GB in 0.37 s, 11.6 GB/s, where tensor took 7.9 s); tensor = through CPU "
+        "copies and Ray's object store, needed when a colocated engine runs on another node than trainer rank 0 (a "
+        "CUDA IPC handle opens on its own node only: ipc there is refused once the GPUs are reserved, before any "
+        "actor starts).",
     )
     verify_weights_every: int = Field(
         10,

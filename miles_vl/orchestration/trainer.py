@@ -295,6 +295,7 @@ class Trainer:
         self.cfg = cfg
         self.stop = stop
         self.killed = False  # a sync was ended by a stop: the ranks are gone
+        self.group_ranks: list = []  # the ranks in the open weight-update group (`open_weight_group`)
         # Calls that every rank runs (collectives inside) are submitted to all ranks under this lock, so that every
         # rank queues them in the same order: with rollout.max_staleness > 0 the driver's rollout thread may re-sync
         # a replaced engine (an export) while the main thread trains.
@@ -352,27 +353,42 @@ class Trainer:
         """GiB in use on rank 0's GPU by every process on it (None without CUDA)."""
         return ray.get(self.source.device_memory_used_gib.remote())
 
-    def open_weight_group(self, open_group: GroupOpener, engines: Sequence, **options) -> None:
-        self._get_unless_stopped(
-            self.source.open_weight_group.remote(open_group, engines, **options), "forming its group"
-        )
+    def open_weight_group(
+        self, open_group: GroupOpener, engines: Sequence, *, every_rank: bool = False, **options
+    ) -> None:
+        """Form the weight-update group in rank 0, or in every rank (`every_rank`: the colocated IPC sync, where each
+        rank packs for the engines' TP ranks on its GPU); `options` go to `open_group`."""
+        ranks = self.workers if every_rank else [self.source]
+        with self.submit_lock:
+            refs = [w.open_weight_group.remote(open_group, engines, **options) for w in ranks]
+        self._get_all_unless_stopped(refs, "forming its group")
+        self.group_ranks = ranks
 
     def send_weights(self, weight_version: str) -> SyncReport:
-        """Rank 0 broadcasts, the other ranks take part in the export. Every bucket has a deadline in rank 0 (sglang:
-        `DistributedWeightSender` in rollout/sglang/weights.py), whose watchdog ends the actor if the deadline cannot
-        free it; a stop request still pending STOP_GRACE_S into the sync ends it here (`_get_unless_stopped`)."""
+        """Rank 0 sends (the colocated IPC group: with every rank), the other ranks take part in the export. Every
+        bucket has a deadline in rank 0 (sglang: `DistributedWeightSender` in rollout/sglang/weights.py), whose
+        watchdog ends the actor if the deadline cannot free it; a stop request still pending STOP_GRACE_S into the
+        sync ends it here (`_get_unless_stopped`)."""
         with self.submit_lock:
-            others = [w.drain_weights.remote() for w in self.workers[1:]]
-            sent = self.source.send_weights.remote(weight_version)
+            senders = [w.send_weights.remote(weight_version) for w in self.group_ranks or [self.source]]
+            others = [
+                w.drain_weights.remote() for w in self.workers if w not in self.group_ranks and w is not self.source
+            ]
         try:
-            return self._get_unless_stopped(sent, "sending weights")
+            return self._get_all_unless_stopped(senders, "sending weights")[0]
         finally:
             if not self.killed:
                 ray.get(others)  # rank 0 drained its export even if sending failed, so these finish too
 
     def close_weight_group(self) -> None:
         if not self.killed:
-            self._get_unless_stopped(self.source.close_weight_group.remote(), "closing its group")
+            ranks, self.group_ranks = self.group_ranks or [self.source], []
+            self._get_all_unless_stopped([w.close_weight_group.remote() for w in ranks], "closing its group")
+
+    def _get_all_unless_stopped(self, refs: list, doing: str) -> list:
+        """`_get_unless_stopped` of each ref, rank 0's first (its error is the one that says why)."""
+        first = self._get_unless_stopped(refs[0], doing)
+        return [first, *(self._get_unless_stopped(ref, doing) for ref in refs[1:])]
 
     def _get_unless_stopped(self, ref, doing: str):
         """`ray.get(ref)`, unless the job is asked to stop and `ref` is still not ready STOP_GRACE_S later: then the

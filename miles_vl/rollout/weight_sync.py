@@ -16,9 +16,10 @@ two ways the driver (`make_weight_sync`) moves weights after every train step, a
         repair:    trainer.close_weight_group(); open again; send to all  # a restarted server left the group
 
     colocated group  (an engine kind whose table row has a colocated `GroupSync`: sglang) — the same calls as the group
-        path, but `open_group` returns a sender that hands the engines' servers CUDA IPC handles of persistent flat
-        GPU buffers (`pack_bucket`; sglang: `ColocatedWeightSender`); only metadata crosses Ray and HTTP, and the
-        server's value check runs when `verify_due` says so.
+        path, but on every trainer rank (`GroupSync.every_rank`): `open_group` returns a sender that hands each TP rank
+        of the engines' servers a CUDA IPC handle of a persistent flat buffer on its own GPU, packed by the trainer
+        rank that shares that GPU (`pack_bucket`; sglang: `ColocatedWeightSender`, `ipc_sources`); only metadata
+        crosses Ray and HTTP, and the server's value check runs when `verify_due` says so.
 
 `push` and `repair` return the engines that failed ({index: error}) instead of raising, so that the caller
 (orchestration/engines.py) can replace the dead ones and re-sync the others; they raise what they cannot repair.
@@ -98,7 +99,8 @@ class PhaseClock:
     kernels finish in the next phase that synchronizes), `pack` (copies into the flat buffer and the stream sync
     before a server maps it), `send` (the broadcast of a bucket, NCCL/gloo, until every engine answered), `wait`
     (waiting for the servers' answers: the copies out of a buffer before it is packed again, and the last ones),
-    `check` (the name and value checks: `/weights_checker`), `label` (the version label and the cache flush)."""
+    `check` (the name and value checks: `/weights_checker`), `label` (the version label and the cache flush),
+    `exchange` (the colocated sync's lock step of several trainer ranks: go, and the gathered IPC handles)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -293,6 +295,7 @@ class GroupSync:
     request_timeout_s: float
     sync_timeout_s: float | None = None
     colocated: bool = False  # the group is the colocated IPC path: no broadcast backend
+    every_rank: bool = False  # `open_group` and the group's `send` run on every trainer rank (else on rank 0 alone)
 
 
 def make_weight_sync(trainer, *, group: GroupSync | None, trainer_gpus: bool, options: WeightSyncOptions) -> WeightSync:
@@ -377,6 +380,7 @@ class NcclWeightSync:
                 self.trainer.open_weight_group(
                     self.group.open_group,
                     addresses,
+                    every_rank=self.group.every_rank,
                     backend=self.backend,
                     max_bucket_bytes=self.options.bucket_bytes,
                     timeout_s=self.options.timeout_s,
@@ -386,7 +390,7 @@ class NcclWeightSync:
                 self.open = True
             report = self.trainer.send_weights(version)
         except ray.exceptions.RayTaskError as error:
-            log.warning("NCCL weight sync %s failed: %s", version, error)
+            log.warning("weight sync %s over %s failed: %s", version, self.backend, error)
             self.close()
             return _blame(engines, error)
         _call_each(dict(enumerate(engines)), failed, "expect_weight_version", version)

@@ -135,7 +135,8 @@ class EngineOptions:
             up to that many: a prompt's pixels wait in the server's memory until its samples are sent).
         weight_bucket_bytes: bound of one `/update_weights_from_tensor` bucket.
         weight_device: where `load_weights` moves tensors before sharing them with the server ("cuda" needs this
-            process to see the engine's GPU); "auto": "cuda" when available, else the tensors stay where they are.
+            process to see the engine's GPU); "auto": "cuda" when available and the server has one TP rank, else the
+            tensors stay where they are (the CPU: every TP rank maps them).
         flush_timeout_s: how long `/flush_cache` may wait for running requests after a sync.
         max_abort_retries: times a request that SGLang aborted is sent again.
         verify_weights: after every colocated sync, check with `/weights_checker` that a few small tensors sent with
@@ -224,7 +225,9 @@ class SGLangRolloutEngine:
         self.stop_token_ids = tuple(int(t) for t in tokens.eos_token_ids)
         self.banned_token_ids = vision_token_ids(tokens) if options.ban_vision_tokens else ()
         self.tp_size = tp_size
-        auto = "cuda" if torch.cuda.is_available() else None
+        # a CUDA tensor of this process's GPU reaches TP rank 0's GPU only (a TP rank on another GPU cannot copy from
+        # it: weights.ipc_sources); for more TP ranks the tensors stay in shared CPU memory, which each copies in
+        auto = "cuda" if torch.cuda.is_available() and tp_size == 1 else None
         self.weight_device = auto if options.weight_device == "auto" else options.weight_device
         self.memory_saver = memory_saver
         self.weights_cpu_backup = weights_cpu_backup

@@ -337,14 +337,17 @@ class SGLangRolloutHost(RolloutEngine):
         return self.restarts
 
     def endpoint(self) -> EngineAddress:
-        """How trainer rank 0 reaches this server (its node's address unless the server binds loopback)."""
+        """How the trainer reaches this server (its node's address unless the server binds loopback) and the GPUs it
+        runs on."""
         import ray
 
         loopback = self.spec.host in LOOPBACK_HOSTS
         node_ip = ray.util.get_node_ip_address()
         url = self.spec.url if loopback else f"http://{node_ip}:{self.spec.port}"
-        cumem = self.server.env.get(CUMEM_ENV) if self.server.env is not None else os.environ.get(CUMEM_ENV)
-        return EngineAddress(url, self.spec.api_key, self.spec.tp_size, node_ip, loopback, cumem)
+        env = self.server.env if self.server.env is not None else os.environ
+        gpus = env.get("CUDA_VISIBLE_DEVICES")  # the server's TP rank r runs on the r-th (colocated: ipc_sources)
+        gpu_ids = tuple(g.strip() for g in gpus.split(",") if g.strip()) if gpus else None
+        return EngineAddress(url, self.spec.api_key, self.spec.tp_size, node_ip, loopback, env.get(CUMEM_ENV), gpu_ids)
 
     def release_memory(self) -> None:
         """`SGLangRolloutEngine.release_memory` (needs `ServerSpec.colocated`)."""

@@ -22,12 +22,21 @@ its GPU UUID, not its index, because the trainer and the server see different `C
 The sender must keep the tensors alive until the call returns (it does: the bucket is held during the call). SGLang's
 `load_format="flattened_bucket"` is what the colocated IPC path below uses.
 
-The colocated IPC path (`ColocatedWeightSender`, formed by `open_colocated_sender` inside trainer rank 0, the
+The colocated IPC path (`ColocatedWeightSender`, formed by `open_colocated_sender` inside every trainer rank, the
 default for colocated jobs: `rollout.sglang.colocated_sync=ipc`): no weight byte passes through the CPU or Ray's
-object store. The train rank exports on its GPU, packs each bucket into one of two persistent flat GPU buffers
-(`weight_sync.pack_bucket`) and POSTs, per engine and bucket, one `/update_weights_from_tensor` with
-`load_format="flattened_bucket"` whose payload (per TP rank) is one CUDA IPC handle of the buffer and the entries'
-metadata (`serialize_flat_bucket`). The last bucket's request carries `weight_version` and `flush_cache: true` (0.5.16's
+object store. Every train rank exports on its GPU (the export is collective: each rank gets the full tensors); each
+rank that shares a GPU with a TP rank of a server (`ipc_sources`: engine e's TP rank r runs on the r-th GPU of its
+CUDA_VISIBLE_DEVICES, `EngineAddress.gpu_ids`) packs each bucket into one of two persistent flat buffers on that GPU
+(`weight_sync.pack_bucket`); rank 0 gathers the handles and POSTs, per engine and bucket, one
+`/update_weights_from_tensor` with `load_format="flattened_bucket"` whose payload r is a CUDA IPC handle of the buffer
+on TP rank r's own GPU and the entries' metadata (`serialize_flat_bucket`). A TP rank cannot use another GPU's buffer:
+the first 8B run handed rank 0's buffer to every TP rank of two TP-2 engines, and the engine on GPUs 2-3 refused it
+("Invalid device_uuid") while TP rank 1 on GPU 1 died copying from it ("CUDA error: invalid argument";
+docs/gpu-runs/2026-11-27-loop-8b-tp2cp2-ipc-fail-4xh200). The ranks go bucket by bucket in lock step over the
+trainer's process group (`DistExchange`): rank 0 fences the bucket's buffer slot and broadcasts go, or stop after an
+error (the others then only consume their export), the packing ranks serialize, rank 0 gathers; a rank that fails to
+pack says so in the gather, so an error on any rank ends the sync on every rank, never a hang. The last bucket's request
+carries `weight_version` and `flush_cache: true` (0.5.16's
 `TokenizerControlMixin.update_weights_from_tensor` labels the version after a successful load; the scheduler flushes
 after it, `flush_cache_after_weight_update`), so a sync is `buckets` requests and nothing else. 0.5.16 rebuilds the
 bucket in `WeightUpdater._update_weights_from_flattened_bucket` (`model_runner_components/weight_updater.py`): it reads
@@ -43,8 +52,9 @@ is refused during a sync; 512 MiB copy in about half a millisecond) while the an
 manager, HTTP) takes longer. A strict fence needs a server-side event (not in
 0.5.16). The buffers are plain allocations of the train process's CUDA caching allocator, which no memory saver
 manages (SGLang's torch_memory_saver pauses only the server process's own regions; the trainer runs none), sized to
-the bucket bound and grown for a single larger tensor; they stay allocated for the job (2 x 512 MiB on trainer rank
-0's GPU). Names are checked on every sync and values (`/weights_checker`, verify.py) on the first sync after the
+the bucket bound and grown for a single larger tensor; they stay allocated for the job (2 x 512 MiB on the GPU of
+each trainer rank that shares one with a server). Names are checked on every sync and values (`/weights_checker`,
+verify.py) on the first sync after the
 sender formed (the job's first, and the first after a relaunch: `repair` forms it again), then every
 `rollout.sglang.verify_weights_every`-th (`weight_sync.verify_due`).
 
@@ -99,13 +109,14 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient, SGLangError
-from miles_vl.rollout.sglang.verify import SyncVerifier, checkpoint_names
+from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError, checkpoint_names
 from miles_vl.rollout.weight_sync import (
     ABORT_GRACE_S,
     DEFAULT_BUCKET_BYTES,
@@ -130,6 +141,7 @@ _POLL_S = 0.01  # how often the wait for one broadcast looks at it (torch's Work
 
 __all__ = [
     "ColocatedWeightSender",
+    "DistExchange",
     "DistributedWeightSender",
     "EngineAddress",
     "EngineEndpoint",
@@ -138,6 +150,7 @@ __all__ = [
     "finish_tensor_sync",
     "group_layout",
     "init_trainer_group",
+    "ipc_sources",
     "open_colocated_sender",
     "open_trainer_group",
     "send_tensor_bucket",
@@ -254,13 +267,128 @@ def finish_tensor_sync(client: SGLangClient, *, weight_version: str, flush_timeo
 # the colocated IPC path, trainer rank 0's side: flat buckets, one IPC handle per bucket
 
 
-class ColocatedWeightSender:
-    """Trainer rank 0's colocated sync to SGLang servers on its node (sequence in the module docstring): a
-    `weight_sync.WeightGroup` whose `send` packs buckets into persistent flat buffers and hands each server one IPC
-    handle per bucket.
+class RankExchange(Protocol):
+    """How the trainer ranks of a colocated sync agree, bucket by bucket (`DistExchange`; tests: threads)."""
+
+    rank: int
+    world: int
+
+    def broadcast(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank."""
+        ...
+
+    def gather(self, obj: object) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DistExchange:
+    """`RankExchange` over torch.distributed's default group: the trainer's ranks (one rank: no collective)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def current(cls) -> DistExchange:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def broadcast(self, obj: object) -> object:
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: object) -> list | None:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def all_gather(self, obj: object) -> list:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def ipc_sources(engines: Sequence[EngineAddress], trainer_gpus: Sequence[tuple[str, str] | None]) -> list[list[int]]:
+    """Which trainer rank hands each engine's TP rank its buffer: `sources[e][r]` is the trainer rank on the GPU of
+    engine e's TP rank r. Each TP rank of a server maps the handle on its own GPU and copies from it, so the buffer must
+    live there: rank 0's buffer handed to every TP rank of every engine failed on the first 8B run (an engine on other
+    GPUs refused it, "Invalid device_uuid"; TP rank 1 on the next GPU died copying from it, "CUDA error: invalid
+    argument": docs/gpu-runs/2026-11-27-loop-8b-tp2cp2-ipc-fail-4xh200). SGLang's TP rank r runs on the r-th GPU of
+    its server's CUDA_VISIBLE_DEVICES (`EngineAddress.gpu_ids`).
 
     Args:
-        engines: the engines, each with its client and TP size.
+        engines: the engines, in engine order.
+        trainer_gpus: (node IP, Ray's GPU id) of each trainer rank, in rank order; None for a rank without a GPU.
+
+    Returns:
+        `sources[e][r]` for every engine e and TP rank r. Without GPUs (a CPU job: the buffers are shared memory,
+        which every process of the node maps), every entry is rank 0.
+
+    Raises:
+        ValueError: a TP rank on a GPU no trainer rank holds (or an engine whose GPUs are unknown), naming it and
+            the fix.
+    """
+    if all(gpu is None for gpu in trainer_gpus):
+        return [[0] * e.tp_size for e in engines]
+    where: dict[tuple[str, str], int] = {}
+    for k, gpu in enumerate(trainer_gpus):
+        if gpu is not None:
+            where.setdefault(gpu, k)
+    sources, missing = [], []
+    for i, e in enumerate(engines):
+        gpus = list(e.gpu_ids or ())
+        if len(gpus) != e.tp_size:
+            raise ValueError(
+                f"colocated engine {i} ({e.url}) reports GPUs {gpus or 'none'} for its {e.tp_size} TP rank(s), so the "
+                "colocated IPC weight sync cannot tell which trainer rank shares each of its GPUs; set "
+                "rollout.sglang.colocated_sync=tensor"
+            )
+        ranks = [where.get((e.node_ip, g)) for g in gpus]
+        missing += [
+            f"engine {i} TP rank {r} (GPU {g} of {e.node_ip})"
+            for r, (g, k) in enumerate(zip(gpus, ranks, strict=True))
+            if k is None
+        ]
+        sources.append(ranks)
+    if missing:
+        raise ValueError(
+            f"the colocated IPC weight sync needs a trainer rank on every GPU of every engine, but none runs on "
+            f"{'; '.join(missing)} (the trainer's GPUs: {sorted({g for g in trainer_gpus if g is not None})}); "
+            "colocated engines take the trainer's GPUs (placement.engine_slots), or set "
+            "rollout.sglang.colocated_sync=tensor"
+        )
+    return sources
+
+
+class ColocatedWeightSender:
+    """One trainer rank's part of the colocated sync to SGLang servers on its node (sequence in the module docstring):
+    a `weight_sync.WeightGroup` whose `send` packs buckets into persistent flat buffers on this rank's GPU and, on
+    rank 0, hands each server's TP rank one IPC handle per bucket, of the buffer on its own GPU (`ipc_sources`).
+
+    Every rank of the trainer runs `send` on the same export, bucket by bucket in lock step (`exchange`): rank 0
+    fences the bucket's buffer slot and says go (or stop, after an error: the other ranks then only consume their
+    export, which is collective), the ranks that hold a TP rank's GPU pack and serialize, rank 0 gathers the handles
+    and posts one request per engine.
+
+    Args:
+        engines: the engines, each with its client and TP size (rank 0's; other ranks post nothing).
         known_names: the tensor names of the checkpoint the servers loaded (`verify.checkpoint_names`); None:
             unchecked.
         max_bucket_bytes: bound of one bucket (and the size of each buffer).
@@ -268,6 +396,8 @@ class ColocatedWeightSender:
         device: where the buffers live; None: this process's current GPU, else the CPU (tests: CPU tensors travel
             as file descriptors, which a stand-in server of this host can open).
         buffers: how many buffers rotate (2: one bucket packs while the servers copy the other).
+        sources: `ipc_sources`: the trainer rank whose buffer each engine's TP rank maps; None: this rank's for all.
+        exchange: the trainer's ranks (`DistExchange`); None: this rank alone.
     """
 
     def __init__(
@@ -279,13 +409,25 @@ class ColocatedWeightSender:
         verify_every: int = 10,
         device: torch.device | str | None = None,
         buffers: int = 2,
+        sources: Sequence[Sequence[int]] | None = None,
+        exchange: RankExchange | None = None,
     ):
-        if not engines:
+        self.exchange = exchange if exchange is not None else DistExchange()
+        if not engines and self.exchange.rank == 0:
             raise ValueError("ColocatedWeightSender needs at least one engine")
         check_bucket_bytes(max_bucket_bytes)
         if verify_every < 0 or buffers < 1:
             raise ValueError(f"verify_every must be >= 0 and buffers >= 1, found {verify_every} and {buffers}")
-        self.engines = list(engines)
+        self.engines = list(engines) if self.exchange.rank == 0 else []
+        if sources is None:
+            sources = [[self.exchange.rank] * e.tp_size for e in engines]
+        self.sources = [list(ranks) for ranks in sources]
+        if self.exchange.rank == 0 and [len(r) for r in self.sources] != [e.tp_size for e in self.engines]:
+            raise ValueError(f"sources {self.sources} do not give one rank per TP rank of the engines")
+        # the (engine, TP rank) pairs whose buffer is this rank's
+        self.roles = [
+            (e, r) for e, ranks in enumerate(self.sources) for r, k in enumerate(ranks) if k == self.exchange.rank
+        ]
         self.verifiers = [SyncVerifier(e.client, known_names) for e in self.engines]
         self.max_bucket_bytes = max_bucket_bytes
         self.verify_every = verify_every
@@ -295,28 +437,37 @@ class ColocatedWeightSender:
         self.syncs = 0  # syncs sent by this sender (`verify_due` counts from its first)
         self._buffers: list[Tensor | None] = [None] * buffers
         self._in_flight: list[list[Future]] = [[] for _ in range(buffers)]  # the requests reading each buffer
-        self._pool = ThreadPoolExecutor(max_workers=len(self.engines) * buffers, thread_name_prefix="sglang-ipc")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(len(self.engines), 1) * buffers, thread_name_prefix="sglang-ipc"
+        )
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> SyncReport:
         """Send all tensors bucket by bucket; the last bucket's request labels `weight_version` and flushes the cache.
+        Every trainer rank calls it with its own export of the same weights.
 
         Returns:
-            A `SyncReport` (`verified`: the probes whose landing the servers' hashes confirmed, on a checked sync).
+            A `SyncReport` (`verified`: the probes whose landing the servers' hashes confirmed, on a checked sync;
+            on ranks > 0: the buckets this rank packed).
 
         Raises:
-            WeightSyncError: a name the servers' checkpoint lacks (before its bucket is sent), or a probe that did not
-                land (after the sync).
-            SGLangError: an engine refused a bucket or is gone (the servers' weights are then partly updated).
+            WeightSyncError: a name the servers' checkpoint lacks (nothing of its bucket is sent), or a probe that did
+                not land (after the sync).
+            SGLangError: an engine refused a bucket or is gone, or a rank failed to pack (the servers' weights are
+                then partly updated).
             ValueError: no tensors.
         """
+        lead = self.exchange.rank == 0
         self.syncs += 1
         values = verify_due(self.syncs, self.verify_every)
         clock = PhaseClock()
+        # the lock step of several ranks (one rank: none to time)
+        step = clock if self.exchange.world > 1 else lambda phase: contextlib.nullcontext()
         start = time.monotonic()
         with clock("check"):
             for v in self.verifiers:
                 v.begin(values)
         buckets = tensors = nbytes = 0
+        error: BaseException | None = None  # rank 0: the first failure; the remaining buckets are only consumed
         pending = iter_buckets(named_tensors, self.max_bucket_bytes)
         with clock("export"):
             bucket = next(pending, None)
@@ -324,40 +475,53 @@ class ColocatedWeightSender:
             raise ValueError("no tensors to sync: named_tensors was empty")
         try:
             while bucket is not None:
-                with clock("check"):
-                    for v in self.verifiers:
-                        v.bucket(bucket)  # refuses a name the servers would skip, before anything of it is sent
                 with clock("export"):
                     following = next(pending, None)  # the last bucket's request carries the version and the flush
-                slot = buckets % len(self._buffers)
-                with clock("wait"):
-                    self._fence(slot)
-                with clock("pack"):
-                    entries = pack_bucket(bucket, self._buffer(slot, flat_layout(bucket)[1]))
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()  # packed before a server maps it
                 last = following is None
-                if last:  # the label and the flush may act only once every earlier bucket has loaded
-                    with clock("wait"):
-                        for other in range(len(self._buffers)):
-                            self._fence(other)
-                self._in_flight[slot] = [
-                    self._pool.submit(
-                        e.client.update_weights_from_tensor,
-                        [serialize_flat_bucket(self._buffers[slot], entries) for _ in range(e.tp_size)],
-                        load_format="flattened_bucket",
-                        flush_cache=last,
-                        weight_version=weight_version if last else None,
-                    )
-                    for e in self.engines
-                ]
+                slot = buckets % len(self._buffers)
+                if lead and error is None:
+                    try:
+                        with clock("check"):
+                            for v in self.verifiers:
+                                v.bucket(bucket)  # refuses a name the servers would skip, before any of it is sent
+                    except WeightSyncError as refused:
+                        error = refused
+                    with clock("wait"):  # every rank packs slot's buffers again only once their readers answered
+                        for other in range(len(self._buffers)) if last else [slot]:
+                            self._fence(other)  # the last: the label and the flush follow every earlier load
+                with step("exchange"):
+                    go = self.exchange.broadcast(error is None)
+                handles: dict | str = {}
+                if go and self.roles:
+                    try:
+                        with clock("pack"):
+                            entries = pack_bucket(bucket, self._buffer(slot, flat_layout(bucket)[1]))
+                            if self.device.type == "cuda":
+                                torch.cuda.current_stream(self.device).synchronize()  # packed before a server maps it
+                        handles = {role: serialize_flat_bucket(self._buffers[slot], entries) for role in self.roles}
+                    except Exception as err:  # said to rank 0 (which raises it); every rank stays in step
+                        handles = f"trainer rank {self.exchange.rank} could not pack bucket {buckets}: {err!r}"
+                with step("exchange"):
+                    gathered = self.exchange.gather(handles)
+                if lead and go:
+                    failed = [h for h in gathered if isinstance(h, str)]
+                    if failed:
+                        error = SGLangError("; ".join(failed))
+                    else:
+                        merged = {role: h for part in gathered for role, h in part.items()}
+                        self._post(slot, merged, last=last, weight_version=weight_version)
+                        tensors += len(bucket)
+                        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                elif go and self.roles and not isinstance(handles, str):
+                    tensors += len(bucket)
+                    nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 buckets += 1
-                tensors += len(entries)
-                nbytes += sum(x.nbytes for x in entries)
                 bucket = following
         finally:
             with clock("wait"):
                 errors = self._drain()  # never leave a request reading a buffer behind, also when raising
+        if error is not None:
+            raise error
         if errors:
             raise SGLangError("update_weights_from_tensor failed on:\n" + "\n".join(errors))
         with clock("check"):
@@ -372,6 +536,19 @@ class ColocatedWeightSender:
         self._drain()
         self._buffers = [None] * len(self._buffers)
         self._pool.shutdown(wait=True)
+
+    def _post(self, slot: int, handles: dict, *, last: bool, weight_version: str) -> None:
+        """Rank 0: one request per engine for the bucket in buffer `slot`, each TP rank's handle from its own GPU."""
+        self._in_flight[slot] = [
+            self._pool.submit(
+                e.client.update_weights_from_tensor,
+                [handles[(i, r)] for r in range(e.tp_size)],
+                load_format="flattened_bucket",
+                flush_cache=last,
+                weight_version=weight_version if last else None,
+            )
+            for i, e in enumerate(self.engines)
+        ]
 
     def _fence(self, slot: int) -> None:
         """Wait until every request that reads buffer `slot` answered: only then may it be packed again."""
@@ -408,7 +585,8 @@ def open_colocated_sender(
     timeout_s: float = 600.0,
     sync_timeout_s: float | None = None,
 ) -> ColocatedWeightSender:
-    """Trainer rank 0's colocated IPC sender to every engine (a `weight_sync.GroupOpener`; runs in the train actor).
+    """This trainer rank's part of the colocated IPC sync to every engine (a `weight_sync.GroupOpener`; runs in every
+    train actor: `GroupSync.every_rank`; collective: the ranks learn each other's GPUs, for `ipc_sources`).
 
     Args:
         engines: the engines' addresses, in engine order.
@@ -419,11 +597,13 @@ def open_colocated_sender(
         backend, timeout_s, sync_timeout_s: the group path's options; no group backend takes part here.
 
     Raises:
-        ValueError: an engine on another node than this train rank (a CUDA IPC handle opens on its own node only).
+        ValueError: an engine on another node than this train rank (a CUDA IPC handle opens on its own node only), or
+            a GPU of an engine that no train rank holds (`ipc_sources`).
     """
-    import ray
-
-    here = ray.util.get_node_ip_address()
+    exchange = DistExchange.current()
+    # every rank learns where every rank runs first, then each computes the same checks and table (the same error)
+    ranks = exchange.all_gather(_where_this_rank_runs())
+    here = ranks[0][0]  # rank 0 posts every request
     far = [i for i, e in enumerate(engines) if e.node_ip != here]
     if far:
         raise ValueError(
@@ -432,6 +612,7 @@ def open_colocated_sender(
         )
     if not torch.cuda.is_available():  # a CPU job (tests): buffers shared by shared-memory file name, as the host does
         torch.multiprocessing.set_sharing_strategy("file_system")
+    sources = ipc_sources(engines, [(node, gpu) if gpu is not None else None for node, gpu in ranks])
     return ColocatedWeightSender(
         [
             EngineEndpoint(
@@ -439,10 +620,24 @@ def open_colocated_sender(
             )
             for e in engines
         ],
-        known_names=checkpoint_names(model_path) if model_path else None,
+        known_names=checkpoint_names(model_path) if model_path and exchange.rank == 0 else None,
         max_bucket_bytes=max_bucket_bytes,
         verify_every=verify_every,
+        sources=sources,
+        exchange=exchange,
     )
+
+
+def _where_this_rank_runs() -> tuple[str, str | None]:
+    """(node IP, Ray's id of this actor's GPU: the names `EngineAddress.gpu_ids` uses; None without a GPU)."""
+    import ray
+
+    node = ray.util.get_node_ip_address()
+    if not torch.cuda.is_available():
+        return node, None
+    ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    # not raised here (the other ranks would wait in the exchange): a GPU no rank is known to hold fails ipc_sources
+    return node, str(ids[0]) if len(ids) == 1 else None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -772,7 +967,8 @@ def _all_completed(works: list) -> bool:
 
 @dataclass(frozen=True)
 class EngineAddress:
-    """How trainer rank 0 reaches one engine's server for the NCCL sync (`RolloutEngine.endpoint`)."""
+    """How the trainer reaches one engine's server for a group sync (`RolloutEngine.endpoint`): NCCL (rank 0) or
+    colocated IPC (every rank: `ipc_sources`)."""
 
     url: str
     api_key: str | None = field(repr=False)  # the server's key (every sglang server has one)
@@ -780,6 +976,7 @@ class EngineAddress:
     node_ip: str
     loopback: bool  # the server binds a loopback address: reachable from its own node only
     nccl_cumem: str | None = None  # the server's NCCL_CUMEM_ENABLE (None: unknown); the trainer must run the same
+    gpu_ids: tuple[str, ...] | None = None  # the server's CUDA_VISIBLE_DEVICES (Ray's GPU ids; TP rank r on the r-th)
 
 
 def check_cumem_agrees(engines: Sequence[EngineAddress], trainer_value: str | None) -> None:

@@ -610,3 +610,14 @@ def test_stock_sglang_cannot_read_pixel_files(tmp_path):
         with pytest.raises(SGLangError, match="disconnected|Connection|reset|aborted"):
             quick_client(stock.url, max_retries=0).generate(body)
         assert any("Scheduler hit an exception: TypeError: expected Tensor" in line for line in stock.state.log)
+
+
+def test_the_tensor_paths_auto_device_keeps_the_weights_on_the_cpu_for_a_server_of_several_tp_ranks(monkeypatch):
+    """`weight_device="auto"` on a GPU machine: a one-rank server maps CUDA tensors of this process's GPU; a server of
+    two TP ranks gets shared CPU tensors, since its TP rank 1 (another GPU) cannot copy from this GPU's memory (the
+    8B run: docs/gpu-runs/2026-11-27-loop-8b-tp2cp2-ipc-fail-4xh200)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    client = quick_client("http://127.0.0.1:1")
+    assert make_engine(client, weight_device="auto", tp_size=1).weight_device == "cuda"
+    assert make_engine(client, weight_device="auto", tp_size=2).weight_device is None
+    assert make_engine(client, weight_device="cuda", tp_size=2).weight_device == "cuda"  # said outright: kept
