@@ -361,7 +361,16 @@ class Trainer:
         ranks = self.workers if every_rank else [self.source]
         with self.submit_lock:
             refs = [w.open_weight_group.remote(open_group, engines, **options) for w in ranks]
-        self._get_all_unless_stopped(refs, "forming its group")
+        failed = []
+        for ref in refs:  # every rank's answer, so that none is left with a group when another failed
+            try:
+                self._get_unless_stopped(ref, "forming its group")
+            except ray.exceptions.RayTaskError as error:
+                failed.append(error)
+        if failed:
+            with contextlib.suppress(ray.exceptions.RayError):  # the next open must find no group on any rank
+                ray.get([w.close_weight_group.remote() for w in ranks])
+            raise failed[0]
         self.group_ranks = ranks
 
     def send_weights(self, weight_version: str) -> SyncReport:

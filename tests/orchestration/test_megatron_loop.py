@@ -127,6 +127,29 @@ def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake
     assert posts >= 4 and posts % 2 == 0 and paths.count("/update_weight_version") == 2  # 2 syncs, >= 2 buckets
 
 
+def test_megatron_cp2_colocated_ipc_sync_runs_on_every_rank(bridge, tmp_path, checkpoint, fake_gpu_ray):
+    """The colocated IPC sync with two train ranks (`GroupSync.every_rank`): both ranks open the sender (an exchange
+    over a gloo group of the trainer's ranks) and go through every bucket in lock step; on the CPU every TP rank maps
+    rank 0's shared-memory buffer. The server holds the trainer's weights after each sync: one request per bucket."""
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    cfg = config(
+        tmp_path,
+        checkpoint,
+        "colocated-ipc",
+        *("train.backend=megatron", "train.num_gpus=2", "train.cp=2", "model.dtype=fp32"),
+        *("rollout.backend=sglang", f"rollout.sglang.port={free_port()}", "rollout.sglang.colocated_sync=ipc"),
+        *("rollout.sglang.startup_timeout_s=120", f"rollout.sglang.extra_args=[--fake-journal,{journal}]"),
+    )
+    sync = WeightSyncOptions(bucket_bytes=64 * 1024)  # several buckets
+    rows = metrics(run_job(cfg, hooks=stand_ins(sglang=True, megatron=True, weight_sync=sync)))
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
+    [records] = read_journal(journal).values()
+    paths = [r["path"] for r in records if "path" in r]
+    posts = paths.count("/update_weights_from_tensor")
+    assert posts >= 4 and "/update_weights_from_distributed" not in paths  # 2 syncs of >= 2 buckets, over IPC
+
+
 def test_trainer_gpus_are_node_major_and_shared_by_colocated_engines(fake_gpu_ray):
     gpus = reserve_gpus(FAKE_GPUS)
     try:

@@ -116,7 +116,7 @@ from torch import Tensor
 
 from miles_vl.gpu_env import CUMEM_ENV
 from miles_vl.rollout.sglang.client import RequestPolicy, SGLangClient, SGLangError
-from miles_vl.rollout.sglang.verify import SyncVerifier, WeightSyncError, checkpoint_names
+from miles_vl.rollout.sglang.verify import SyncVerifier, checkpoint_names
 from miles_vl.rollout.weight_sync import (
     ABORT_GRACE_S,
     DEFAULT_BUCKET_BYTES,
@@ -282,20 +282,30 @@ class RankExchange(Protocol):
         ...
 
 
+_EXCHANGE_GROUP: list = []  # the gloo group of every trainer rank, made once per process (`DistExchange.current`)
+
+
 @dataclass(frozen=True)
 class DistExchange:
-    """`RankExchange` over torch.distributed's default group: the trainer's ranks (one rank: no collective)."""
+    """`RankExchange` of the trainer's ranks over a gloo group of torch.distributed's default group (one rank: no
+    collective). Gloo, not the trainer's NCCL: the objects are small, and a rank that waits here (for rank 0, while the
+    servers copy on these GPUs) runs no kernel on its GPU, and a wait past the group's timeout raises instead of
+    aborting the process."""
 
     rank: int = 0
     world: int = 1
+    group: object = None
 
     @classmethod
     def current(cls) -> DistExchange:
+        """This rank's exchange; collective the first time in a process of several ranks (every rank calls it)."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        if not _EXCHANGE_GROUP:
+            _EXCHANGE_GROUP.append(dist.new_group(backend="gloo"))
+        return cls(dist.get_rank(), dist.get_world_size(), _EXCHANGE_GROUP[0])
 
     def broadcast(self, obj: object) -> object:
         if self.world == 1:
@@ -303,7 +313,7 @@ class DistExchange:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def gather(self, obj: object) -> list | None:
@@ -312,7 +322,7 @@ class DistExchange:
         import torch.distributed as dist
 
         out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
     def all_gather(self, obj: object) -> list:
@@ -321,11 +331,13 @@ class DistExchange:
         import torch.distributed as dist
 
         out = [None] * self.world
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
 
-def ipc_sources(engines: Sequence[EngineAddress], trainer_gpus: Sequence[tuple[str, str] | None]) -> list[list[int]]:
+def ipc_sources(
+    engines: Sequence[EngineAddress], trainer_gpus: Sequence[tuple[str, str] | None], *, cuda: bool = True
+) -> list[list[int]]:
     """Which trainer rank hands each engine's TP rank its buffer: `sources[e][r]` is the trainer rank on the GPU of
     engine e's TP rank r. Each TP rank of a server maps the handle on its own GPU and copies from it, so the buffer must
     live there: rank 0's buffer handed to every TP rank of every engine failed on the first 8B run (an engine on other
@@ -335,18 +347,26 @@ def ipc_sources(engines: Sequence[EngineAddress], trainer_gpus: Sequence[tuple[s
 
     Args:
         engines: the engines, in engine order.
-        trainer_gpus: (node IP, Ray's GPU id) of each trainer rank, in rank order; None for a rank without a GPU.
+        trainer_gpus: (node IP, Ray's GPU id) of each trainer rank, in rank order; None: not known.
+        cuda: the trainer runs on GPUs; False (a CPU job: the buffers are shared memory, which every process of the
+            node maps): every entry is rank 0.
 
     Returns:
-        `sources[e][r]` for every engine e and TP rank r. Without GPUs (a CPU job: the buffers are shared memory,
-        which every process of the node maps), every entry is rank 0.
+        `sources[e][r]` for every engine e and TP rank r.
 
     Raises:
-        ValueError: a TP rank on a GPU no trainer rank holds (or an engine whose GPUs are unknown), naming it and
-            the fix.
+        ValueError: a trainer rank whose GPU is unknown, a TP rank on a GPU no trainer rank holds, or an engine whose
+            GPUs are unknown, naming it and the fix.
     """
-    if all(gpu is None for gpu in trainer_gpus):
+    if not cuda:
         return [[0] * e.tp_size for e in engines]
+    unknown = [k for k, gpu in enumerate(trainer_gpus) if gpu is None]
+    if unknown:
+        raise ValueError(
+            f"trainer ranks {unknown} run on CUDA but hold no single GPU of Ray's (Ray's accelerator ids), so the "
+            "colocated IPC weight sync cannot tell which server TP ranks share their GPUs; run the trainer as Ray "
+            "actors of one GPU each (as miles-vl does), or set rollout.sglang.colocated_sync=tensor"
+        )
     where: dict[tuple[str, str], int] = {}
     for k, gpu in enumerate(trainer_gpus):
         if gpu is not None:
@@ -413,7 +433,7 @@ class ColocatedWeightSender:
         exchange: RankExchange | None = None,
     ):
         self.exchange = exchange if exchange is not None else DistExchange()
-        if not engines and self.exchange.rank == 0:
+        if not engines:
             raise ValueError("ColocatedWeightSender needs at least one engine")
         check_bucket_bytes(max_bucket_bytes)
         if verify_every < 0 or buffers < 1:
@@ -447,7 +467,7 @@ class ColocatedWeightSender:
 
         Returns:
             A `SyncReport` (`verified`: the probes whose landing the servers' hashes confirmed, on a checked sync;
-            on ranks > 0: the buckets this rank packed).
+            tensors and bytes: those sent, on rank 0, or packed here, on the other ranks).
 
         Raises:
             WeightSyncError: a name the servers' checkpoint lacks (nothing of its bucket is sent), or a probe that did
@@ -463,11 +483,16 @@ class ColocatedWeightSender:
         # the lock step of several ranks (one rank: none to time)
         step = clock if self.exchange.world > 1 else lambda phase: contextlib.nullcontext()
         start = time.monotonic()
+        # rank 0: the first failure. Whatever fails on rank 0 (a server that cannot answer /weights_checker, a refused
+        # name, ...) is kept, not raised, until every bucket is through: the other ranks wait for rank 0 at each one
+        error: BaseException | None = None
         with clock("check"):
-            for v in self.verifiers:
-                v.begin(values)
+            try:
+                for v in self.verifiers:
+                    v.begin(values)
+            except Exception as err:  # the other ranks are told to stop at the first bucket
+                error = err
         buckets = tensors = nbytes = 0
-        error: BaseException | None = None  # rank 0: the first failure; the remaining buckets are only consumed
         pending = iter_buckets(named_tensors, self.max_bucket_bytes)
         with clock("export"):
             bucket = next(pending, None)
@@ -484,11 +509,11 @@ class ColocatedWeightSender:
                         with clock("check"):
                             for v in self.verifiers:
                                 v.bucket(bucket)  # refuses a name the servers would skip, before any of it is sent
-                    except WeightSyncError as refused:
-                        error = refused
-                    with clock("wait"):  # every rank packs slot's buffers again only once their readers answered
-                        for other in range(len(self._buffers)) if last else [slot]:
-                            self._fence(other)  # the last: the label and the flush follow every earlier load
+                        with clock("wait"):  # every rank packs slot's buffers again only once their readers answered
+                            for other in range(len(self._buffers)) if last else [slot]:
+                                self._fence(other)  # the last: the label and the flush follow every earlier load
+                    except Exception as err:
+                        error = err
                 with step("exchange"):
                     go = self.exchange.broadcast(error is None)
                 handles: dict | str = {}
@@ -505,13 +530,15 @@ class ColocatedWeightSender:
                     gathered = self.exchange.gather(handles)
                 if lead and go:
                     failed = [h for h in gathered if isinstance(h, str)]
-                    if failed:
-                        error = SGLangError("; ".join(failed))
-                    else:
+                    try:
+                        if failed:
+                            raise SGLangError("; ".join(failed))
                         merged = {role: h for part in gathered for role, h in part.items()}
                         self._post(slot, merged, last=last, weight_version=weight_version)
                         tensors += len(bucket)
                         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    except Exception as err:
+                        error = err
                 elif go and self.roles and not isinstance(handles, str):
                     tensors += len(bucket)
                     nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -521,6 +548,8 @@ class ColocatedWeightSender:
             with clock("wait"):
                 errors = self._drain()  # never leave a request reading a buffer behind, also when raising
         if error is not None:
+            if errors:  # the servers' own refusals of buckets sent before the error: said, not lost
+                log.warning("colocated sync %s: %s", weight_version, "; ".join(errors))
             raise error
         if errors:
             raise SGLangError("update_weights_from_tensor failed on:\n" + "\n".join(errors))
@@ -601,8 +630,18 @@ def open_colocated_sender(
             a GPU of an engine that no train rank holds (`ipc_sources`).
     """
     exchange = DistExchange.current()
-    # every rank learns where every rank runs first, then each computes the same checks and table (the same error)
-    ranks = exchange.all_gather(_where_this_rank_runs())
+    known, problem = None, None
+    if model_path and exchange.rank == 0:
+        try:
+            known = checkpoint_names(model_path)
+        except Exception as err:  # said to every rank through the exchange: all raise it, none waits for rank 0
+            problem = f"trainer rank 0 could not read the checkpoint's tensor names at {model_path}: {err!r}"
+    # every rank learns where every rank runs (and whether one failed) first; then each makes the same checks and
+    # table, so that each raises the same error
+    ranks = exchange.all_gather((*_where_this_rank_runs(exchange.world), problem))
+    problems = [p for *_, p in ranks if p is not None]
+    if problems:
+        raise RuntimeError("; ".join(problems))
     here = ranks[0][0]  # rank 0 posts every request
     far = [i for i, e in enumerate(engines) if e.node_ip != here]
     if far:
@@ -610,9 +649,15 @@ def open_colocated_sender(
             f"colocated engines {far} run on another node than trainer rank 0 ({here}), so the colocated IPC weight "
             "sync cannot hand them CUDA memory; set rollout.sglang.colocated_sync=tensor (through Ray's object store)"
         )
-    if not torch.cuda.is_available():  # a CPU job (tests): buffers shared by shared-memory file name, as the host does
+    cuda = any(c for _, _, c, _ in ranks)
+    if not cuda:  # a CPU job (tests): buffers shared by shared-memory file name, as the host does
         torch.multiprocessing.set_sharing_strategy("file_system")
-    sources = ipc_sources(engines, [(node, gpu) if gpu is not None else None for node, gpu in ranks])
+    if exchange.world == 1:  # one rank: every handle is its own (a colocated engine shares its GPU)
+        sources = [[0] * e.tp_size for e in engines]
+    else:
+        sources = ipc_sources(
+            engines, [(node, gpu) if gpu is not None else None for node, gpu, _, _ in ranks], cuda=cuda
+        )
     return ColocatedWeightSender(
         [
             EngineEndpoint(
@@ -620,7 +665,7 @@ def open_colocated_sender(
             )
             for e in engines
         ],
-        known_names=checkpoint_names(model_path) if model_path and exchange.rank == 0 else None,
+        known_names=known,
         max_bucket_bytes=max_bucket_bytes,
         verify_every=verify_every,
         sources=sources,
@@ -628,16 +673,18 @@ def open_colocated_sender(
     )
 
 
-def _where_this_rank_runs() -> tuple[str, str | None]:
-    """(node IP, Ray's id of this actor's GPU: the names `EngineAddress.gpu_ids` uses; None without a GPU)."""
+def _where_this_rank_runs(world: int) -> tuple[str, str | None, bool]:
+    """(node IP, Ray's id of this actor's GPU, CUDA available): the GPU id in the names `EngineAddress.gpu_ids` uses;
+    None where unknown (not in a Ray actor of one GPU; with one rank it is not needed). Never raises: the other ranks
+    wait for this one in the exchange."""
     import ray
 
     node = ray.util.get_node_ip_address()
-    if not torch.cuda.is_available():
-        return node, None
+    cuda = torch.cuda.is_available()
+    if not cuda or world == 1 or not ray.is_initialized():
+        return node, None, cuda
     ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-    # not raised here (the other ranks would wait in the exchange): a GPU no rank is known to hold fails ipc_sources
-    return node, str(ids[0]) if len(ids) == 1 else None
+    return node, str(ids[0]) if len(ids) == 1 else None, cuda
 
 
 # ---------------------------------------------------------------------------------------------------------------------

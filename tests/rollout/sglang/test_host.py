@@ -74,9 +74,11 @@ def kill(h: SGLangRolloutHost) -> None:
     h.server._proc.wait(timeout=5)
 
 
-def test_the_endpoint_names_the_gpus_its_server_runs_on_in_tp_rank_order(tmp_path):
+def test_the_endpoint_names_the_gpus_its_server_runs_on_in_tp_rank_order(tmp_path, monkeypatch):
     """The colocated IPC sync matches each TP rank's GPU with the trainer rank on it (weights.ipc_sources): the
-    server's CUDA_VISIBLE_DEVICES, as the host gave it, in order; None where the host set none."""
+    server's CUDA_VISIBLE_DEVICES, as the host gave it, in order; None where neither the host nor the environment the
+    server inherits sets it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     h = host(tmp_path, env={"PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "3,1"})
     try:
         assert h.endpoint().gpu_ids == ("3", "1") and h.server.env["CUDA_VISIBLE_DEVICES"] == "3,1"

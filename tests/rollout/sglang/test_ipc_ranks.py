@@ -19,7 +19,7 @@ import threading
 import pytest
 import torch
 
-from miles_vl.rollout.sglang.client import SGLangError
+from miles_vl.rollout.sglang.client import SGLangError, SGLangUnavailableError
 from miles_vl.rollout.sglang.verify import WeightSyncError
 from miles_vl.rollout.sglang.weights import (
     ColocatedWeightSender,
@@ -51,7 +51,16 @@ def test_each_tp_rank_of_each_engine_gets_the_trainer_rank_on_its_own_gpu():
 def test_a_one_gpu_job_maps_rank_0_and_a_cpu_job_maps_rank_0_for_every_tp_rank():
     assert ipc_sources([_engine(1, ("0",))], [(NODE, "0")]) == [[0]]
     # no GPU on any rank: CPU buffers are shared memory, which every process of the node maps
-    assert ipc_sources([_engine(2, None), _engine(1, None)], [None, None]) == [[0, 0], [0]]
+    assert ipc_sources([_engine(2, None), _engine(1, None)], [None, None], cuda=False) == [[0, 0], [0]]
+
+
+def test_a_cuda_rank_whose_gpu_is_unknown_is_refused_not_mapped_to_rank_0():
+    """Unknown GPUs on a CUDA trainer must not fall back to rank 0's buffer for every TP rank (the failure this
+    table exists to prevent)."""
+    with pytest.raises(ValueError, match=r"trainer ranks \[0, 1\] run on CUDA but hold no single GPU"):
+        ipc_sources([_engine(2, ("0", "1"))], [None, None], cuda=True)
+    with pytest.raises(ValueError, match=r"trainer ranks \[1\]"):
+        ipc_sources([_engine(2, ("0", "1"))], [(NODE, "0"), None])
 
 
 def test_a_tp_rank_on_a_gpu_no_trainer_rank_holds_is_refused_naming_it():
@@ -202,6 +211,22 @@ def test_a_name_refused_on_rank_0_ends_the_sync_on_every_rank_without_a_hang():
     assert isinstance(out[0], WeightSyncError) and "not named as in the checkpoint" in str(out[0])
     assert not isinstance(out[1], BaseException)
     assert [c["names"] for c in servers[0].calls] == [["layer0.weight", "layer1.weight"]]
+
+
+def test_a_server_that_cannot_answer_the_value_check_ends_the_sync_on_every_rank_without_a_hang(monkeypatch):
+    """Rank 0 alone asks the servers for their hashes before the first bucket (a new sender always does): a server
+    that is down there must stop every rank, not leave the others waiting for rank 0's first go."""
+    servers = [TPServer(2)]
+    senders = _ranks(2, servers, [[0, 1]])
+
+    def down(action: str = "checksum"):
+        raise SGLangUnavailableError("POST /weights_checker at http://stand-in: connection refused (stand-in)")
+
+    monkeypatch.setattr(servers[0], "check_weights", down)
+    out = _run_ranks(senders, [iter(_weights(4)) for _ in senders])
+    assert isinstance(out[0], SGLangUnavailableError) and "connection refused" in str(out[0])
+    assert not isinstance(out[1], BaseException)
+    assert not servers[0].calls  # nothing was sent
 
 
 def test_a_rank_that_cannot_pack_is_named_by_rank_0_and_no_rank_hangs(monkeypatch):
