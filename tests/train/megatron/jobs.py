@@ -28,6 +28,12 @@ ALGO = dict(
 )
 TEMPERATURE = 0.7
 LR = 1e-5
+# the two-rank layouts of the CPU harness that one spawn runs in turn (test_train_levers.py, test_logits_limit.py)
+TWO_RANK_LAYOUTS = {
+    "dp2": dict(tp=1, cp=1),
+    "cp2": dict(tp=1, cp=2),
+    "tp2": dict(tp=2, cp=1),
+}
 
 
 def tokens():

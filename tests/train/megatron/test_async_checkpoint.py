@@ -18,16 +18,12 @@ import pytest
 import torch
 
 from tests.disks import with_tmpfs
-from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts, jobs
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _bridge():
-    if reason := bridge_available("0.6.2"):
-        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+pytestmark = pytest.mark.usefixtures("megatron_bridge")
 
 
 def assert_same_state(a: dict, b: dict) -> None:

@@ -10,20 +10,12 @@ from __future__ import annotations
 import pytest
 
 from miles_vl.train.megatron import step
-from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts, jobs
 
-LAYOUTS = {
-    "dp2": dict(tp=1, cp=1),
-    "cp2": dict(tp=1, cp=2),
-    "tp2": dict(tp=2, cp=1),
-}
+LAYOUTS = jobs.TWO_RANK_LAYOUTS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _bridge():
-    if reason := bridge_available("0.6.2"):
-        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+pytestmark = pytest.mark.usefixtures("megatron_bridge")
 
 
 @pytest.fixture(scope="module")

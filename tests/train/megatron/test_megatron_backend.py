@@ -19,17 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts, jobs
 
 REDUCTION = "seq_mean_token_mean"  # per-sequence counts across shards: the harder reduction
 TOL = 1e-5  # relative; fp32 sums in different orders
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _bridge():
-    if reason := bridge_available("0.6.2"):
-        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+pytestmark = pytest.mark.usefixtures("megatron_bridge")
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.patches.harness.shims import require_bridge
 from tests.train.megatron import cpu_parts, jobs
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _bridge():
-    require_bridge("0.6.2")
+pytestmark = pytest.mark.usefixtures("megatron_bridge")
 
 
 @pytest.fixture(scope="module")

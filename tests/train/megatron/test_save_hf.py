@@ -14,14 +14,9 @@ import json
 import pytest
 import torch
 
-from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts, jobs
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _bridge():
-    if reason := bridge_available("0.6.2"):
-        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+pytestmark = pytest.mark.usefixtures("megatron_bridge")
 
 
 def test_megatron_save_hf_loads_in_transformers_with_the_megatron_logprobs(tmp_path):

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.patches.harness.shims import bridge_available
 from tests.train.megatron import cpu_parts, jobs
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _bridge():
-    if reason := bridge_available("0.6.2"):
-        pytest.fail(f"the CPU harness cannot load megatron-bridge 0.6.2: {reason}")
+pytestmark = pytest.mark.usefixtures("megatron_bridge")
 
 
 def test_set_lr_sets_the_peak_lr_under_the_lr_warmup():
