@@ -249,7 +249,7 @@ def sglang_colocated_sync(cfg: JobConfig) -> GroupSync | None:
     opener = functools.partial(
         open_colocated_sender, model_path=cfg.model.path or None, verify_every=s.verify_weights_every
     )
-    return GroupSync(opener, request_timeout_s=s.request_timeout_s, colocated=True, every_rank=True)
+    return GroupSync(opener, request_timeout_s=s.request_timeout_s, colocated=True)
 
 
 def check_colocated_group(cfg: JobConfig, group: GroupSync | None, slots: Sequence[GpuSlot] | None) -> None:

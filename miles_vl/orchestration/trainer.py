@@ -378,11 +378,10 @@ class Trainer:
         bucket has a deadline in rank 0 (sglang: `DistributedWeightSender` in rollout/sglang/weights.py), whose
         watchdog ends the actor if the deadline cannot free it; a stop request still pending STOP_GRACE_S into the
         sync ends it here (`_get_unless_stopped`)."""
+        ranks = self.group_ranks or [self.source]
         with self.submit_lock:
-            senders = [w.send_weights.remote(weight_version) for w in self.group_ranks or [self.source]]
-            others = [
-                w.drain_weights.remote() for w in self.workers if w not in self.group_ranks and w is not self.source
-            ]
+            senders = [w.send_weights.remote(weight_version) for w in ranks]
+            others = [w.drain_weights.remote() for w in self.workers if w not in ranks]
         try:
             return self._get_all_unless_stopped(senders, "sending weights")[0]
         finally:

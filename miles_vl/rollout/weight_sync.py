@@ -16,7 +16,7 @@ two ways the driver (`make_weight_sync`) moves weights after every train step, a
         repair:    trainer.close_weight_group(); open again; send to all  # a restarted server left the group
 
     colocated group  (an engine kind whose table row has a colocated `GroupSync`: sglang) — the same calls as the group
-        path, but on every trainer rank (`GroupSync.every_rank`): `open_group` returns a sender that hands each TP rank
+        path, but on every trainer rank (`GroupSync.colocated`): `open_group` returns a sender that hands each TP rank
         of the engines' servers a CUDA IPC handle of a persistent flat buffer on its own GPU, packed by the trainer
         rank that shares that GPU (`pack_bucket`; sglang: `ColocatedWeightSender`, `ipc_sources`); only metadata
         crosses Ray and HTTP, and the server's value check runs when `verify_due` says so.
@@ -294,8 +294,9 @@ class GroupSync:
     open_group: GroupOpener
     request_timeout_s: float
     sync_timeout_s: float | None = None
-    colocated: bool = False  # the group is the colocated IPC path: no broadcast backend
-    every_rank: bool = False  # `open_group` and the group's `send` run on every trainer rank (else on rank 0 alone)
+    # the group is the colocated IPC path: no broadcast backend, and `open_group` and the group's `send` run on every
+    # trainer rank (each packs for the servers' TP ranks on its GPU); else on rank 0 alone
+    colocated: bool = False
 
 
 def make_weight_sync(trainer, *, group: GroupSync | None, trainer_gpus: bool, options: WeightSyncOptions) -> WeightSync:
@@ -380,7 +381,7 @@ class NcclWeightSync:
                 self.trainer.open_weight_group(
                     self.group.open_group,
                     addresses,
-                    every_rank=self.group.every_rank,
+                    every_rank=self.group.colocated,
                     backend=self.backend,
                     max_bucket_bytes=self.options.bucket_bytes,
                     timeout_s=self.options.timeout_s,

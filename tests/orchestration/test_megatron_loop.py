@@ -128,7 +128,7 @@ def test_megatron_cp2_disaggregated_nccl_sync(bridge, tmp_path, checkpoint, fake
 
 
 def test_megatron_cp2_colocated_ipc_sync_runs_on_every_rank(bridge, tmp_path, checkpoint, fake_gpu_ray):
-    """The colocated IPC sync with two train ranks (`GroupSync.every_rank`): both ranks open the sender (an exchange
+    """The colocated IPC sync with two train ranks (`GroupSync.colocated`): both ranks open the sender (an exchange
     over a gloo group of the trainer's ranks) and go through every bucket in lock step; on the CPU every TP rank maps
     rank 0's shared-memory buffer. The server holds the trainer's weights after each sync: one request per bucket."""
     journal = tmp_path / "journal"

@@ -615,7 +615,7 @@ def open_colocated_sender(
     sync_timeout_s: float | None = None,
 ) -> ColocatedWeightSender:
     """This trainer rank's part of the colocated IPC sync to every engine (a `weight_sync.GroupOpener`; runs in every
-    train actor: `GroupSync.every_rank`; collective: the ranks learn each other's GPUs, for `ipc_sources`).
+    train actor: `GroupSync.colocated`; collective: the ranks learn each other's GPUs, for `ipc_sources`).
 
     Args:
         engines: the engines' addresses, in engine order.
