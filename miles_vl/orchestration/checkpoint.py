@@ -34,6 +34,7 @@ import re
 import shutil
 import struct
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -150,6 +151,7 @@ class PendingSave:
     driver_state: dict[str, Any]
     keep_last: int
     wait: Callable[[], None] = lambda: None  # returns when the trainer's write has ended; raises its error
+    started: float = field(default_factory=time.monotonic)  # when the write began (the log's seconds)
 
     def finish(self) -> Path:
         """Wait for the trainer's write, add driver.json and the manifest, rename into place (the checkpoint appears
@@ -168,7 +170,13 @@ class PendingSave:
             self.abandon(err)
         for _, old in list_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint saved: %s", final)
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        log.info(
+            "checkpoint saved: %s (%.4g GB, %.1f s after its write began)",
+            final,
+            size / 1e9,
+            time.monotonic() - self.started,
+        )
         return final
 
     def abandon(self, err: BaseException) -> NoReturn:

@@ -23,8 +23,8 @@
 # trimmed), gpu_memory.csv (nvidia-smi's samples every 2 s of the GPUs in CUDA_VISIBLE_DEVICES, else all, during the
 # run: the summary's memory per GPU) and summary.json (scripts/gpu/summarize_run.py); where `xz` is installed, the
 # server's log and a driver.log over 16 KB come xz-compressed (`.log.xz`, as docs/gpu-runs commits them: its
-# README.md). The run is stopped (SIGINT, which writes a checkpoint) when it would outlast $BUDGET_S (default 540 s
-# from this script's start).
+# README.md). The run is stopped (SIGINT, which writes a checkpoint) early enough that the stop, its checkpoint
+# included, ends within $BUDGET_S (default 540 s from this script's start; the grace is computed below).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
@@ -45,23 +45,39 @@ model_shape=${shape%%_*}      # the checkpoint's architecture: 2b_long64k -> 2b,
 ckpt_name=${shape%[0-9][0-9]k}  # one checkpoint for the 2b_long lengths: 2b_long64k -> 2b_long
 [ "$shape" = 8b_1gpu ] && ckpt_name=8b
 mkdir -p "$out/$name" "$runs"
-min_run_s=60  # seconds the run needs at least, after the checkpoint is written
+min_run_s=60  # seconds the run needs at least, after the checkpoint is written, before the stop's grace (below)
+# Where the checkpoints go, and how long a stop may take. A stop (the budget's SIGINT below, or the job's end) finishes
+# the step in training, syncs it and writes its checkpoint: bf16 weights, fp32 main params and Adam's two moments, ~14
+# bytes a parameter (2B: 30 GB, 8B: 123 GB). It goes to /dev/shm (RAM) where that holds the run's checkpoints
+# (loop_job.py saves every 10 steps and at the end, keeping 3) and leaves the host 64 GiB (+131 GiB for 8b_1gpu's
+# optimizer state), else to $RUNS, a disk (2B in 73-77 s: ~0.4 GB/s); a checkpoint.dir override of the caller's
+# counts as a disk. The SIGINT comes $grace s before the end: 60 s for the step, then the write at 1 GB/s in RAM
+# (assumed, the log's "checkpoint saved ... in N s" measures it) or 0.4 GB/s on a disk. A stop killed in its write
+# leaves the newest complete checkpoint, never a partial one, but a run's last step unsaved (the 2026-11-27 8B and 2B
+# runs, killed 60 s after the SIGINT, lost theirs).
+case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=30 ;; *) ckpt_gb=123 ;; esac
+saves=$(( steps / 10 + 1 )); [ "$saves" -gt 3 ] && saves=3
+host_gib=64; [ "$shape" = 8b_1gpu ] && host_gib=195
+shm=${LOOP_SHM:-/dev/shm}
+ram_gib=${LOOP_RAM_GIB:-$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1048576 ))}
+shm_kb=$(df -Pk "$shm" 2> /dev/null | awk 'NR == 2 {print $4}')
+shm_gib=$(( ${shm_kb:-0} / 1048576 ))
+disk_gb=$(( $(df -Pk "$runs" | awk 'NR == 2 {print $4}') / 1000000 ))
+own_dir=0
+for arg in "$@"; do case $arg in checkpoint.dir=*) own_dir=1 ;; esac; done
+if [ "$own_dir" = 0 ] && [ "$shm_gib" -ge $(( ckpt_gb * saves * 11 / 10 )) ] \
+    && [ $(( ram_gib - ckpt_gb * saves )) -ge "$host_gib" ]; then
+  set -- "checkpoint.dir=$shm/miles_vl_ckpt/$name" "$@"  # first: an override of the caller's still wins
+  ckpt_where="$shm (RAM)"; grace=$(( 60 + ckpt_gb ))
+else
+  ckpt_where="a disk"; grace=$(( 60 + ckpt_gb * 10 / 4 ))
+fi
 if [ "$shape" = 8b_1gpu ]; then  # one GPU of the host; the host holds the optimizer's 131 GiB (loop_job.py)
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-  min_run_s=420  # start (~3 min: two 8B loads), 4 steps, the final save of ~123 GB
-  ram_gib=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1048576 ))
-  shm_kb=$(df -Pk /dev/shm 2> /dev/null | awk 'NR == 2 {print $4}')
-  shm_gib=$(( ${shm_kb:-0} / 1048576 ))
-  disk_gb=$(( $(df -Pk "$runs" | awk 'NR == 2 {print $4}') / 1000000 ))
-  fits=$(( ram_gib >= 150 ))
-  if [ "$ram_gib" -ge 300 ] && [ "$shm_gib" -ge 130 ]; then  # the checkpoint in RAM: written in seconds, not minutes
-    set -- "checkpoint.dir=/dev/shm/miles_vl_ckpt/$name" "$@"  # first: an override of the caller's still wins
-  elif [ "$disk_gb" -lt 130 ]; then
-    fits=0
-  fi
-  if [ "$fits" = 0 ]; then
+  min_run_s=300  # start (~3 min: two 8B loads), 4 steps
+  if [ "$ram_gib" -lt 150 ] || { [ "$ckpt_where" = "a disk" ] && [ "$disk_gb" -lt 130 ]; }; then
     echo "loop_run: 8b_1gpu needs >= 150 GiB of RAM (the offloaded optimizer state is 131 GiB) and >= 130 GB free" \
-      "for its checkpoint, in /dev/shm (with >= 300 GiB of RAM) or in $runs; this host has ${ram_gib} GiB of RAM," \
+      "for its checkpoint, in /dev/shm (with >= 318 GiB of RAM) or in $runs; this host has ${ram_gib} GiB of RAM," \
       "${shm_gib} GiB free in /dev/shm, ${disk_gb} GB in $runs: use a larger machine (one of its GPUs)" >&2
     exit 2
   fi
@@ -89,7 +105,7 @@ EOF
   say "check: $(tail -1 "$log")"
 fi
 
-ckpt=/tmp/ckpt_loop_$ckpt_name
+ckpt=${CKPTS:-/tmp}/ckpt_loop_$ckpt_name  # CKPTS: for the tests (tests/test_loop_run.py)
 if [ ! -f "$ckpt/.complete" ]; then
   read -r min_px max_px < <("$py" scripts/gpu/loop_job.py --pixels "$shape")
   say "checkpoint: writing $shape to $ckpt (processor pixels $min_px..$max_px)"
@@ -98,16 +114,17 @@ if [ ! -f "$ckpt/.complete" ]; then
   touch "$ckpt/.complete"
 fi
 
-t=$(( $(left) - 25 ))
-[ "$t" -lt "$min_run_s" ] && { say "only ${t}s left: not starting the run (the same command again starts it)"; exit 1; }
-say "train: $name to step $steps (timeout ${t}s, then SIGINT)"
+t=$(( $(left) - 25 - grace ))
+[ "$t" -lt "$min_run_s" ] && { say "only ${t}s left before the stop's ${grace}s: not starting the run" \
+  "(the same command again, with a larger BUDGET_S, starts it)"; exit 1; }
+say "train: $name to step $steps (SIGINT after ${t}s, killed ${grace}s later: checkpoints of ~${ckpt_gb} GB in $ckpt_where)"
 smi_pid=""
 if command -v nvidia-smi > /dev/null; then  # memory per GPU, by every process on it (the summary's maxima)
   nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 2 \
     ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} > "$out/$name/gpu_memory.csv" 2>> "$log" &
   smi_pid=$!
 fi
-timeout -s INT -k 60 "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
+timeout -s INT -k "$grace" "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
 status=$?
 [ -n "$smi_pid" ] && kill "$smi_pid" 2> /dev/null
 say "train exited $status"

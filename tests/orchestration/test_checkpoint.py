@@ -5,8 +5,10 @@ checkpoint is named file by file before anything starts."""
 import errno
 import json
 import logging
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -61,6 +63,29 @@ def test_save_prune_and_resume(tmp_path):
     }
     assert resolve_resume(tmp_path, "never") is None
     assert resolve_resume(tmp_path / "empty", "auto") is None
+
+
+def test_the_log_says_how_large_a_checkpoint_is_and_how_long_its_write_took(tmp_path, caplog):
+    """The GPU runs size their stop's grace from this line (scripts/gpu/loop_run.sh): the bytes of every file the
+    checkpoint holds, the seconds from the write's start to its publication."""
+
+    def slow_writer(d):
+        (d / "a.bin").write_bytes(b"x" * 3_000_000)
+        (d / "sub").mkdir()
+        (d / "sub" / "b.bin").write_bytes(b"y" * 1_000_000)
+        time.sleep(0.3)
+
+    with caplog.at_level(logging.INFO, logger="miles_vl.orchestration.checkpoint"):
+        final = save_checkpoint(tmp_path, 4, {"cursor": 1}, slow_writer, keep_last=2)
+    files = [f for f in final.rglob("*") if f.is_file()]
+    assert {f.name for f in files} == {"a.bin", "b.bin", "driver.json", "manifest.json"}
+    expected_gb = sum(f.stat().st_size for f in files) / 1e9
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint saved")]
+    size, seconds = re.fullmatch(
+        rf"checkpoint saved: {re.escape(str(final))} \(([0-9.]+) GB, ([0-9.]+) s after its write began\)", line
+    ).groups()
+    assert float(size) == float(f"{expected_gb:.4g}") > 0.0039
+    assert 0.3 <= float(seconds) < 30
 
 
 def test_failed_write_leaves_no_checkpoint_and_no_temp_dir(tmp_path):

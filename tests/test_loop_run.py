@@ -1,0 +1,110 @@
+"""scripts/gpu/loop_run.sh's stop: the budget's SIGINT comes early enough for the last step and its checkpoint, and the
+checkpoints go to RAM where it holds them. The 2026-11-27 GPU runs (8B at TP=2 x CP=2, the 2B sync/async pair) were
+killed 60 s after their SIGINT, in the middle of writing their last checkpoint.
+
+The script runs for real (bash, coreutils' timeout) with a stand-in for Python that answers each of its calls
+(loop_job.py's pixels and job, make_tiny_qwen3vl.py, summarize_run.py) and records the job's arguments."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOOP_RUN = REPO / "scripts" / "gpu" / "loop_run.sh"
+
+STAND_IN = """#!/usr/bin/env bash
+case "$1 $2" in
+  "scripts/gpu/loop_job.py --pixels") echo "1 2" ;;
+  scripts/gpu/make_tiny_qwen3vl.py*) mkdir -p "$2" ;;
+  scripts/gpu/loop_job.py*) shift; printf '%s\\n' "$@" > "$JOB_ARGS" ;;
+  scripts/gpu/summarize_run.py*) echo "{}" ;;
+  *) echo "unexpected call: $*" >&2; exit 9 ;;
+esac
+"""
+
+
+def loop_run(tmp_path: Path, *args: str, ram_gib: int = 512, shm: Path | None = None, budget: int = 540):
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    env = {
+        **os.environ,
+        "PYTHON": str(stand_in),
+        "JOB_ARGS": str(tmp_path / "job_args"),
+        "OUT": str(tmp_path / "out"),
+        "RUNS": str(tmp_path / "runs"),
+        "CKPTS": str(tmp_path / "ckpts"),
+        "LOOP_SHM": str(shm or tmp_path / "no-shm-here"),
+        "LOOP_RAM_GIB": str(ram_gib),
+        "BUDGET_S": str(budget),
+        "PATH": "/usr/bin:/bin",  # no nvidia-smi
+    }
+    result = subprocess.run(
+        ["bash", str(LOOP_RUN), *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    job_args = (tmp_path / "job_args").read_text().split("\n")[:-1] if (tmp_path / "job_args").exists() else None
+    return result, job_args
+
+
+def sigint_and_grace(stderr: str) -> tuple[int, int]:
+    match = re.search(r"SIGINT after (\d+)s, killed (\d+)s later", stderr)
+    assert match, stderr
+    return int(match[1]), int(match[2])
+
+
+def test_a_2b_run_on_a_disk_is_stopped_early_enough_for_its_30_gb_checkpoint(tmp_path):
+    result, job_args = loop_run(tmp_path, "2b", "pair", "5", "ray.placement=disaggregate")
+    assert result.returncode == 0, result.stderr
+    sigint, grace = sigint_and_grace(result.stderr)
+    assert grace == 60 + 30 * 10 // 4  # the step, then 30 GB at 0.4 GB/s
+    assert sigint + grace + 25 in (540, 539)  # and the summary's 25 s: all within the budget (a second may pass)
+    assert "checkpoints of ~30 GB in a disk" in result.stderr
+    assert job_args == [
+        "2b",
+        str(tmp_path / "ckpts" / "ckpt_loop_2b"),
+        str(tmp_path / "runs"),
+        "pair",
+        "5",
+        "ray.placement=disaggregate",
+    ]
+
+
+def test_checkpoints_go_to_ram_where_it_holds_them_and_leaves_the_host_enough(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    free_gib = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize // 2**30
+    if free_gib < 3:
+        pytest.skip(f"{shm} has {free_gib} GiB free: the tiny job's 3 checkpoints (1 GB each, counted 1.1) want 3")
+    result, job_args = loop_run(tmp_path, "tiny", "t", "20", "rollout.max_staleness=1", shm=shm, ram_gib=128)
+    assert result.returncode == 0, result.stderr
+    assert job_args[5:] == [f"checkpoint.dir={shm}/miles_vl_ckpt/t", "rollout.max_staleness=1"]
+    _, grace = sigint_and_grace(result.stderr)
+    assert grace == 60 + 1  # 1 GB at 1 GB/s
+    # a host that RAM-held checkpoints would leave under 64 GiB: a disk (3 checkpoints of 1 GB for 20 steps)
+    result, job_args = loop_run(tmp_path, "tiny", "t2", "20", shm=shm, ram_gib=66)
+    assert not any(a.startswith("checkpoint.dir=") for a in job_args)
+    assert sigint_and_grace(result.stderr)[1] == 60 + 10 // 4
+
+
+def test_the_callers_checkpoint_dir_wins_and_counts_as_a_disk(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    result, job_args = loop_run(tmp_path, "tiny", "t", "4", "checkpoint.dir=/elsewhere", shm=shm, ram_gib=512)
+    assert result.returncode == 0, result.stderr
+    assert job_args[5:] == ["checkpoint.dir=/elsewhere"]
+    assert sigint_and_grace(result.stderr)[1] == 60 + 10 // 4
+
+
+def test_a_budget_that_leaves_no_room_for_the_stop_does_not_start_the_job(tmp_path):
+    result, job_args = loop_run(tmp_path, "2b", "short", "5", budget=200)  # 200 - 25 - 135 < 60 s
+    assert result.returncode == 1 and job_args is None
+    assert re.search(r"only \d+s left before the stop's 135s: not starting the run", result.stderr), result.stderr
+
+
+def test_8b_on_one_gpu_is_refused_on_a_host_without_the_ram_for_its_optimizer(tmp_path):
+    result, job_args = loop_run(tmp_path, "8b_1gpu", "one", "4", ram_gib=128)
+    assert result.returncode == 2 and job_args is None
+    assert "8b_1gpu needs >= 150 GiB of RAM" in result.stderr and "this host has 128 GiB of RAM" in result.stderr
