@@ -12,6 +12,7 @@ conversion_tasks=tasks)` (per task: `mapping.megatron_to_hf`, i.e. TP gather, PP
 conversion: QKV split, gate/up split; then the move to the CPU with `cpu=True`). Timed here, each over `--repeats`
 runs (the median), with every tensor consumed as the sync consumes it:
 
+- `tensors`, `bytes`, `dtypes`: what one sync exports (`dtypes`: tensors per dtype, all bf16 as on the train ranks);
 - `tasks_s`: `get_conversion_tasks` alone;
 - `loop_s`: the export loop over prebuilt tasks;
 - `sync_uncached_s`: `export_hf_weights` of export.py without a task cache (what every sync paid before the cache);
@@ -134,8 +135,7 @@ def build_model(hf_dir: str, device: str, bf16: bool):
         use_cpu_initialization=device == "cpu",
         bf16=bf16,
         fp16=False,
-        mixed_precision_wrapper=None,
-    )
+    )  # megatron's Float16Module, as on the train ranks: the vision tower in bf16 too (without it, fp32: 2026-11-27)
     return bridge, model
 
 
@@ -153,12 +153,15 @@ def timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def consume(weights) -> tuple[int, int]:
-    """(tensors, bytes) of an export stream, every tensor pulled as the sync pulls it."""
+def consume(weights, dtypes: dict[str, int] | None = None) -> tuple[int, int]:
+    """(tensors, bytes) of an export stream, every tensor pulled as the sync pulls it; `dtypes` counts them by dtype."""
     n = nbytes = 0
     for _, t in weights:
         n += 1
         nbytes += t.numel() * t.element_size()
+        if dtypes is not None:
+            name = str(t.dtype).removeprefix("torch.")
+            dtypes[name] = dtypes.get(name, 0) + 1
     return n, nbytes
 
 
@@ -253,11 +256,12 @@ def run(args: argparse.Namespace, folder: str) -> dict:
     tasks = tasks_now()
     consume(export_hf_weights(bridge, model, skip_prefixes=skip, cpu=cpu))  # warm-up (first-call imports, caches)
     plan = ExportPlan(bridge, skip_prefixes=skip)
-    n, nbytes = consume(plan.weights(model, cpu=cpu))  # builds the plan's tasks: later syncs reuse them
+    dtypes: dict[str, int] = {}
+    n, nbytes = consume(plan.weights(model, cpu=cpu), dtypes)  # builds the plan's tasks: later syncs reuse them
     result = dict(
         device=dev if dev == "cpu" else torch.cuda.get_device_name(0),
         hf_dir=args.hf_dir,
-        shape=args.shape,
+        shape=None if args.hf_dir else args.shape,  # --shape only shapes the checkpoint written here
         text_layers=args.text_layers,
         vision_layers=args.vision_layers,
         dtype="fp32" if args.fp32 else "bf16",
@@ -266,6 +270,7 @@ def run(args: argparse.Namespace, folder: str) -> dict:
         repeats=r,
         tensors=n,
         bytes=nbytes,
+        dtypes=dtypes,
         tasks=len(tasks),
         tasks_s=timed(tasks_now, r, dev),
         loop_s=timed(

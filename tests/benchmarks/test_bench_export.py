@@ -25,6 +25,9 @@ def test_bench_export_tiny_cpu_prints_one_json_line():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # the tiny checkpoint: 70 HF tensors from 64 megatron tasks (QKV -> q, k, v; gate/up -> gate, up)
     assert (result["tensors"], result["tasks"], result["plan_builds"]) == (70, 64, 1)
+    # every tensor in bf16, as the train ranks hold them (megatron's Float16Module): the vision tower too, which the
+    # bench built in fp32 until 2026-11-27 (its H200 run exported 5.07 GB where the loop's sync moves 4.26)
+    assert result["dtypes"] == {"bfloat16": 70}
     mappings = result["per_mapping"]
     assert mappings["QKVMapping"]["copies"] == mappings["QKVMapping"]["tensors"] > 0
     assert sum(m["tasks"] for k, m in mappings.items() if k.endswith("Mapping")) == result["tasks"]
