@@ -346,6 +346,50 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
     return out
 
 
+def job_bridge_tp2(ctx, checkpoints: dict[str, str], hf_samples) -> dict:
+    """Per HF checkpoint (name -> directory): megatron-bridge loads it at TP=2 over the two ranks, as a train rank of
+    a TP=2 job does (each rank its share of every QKV, gate/up and vocabulary split); then the export back to HF names
+    (what a weight sync sends: gathered over TP), cloned, and the backend's logprobs on `hf_samples`."""
+    import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
+    from megatron.core import parallel_state as ps
+
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from miles_vl.train.megatron.build import build_provider
+    from miles_vl.train.megatron.export import export_hf_weights
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
+    ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
+    ctx.init_parallel(tp=2, cp=1)
+    out = {}
+    for name, hf_dir in checkpoints.items():
+        bridge, provider = build_provider(hf_dir, tp_size=2, bf16=False)
+        model = provider.provide_distributed_model(
+            wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
+        )
+        exact_gelu_in_patch_mergers(model[0])
+        local_qkv = {
+            n: tuple(p.shape) for n, p in model[0].named_parameters() if n.endswith("self_attention.linear_qkv.weight")
+        }
+        export = {n: t.clone() for n, t in export_hf_weights(bridge, model)}
+        chunks = [CpuDDP(m) for m in model]
+        backend = MegatronTrainBackend(
+            chunks,
+            CpuOptimizer(chunks, lr=LR),
+            tokens(),
+            cross_backend_options(),
+            schedule=cpu_schedule(),
+            device="cpu",
+        )
+        out[name] = {
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "local_qkv": local_qkv,
+            "export": export,
+            "logprobs": backend.compute_logprobs(hf_samples),
+        }
+    return out
+
+
 def job_pipeline(ctx, hf_dir: str, hf_samples) -> dict:
     """The backend at PP=2 on the HF checkpoint (each stage loads its layers through AutoBridge): logprobs and one RL
     step with megatron's real pipeline schedule (1F1B, variable sequence lengths) over gloo, to compare with the
@@ -437,7 +481,10 @@ def _norm_linear():
     import torch.nn.functional as F
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    class NormColumnParallelLinear(ColumnParallelLinear):
+    # the name holds TE's "LayerNormColumnParallelLinear": megatron-bridge's AutoMapping reads module type names to
+    # split a TP>1 load (its weight column-parallel, its norm replicated; any other name with "Norm" in it is
+    # taken for a norm and replicated whole)
+    class CpuLayerNormColumnParallelLinear(ColumnParallelLinear):
         def __init__(self, input_size, output_size, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
             self.rms = config.normalization == "RMSNorm"
@@ -453,7 +500,7 @@ def _norm_linear():
                 x = F.layer_norm(x, (x.shape[-1],), self.layer_norm_weight, self.layer_norm_bias, self.eps)
             return super().forward(x, *args, **kwargs)
 
-    return NormColumnParallelLinear
+    return CpuLayerNormColumnParallelLinear
 
 
 def _fuse_norms(spec):
