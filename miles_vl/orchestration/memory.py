@@ -24,6 +24,10 @@ cp, ep; `W` = train.num_gpus. The trainer (megatron, as `train/megatron/build.py
   same `L` layers' worth.
 - logits: `T * vocab / t * 16` bytes (bf16 logits, their fp32 copy, the fp32 softmax, the fp32 and bf16 gradients:
   the vocab-parallel log-prob of the sampled token and its backward).
+- the colocated IPC weight sync's buffers (`rollout.sglang.colocated_sync: ipc`, rollout/sglang/weights.py): a
+  rank that shares its GPU with a server's TP rank packs each bucket into one of two persistent bf16 buffers of the
+  bucket bound (512 MiB), each grown for good by a tensor larger than that (the embedding or output layer, `vocab *
+  h`): `2 * max(512 MiB, 2 * vocab * h)`, an upper bound (a tied model grows one of them), resident for the job.
 - not counted: the vision tower's activations (its patches are 4x its image tokens; the layers above count the
   image tokens only) and the allocator's fragmentation, which is why a GPU counts as full at `FIT_FRACTION` of its
   memory; plus `TRAINER_RUNTIME_GIB` outside PyTorch (CUDA context, NCCL, cuBLAS workspaces).
@@ -43,10 +47,11 @@ less that; when an engine has released its memory for training its processes kee
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from miles_vl.config import JobConfig
 from miles_vl.models.qwen3_vl.shapes import ModelShape, hf_config_dict, model_shape
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
 GIB = 1024**3
 FIT_FRACTION = 0.9  # of a GPU's memory: what the estimate may use; the rest is the allocator's fragmentation
@@ -54,6 +59,7 @@ TRAINER_RUNTIME_GIB = 3.0  # outside PyTorch in a train rank (2.8 GiB measured o
 RELEASED_ENGINE_GIB = 2.0  # a colocated SGLang engine's processes after releasing their memory (2.1 GiB measured)
 LOGIT_BYTES = 16  # bytes per vocabulary entry and token in the loss (module docstring)
 HOST_OPTIMIZER_BYTES = 16  # per offloaded parameter: fp32 main weight, two fp32 moments, pinned fp32 gradient
+IPC_SYNC_BUFFERS = 2  # the colocated IPC sync's rotating bucket buffers (ColocatedWeightSender's `buffers`)
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,12 @@ class TrainerMemory:
     logits: float
     runtime: float = TRAINER_RUNTIME_GIB
     host_optimizer: float = 0.0  # the optimizer state offloaded to host memory (train.optimizer.cpu_offload)
+    sync_buffers: float = 0.0  # the colocated IPC sync's two bucket buffers (module docstring)
 
     @property
     def resident(self) -> float:
         """What stays on the GPU between train phases (colocated engines generate beside it)."""
-        return self.weights + self.gradients + self.optimizer + self.runtime
+        return self.weights + self.gradients + self.optimizer + self.runtime + self.sync_buffers
 
     @property
     def peak(self) -> float:
@@ -131,6 +138,12 @@ def trainer_memory(
         logits=tokens * shape.vocab / tp * LOGIT_BYTES / GIB,
         host_optimizer=host_optimizer / GIB,
     )
+
+
+def ipc_sync_buffers(shape: ModelShape) -> int:
+    """Bytes of the colocated IPC sync's buffers on a GPU that hosts a server's TP rank (module docstring)."""
+    largest = 2 * shape.vocab * shape.hidden  # bf16: the embedding (and an untied output layer)
+    return IPC_SYNC_BUFFERS * max(DEFAULT_BUCKET_BYTES, largest)
 
 
 def engine_memory(
@@ -199,6 +212,7 @@ class MemoryEstimate:
                 f"trainer, per GPU: weights {t.weights:.1f} + gradients {t.gradients:.1f} "
                 f"+ optimizer {t.optimizer:.1f} + activations {t.activations:.1f} + logits {t.logits:.1f} "
                 f"+ CUDA/NCCL {t.runtime:.1f}"
+                + (f" + weight-sync buffers {t.sync_buffers:.1f}" if t.sync_buffers else "")
                 + (f" + released engine {RELEASED_ENGINE_GIB:.1f}" if self.colocated and self.engine else "")
                 + f" = {self.train_phase_gib():.1f} GiB"
             )
@@ -255,6 +269,8 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
             bf16=cfg.model.dtype != "fp32",  # auto is bf16 on GPUs
             cpu_offload=t.optimizer.cpu_offload,
         )
+        if sglang and colocated and r.sglang.colocated_sync == "ipc":
+            trainer = replace(trainer, sync_buffers=ipc_sync_buffers(shape) / GIB)
     engine = None
     if sglang:
         free = gpu_gib - (trainer.resident if colocated and trainer else 0.0)

@@ -31,6 +31,12 @@ def transformers_params(name: str) -> tuple[int, int]:
     return params, sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
 
 
+def ipc_buffers(vocab: int, h: int) -> int:
+    """The colocated IPC sync's two bucket buffers on a GPU, bytes: each the 512 MiB bound, grown by a larger bf16
+    tensor (the embedding: vocab x h)."""
+    return 2 * max(512 * 2**20, 2 * vocab * h)
+
+
 def config(name: str, *overrides: str):
     return load_config(str(REPO / "configs" / name), list(overrides))
 
@@ -59,8 +65,9 @@ def test_2b_on_one_gpu_by_hand():
     layer_token = 8 * h + 6 * (q + kv + m)
     activations = layers * tokens * 2 * h + tokens * layer_token  # full recompute: layer inputs + one layer
     logits = tokens * vocab * 16
-    peak = (weights + grads + optimizer + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, released engine
-    free = 80 - (weights + grads + optimizer) / GIB - 3.0
+    sync = ipc_buffers(vocab, h)  # 2 x 622 MB: the 2B's embedding is larger than a bucket
+    peak = (weights + grads + optimizer + sync + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, released engine
+    free = 80 - (weights + grads + optimizer + sync) / GIB - 3.0
     share = 0.35 * free
     kv_gib = share - 2 * p / GIB
     kv_tokens = int(kv_gib * GIB / (2 * 2 * layers * 8 * 128))
@@ -71,6 +78,7 @@ def test_2b_on_one_gpu_by_hand():
     assert est.trainer.optimizer == pytest.approx(optimizer / GIB)
     assert est.trainer.activations == pytest.approx(activations / GIB)
     assert est.trainer.logits == pytest.approx(logits / GIB)
+    assert est.trainer.sync_buffers == pytest.approx(sync / GIB)
     assert est.train_phase_gib() == pytest.approx(peak)
     assert est.engine.share == pytest.approx(share)
     assert est.engine.kv_tokens == kv_tokens
@@ -84,7 +92,7 @@ def test_2b_on_one_gpu_without_recompute_does_not_fit():
     p, _ = transformers_params("Qwen3-VL-2B")
     h, q, kv, m, layers, vocab, tokens = 2048, 2048, 1024, 6144, 28, 151936, 8192
     activations = layers * tokens * (8 * h + 6 * (q + kv + m))
-    peak = (18 * p + activations + tokens * vocab * 16) / GIB + 3.0 + 2.0
+    peak = (18 * p + ipc_buffers(vocab, h) + activations + tokens * vocab * 16) / GIB + 3.0 + 2.0
     est = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute=none"), 80.0)
     assert est.train_phase_gib() == pytest.approx(peak)
     assert peak > 0.9 * 80
@@ -102,10 +110,13 @@ def test_2b_on_eight_gpus_by_hand():
     tokens = 16384 / 2  # per CP rank
     activations = layers * tokens * (8 * h / tp + 6 * (q + kv + m) / tp)
     logits = tokens * vocab / tp * 16
+    sync = ipc_buffers(vocab, h)  # on every GPU: each hosts a TP rank of an engine
     est = estimate_memory(config("geo3k_qwen3vl_2b.yaml"), 80.0)
     assert est.trainer.optimizer == pytest.approx(optimizer / GIB)
-    assert est.train_phase_gib() == pytest.approx((weights + grads + optimizer + activations + logits) / GIB + 5.0)
-    free = 80 - (weights + grads + optimizer) / GIB - 3.0
+    assert est.train_phase_gib() == pytest.approx(
+        (weights + grads + optimizer + sync + activations + logits) / GIB + 5.0
+    )
+    free = 80 - (weights + grads + optimizer + sync) / GIB - 3.0
     assert est.engine.weights == pytest.approx(2 * p / 2 / GIB)  # TP=2 engine
     assert est.engine.kv_tokens == int((0.6 * free - p / GIB) * GIB / (2 * 2 * layers * (8 // 2) * 128))
     assert est.engine.step_tokens == 64 * 8 // 4 * (2048 + 2048)
@@ -123,10 +134,13 @@ def test_8b_on_eight_gpus_by_hand():
     logits = tokens * vocab / tp * 16
     cfg = config("geo3k_qwen3vl_8b.yaml")
     assert (cfg.rollout.num_engines, cfg.rollout.gpus_per_engine) == (4, 2)
+    sync = ipc_buffers(vocab, h)  # 2 x 1.24 GB: the 8B's embedding and its untied output layer
     est = estimate_memory(cfg, 80.0)
     assert est.trainer.activations == pytest.approx(activations / GIB)
-    assert est.train_phase_gib() == pytest.approx((weights + grads + optimizer + activations + logits) / GIB + 5.0)
-    share = 0.6 * (80 - (weights + grads + optimizer) / GIB - 3.0)
+    assert est.train_phase_gib() == pytest.approx(
+        (weights + grads + optimizer + sync + activations + logits) / GIB + 5.0
+    )
+    share = 0.6 * (80 - (weights + grads + optimizer + sync) / GIB - 3.0)
     engine_weights = 2 * p / 2 / GIB
     assert est.engine.share == pytest.approx(share)
     assert est.engine.kv_cache == pytest.approx(share - engine_weights)
@@ -155,8 +169,9 @@ def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):
     tokens = 4096
     activations = layers * tokens * 2 * h + tokens * (8 * h + 6 * (q + kv + m))  # full recompute
     logits = tokens * vocab * 16
-    peak = (weights + grads + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, the released engine
-    share = 0.8 * (80 - (weights + grads) / GIB - 3.0)  # the engine starts beside the trainer's weights and grads
+    sync = ipc_buffers(vocab, h)
+    peak = (weights + grads + sync + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, the released engine
+    share = 0.8 * (80 - (weights + grads + sync) / GIB - 3.0)  # the engine starts beside the trainer's resident state
     kv_gib = share - 2 * p / GIB
     job = loop_job()
     overrides = job.overrides("8b_1gpu", "Qwen/Qwen3-VL-8B-Instruct", "/runs", "x", 4)
@@ -168,7 +183,8 @@ def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):
     assert est.train_phase_gib() == pytest.approx(peak)
     assert est.engine.share == pytest.approx(share) and est.engine.kv_cache == pytest.approx(kv_gib)
     assert est.engine.kv_tokens == int(kv_gib * GIB / (2 * 2 * layers * 8 * 128))
-    assert peak < 0.9 * 80 and kv_gib > 5 and est.problems() == []
+    # the KV cache: ~4.2 GiB after the sync buffers, 30K tokens, 42 % of a step's samples at full length at once
+    assert peak < 0.9 * 80 and kv_gib > 4 and est.problems() == []
     # without the offload the same job holds 12 B a parameter more on the GPU and does not fit
     plain = load_config(str(job.CONFIGS["8b_1gpu"]), [*overrides, "train.optimizer.cpu_offload=0"])
     problems = estimate_memory(plain, 80.0).problems()  # the trainer's, and the engine's weights beside it
@@ -243,3 +259,21 @@ def test_check_prints_the_estimate_and_warns(capsys):
         main(["check", "--config-only", "--gpu-memory-gib", "0", one_gpu])
     assert stop.value.code == 2
     assert "expected a positive number of GiB (e.g. 80 or 141), found '0'" in capsys.readouterr().err
+
+
+def test_only_the_colocated_ipc_sync_holds_buffers_on_the_trainers_gpus(capsys):
+    """The colocated ipc sync keeps two bucket buffers on every GPU that hosts a server's TP rank; the tensor sync
+    (CPU copies) and a disaggregated job (NCCL from the trainer's own weights) none. `check` names them."""
+    shape = model_shape(RELEASED_SHAPES["Qwen3-VL-2B"])
+    base = "geo3k_qwen3vl_1gpu.yaml"
+    ipc = estimate_memory(config(base), 80.0)
+    tensor = estimate_memory(config(base, "rollout.sglang.colocated_sync=tensor"), 80.0)
+    assert ipc.trainer.sync_buffers == pytest.approx(ipc_buffers(shape.vocab, shape.hidden) / GIB)
+    assert ipc.trainer.sync_buffers > 1.1  # the embedding (622 MB) grows both past the 512 MiB bound
+    assert tensor.trainer.sync_buffers == 0.0
+    assert ipc.trainer.resident - tensor.trainer.resident == pytest.approx(ipc.trainer.sync_buffers)
+    disaggregated = estimate_memory(config("geo3k_qwen3vl_2b_disaggregated.yaml"), 80.0)
+    assert disaggregated.trainer.sync_buffers == 0.0
+    assert main(["check", "--config-only", str(REPO / "configs" / base)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"+ weight-sync buffers {ipc.trainer.sync_buffers:.1f}" in out
