@@ -907,15 +907,24 @@ class Job:
             self.save_blocked_s += time.perf_counter() - t0
 
     def start_checkpoint(self, directory: Path) -> Callable[[], None]:
-        """The committed batches generated ahead (if any) into `directory`, then the trainer's files (in the
-        background: returns what waits for them)."""
-        self.write_batches_ahead(directory)
-        return self.trainer.start_checkpoint(directory)
+        """The trainer's files into `directory` (in the background: returns what waits for them), then the committed
+        batches generated ahead (if any). In that order: megatron-core's save warns of an "old incomplete / corrupted
+        checkpoint" when its directory is not empty. If the batches cannot be written, the trainer's write is
+        waited for before the error goes on (the caller then removes the directory)."""
+        wait = self.trainer.start_checkpoint(directory)
+        try:
+            self.write_batches_ahead(directory)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the batches' error is the one to report
+                wait()
+            raise
+        return wait
 
     def write_checkpoint(self, directory: Path) -> Callable[[], None]:
         """`start_checkpoint` in the foreground: the trainer's files are written before this returns."""
+        wait = self.trainer.write_checkpoint(directory)
         self.write_batches_ahead(directory)
-        return self.trainer.write_checkpoint(directory)
+        return wait
 
     def write_batches_ahead(self, directory: Path) -> None:
         if self.committed_ahead:

@@ -78,6 +78,16 @@ class Recorder:
 
         monkeypatch.setattr(Trainer, "train", record_train)
         monkeypatch.setattr(RolloutEngines, "generate", record_generate)
+        self.save_dirs: list[list[str]] = []  # what each checkpoint's directory held when the trainer began its save
+        for method in ("start_checkpoint", "write_checkpoint"):
+            monkeypatch.setattr(Trainer, method, self.recording_save(getattr(Trainer, method)))
+
+    def recording_save(self, save):
+        def record_save(trainer, directory):
+            self.save_dirs.append(sorted(p.name for p in Path(directory).iterdir()))
+            return save(trainer, directory)
+
+        return record_save
 
     def prompt_counts(self) -> collections.Counter:
         """How often each prompt (its ids and a digest of its pixels: synthetic prompts may share their ids) was
@@ -137,6 +147,9 @@ def test_samples_carry_the_weights_that_sampled_them_and_the_bound_holds(straigh
     held = read_batches(run / "checkpoints" / "step_00000003")
     assert [(b["step"], b["weight_version"]) for b in held] == [(3, 1), (4, 2)]
     assert not (run / "checkpoints" / f"step_{STEPS:08d}" / AHEAD_FILE).exists()  # nothing ahead of the last step
+    # the trainer's save began in an empty directory, the batches ahead came after it: megatron-core warns of an
+    # "old incomplete / corrupted checkpoint" in a directory that is not (2026-11-27's 2B run at staleness 1)
+    assert len(rec.save_dirs) == STEPS and all(listing == [] for listing in rec.save_dirs), rec.save_dirs
 
 
 def test_importance_weights_equal_the_formula(straight):
