@@ -53,6 +53,7 @@ RESUME_MAY_CHANGE = (
     # step computes beyond the order of a reduction (a checkpoint of the old defaults, tensor and False, resumes)
     "rollout.sglang.colocated_sync",
     "train.vision_dp_when_cp",
+    "train.profile_steps",  # which steps run under the profiler: what they compute is the same
 )
 
 
@@ -488,14 +489,29 @@ class TrainConfig(_Section):
         "(the n samples of a prompt share its images), and read its output at every use: the same embeddings, the "
         "tower's gradient summed over the uses.",
     )
+    profile_steps: list[int] = Field(
+        default_factory=list,
+        description="steps (1-based) whose train phase runs under torch.profiler on every train rank; the summary "
+        "(wall and device-busy seconds, time by kind of kernel: matmul, attention, communication, other; the top "
+        "operators) goes to <run dir>/profile/step_N.json, one entry per rank, and a line to the log. A profiled "
+        "step is slower than the others (the profiler's overhead): compare its parts, not its total.",
+    )
     vision_dp_when_cp: bool = Field(
         True,
         description="with CP > 1 (megatron), split the vision tower's work (the images) across the CP ranks and "
-        "all-gather the embeddings, instead of every CP rank encoding every image. Measured at CP=2 (2B shapes, full "
-        "recompute, 16K and 32K tokens of many images): 1.47x the tokens/s per GPU at 20-38 % more peak memory; "
-        "turn it off when memory is the limit. No effect at CP=1.",
+        "all-gather the embeddings, instead of every CP rank encoding every image. Measured on the 2B shapes with "
+        "full recompute and many images: at CP=2 (16K, 32K tokens) 1.47x the tokens/s per GPU at 20-38 % more peak "
+        "memory, at CP=4 (16K-64K) 1.75-2.16x at 5-44 % more (docs/long_context.md); turn it off when memory is the "
+        "limit. No effect at CP=1.",
     )
     seed: int = 1234
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_step_numbers(cls, steps: list[int]) -> list[int]:
+        if any(s < 1 for s in steps):
+            raise ValueError(f"profile_steps are step numbers (>= 1, as in metrics.jsonl), found {steps}")
+        return steps
 
 
 # ---------------------------------------------------------------------------------------------------------------------

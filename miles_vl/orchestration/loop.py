@@ -76,6 +76,7 @@ from miles_vl.metrics import (
     read_metrics,
     write_report,
 )
+from miles_vl.metrics.profile import write_profile
 from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration.ahead import RolloutsAhead, read_batches, write_batches
@@ -704,10 +705,15 @@ class Job:
         self.trainer_at_commit = False  # from the first optimizer step the trainer is past the committed step
         self.prefetch_next_batch(step)
         try:
+            profile = step + 1 in self.cfg.train.profile_steps
             with timer("train"):
                 self.rollout.release_memory()  # colocated: the trainer gets the devices
+                if profile:
+                    self.trainer.profile_next_train()
                 train_metrics = self.trainer.train(batch.samples)
                 self.rollout.resume_memory(WEIGHTS_MEMORY)  # only what the sync writes: the KV cache comes after it
+            if profile:
+                write_profile(self.run_dir, step + 1, self.trainer.take_profiles())
             self.publish_save_before_sync()
             if self.cfg.rollout.partial_rollouts:  # the generations ahead in flight are aborted, kept, continued
                 with timer("sync_wait"):

@@ -35,6 +35,7 @@ import ray
 import torch
 
 from miles_vl.config import JobConfig
+from miles_vl.metrics.profile import profiled
 from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import TrainBackendBuilder, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
@@ -86,6 +87,8 @@ class TrainWorker:
         self.exported: ExportStats | None = None
         self.saving: CheckpointWrite | None = None  # the checkpoint write in flight
         self.said_sync_save = False
+        self.profile_next = False  # the next `train` runs under torch.profiler (`profile_next_train`)
+        self.profile: dict | None = None  # its summary (metrics/profile.py), until `take_profile`
 
     def rendezvous(self) -> str:
         """Where the process group meets: this actor's node and a free port on it (asked of rank 0)."""
@@ -117,11 +120,26 @@ class TrainWorker:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        metrics = train_step(self.backend, samples)
+        if self.profile_next:
+            self.profile_next, summary = False, {"rank": self.rank}
+            with profiled(summary):
+                metrics = train_step(self.backend, samples)
+            self.profile = summary
+        else:
+            metrics = train_step(self.backend, samples)
         if cuda:
             metrics["perf/train_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
         return metrics
+
+    def profile_next_train(self) -> None:
+        """Run the next `train` under torch.profiler (`train.profile_steps`); `take_profile` returns its summary."""
+        self.profile_next = True
+
+    def take_profile(self) -> dict | None:
+        """The summary of the last profiled `train` (metrics/profile.py), once; None if none since the last call."""
+        summary, self.profile = self.profile, None
+        return summary
 
     def set_lr(self, lr: float) -> None:
         self.backend.set_lr(lr)
@@ -326,6 +344,14 @@ class Trainer:
         with self.submit_lock:
             refs = [w.train.remote(ref) for w in self.workers]
         return merge_rank_metrics(ray.get(refs))
+
+    def profile_next_train(self) -> None:
+        """Every rank runs the next `train` under torch.profiler (`train.profile_steps`)."""
+        ray.get([w.profile_next_train.remote() for w in self.workers])
+
+    def take_profiles(self) -> list[dict]:
+        """Each rank's summary of the last profiled `train` (metrics/profile.py), in rank order."""
+        return [p for p in ray.get([w.take_profile.remote() for w in self.workers]) if p is not None]
 
     def set_lr(self, lr: float) -> None:
         """The peak learning rate of every rank from the next optimizer step on (the format warm-up uses its own)."""

@@ -131,6 +131,7 @@ say "train exited $status"
 
 run_dir=$runs/$name
 cp -f "$run_dir/metrics.jsonl" "$run_dir/config.yaml" "$out/$name/" 2> /dev/null
+[ -d "$run_dir/profile" ] && cp -r "$run_dir/profile" "$out/$name/"  # train.profile_steps' summaries
 server_log=$(ls "$run_dir"/logs/sglang_0.log 2> /dev/null | head -1)
 if [ -n "$server_log" ] && [ "$(stat -c %s "$server_log")" -le 400000 ]; then  # whole (head + tail would repeat it)
   cp "$server_log" "$out/$name/sglang_0.log"

@@ -6,6 +6,7 @@
 - the next step's batch is prepared during training, with the same prompts.
 """
 
+import json
 import threading
 
 import pytest
@@ -232,3 +233,20 @@ def test_the_next_batch_is_prepared_during_training_and_the_prompts_stay_the_sam
     plain = build_datasets(cfg.data, processor, seed=cfg.seed).train
     assert served == [[p.index for p in plain.next_batch(cfg.rollout.batch_size)] for _ in range(3)]
     assert threads == [threading.current_thread().name, "data-prefetch_0", "data-prefetch_0"]
+
+
+def test_a_profiled_step_writes_its_train_phase_summary_and_trains_as_the_others(tmp_path):
+    """train.profile_steps=[2]: step 2's train phase ran under torch.profiler on the train rank; its summary is in
+    <run>/profile/step_2.json (within the step's train time), no other step is profiled, and the metrics are the
+    same as a run without the profiler's."""
+    run = run_job(config(tmp_path, "profiled", "num_steps=3", "train.profile_steps=[2]"))
+    plain = run_job(config(tmp_path, "plain", "num_steps=3"))
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["step_2.json"]
+    record = json.loads((run / "profile" / "step_2.json").read_text())
+    (rank,) = record["ranks"]
+    assert record["step"] == 2 and rank["rank"] == 0 and rank["device"] == "cpu"
+    rows = metrics(run)
+    assert 0 < rank["wall_s"] <= rows[1]["time/train_s"]
+    assert rank["classes_s"]["matmul"] > 0 and any(r["name"] == "aten::mm" for r in rank["top"])
+    same = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+    assert same == [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in metrics(plain)]

@@ -1,0 +1,118 @@
+"""One train phase under torch.profiler, as a summary (`train.profile_steps`): where the time goes, kernels against the
+rest.
+
+`profiled(out)` runs its block under torch.profiler (CPU activity, and CUDA's when there is a GPU) and fills `out`
+with `summarize`'s dict:
+
+- `wall_s`: the block's wall time (the device synchronized at its end);
+- `busy_s`, `busy_fraction`: the device's kernel time (the sum of every kernel's own time; kernels on several streams
+  that overlap count twice, so a fraction over 1 means overlap) over the wall time; without CUDA, the CPU operators'
+  own time;
+- `classes_s`: that time by kind of kernel (`kernel_class`): matmul, attention, communication, other;
+- `top`: the operators and kernels with the most own time (name, calls, seconds, class).
+
+The profiler slows what it watches (more on the host than on the device), so a profiled step's wall time is above an
+unprofiled one's; compare its parts, not its total, with other steps. `write_profile` keeps every rank's summary of a
+step in `<run dir>/profile/step_N.json` and says rank 0's in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# a kernel's class: the first whose substring (lower case) its name holds; else "other"
+KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "sendrecv")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+)
+TOP = 25  # operators in `top`
+PROFILE_DIR = "profile"
+
+log = logging.getLogger(__name__)
+
+
+def kernel_class(name: str) -> str:
+    """matmul, attention, communication or other, from a kernel's or operator's name (`KERNEL_CLASSES`)."""
+    lower = name.lower()
+    for cls, needles in KERNEL_CLASSES:
+        if any(n in lower for n in needles):
+            return cls
+    return "other"
+
+
+def summarize(events: Any, wall_s: float, device: bool, top: int = TOP) -> dict[str, Any]:
+    """The summary (module docstring) of torch.profiler's `key_averages()` over a block of `wall_s` seconds; `device`:
+    count the CUDA kernels' own time (else the CPU operators')."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in events:
+        if device:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            seconds = e.self_device_time_total / 1e6
+        else:
+            seconds = e.self_cpu_time_total / 1e6
+        if seconds > 0:
+            rows.append((seconds, e.key, e.count))
+    rows.sort(reverse=True)
+    busy = sum(s for s, _, _ in rows)
+    classes = {cls: 0.0 for cls, _ in KERNEL_CLASSES} | {"other": 0.0}
+    for seconds, name, _ in rows:
+        classes[kernel_class(name)] += seconds
+    return {
+        "wall_s": round(wall_s, 4),
+        "device": "cuda" if device else "cpu",
+        "busy_s": round(busy, 4),
+        "busy_fraction": round(busy / wall_s, 4) if wall_s > 0 else None,
+        "classes_s": {k: round(v, 4) for k, v in classes.items()},
+        "top": [
+            {"name": name, "calls": calls, "seconds": round(seconds, 5), "class": kernel_class(name)}
+            for seconds, name, calls in rows[:top]
+        ],
+    }
+
+
+@contextmanager
+def profiled(out: dict[str, Any]) -> Iterator[None]:
+    """Run the block under torch.profiler; `out` gets its summary (module docstring) when the block ends normally."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    out.update(summarize(prof.key_averages(), wall, device=cuda))
+
+
+def write_profile(run_dir: Path, step: int, summaries: Sequence[dict[str, Any]]) -> Path:
+    """`<run_dir>/profile/step_<step>.json` ({"step", "ranks": the summaries}), written atomically; a line of rank 0's
+    figures in the log."""
+    path = Path(run_dir) / PROFILE_DIR / f"step_{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "ranks": list(summaries)}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+    if summaries:
+        s = summaries[0]
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in s["classes_s"].items())
+        log.info(
+            "step %d's train phase under the profiler (rank %s): %.2f s, the %s busy %.2f s (%.0f %%: %s s); "
+            "the top operators and every rank in %s",
+            step, s.get("rank", 0), s["wall_s"], s["device"], s["busy_s"], 100 * (s["busy_fraction"] or 0), parts, path,
+        )  # fmt: skip
+    return path

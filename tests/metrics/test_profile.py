@@ -1,0 +1,63 @@
+"""metrics/profile.py: the summary of a block run under torch.profiler (on the CPU here: the operators' own time; the
+GPU's kernels on the GPU machine), the kernel classes on real kernel names, the file and the log line."""
+
+import json
+import logging
+
+import torch
+
+from miles_vl.metrics.profile import kernel_class, profiled, write_profile
+
+
+def test_kernel_names_seen_in_h100_and_h200_traces_fall_in_their_class():
+    assert kernel_class("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT") == "matmul"
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert kernel_class("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn>") == "matmul"
+    assert kernel_class("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") == "attention"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert kernel_class("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "communication"
+    assert kernel_class("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "communication"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "other"
+    assert kernel_class("aten::mm") == "matmul" and kernel_class("aten::softmax") == "other"
+
+
+def test_a_profiled_block_is_summarized_by_operator_and_class():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out: dict = {}
+    with profiled(out):
+        for _ in range(7):
+            c = a @ b
+        c.softmax(-1)
+    assert out["device"] == "cpu" and out["wall_s"] > 0
+    top = {row["name"]: row for row in out["top"]}
+    assert top["aten::mm"]["calls"] == 7 and top["aten::mm"]["class"] == "matmul"
+    assert out["classes_s"]["matmul"] >= top["aten::mm"]["seconds"] > 0
+    assert abs(out["busy_s"] - sum(out["classes_s"].values())) < 1e-3  # the classes split the busy time
+    assert abs(out["busy_fraction"] - out["busy_s"] / out["wall_s"]) < 0.05  # (of the unrounded figures)
+    assert [r["seconds"] for r in out["top"]] == sorted((r["seconds"] for r in out["top"]), reverse=True)
+
+
+def test_a_block_that_raises_leaves_no_summary():
+    out: dict = {}
+    try:
+        with profiled(out):
+            raise ValueError("boom")
+    except ValueError:
+        pass
+    assert out == {}
+
+
+def test_write_profile_keeps_every_rank_and_logs_rank_0(tmp_path, caplog):
+    ranks = []
+    for rank in (0, 1):
+        summary = {"rank": rank}
+        with profiled(summary):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        ranks.append(summary)
+    with caplog.at_level(logging.INFO, logger="miles_vl.metrics.profile"):
+        path = write_profile(tmp_path, 3, ranks)
+    assert path == tmp_path / "profile" / "step_3.json"
+    assert json.loads(path.read_text()) == {"step": 3, "ranks": ranks}
+    assert [p.name for p in path.parent.iterdir()] == ["step_3.json"]  # no temporary file left
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("step 3's train phase under the profiler (rank 0)") and str(path) in line
