@@ -12,7 +12,8 @@ conversion_tasks=tasks)` (per task: `mapping.megatron_to_hf`, i.e. TP gather, PP
 conversion: QKV split, gate/up split; then the move to the CPU with `cpu=True`). Timed here, each over `--repeats`
 runs (the median), with every tensor consumed as the sync consumes it:
 
-- `tensors`, `bytes`, `dtypes`: what one sync exports (`dtypes`: tensors per dtype, all bf16 as on the train ranks);
+- `tensors`, `bytes`, `dtypes`: what one sync exports (`dtypes`: tensors per dtype: all bf16, as on the train ranks,
+  unless `--fp32`);
 - `tasks_s`: `get_conversion_tasks` alone;
 - `loop_s`: the export loop over prebuilt tasks;
 - `sync_uncached_s`: `export_hf_weights` of export.py without a task cache (what every sync paid before the cache);

@@ -15,6 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LOOP_RUN = REPO / "scripts" / "gpu" / "loop_run.sh"
 
+# coreutils' timeout, recording its arguments first (the SIGINT's time and the kill's delay)
+TIMEOUT = """#!/usr/bin/env bash
+printf '%s\\n' "$@" > "$TIMEOUT_ARGS"
+exec /usr/bin/timeout "$@"
+"""
+
 STAND_IN = """#!/usr/bin/env bash
 case "$1 $2" in
   "scripts/gpu/loop_job.py --pixels") echo "1 2" ;;
@@ -30,6 +36,9 @@ def loop_run(tmp_path: Path, *args: str, ram_gib: int = 512, shm: Path | None = 
     stand_in = tmp_path / "python"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / "timeout").write_text(TIMEOUT)
+    (tmp_path / "bin" / "timeout").chmod(0o755)
     env = {
         **os.environ,
         "PYTHON": str(stand_in),
@@ -40,7 +49,8 @@ def loop_run(tmp_path: Path, *args: str, ram_gib: int = 512, shm: Path | None = 
         "LOOP_SHM": str(shm or tmp_path / "no-shm-here"),
         "LOOP_RAM_GIB": str(ram_gib),
         "BUDGET_S": str(budget),
-        "PATH": "/usr/bin:/bin",  # no nvidia-smi
+        "TIMEOUT_ARGS": str(tmp_path / "timeout_args"),
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",  # the recording timeout; no nvidia-smi
     }
     result = subprocess.run(
         ["bash", str(LOOP_RUN), *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
@@ -62,6 +72,9 @@ def test_a_2b_run_on_a_disk_is_stopped_early_enough_for_its_30_gb_checkpoint(tmp
     assert grace == 60 + 30 * 10 // 4  # the step, then 30 GB at 0.4 GB/s
     assert sigint + grace + 25 in (540, 539)  # and the summary's 25 s: all within the budget (a second may pass)
     assert "checkpoints of ~30 GB in a disk" in result.stderr
+    # what the job ran under: SIGINT after `sigint` seconds, SIGKILL `grace` seconds after that
+    timeout_args = (tmp_path / "timeout_args").read_text().split("\n")
+    assert timeout_args[:5] == ["-s", "INT", "-k", str(grace), str(sigint)]
     assert job_args == [
         "2b",
         str(tmp_path / "ckpts" / "ckpt_loop_2b"),
@@ -107,4 +120,31 @@ def test_a_budget_that_leaves_no_room_for_the_stop_does_not_start_the_job(tmp_pa
 def test_8b_on_one_gpu_is_refused_on_a_host_without_the_ram_for_its_optimizer(tmp_path):
     result, job_args = loop_run(tmp_path, "8b_1gpu", "one", "4", ram_gib=128)
     assert result.returncode == 2 and job_args is None
-    assert "8b_1gpu needs >= 150 GiB of RAM" in result.stderr and "this host has 128 GiB of RAM" in result.stderr
+    assert "8b_1gpu needs >= 150 GiB of available RAM" in result.stderr
+    assert "this host has 128 GiB of RAM available" in result.stderr
+
+
+def test_a_run_keeps_the_place_of_its_checkpoints_so_that_a_resume_finds_them(tmp_path):
+    """Where checkpoints go is decided per call; a run's next call (a resume with more steps) must look where its
+    checkpoints are, even if the free space or the step count alone would now choose the other place."""
+    shm = tmp_path / "shm"
+    (shm / "miles_vl_ckpt" / "r" / "step_00000010").mkdir(parents=True)
+    result, job_args = loop_run(tmp_path, "2b", "r", "30", shm=shm, ram_gib=16)  # RAM alone would say: a disk
+    assert result.returncode == 0, result.stderr
+    assert job_args[5:] == [f"checkpoint.dir={shm}/miles_vl_ckpt/r"]
+    (tmp_path / "runs" / "d" / "checkpoints" / "step_00000005").mkdir(parents=True)
+    result, job_args = loop_run(tmp_path, "tiny", "d", "8", shm=shm, ram_gib=512)  # RAM would hold it
+    assert job_args[5:] == [] and "in a disk" in result.stderr
+
+
+def test_ram_must_hold_the_checkpoints_at_their_peak_keep_last_and_the_one_being_written(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    free_gib = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize // 2**30
+    if free_gib < 5:
+        pytest.skip(f"{shm} has {free_gib} GiB free; the check wants 5")
+    # tiny at 30 steps: 4 checkpoints of 1 GB at once: 4 GiB of RAM for them beside the host's 64
+    result, job_args = loop_run(tmp_path, "tiny", "a", "30", shm=shm, ram_gib=68)
+    assert job_args[5:] == [f"checkpoint.dir={shm}/miles_vl_ckpt/a"]
+    result, job_args = loop_run(tmp_path, "tiny", "b", "30", shm=shm, ram_gib=67)
+    assert job_args[5:] == []

@@ -916,11 +916,12 @@ class Job:
         """The trainer's files into `directory` (in the background: returns what waits for them), then the committed
         batches generated ahead (if any). In that order: megatron-core's save warns of an "old incomplete / corrupted
         checkpoint" when its directory is not empty. If the batches cannot be written, the trainer's write is
-        waited for before the error goes on (the caller then removes the directory)."""
+        waited for before the error goes on (the caller then removes the directory); a second signal
+        (`JobInterrupted`) goes on at once, as a forced stop does."""
         wait = self.trainer.start_checkpoint(directory)
         try:
             self.write_batches_ahead(directory)
-        except BaseException:
+        except Exception:
             with contextlib.suppress(Exception):  # the batches' error is the one to report
                 wait()
             raise

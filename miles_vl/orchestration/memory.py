@@ -27,7 +27,10 @@ cp, ep; `W` = train.num_gpus. The trainer (megatron, as `train/megatron/build.py
 - the colocated IPC weight sync's buffers (`rollout.sglang.colocated_sync: ipc`, rollout/sglang/weights.py): a
   rank that shares its GPU with a server's TP rank packs each bucket into one of two persistent bf16 buffers of the
   bucket bound (512 MiB), each grown for good by a tensor larger than that (the embedding or output layer, `vocab *
-  h`): `2 * max(512 MiB, 2 * vocab * h)`, an upper bound (a tied model grows one of them), resident for the job.
+  h`): `2 * max(512 MiB, 2 * vocab * h)`, an upper bound (a tied model grows one of them), resident for the job
+  from its first sync on: after a colocated engine sized its share, so they count in the train phase and beside
+  the engine's share while it generates (`MemoryEstimate.generation_phase_gib`: trainer resident + engine share +
+  the engine's processes, at most the whole GPU), not in the memory the engine starts with.
 - not counted: the vision tower's activations (its patches are 4x its image tokens; the layers above count the
   image tokens only) and the allocator's fragmentation, which is why a GPU counts as full at `FIT_FRACTION` of its
   memory; plus `TRAINER_RUNTIME_GIB` outside PyTorch (CUDA context, NCCL, cuBLAS workspaces).
@@ -181,6 +184,14 @@ class MemoryEstimate:
     engine: EngineMemory | None
     source: str  # where the model's shape came from
 
+    def generation_phase_gib(self) -> float | None:
+        """A colocated GPU while its engine generates: the trainer's resident state (the IPC sync's buffers, made at
+        the first sync, included), the engine's share (sized at its start, before them) and its processes; None
+        when the job is not colocated with both sides on the GPU."""
+        if not (self.colocated and self.trainer and self.engine):
+            return None
+        return self.trainer.resident + self.engine.share + RELEASED_ENGINE_GIB
+
     def train_phase_gib(self) -> float:
         """The fullest GPU while the trainer runs (a colocated engine's released processes beside it)."""
         assert self.trainer is not None
@@ -195,6 +206,14 @@ class MemoryEstimate:
                 f"the trainer needs about {self.train_phase_gib():.1f} GiB per GPU, more than {limit:.1f} GiB "
                 f"({FIT_FRACTION:.0%} of {self.gpu_gib:g} GiB): set train.recompute=full, lower "
                 "train.micro_batch_max_tokens, or raise train.tp / train.cp / train.num_gpus"
+            )
+        generating = self.generation_phase_gib()
+        if generating is not None and generating > self.gpu_gib:
+            out.append(
+                f"while the engines generate, a GPU holds the trainer's resident state and an engine's share: about "
+                f"{generating:.1f} GiB, more than the GPU's {self.gpu_gib:g} GiB (the engine sized its share before "
+                f"the weight sync's buffers of {self.trainer.sync_buffers:.1f} GiB existed): lower "
+                "rollout.sglang.mem_fraction_static, or set rollout.sglang.colocated_sync=tensor"
             )
         if self.engine is not None and self.engine.kv_cache <= 0:
             out.append(
@@ -225,9 +244,18 @@ class MemoryEstimate:
             held = e.kv_tokens / e.step_tokens if e.step_tokens else 0.0
             out.append(
                 f"engine, per GPU: share {e.share:.1f} GiB (mem_fraction_static of the free memory"
-                + (", after the trainer's resident state" if self.colocated and self.trainer else "")
+                + (
+                    ", beside the trainer's weights, gradients and optimizer state"
+                    if self.colocated and self.trainer
+                    else ""
+                )
                 + f") = weights {e.weights:.1f} + KV cache {max(e.kv_cache, 0):.1f}; the engine's KV cache holds "
                 f"{e.kv_tokens} tokens, {held:.0%} of its samples of a step at full length"
+            )
+        if (generating := self.generation_phase_gib()) is not None:
+            out.append(
+                f"while generating, per colocated GPU: trainer resident {self.trainer.resident:.1f} + engine share "
+                f"{self.engine.share:.1f} + its processes {RELEASED_ENGINE_GIB:.1f} = {generating:.1f} GiB"
             )
         fits = not self.problems()
         out.append(
@@ -273,7 +301,8 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
             trainer = replace(trainer, sync_buffers=ipc_sync_buffers(shape) / GIB)
     engine = None
     if sglang:
-        free = gpu_gib - (trainer.resident if colocated and trainer else 0.0)
+        # what the engine finds free at its start: the IPC sync's buffers come later, at the first sync
+        free = gpu_gib - (trainer.resident - trainer.sync_buffers if colocated and trainer else 0.0)
         engine = engine_memory(
             shape,
             gpus_per_engine=r.gpus_per_engine,

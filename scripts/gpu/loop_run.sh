@@ -48,26 +48,38 @@ mkdir -p "$out/$name" "$runs"
 min_run_s=60  # seconds the run needs at least, after the checkpoint is written, before the stop's grace (below)
 # Where the checkpoints go, and how long a stop may take. A stop (the budget's SIGINT below, or the job's end) finishes
 # the step in training, syncs it and writes its checkpoint: bf16 weights, fp32 main params and Adam's two moments, ~14
-# bytes a parameter (2B: 30 GB, 8B: 123 GB). It goes to /dev/shm (RAM) where that holds the run's checkpoints
-# (loop_job.py saves every 10 steps and at the end, keeping 3) and leaves the host 64 GiB (+131 GiB for 8b_1gpu's
-# optimizer state), else to $RUNS, a disk (2B in 73-77 s: ~0.4 GB/s); a checkpoint.dir override of the caller's
-# counts as a disk. The SIGINT comes $grace s before the end: 60 s for the step, then the write at 1 GB/s in RAM
-# (assumed, the log's "checkpoint saved ... in N s" measures it) or 0.4 GB/s on a disk. A stop killed in its write
-# leaves the newest complete checkpoint, never a partial one, but a run's last step unsaved (the 2026-11-27 8B and 2B
-# runs, killed 60 s after the SIGINT, lost theirs).
+# bytes a parameter (2B: 30 GB, 8B: 123 GB). They go to /dev/shm (RAM) where that holds the run's checkpoints at their
+# peak (loop_job.py saves every 10 steps and at the end and keeps 3: with the one being written, up to 4) and leaves the
+# host 64 GiB of its available memory (+131 GiB for 8b_1gpu's optimizer state), else to $RUNS, a disk (2B in 73-77 s:
+# ~0.4 GB/s). A run that has checkpoints keeps their place (a resume finds them); a checkpoint.dir override of the
+# caller's counts as a disk. The SIGINT comes $grace s before the end: 60 s for the step, then the write at 1 GB/s in
+# RAM (assumed; the log's "checkpoint saved: ... (N GB, S s after its write began)" of the stop's save measures it) or
+# 0.4 GB/s on a disk. A stop killed in its write leaves the newest complete checkpoint, never a partial one, but the
+# run's last step unsaved (the 2026-11-27 8B and 2B runs, killed 60 s after the SIGINT, lost theirs).
 case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=30 ;; *) ckpt_gb=123 ;; esac
-saves=$(( steps / 10 + 1 )); [ "$saves" -gt 3 ] && saves=3
+peak=$(( steps / 10 + 1 )); [ "$peak" -gt 4 ] && peak=4  # checkpoints at once: keep_last 3 + the one being written
 host_gib=64; [ "$shape" = 8b_1gpu ] && host_gib=195
 shm=${LOOP_SHM:-/dev/shm}
-ram_gib=${LOOP_RAM_GIB:-$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1048576 ))}
+shm_dir=$shm/miles_vl_ckpt/$name
+# available, not total: what /dev/shm already holds (earlier runs on this machine) is not available
+avail_gib=${LOOP_RAM_GIB:-$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) / 1048576 ))}
 shm_kb=$(df -Pk "$shm" 2> /dev/null | awk 'NR == 2 {print $4}')
 shm_gib=$(( ${shm_kb:-0} / 1048576 ))
 disk_gb=$(( $(df -Pk "$runs" | awk 'NR == 2 {print $4}') / 1000000 ))
 own_dir=0
 for arg in "$@"; do case $arg in checkpoint.dir=*) own_dir=1 ;; esac; done
-if [ "$own_dir" = 0 ] && [ "$shm_gib" -ge $(( ckpt_gb * saves * 11 / 10 )) ] \
-    && [ $(( ram_gib - ckpt_gb * saves )) -ge "$host_gib" ]; then
-  set -- "checkpoint.dir=$shm/miles_vl_ckpt/$name" "$@"  # first: an override of the caller's still wins
+in_ram=0
+if [ "$own_dir" = 1 ]; then
+  in_ram=0
+elif [ -n "$(ls -A "$shm_dir" 2> /dev/null)" ]; then
+  in_ram=1  # this run's checkpoints are there
+elif [ -n "$(ls -A "$runs/$name/checkpoints" 2> /dev/null)" ]; then
+  in_ram=0
+elif [ "$shm_gib" -ge $(( ckpt_gb * peak * 11 / 10 )) ] && [ $(( avail_gib - ckpt_gb * peak )) -ge "$host_gib" ]; then
+  in_ram=1
+fi
+if [ "$in_ram" = 1 ]; then
+  set -- "checkpoint.dir=$shm_dir" "$@"  # first: an override of the caller's still wins
   ckpt_where="$shm (RAM)"; grace=$(( 60 + ckpt_gb ))
 else
   ckpt_where="a disk"; grace=$(( 60 + ckpt_gb * 10 / 4 ))
@@ -75,10 +87,11 @@ fi
 if [ "$shape" = 8b_1gpu ]; then  # one GPU of the host; the host holds the optimizer's 131 GiB (loop_job.py)
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   min_run_s=300  # start (~3 min: two 8B loads), 4 steps
-  if [ "$ram_gib" -lt 150 ] || { [ "$ckpt_where" = "a disk" ] && [ "$disk_gb" -lt 130 ]; }; then
-    echo "loop_run: 8b_1gpu needs >= 150 GiB of RAM (the offloaded optimizer state is 131 GiB) and >= 130 GB free" \
-      "for its checkpoint, in /dev/shm (with >= 318 GiB of RAM) or in $runs; this host has ${ram_gib} GiB of RAM," \
-      "${shm_gib} GiB free in /dev/shm, ${disk_gb} GB in $runs: use a larger machine (one of its GPUs)" >&2
+  if [ "$avail_gib" -lt 150 ] || { [ "$in_ram" = 0 ] && [ "$disk_gb" -lt 130 ]; }; then
+    echo "loop_run: 8b_1gpu needs >= 150 GiB of available RAM (the offloaded optimizer state is 131 GiB) and >= 130" \
+      "GB free for its checkpoint, in /dev/shm (with >= $(( host_gib + ckpt_gb * peak )) GiB available) or in $runs" \
+      "(then the stop's grace is ${grace} s); this host has ${avail_gib} GiB of RAM available, ${shm_gib} GiB free in" \
+      "/dev/shm, ${disk_gb} GB in $runs: use a larger machine (one of its GPUs)" >&2
     exit 2
   fi
 fi

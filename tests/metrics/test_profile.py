@@ -12,12 +12,16 @@ from miles_vl.metrics.profile import kernel_class, profiled, write_profile
 def test_kernel_names_seen_in_h100_and_h200_traces_fall_in_their_class():
     assert kernel_class("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT") == "matmul"
     assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
-    assert kernel_class("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn>") == "matmul"
+    assert (
+        kernel_class("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn>") == "matmul"
+    )
     assert kernel_class("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") == "attention"
     assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
     assert kernel_class("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "communication"
     assert kernel_class("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "communication"
-    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "other"
+    assert (
+        kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "other"
+    )
     assert kernel_class("aten::mm") == "matmul" and kernel_class("aten::softmax") == "other"
 
 
@@ -61,3 +65,37 @@ def test_write_profile_keeps_every_rank_and_logs_rank_0(tmp_path, caplog):
     assert [p.name for p in path.parent.iterdir()] == ["step_3.json"]  # no temporary file left
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("step 3's train phase under the profiler (rank 0)") and str(path) in line
+
+
+def test_on_a_gpu_the_kernels_own_time_is_counted_and_the_host_operators_are_not():
+    """`summarize` of CUDA events (stand-ins with the fields torch.profiler's key averages have: key, count,
+    device_type, self_device_time_total in microseconds, self_cpu_time_total): only the kernels count, by their own
+    device time. The real profiler on a GPU: the 2B loop with train.profile_steps (docs/benchmarks.md)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from miles_vl.metrics.profile import summarize
+
+    def event(key, device, us, calls=1):
+        on_gpu = device == DeviceType.CUDA
+        return SimpleNamespace(
+            key=key,
+            count=calls,
+            device_type=device,
+            self_device_time_total=us if on_gpu else 0,
+            self_cpu_time_total=0 if on_gpu else us,
+        )
+
+    events = [
+        event("aten::mm", DeviceType.CPU, 900_000, calls=10),  # host time: not the device's
+        event("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", DeviceType.CUDA, 600_000, calls=10),
+        event("flash_fwd_kernel", DeviceType.CUDA, 250_000, calls=4),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 100_000),
+        event("vectorized_elementwise_kernel", DeviceType.CUDA, 50_000, calls=30),
+    ]
+    out = summarize(events, wall_s=2.0, device=True)
+    assert out["device"] == "cuda" and out["busy_s"] == 1.0 and out["busy_fraction"] == 0.5
+    assert out["classes_s"] == {"communication": 0.1, "attention": 0.25, "matmul": 0.6, "other": 0.05}
+    assert [r["name"] for r in out["top"]][:2] == ["nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "flash_fwd_kernel"]
+    assert all(r["name"] != "aten::mm" for r in out["top"])

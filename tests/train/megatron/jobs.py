@@ -614,10 +614,11 @@ def job_moe_provider(ctx, hf_dir: str) -> dict:
 
 
 def job_save_hf(ctx, hf_dir: str, hf_samples, out_dir: str, freeze_vision: bool = False) -> dict:
-    """The backend at DP=2 as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py; TP=1: the
-    harness cannot load HF weights into TP shards): one RL step with a large learning rate (the weights move away from
-    the checkpoint), its logprobs of `hf_samples`, then `save_hf` in small shards (every rank exports, rank 0
-    writes). `freeze_vision`: built as `train.freeze_vision` builds it (the vision tower neither trained nor synced)."""
+    """The backend at DP=2 as the driver's CPU stand-in builds it (tests/orchestration/megatron_cpu.py; TP=1 here,
+    the bridge's load and export at TP=2 are job_bridge_tp2's): one RL step with a large learning rate (the weights
+    move away from the checkpoint), its logprobs of `hf_samples`, then `save_hf` in small shards (every rank exports,
+    rank 0 writes). `freeze_vision`: built as `train.freeze_vision` builds it (the vision tower neither trained nor
+    synced)."""
     import dataclasses
     from pathlib import Path
 

@@ -9,7 +9,9 @@ bridge). The 8B job at TP=2 x CP=2 (docs/gpu-runs/2026-11-27-loop-8b-tp2cp2-4xh2
 so each TP rank holds 4 groups of 4) and in three deepstack layers. Both are here at tiny widths:
 
 - `gqa2`: 4 heads over 2 groups (the 2B's ratio; one group per TP rank), 2 deepstack layers;
-- `gqa4`: 8 heads over 2 groups (the 8B's ratio of 4), 4 vision heads, 3 deepstack layers (the 8B's count).
+- `gqa4`: 8 heads over 2 groups (the 8B's ratio of 4), 4 vision heads, 3 deepstack layers (the 8B's count);
+- `gqa4x2`: 16 heads over 4 groups (the 8B's ratio, and several groups on each TP rank as the 8B's 8 over 2 ranks: a
+  split that strides or reorders the groups within a rank shows only here).
 
 References: transformers' Qwen3-VL forward of the checkpoint (the torch backend's logprobs, fp32) and the
 checkpoint's tensors (the export must return them bit for bit)."""
@@ -32,6 +34,7 @@ SHAPES = {
         vision_num_heads=4,
         deepstack_visual_indexes=[0, 1, 2],
     ),
+    "gqa4x2": dict(num_attention_heads=16, num_key_value_heads=4),
 }
 
 
