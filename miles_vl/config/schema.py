@@ -856,6 +856,11 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"rollout.gpus_per_engine = {engine_gpus} > train.num_gpus={t.num_gpus}; lower the engine count or set "
             "ray.placement=disaggregate"
         )
+    if past := [s for s in t.profile_steps if s > cfg.num_steps]:
+        errors.append(
+            f"train.profile_steps {past} are past the run's last step (num_steps={cfg.num_steps}): they would never "
+            "be profiled; pick steps in 1..num_steps"
+        )
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
     if t.sp and t.logits_only_where_loss:  # the output layer's input is one TP rank's part of the row

@@ -713,7 +713,10 @@ class Job:
                 train_metrics = self.trainer.train(batch.samples)
                 self.rollout.resume_memory(WEIGHTS_MEMORY)  # only what the sync writes: the KV cache comes after it
             if profile:
-                write_profile(self.run_dir, step + 1, self.trainer.take_profiles())
+                try:
+                    write_profile(self.run_dir, step + 1, self.trainer.take_profiles())
+                except OSError as err:  # a diagnostic: the step it describes is trained and goes on to be saved
+                    log.warning("step %d's profile was not written: %s", step + 1, err)
             self.publish_save_before_sync()
             if self.cfg.rollout.partial_rollouts:  # the generations ahead in flight are aborted, kept, continued
                 with timer("sync_wait"):

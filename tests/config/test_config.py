@@ -361,6 +361,11 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "`train.optimizer.cpu_offload > 0` needs `train.backend: megatron`",
         ),
         (
+            ["train.profile_steps=[2,9]", "num_steps=4"],
+            "train.profile_steps [9] are past the run's last step (num_steps=4)",
+            "`train.profile_steps` lie in `1..num_steps`",
+        ),
+        (
             ["data.train_path=rows.parquet"],
             "data.train_path='rows.parquet' and data.synthetic_n=8 are both set",
             "`data.train_path` or `data.synthetic_n > 0`, not both",

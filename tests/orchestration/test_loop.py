@@ -250,3 +250,17 @@ def test_a_profiled_step_writes_its_train_phase_summary_and_trains_as_the_others
     assert rank["classes_s"]["matmul"] > 0 and any(r["name"] == "aten::mm" for r in rank["top"])
     same = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
     assert same == [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in metrics(plain)]
+
+
+def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    import miles_vl.orchestration.loop as loop_module
+
+    def full_disk(run_dir, step, summaries):
+        assert summaries and summaries[0]["rank"] == 0  # the step was profiled; only its file fails
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loop_module, "write_profile", full_disk)
+    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
+        run = run_job(config(tmp_path, "full", "num_steps=2", "train.profile_steps=[1]"))
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert any("step 1's profile was not written" in r.getMessage() for r in caplog.records)
