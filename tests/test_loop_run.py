@@ -85,12 +85,18 @@ def test_a_2b_run_on_a_disk_is_stopped_early_enough_for_its_30_gb_checkpoint(tmp
     ]
 
 
-def test_checkpoints_go_to_ram_where_it_holds_them_and_leaves_the_host_enough(tmp_path):
+def shm_with(tmp_path, gib: int, why: str):
+    """A folder standing for /dev/shm, on a disk with at least `gib` GiB free (else the test is skipped: `why`)."""
     shm = tmp_path / "shm"
     shm.mkdir()
     free_gib = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize // 2**30
-    if free_gib < 3:
-        pytest.skip(f"{shm} has {free_gib} GiB free: the tiny job's 3 checkpoints (1 GB each, counted 1.1) want 3")
+    if free_gib < gib:
+        pytest.skip(f"{shm} has {free_gib} GiB free; {why} want {gib}")
+    return shm
+
+
+def test_checkpoints_go_to_ram_where_it_holds_them_and_leaves_the_host_enough(tmp_path):
+    shm = shm_with(tmp_path, 3, "the tiny job's 3 checkpoints (1 GB each, counted 1.1)")
     result, job_args = loop_run(tmp_path, "tiny", "t", "20", "rollout.max_staleness=1", shm=shm, ram_gib=128)
     assert result.returncode == 0, result.stderr
     assert job_args[5:] == [f"checkpoint.dir={shm}/miles_vl_ckpt/t", "rollout.max_staleness=1"]
@@ -138,11 +144,7 @@ def test_a_run_keeps_the_place_of_its_checkpoints_so_that_a_resume_finds_them(tm
 
 
 def test_ram_must_hold_the_checkpoints_at_their_peak_keep_last_and_the_one_being_written(tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    free_gib = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize // 2**30
-    if free_gib < 5:
-        pytest.skip(f"{shm} has {free_gib} GiB free; the check wants 5")
+    shm = shm_with(tmp_path, 5, "4 checkpoints of the tiny job (1 GB each, counted 1.1)")
     # tiny at 30 steps: 4 checkpoints of 1 GB at once: 4 GiB of RAM for them beside the host's 64
     result, job_args = loop_run(tmp_path, "tiny", "a", "30", shm=shm, ram_gib=68)
     assert job_args[5:] == [f"checkpoint.dir={shm}/miles_vl_ckpt/a"]
