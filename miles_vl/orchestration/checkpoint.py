@@ -164,13 +164,12 @@ class PendingSave:
         try:
             self.wait()
             (self.tmp / DRIVER_STATE).write_text(json.dumps({"step": self.step, **self.driver_state}, indent=1))
-            write_manifest(self.tmp)
+            size = write_manifest(self.tmp)
             os.replace(self.tmp, final)
         except BaseException as err:
             self.abandon(err)
         for _, old in list_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         log.info(
             "checkpoint saved: %s (%.4g GB, %.1f s after its write began)",
             final,
@@ -329,14 +328,17 @@ def write_problem(path: str | Path) -> str | None:
     return None
 
 
-def write_manifest(directory: Path) -> None:
-    """`manifest.json`: every file under `directory` (relative path -> size in bytes)."""
+def write_manifest(directory: Path) -> int:
+    """`manifest.json`: every file under `directory` (relative path -> size in bytes). Returns the bytes of every file
+    there, the manifest's own included."""
     files = {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    text = json.dumps({"files": files}, indent=1)
+    (directory / MANIFEST).write_text(text)
+    return sum(files.values()) + len(text.encode())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
