@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from miles_vl.metrics.sinks import replace_text
 
 # a kernel's class: the first whose substring (lower case) its name holds; else "other"
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -104,9 +105,7 @@ def write_profile(run_dir: Path, step: int, summaries: Sequence[dict[str, Any]])
     figures in the log."""
     path = Path(run_dir) / PROFILE_DIR / f"step_{step}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, "ranks": list(summaries)}, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, json.dumps({"step": step, "ranks": list(summaries)}, indent=1))
     if summaries:
         s = summaries[0]
         parts = ", ".join(f"{k} {v:.2f}" for k, v in s["classes_s"].items())

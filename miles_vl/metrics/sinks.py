@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 
+def replace_text(path: Path, text: str) -> None:
+    """`path` holds `text`, written atomically: into a temporary file beside it, then renamed over it (a reader sees
+    the old file or the new, never a part)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class JsonlSink:
     """Appends one JSON object per step to `<run_dir>/metrics.jsonl`; on resume, drops steps >= the resume step
     so that the file reads as one uninterrupted run."""
@@ -45,9 +53,7 @@ class JsonlSink:
                     len(records) - len(kept),
                     resume_step - 1,
                 )
-            tmp = self.path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)
+            replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, metrics: dict[str, Any]) -> None:
         with self.path.open("a") as f:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from miles_vl.metrics.sinks import replace_text
 from miles_vl.rollout.collect import GeneratedGroup
 
 log = logging.getLogger(__name__)
@@ -91,9 +91,7 @@ def write_samples(run_dir: Path, name: str, records: Sequence[dict[str, Any]]) -
     """`<run_dir>/rollouts/<name>.jsonl`, written atomically; replaces only a file of that name (module docstring)."""
     path = run_dir / ROLLOUTS_DIR / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, "".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
