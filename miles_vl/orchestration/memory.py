@@ -79,9 +79,15 @@ class TrainerMemory:
     sync_buffers: float = 0.0  # the colocated IPC sync's two bucket buffers (module docstring)
 
     @property
+    def resident_at_start(self) -> float:
+        """What the trainer holds on the GPU when a colocated engine starts (the sync's buffers come at the first
+        sync)."""
+        return self.weights + self.gradients + self.optimizer + self.runtime
+
+    @property
     def resident(self) -> float:
         """What stays on the GPU between train phases (colocated engines generate beside it)."""
-        return self.weights + self.gradients + self.optimizer + self.runtime + self.sync_buffers
+        return self.resident_at_start + self.sync_buffers
 
     @property
     def peak(self) -> float:
@@ -301,8 +307,7 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
             trainer = replace(trainer, sync_buffers=ipc_sync_buffers(shape) / GIB)
     engine = None
     if sglang:
-        # what the engine finds free at its start: the IPC sync's buffers come later, at the first sync
-        free = gpu_gib - (trainer.resident - trainer.sync_buffers if colocated and trainer else 0.0)
+        free = gpu_gib - (trainer.resident_at_start if colocated and trainer else 0.0)
         engine = engine_memory(
             shape,
             gpus_per_engine=r.gpus_per_engine,
