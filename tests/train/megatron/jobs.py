@@ -348,43 +348,28 @@ def job_export(ctx, hf_dir: str, hf_samples) -> dict:
 
 def job_bridge_tp2(ctx, checkpoints: dict[str, str], hf_samples) -> dict:
     """Per HF checkpoint (name -> directory): megatron-bridge loads it at TP=2 over the two ranks, as a train rank of
-    a TP=2 job does (each rank its share of every QKV, gate/up and vocabulary split); then the export back to HF names
-    (what a weight sync sends: gathered over TP), cloned, and the backend's logprobs on `hf_samples`."""
-    import megatron.bridge.models.qwen_vl.qwen3_vl_provider as provider_module
+    a TP=2 job does (each rank its share of every QKV, gate/up and vocabulary split; the driver's CPU stand-in,
+    tests/orchestration/megatron_cpu.py); then the export back to HF names (what a weight sync sends: gathered over
+    TP), cloned, and the backend's logprobs on `hf_samples`."""
     from megatron.core import parallel_state as ps
 
-    from miles_vl.train.megatron.backend import MegatronTrainBackend
-    from miles_vl.train.megatron.build import build_provider
-    from miles_vl.train.megatron.export import export_hf_weights
-    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+    from miles_vl.train.megatron.parallel import ParallelOptions
+    from tests.orchestration import megatron_cpu
 
-    provider_module.get_gpt_layer_with_transformer_engine_spec = lambda **kw: cpu_te_named_gpt_spec()
-    ctx.module.get_vit_layer_with_transformer_engine_spec = cpu_te_named_vit_spec
-    ctx.init_parallel(tp=2, cp=1)
     out = {}
     for name, hf_dir in checkpoints.items():
-        bridge, provider = build_provider(hf_dir, tp_size=2, bf16=False)
-        model = provider.provide_distributed_model(
-            wrap_with_ddp=False, use_cpu_initialization=True, bf16=False, fp16=False, mixed_precision_wrapper=None
-        )
-        exact_gelu_in_patch_mergers(model[0])
+        if ps.model_parallel_is_initialized():  # the previous checkpoint's
+            ps.destroy_model_parallel()
+        backend = megatron_cpu.build(hf_dir, tokens(), cross_backend_options(), ParallelOptions(tp_size=2, bf16=False))
         local_qkv = {
-            n: tuple(p.shape) for n, p in model[0].named_parameters() if n.endswith("self_attention.linear_qkv.weight")
+            n: tuple(p.shape)
+            for n, p in backend.model[0].module.named_parameters()
+            if n.endswith("self_attention.linear_qkv.weight")
         }
-        export = {n: t.clone() for n, t in export_hf_weights(bridge, model)}
-        chunks = [CpuDDP(m) for m in model]
-        backend = MegatronTrainBackend(
-            chunks,
-            CpuOptimizer(chunks, lr=LR),
-            tokens(),
-            cross_backend_options(),
-            schedule=cpu_schedule(),
-            device="cpu",
-        )
         out[name] = {
             "tp_rank": ps.get_tensor_model_parallel_rank(),
             "local_qkv": local_qkv,
-            "export": export,
+            "export": {n: t.clone() for n, t in backend.hf_weights()},
             "logprobs": backend.compute_logprobs(hf_samples),
         }
     return out
