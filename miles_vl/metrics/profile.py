@@ -72,13 +72,14 @@ def summarize(events: Any, wall_s: float, device: bool, top: int = TOP) -> dict[
     for seconds, name, _ in rows:
         classes[kernel_class(name)] += seconds
     return {
-        "wall_s": round(wall_s, 4),
+        # Seconds to the profiler's microsecond, all alike: a class's sum is never below one of its rows' figures.
+        "wall_s": round(wall_s, 6),
         "device": "cuda" if device else "cpu",
-        "busy_s": round(busy, 4),
+        "busy_s": round(busy, 6),
         "busy_fraction": round(busy / wall_s, 4) if wall_s > 0 else None,
-        "classes_s": {k: round(v, 4) for k, v in classes.items()},
+        "classes_s": {k: round(v, 6) for k, v in classes.items()},
         "top": [
-            {"name": name, "calls": calls, "seconds": round(seconds, 5), "class": kernel_class(name)}
+            {"name": name, "calls": calls, "seconds": round(seconds, 6), "class": kernel_class(name)}
             for seconds, name, calls in rows[:top]
         ],
     }
