@@ -47,7 +47,7 @@ from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import GENERATE_GROUP, EngineKind, EngineSlot
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options, engine_slots
 from miles_vl.rollout import EngineDiedError, Generation, RolloutEngine, SamplingParams
-from miles_vl.rollout.weight_sync import Failed, WeightSync
+from miles_vl.rollout.weight_sync import Failed, WeightSync, call_each
 
 log = logging.getLogger(__name__)
 
@@ -316,18 +316,13 @@ def _is_dead(error: BaseException) -> bool:
 def _each_alive(engines: Sequence[RolloutEngine], method: str, dead_means: str) -> list[Any]:
     """`method()` on every engine, each apart; the answers of the live ones. A dead engine is logged (`dead_means`:
     how the caller counts it) and left out; any other failure is raised."""
-    refs = [getattr(e, method).remote() for e in engines]
-    answers = []
-    for i, ref in enumerate(refs):
-        try:
-            answers.append(ray.get(ref))
-        except ray.exceptions.RayError as error:
-            if not _is_dead(error):
-                raise
-            log.warning(
-                "rollout engine %d is dead at %s (%s): %s", i, method, str(error).splitlines()[0][:300], dead_means
-            )
-    return answers
+    failed: Failed = {}
+    answers = call_each(dict(enumerate(engines)), failed, method)
+    for i, error in failed.items():
+        if not _is_dead(error):
+            raise error
+        log.warning("rollout engine %d is dead at %s (%s): %s", i, method, str(error).splitlines()[0][:300], dead_means)
+    return list(answers.values())
 
 
 def _end(engine) -> None:

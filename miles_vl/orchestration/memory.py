@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 
 from miles_vl.config import JobConfig
 from miles_vl.models.qwen3_vl.shapes import ModelShape, hf_config_dict, model_shape
-from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, IPC_SYNC_BUFFERS
 
 GIB = 1024**3
 FIT_FRACTION = 0.9  # of a GPU's memory: what the estimate may use; the rest is the allocator's fragmentation
@@ -62,7 +62,6 @@ TRAINER_RUNTIME_GIB = 3.0  # outside PyTorch in a train rank (2.8 GiB measured o
 RELEASED_ENGINE_GIB = 2.0  # a colocated SGLang engine's processes after releasing their memory (2.1 GiB measured)
 LOGIT_BYTES = 16  # bytes per vocabulary entry and token in the loss (module docstring)
 HOST_OPTIMIZER_BYTES = 16  # per offloaded parameter: fp32 main weight, two fp32 moments, pinned fp32 gradient
-IPC_SYNC_BUFFERS = 2  # the colocated IPC sync's rotating bucket buffers (ColocatedWeightSender's `buffers`)
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+IPC_SYNC_BUFFERS = 2  # the colocated IPC sync's rotating bucket buffers: one fills while the engines copy the other
 SYNC_FLOOR_S = 60.0  # the derived bound of one bucket: this much, plus its bytes at SYNC_BYTES_PER_S
 SYNC_BYTES_PER_S = 50 * 1024**2  # conservative: a cross-node link far slower than NVLink (4.26 GB took 3.8 s there)
 ABORT_GRACE_S = 10.0  # how long the watchdog waits past a deadline before aborting the group, and again before exiting
@@ -327,15 +328,15 @@ class TensorWeightSync:
         of an earlier export), labelled `version`."""
         targets = {i: engines[i] for i in (range(len(engines)) if only is None else only)}
         failed: Failed = {}
-        _call_each(targets, failed, "begin_weight_sync")
+        call_each(targets, failed, "begin_weight_sync")
         kept = []
         if buckets is None:
             buckets = self.trainer.weight_buckets(self.options.bucket_bytes, ahead=self.options.buckets_ahead)
         # an ObjectRef per bucket: each engine fetches it from the object store
         for bucket in buckets:
-            _call_each(targets, failed, "load_weight_bucket", bucket)
+            call_each(targets, failed, "load_weight_bucket", bucket)
             kept.append(bucket)
-        _call_each(targets, failed, "finish_weight_sync", version)
+        call_each(targets, failed, "finish_weight_sync", version)
         if self.options.repair_from_last_sync:
             self.last = (version, kept)
         log.info("weights %s: %d bucket(s) to %d engine(s), %d failed", version, len(kept), len(targets), len(failed))
@@ -369,12 +370,12 @@ class NcclWeightSync:
         import ray
 
         failed: Failed = {}
-        _call_each(dict(enumerate(engines)), failed, "begin_weight_sync")  # generate refuses until the sync ends
+        call_each(dict(enumerate(engines)), failed, "begin_weight_sync")  # generate refuses until the sync ends
         if failed:
             return failed
         try:
             if not self.open:
-                answers = _call_each(dict(enumerate(engines)), failed, "endpoint")
+                answers = call_each(dict(enumerate(engines)), failed, "endpoint")
                 if failed:  # an engine that died after begin_weight_sync: the caller recovers it, then syncs again
                     return failed
                 addresses = [answers[i] for i in range(len(engines))]
@@ -394,7 +395,7 @@ class NcclWeightSync:
             log.warning("weight sync %s over %s failed: %s", version, self.backend, error)
             self.close()
             return _blame(engines, error)
-        _call_each(dict(enumerate(engines)), failed, "expect_weight_version", version)
+        call_each(dict(enumerate(engines)), failed, "expect_weight_version", version)
         log.info(
             "weights %s: %d bucket(s) over %s to %d engine(s)", version, report.buckets, self.backend, len(engines)
         )
@@ -415,9 +416,9 @@ class NcclWeightSync:
 WeightSync = TensorWeightSync | NcclWeightSync
 
 
-def _call_each(targets: dict, failed: Failed, method: str, *args) -> dict:
-    """`method(*args)` on every target engine not failed yet, concurrently; failures are recorded, not raised.
-    Returns {index: answer} of the engines that answered."""
+def call_each(targets: Mapping[int, Any], failed: Failed, method: str, *args) -> dict[int, Any]:
+    """`method(*args)` on every target engine (a Ray actor) not failed yet, concurrently; failures are recorded in
+    `failed`, not raised. Returns {index: answer} of the engines that answered."""
     import ray
 
     refs = {i: getattr(e, method).remote(*args) for i, e in targets.items() if i not in failed}

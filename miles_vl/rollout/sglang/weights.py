@@ -120,6 +120,7 @@ from miles_vl.rollout.sglang.verify import SyncVerifier, checkpoint_names
 from miles_vl.rollout.weight_sync import (
     ABORT_GRACE_S,
     DEFAULT_BUCKET_BYTES,
+    IPC_SYNC_BUFFERS,
     SYNC_BYTES_PER_S,
     SYNC_FLOOR_S,
     FlatEntry,
@@ -428,7 +429,7 @@ class ColocatedWeightSender:
         max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         verify_every: int = 10,
         device: torch.device | str | None = None,
-        buffers: int = 2,
+        buffers: int = IPC_SYNC_BUFFERS,
         sources: Sequence[Sequence[int]] | None = None,
         exchange: RankExchange | None = None,
     ):
