@@ -190,3 +190,16 @@ def test_a_busy_release_or_a_resume_of_unreleased_memory_kills_the_server(fake):
         with pytest.raises(SGLangUnavailableError):
             quick_client(fresh.url, max_retries=0).resume_memory_occupation(["weights"])
         assert fresh.state.dead and "KeyError: 'weights'" in fresh.state.log[-2]
+
+
+def test_a_request_adds_no_line_to_an_info_log_and_a_retry_says_why(fake, caplog):
+    """httpx's own line per request is off (it was a third of the 8B run's log); the client's retry warning is not."""
+    import logging
+
+    fake.inject("/model_info", "status", 503, times=1)
+    with caplog.at_level(logging.INFO):
+        quick_client(fake.url, max_retries=1).model_info()
+        quick_client(fake.url).model_info()
+    lines = [(r.name, r.getMessage()) for r in caplog.records]
+    assert not [name for name, _ in lines if name.startswith("httpx")], lines
+    assert [m for _, m in lines if "/model_info failed (HTTP 503" in m and "retry 1/1" in m], lines
