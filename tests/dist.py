@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +48,6 @@ def spawn_ranks(child: Callable, world_size: int, args: tuple = (), timeout_s: f
         TimeoutError: a rank was still running after `timeout_s` (all ranks are killed).
         RuntimeError: a rank exited without saving a result (its exit code is named).
     """
-    import datetime
-
     import torch
 
     context = mp.get_context("spawn")
@@ -57,9 +56,9 @@ def spawn_ranks(child: Callable, world_size: int, args: tuple = (), timeout_s: f
         procs = [context.Process(target=child, args=(r, world_size, init_file, tmp, *args)) for r in range(world_size)]
         for p in procs:
             p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        deadline = time.monotonic() + timeout_s
         for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+            p.join(max(0.0, deadline - time.monotonic()))
         if any(p.is_alive() for p in procs):
             for p in procs:
                 p.kill()

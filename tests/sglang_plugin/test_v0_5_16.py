@@ -483,7 +483,8 @@ def test_under_a_sharing_blocker_the_copies_keep_their_pixels_and_go_one_by_one(
 
 
 def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state():
-    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.05, "bad": 0.01})
+    # p1 is still tokenizing when "bad" fails (0.5 s against 0.01: a loaded machine's pause can't merge the two)
+    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.5, "bad": 0.01})
     batch = _Batch([_Prompt("p0", [1], None), _Prompt("p1", [2], None), _Prompt("bad", None, None)], 2, None)
     for p in batch.prompts[:2]:
         p.mm_hashes = None
@@ -492,7 +493,7 @@ def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state(
     async def fail_then_wait():
         with pytest.raises(ValueError, match="cannot be tokenized"):
             [x async for x in grouping.handle_grouped(manager, batch, states=tokenizer_0516.STATES)]
-        await asyncio.sleep(0.1)  # the server goes on: a prompt still running would finish now
+        await asyncio.sleep(1.0)  # the server goes on: a prompt still running would finish now
 
     asyncio.run(fail_then_wait())
     assert ("tokenized", "p1") not in manager.log  # cancelled, never sent its prefix

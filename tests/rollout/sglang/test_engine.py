@@ -186,13 +186,18 @@ def test_batched_requests_keep_about_max_concurrency_prompts_in_flight(fake):
     """max_concurrency counts prompts when a request carries several: 8 prompts, 2 per request, max_concurrency 4 ->
     at most 2 requests (4 prompts) at once; a prompt's pixels wait in the server until its samples are sent."""
     eng = engine(fake, prompts_per_request=2, max_concurrency=4)
-    original, lock, state = eng.client.generate_n, threading.Lock(), {"now": 0, "most": 0}
+    original, lock, state = eng.client.generate_n, threading.Lock(), {"now": 0, "most": 0, "calls": 0}
+    both = threading.Barrier(2, timeout=30)  # the first two requests meet: a pool of one fails here, not by chance
 
     def counted(payload, n):
         with lock:
             state["now"] += 1
+            state["calls"] += 1
+            first_two = state["calls"] <= 2
             state["most"] = max(state["most"], state["now"])
         try:
+            if first_two:
+                both.wait()
             time.sleep(0.05)  # long enough for every request the pool would allow to overlap
             return original(payload, n)
         finally:
@@ -449,7 +454,7 @@ def test_release_refuses_a_busy_server_instead_of_crashing_it(fake):
     flushes with a timeout first; a refused flush means the server is still busy, so it refuses to release, says why,
     and leaves the server alive and resident."""
     eng = engine(fake, memory_saver=True, flush_timeout_s=0.2)
-    fake.inject("/generate", "delay", 1.5)
+    fake.inject("/generate", "delay", 3.0)  # busy well past the flush's 0.2 s on a loaded machine
     busy = threading.Thread(target=eng.generate, args=([make_prompt([1])], SamplingParams(max_new_tokens=2)))
     busy.start()
     while fake.state.running == 0:

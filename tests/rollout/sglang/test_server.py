@@ -31,6 +31,7 @@ from miles_vl.rollout.sglang import (
 )
 from miles_vl.rollout.sglang.server import api_key_problem, check_port_free, copy_redacted, new_api_key
 from miles_vl.rollout.sglang.server import free_port as free_port_here
+from tests.procs import process_gone
 from tests.rollout.sglang.conftest import FAKE_SERVER, fake_argv, free_port, quick_client
 from tests.rollout.sglang.fake_server import parse_args, sglang_authorizes
 
@@ -348,6 +349,10 @@ def test_startup_timeout_is_bounded_and_explained(tmp_path):
     process, url = _fake_process(tmp_path, "--fake-startup-delay", "30")
     try:
         process.start()
+        # the stand-in's first line, which the error must quote, once its interpreter is up (seconds on a busy machine)
+        deadline = time.monotonic() + 30
+        while "listening on" not in process.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
         start = time.monotonic()
         with pytest.raises(SGLangUnavailableError, match=r"(?s)not healthy.*startup_timeout_s.*listening on"):
             wait_until_healthy(quick_client(url), process, timeout_s=0.8, poll_s=0.05)
@@ -406,17 +411,9 @@ def test_stop_ends_the_whole_process_group(tmp_path):
     finally:
         process.stop()
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while not process_gone(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"  # a zombie waiting for init's reaping is gone for our purpose
-    except FileNotFoundError:
-        return False
+    assert process_gone(child)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write fails with ENOSPC)")
