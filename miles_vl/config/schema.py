@@ -494,7 +494,8 @@ class TrainConfig(_Section):
         description="steps (1-based) whose train phase runs under torch.profiler on every train rank; the summary "
         "(wall and device-busy seconds, time by kind of kernel: matmul, attention, communication, other; the top "
         "operators) goes to <run dir>/profile/step_N.json, one entry per rank, and a line to the log. A profiled "
-        "step is slower than the others (the profiler's overhead): compare its parts, not its total.",
+        "step's train phase is slower than the others' (the profiler's overhead): compare its parts, not its total; "
+        "reading the profiler's events afterwards is timed apart (time/profile_s, seconds per 100K events).",
     )
     vision_dp_when_cp: bool = Field(
         True,

@@ -714,7 +714,8 @@ class Job:
                 self.rollout.resume_memory(WEIGHTS_MEMORY)  # only what the sync writes: the KV cache comes after it
             if profile:
                 try:
-                    write_profile(self.run_dir, step + 1, self.trainer.take_profiles())
+                    with timer("profile"):  # reading the profiler's events: seconds, not the train phase's
+                        write_profile(self.run_dir, step + 1, self.trainer.take_profiles())
                 except OSError as err:  # a diagnostic: the step it describes is trained and goes on to be saved
                     log.warning("step %d's profile was not written: %s", step + 1, err)
             self.publish_save_before_sync()

@@ -35,7 +35,7 @@ import ray
 import torch
 
 from miles_vl.config import JobConfig
-from miles_vl.metrics.profile import profiled
+from miles_vl.metrics.profile import ProfiledBlock, profiled
 from miles_vl.models import SpecialTokens
 from miles_vl.orchestration.factories import TrainBackendBuilder, set_threads
 from miles_vl.orchestration.placement import COLOCATED_GPU_SHARE, GpuPlacement, cpu_only_options
@@ -88,7 +88,7 @@ class TrainWorker:
         self.saving: CheckpointWrite | None = None  # the checkpoint write in flight
         self.said_sync_save = False
         self.profile_next = False  # the next `train` runs under torch.profiler (`profile_next_train`)
-        self.profile: dict | None = None  # its summary (metrics/profile.py), until `take_profile`
+        self.profile: ProfiledBlock | None = None  # what the profiler saw of it, until `take_profile` summarizes it
 
     def rendezvous(self) -> str:
         """Where the process group meets: this actor's node and a free port on it (asked of rank 0)."""
@@ -121,10 +121,9 @@ class TrainWorker:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         if self.profile_next:
-            self.profile_next, summary = False, {"rank": self.rank}
-            with profiled(summary):
+            self.profile_next = False
+            with profiled() as self.profile:
                 metrics = train_step(self.backend, samples)
-            self.profile = summary
         else:
             metrics = train_step(self.backend, samples)
         if cuda:
@@ -137,9 +136,11 @@ class TrainWorker:
         self.profile_next = True
 
     def take_profile(self) -> dict | None:
-        """The summary of the last profiled `train` (metrics/profile.py), once; None if none since the last call."""
-        summary, self.profile = self.profile, None
-        return summary
+        """The summary of the last profiled `train` (metrics/profile.py), once; None if none since the last call.
+        Made here, not in `train`: reading the profiler's events takes seconds, outside the step's train time."""
+        block, self.profile = self.profile, None
+        summary = block.summary() if block is not None else None
+        return None if summary is None else {"rank": self.rank, **summary}
 
     def set_lr(self, lr: float) -> None:
         self.backend.set_lr(lr)

@@ -27,11 +27,13 @@ def test_kernel_names_seen_in_h100_and_h200_traces_fall_in_their_class():
 
 def test_a_profiled_block_is_summarized_by_operator_and_class():
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    out: dict = {}
-    with profiled(out):
+    with profiled() as block:
         for _ in range(7):
             c = a @ b
         c.softmax(-1)
+    assert block.prof is not None  # the events are read when the summary is asked for, not at the block's end
+    out = block.summary()
+    assert block.summary() is None  # once
     assert out["device"] == "cpu" and out["wall_s"] > 0
     top = {row["name"]: row for row in out["top"]}
     assert top["aten::mm"]["calls"] == 7 and top["aten::mm"]["class"] == "matmul"
@@ -42,22 +44,20 @@ def test_a_profiled_block_is_summarized_by_operator_and_class():
 
 
 def test_a_block_that_raises_leaves_no_summary():
-    out: dict = {}
     try:
-        with profiled(out):
+        with profiled() as block:
             raise ValueError("boom")
     except ValueError:
         pass
-    assert out == {}
+    assert block.summary() is None
 
 
 def test_write_profile_keeps_every_rank_and_logs_rank_0(tmp_path, caplog):
     ranks = []
     for rank in (0, 1):
-        summary = {"rank": rank}
-        with profiled(summary):
+        with profiled() as block:
             torch.randn(64, 64) @ torch.randn(64, 64)
-        ranks.append(summary)
+        ranks.append({"rank": rank, **block.summary()})
     with caplog.at_level(logging.INFO, logger="miles_vl.metrics.profile"):
         path = write_profile(tmp_path, 3, ranks)
     assert path == tmp_path / "profile" / "step_3.json"

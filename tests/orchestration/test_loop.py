@@ -237,8 +237,8 @@ def test_the_next_batch_is_prepared_during_training_and_the_prompts_stay_the_sam
 
 def test_a_profiled_step_writes_its_train_phase_summary_and_trains_as_the_others(tmp_path):
     """train.profile_steps=[2]: step 2's train phase ran under torch.profiler on the train rank; its summary is in
-    <run>/profile/step_2.json (within the step's train time), no other step is profiled, and the metrics are the
-    same as a run without the profiler's."""
+    <run>/profile/step_2.json (within the step's train time; reading the profiler's events is timed apart, as
+    time/profile_s), no other step is profiled, and the metrics are the same as a run without the profiler's."""
     run = run_job(config(tmp_path, "profiled", "num_steps=3", "train.profile_steps=[2]"))
     plain = run_job(config(tmp_path, "plain", "num_steps=3"))
     assert sorted(p.name for p in (run / "profile").iterdir()) == ["step_2.json"]
@@ -247,6 +247,7 @@ def test_a_profiled_step_writes_its_train_phase_summary_and_trains_as_the_others
     assert record["step"] == 2 and rank["rank"] == 0 and rank["device"] == "cpu"
     rows = metrics(run)
     assert 0 < rank["wall_s"] <= rows[1]["time/train_s"]
+    assert [("time/profile_s" in r) for r in rows] == [False, True, False] and rows[1]["time/profile_s"] > 0
     assert rank["classes_s"]["matmul"] > 0 and any(r["name"] == "aten::mm" for r in rank["top"])
     same = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
     assert same == [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in metrics(plain)]
