@@ -139,11 +139,13 @@ def validate(raw: dict[str, Any], source: str | None = None, override_keys: set[
     problems = [line for err in errors for line in _describe(err, source, override_keys or set()).splitlines()]
     bad = [tuple(map(str, err["loc"])) for err in errors]
     if all(bad):  # no top-level error: the cross-field validator has not run yet
-        problems += _cross_field_problems_without(raw, bad, source)
+        problems += _cross_field_problems_without(raw, bad, source, override_keys or set())
     raise ConfigError(problems, source)
 
 
-def _cross_field_problems_without(raw: dict[str, Any], bad: list[tuple[str, ...]], source: str | None) -> list[str]:
+def _cross_field_problems_without(
+    raw: dict[str, Any], bad: list[tuple[str, ...]], source: str | None, override_keys: set[str]
+) -> list[str]:
     """Cross-field problems among the keys that are individually valid, so that one run reports everything.
 
     Pydantic skips the cross-field validator when any field fails; here the failing keys are removed (their
@@ -161,8 +163,8 @@ def _cross_field_problems_without(raw: dict[str, Any], bad: list[tuple[str, ...]
     except ValidationError:
         return []
     removed = {".".join(loc) for loc in bad}
-    where = f" in {source}" if source else ""
-    return [f"{p}{where}" for p in cross_field_errors(cfg) if not any(k and k in p for k in removed)]
+    problems = [p for p in cross_field_errors(cfg) if not any(k and k in p for k in removed)]
+    return [f"{p}{_cross_origin(p, source, override_keys)}" for p in problems]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,7 +381,7 @@ def _describe(err: dict[str, Any], source: str | None, override_keys: set[str]) 
     if kind == "value_error":
         msg = msg.removeprefix("Value error, ")
         if not key:  # cross-field rules: one line each
-            return "\n".join(f"{line}{origin}" for line in msg.splitlines())
+            return "\n".join(f"{line}{_cross_origin(line, source, override_keys)}" for line in msg.splitlines())
         return f"'{key}': {msg}{origin}"
     found = err.get("input")
     return f"'{key}'{origin}: {msg}, found {found!r}"
@@ -390,6 +392,16 @@ def _origin(key: str, source: str | None, override_keys: set[str]) -> str:
         if key == ok or key.startswith(ok + ".") or ok.startswith(key + ".") and key:
             return f" (from the command-line override {ok}=...)"
     return f" in {source}" if source else ""
+
+
+def _cross_origin(line: str, source: str | None, override_keys: set[str]) -> str:
+    """Where the keys of a rule over several keys were set: the command-line overrides the line names, the rest in
+    `source` (a fix made in the file would not win over an override)."""
+    given = sorted(k for k in override_keys if re.search(rf"(?<![\w])(?<![\w]\.){re.escape(k)}(?![\w])", line))
+    if not given:
+        return f" in {source}" if source else ""
+    rest = f"; the others in {source}" if source else ""
+    return f" ({', '.join(given)} from the command line{rest})"
 
 
 def _known_fields(loc: list[str]) -> list[str]:

@@ -77,6 +77,18 @@ def test_unknown_key_from_override_names_the_override(tmp_path):
     assert "did you mean 'train.optimizer'?" in msg
 
 
+def test_a_rule_over_several_keys_says_which_of_them_the_command_line_set(tmp_path):
+    """A fix in the file would not win over an override: the message names the overrides among the rule's keys."""
+    path = write(tmp_path, MINIMAL)
+    (msg,) = problems(path, ["num_steps=4", "train.profile_steps=[5]"])
+    assert msg.endswith(f"(num_steps, train.profile_steps from the command line; the others in {path})"), msg
+    (msg,) = problems(path, ["train.profile_steps=[500]"])  # num_steps is the file's
+    assert msg.endswith(f"(train.profile_steps from the command line; the others in {path})"), msg
+    path = write(tmp_path, MINIMAL + "train:\n  profile_steps: [500]\n")
+    (msg,) = problems(path, ["seed=3"])  # an override the rule does not name
+    assert msg.endswith(f"pick steps in 1..num_steps in {path}"), msg
+
+
 def test_unknown_top_level_section(tmp_path):
     (msg,) = problems(write(tmp_path, MINIMAL + "rolout:\n  batch_size: 2\n"))
     assert "unknown key 'rolout'" in msg and "did you mean 'rollout'?" in msg
