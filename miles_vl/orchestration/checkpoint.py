@@ -396,16 +396,23 @@ def find_resume_point(root: str | Path, resume: str, set_aside: bool = True) -> 
         return ResumePoint(None)
     path = Path(resume)
     if not (path / DRIVER_STATE).is_file():
-        raise CheckpointError(
-            f"checkpoint.resume={resume!r} is not a checkpoint directory (no {DRIVER_STATE}); use 'auto', 'never' "
-            f"or one of {[str(p) for _, p in list_checkpoints(root)][-3:]}"
-        )
+        raise CheckpointError(not_a_checkpoint(resume, root))
     problems = verify_checkpoint(path)
     if problems:
         good = [str(p) for _, p in list_checkpoints(path.parent) if p != path and not verify_checkpoint(p)]
         offer = f"resume from {good[-1]} instead (checkpoint.resume={good[-1]})" if good else "start a fresh run"
         raise CheckpointError(f"checkpoint {path} is broken: {'; '.join(problems)}; {offer}")
     return ResumePoint(path)
+
+
+def not_a_checkpoint(resume: str, root: str | Path) -> str:
+    """The error for a `checkpoint.resume` path with no driver state: the newest checkpoints under `root` to pick."""
+    near = [str(p) for _, p in list_checkpoints(root)][-3:]
+    offer = f"one of {near}" if near else f"a checkpoint directory ({root} holds none)"
+    return (
+        f"checkpoint.resume={resume!r} is not a checkpoint directory (no {DRIVER_STATE}); use 'auto', 'never' or "
+        f"{offer}"
+    )
 
 
 def _set_aside(path: Path, problems: list[str], used: Path) -> None:

@@ -40,7 +40,7 @@ from miles_vl.data.layouts import DataError, load_dataset_fn, read_records, reso
 from miles_vl.data.processor import OFFLINE
 from miles_vl.models.hub import ModelNotFoundError, hub_offline, is_hub_id, local_model_dir
 from miles_vl.models.qwen3_vl.shapes import hf_config_dict
-from miles_vl.orchestration.checkpoint import verify_checkpoint, write_problem
+from miles_vl.orchestration.checkpoint import DRIVER_STATE, not_a_checkpoint, verify_checkpoint, write_problem
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.orchestration.placement import driver_runtime_env, job_runtime_env_problem, private_session_problem
@@ -231,6 +231,8 @@ def resume_problems(cfg: JobConfig) -> list[str]:
     resume = cfg.checkpoint.resume
     if resume in ("auto", "never"):  # `auto` finds (and sets aside) broken ones when the job starts
         return []
+    if not (Path(resume) / DRIVER_STATE).is_file():  # a mistyped name, e.g. step_4 for step_00000004
+        return [not_a_checkpoint(resume, Path(resume).parent)]
     problems = verify_checkpoint(resume)
     return [f"checkpoint.resume={resume}: {p}" for p in problems]
 

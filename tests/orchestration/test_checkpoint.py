@@ -265,8 +265,26 @@ def test_checkpoints_without_a_manifest_still_resume(tmp_path):
 
 
 def test_explicit_resume_path_must_exist(tmp_path):
-    with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint directory.*\(.* holds none\)"):
         resolve_resume(tmp_path, str(tmp_path / "nope"))
+
+
+def test_a_mistyped_checkpoint_name_is_answered_with_the_names_there_in_the_job_and_in_check(tmp_path):
+    """`step_4` for `step_00000004` (a new user did, from the docs): the job and `miles-vl check` both list the newest
+    checkpoints of that directory."""
+    from miles_vl.config import load_config
+    from miles_vl.orchestration.preflight import resume_problems
+
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, {}, real_writer(step), keep_last=3)
+    names = [str(tmp_path / f"step_0000000{s}") for s in (2, 3, 4)]
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(tmp_path, str(tmp_path / "step_4"))
+    assert f"or one of {names}" in str(err.value)
+    job = tmp_path / "job.yaml"
+    job.write_text("model:\n  init: random\n  processor: offline\ndata:\n  synthetic_n: 8\n")
+    cfg = load_config(job, [f"checkpoint.resume={tmp_path / 'step_4'}"])
+    assert resume_problems(cfg) == [str(err.value)]
 
 
 def _truncate(path, size):
