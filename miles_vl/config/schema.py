@@ -491,7 +491,8 @@ class TrainConfig(_Section):
     )
     profile_steps: list[int] = Field(
         default_factory=list,
-        description="steps (1-based) whose train phase runs under torch.profiler on every train rank; the summary "
+        description="steps (1-based; a list, or one number) whose train phase runs under torch.profiler on every "
+        "train rank; the summary "
         "(wall and device-busy seconds, time by kind of kernel: matmul, attention, communication, other; the top "
         "operators) goes to <run dir>/profile/step_N.json, one entry per rank, and a line to the log. A profiled "
         "step's train phase is slower than the others' (the profiler's overhead): compare its parts, not its total; "
@@ -507,10 +508,14 @@ class TrainConfig(_Section):
     )
     seed: int = 1234
 
-    @field_validator("profile_steps")
+    @field_validator("profile_steps", mode="before")
     @classmethod
-    def _profile_step_numbers(cls, steps: list[int]) -> list[int]:
-        if any(s < 1 for s in steps):
+    def _profile_step_numbers(cls, steps: Any) -> Any:
+        if isinstance(steps, int) and not isinstance(steps, bool):
+            steps = [steps]  # train.profile_steps=3 on the command line: the one step
+        if isinstance(steps, list) and any(isinstance(s, bool) for s in steps):
+            raise ValueError(f"profile_steps are step numbers, e.g. [3], found {steps}")
+        if isinstance(steps, list) and any(isinstance(s, int) and s < 1 for s in steps):
             raise ValueError(f"profile_steps are step numbers (>= 1, as in metrics.jsonl), found {steps}")
         return steps
 

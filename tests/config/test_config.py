@@ -391,6 +391,16 @@ def test_cross_field_rules_are_enforced_and_documented(tmp_path, overrides, erro
     assert documented in DOC
 
 
+def test_profile_steps_take_one_step_number_or_a_list_of_them_and_no_booleans(tmp_path):
+    """A new user wrote train.profile_steps=2 ('Input should be a valid list') and [true] (taken as step 1)."""
+    path = write(tmp_path, MINIMAL)
+    assert load_config(path, ["num_steps=4", "train.profile_steps=2"]).train.profile_steps == [2]
+    assert load_config(path, ["num_steps=4", "train.profile_steps=[1,3]"]).train.profile_steps == [1, 3]
+    for bad, says in [("[true]", "step numbers, e.g. [3], found [True]"), ("[0]", "(>= 1, as in metrics.jsonl)")]:
+        (msg,) = problems(path, [f"train.profile_steps={bad}"])
+        assert says in msg, msg
+
+
 def test_run_name_default_is_the_config_stem_and_timestamped_only_for_fresh_starts(tmp_path):
     """What docs/configs.md says of `logging.run_name` is what the driver does."""
     from miles_vl.orchestration.loop import choose_run_dir
