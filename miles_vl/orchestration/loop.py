@@ -166,6 +166,8 @@ def run_job(
         splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
         if resume_state:  # a cursor saved for other data fails here, before Ray starts
             splits.train.load_state_dict(resume_state["data"])
+            if note := profile_steps_passed(cfg, resume_state["step"]):
+                log.warning("%s", note)
         write_run_files(run_dir, cfg, processor_metadata(processor))
     with run_log(run_dir):  # from here on, the console's lines also go to <run dir>/driver.log
         r = cfg.reward
@@ -282,6 +284,8 @@ def describe_start(cfg: JobConfig, config_path: str | None) -> dict[str, Any]:
         out["start"] = "fresh" + (f" (again: the {records} logged steps' metrics.jsonl kept aside)" * bool(records))
         return out
     out |= {"start": "resume", "from_step": state["step"], "checkpoint": str(point.path)}
+    if note := profile_steps_passed(cfg, state["step"]):
+        out["profile_steps"] = note
     if point.skipped:
         out["broken_checkpoints_to_set_aside"] = [str(p) for p, _ in point.skipped]
     if state["step"] == cfg.num_steps:
@@ -289,6 +293,17 @@ def describe_start(cfg: JobConfig, config_path: str | None) -> dict[str, Any]:
         if changed := unaccepted_changes(cfg, state):
             out["config_changed"] = format_changes(changed)
     return out
+
+
+def profile_steps_passed(cfg: JobConfig, from_step: int) -> str | None:
+    """What a resume from `from_step` says of `train.profile_steps` it has passed (None: none)."""
+    passed = [s for s in cfg.train.profile_steps if s <= from_step]
+    if not passed:
+        return None
+    return (
+        f"train.profile_steps {passed} are at or before step {from_step}, which this run resumes from: they are not "
+        f"trained again, so not profiled; pick steps in {from_step + 1}..num_steps"
+    )
 
 
 def check_start(

@@ -35,11 +35,20 @@ def local_ray():
     ray.shutdown()
 
 
-def test_resume_reproduces_the_straight_run(tmp_path):
+def test_resume_reproduces_the_straight_run(tmp_path, caplog):
+    """... and a profile step the resume has passed is named (it was skipped silently), the later one is taken."""
+    from miles_vl.orchestration.loop import describe_start
+
     straight = run_job(config(tmp_path, "straight", "num_steps=4", "checkpoint.interval=0"))
     first = run_job(config(tmp_path, "split", "num_steps=2", "checkpoint.interval=1"))
     assert [s for s, _ in list_checkpoints(first / "checkpoints")] == [1, 2]  # keep_last=2
-    resumed = run_job(config(tmp_path, "split", "num_steps=4"))
+    cfg = config(tmp_path, "split", "num_steps=4", "train.profile_steps=[2,3]")
+    passed = "train.profile_steps [2] are at or before step 2, which this run resumes from"
+    assert describe_start(cfg, None)["profile_steps"].startswith(passed)
+    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
+        resumed = run_job(cfg)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(passed)]
+    assert sorted(p.name for p in (resumed / "profile").iterdir()) == ["step_3.json"]
     a, b = metrics(straight), metrics(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [comparable(r) for r in a] == [comparable(r) for r in b]
