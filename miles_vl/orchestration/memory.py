@@ -165,7 +165,7 @@ def engine_memory(
 ) -> EngineMemory:
     """One GPU of an SGLang engine of `gpus_per_engine` (TP) GPUs that starts with `free_gib` free on each, and what
     its KV cache holds against `samples` sequences of `sample_len` tokens (module docstring)."""
-    share = mem_fraction_static * free_gib
+    share = mem_fraction_static * max(free_gib, 0.0)  # nothing free: no share (SGLang refuses to start)
     weights = 2 * shape.params / gpus_per_engine / GIB
     kv_heads = max(shape.kv_heads // gpus_per_engine, 1)
     kv_token_bytes = 2 * 2 * shape.layers * kv_heads * shape.head_dim  # K and V, bf16, on one GPU
@@ -213,14 +213,23 @@ class MemoryEstimate:
                 "train.micro_batch_max_tokens, or raise train.tp / train.cp / train.num_gpus"
             )
         generating = self.generation_phase_gib()
-        if generating is not None and generating > self.gpu_gib:
+        no_share = self.engine is not None and self.engine.share <= 0  # its own problem below
+        if generating is not None and generating > self.gpu_gib and not no_share:
             out.append(
                 f"while the engines generate, a GPU holds the trainer's resident state and an engine's share: about "
                 f"{generating:.1f} GiB, more than the GPU's {self.gpu_gib:g} GiB (the engine sized its share before "
                 f"the weight sync's buffers of {self.trainer.sync_buffers:.1f} GiB existed): lower "
                 "rollout.sglang.mem_fraction_static, or set rollout.sglang.colocated_sync=tensor"
             )
-        if self.engine is not None and self.engine.kv_cache <= 0:
+        if no_share:
+            assert self.trainer is not None  # only a colocated trainer leaves an engine nothing
+            out.append(
+                f"a colocated SGLang engine finds no free memory: the trainer keeps about "
+                f"{self.trainer.resident_at_start:.1f} GiB per GPU between its steps, the GPU has {self.gpu_gib:g} "
+                "GiB: offload the optimizer (train.optimizer.cpu_offload), raise train.tp / train.num_gpus, or place "
+                "the engines on GPUs of their own (ray.placement=disaggregate)"
+            )
+        elif self.engine is not None and self.engine.kv_cache <= 0:
             out.append(
                 f"an SGLang engine's weights ({self.engine.weights:.1f} GiB per GPU) do not fit its share "
                 f"({self.engine.share:.1f} GiB = rollout.sglang.mem_fraction_static of the free memory): raise "
@@ -247,16 +256,19 @@ class MemoryEstimate:
                 )
         if (e := self.engine) is not None:
             held = e.kv_tokens / e.step_tokens if e.step_tokens else 0.0
-            out.append(
-                f"engine, per GPU: share {e.share:.1f} GiB (mem_fraction_static of the free memory"
-                + (
-                    ", beside the trainer's weights, gradients and optimizer state"
-                    if self.colocated and self.trainer
-                    else ""
+            if e.share <= 0:
+                out.append("engine, per GPU: no free memory beside the trainer's resident state: no share")
+            else:
+                out.append(
+                    f"engine, per GPU: share {e.share:.1f} GiB (mem_fraction_static of the free memory"
+                    + (
+                        ", beside the trainer's weights, gradients and optimizer state"
+                        if self.colocated and self.trainer
+                        else ""
+                    )
+                    + f") = weights {e.weights:.1f} + KV cache {max(e.kv_cache, 0):.1f}; the engine's KV cache holds "
+                    f"{e.kv_tokens} tokens, {held:.0%} of its samples of a step at full length"
                 )
-                + f") = weights {e.weights:.1f} + KV cache {max(e.kv_cache, 0):.1f}; the engine's KV cache holds "
-                f"{e.kv_tokens} tokens, {held:.0%} of its samples of a step at full length"
-            )
         if (generating := self.generation_phase_gib()) is not None:
             out.append(
                 f"while generating, per colocated GPU: trainer resident {self.trainer.resident:.1f} + engine share "

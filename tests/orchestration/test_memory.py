@@ -227,6 +227,18 @@ def test_engine_weights_that_do_not_fit_their_share():
     assert "rollout.sglang.mem_fraction_static" in problem
 
 
+def test_a_trainer_that_leaves_no_free_memory_gives_the_engine_no_share_and_says_so():
+    """A new user's `check --gpu-memory-gib 24` of the 8B config printed a share of -2.1 GiB and advised lowering
+    mem_fraction_static: the trainer's resident state alone is more than the GPU, so no share helps."""
+    est = estimate_memory(config("geo3k_qwen3vl_8b.yaml"), 24.0)
+    assert est.trainer.resident_at_start > 24.0 and est.engine.share == 0.0 and est.engine.kv_tokens == 0
+    problems = est.problems()
+    assert not [p for p in problems if "lower rollout.sglang.mem_fraction_static" in p], problems
+    (no_share,) = [p for p in problems if "finds no free memory" in p]
+    assert f"keeps about {est.trainer.resident_at_start:.1f} GiB per GPU" in no_share and "disaggregate" in no_share
+    assert "engine, per GPU: no free memory beside the trainer's resident state: no share" in est.lines()
+
+
 def test_the_shape_comes_from_a_local_config_json(tmp_path):
     """A model.path on this machine: its config.json, whatever its name; unknown elsewhere: no estimate, saying why."""
     shape = dict(RELEASED_SHAPES["Qwen3-VL-2B"], text_config=dict(RELEASED_SHAPES["Qwen3-VL-2B"]["text_config"]))
