@@ -113,7 +113,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     print the resolved config (YAML, secrets redacted) and the derived values; or list every problem (exit 2)."""
     cfg = _load(args)
     if not args.config_only:
-        _preflight(cfg, args.config)
+        try:
+            _preflight(cfg, args.config)
+        except ConfigError as e:  # the config itself passed: say how to check it where the job cannot run
+            return _bad_input(
+                f"{e}\nThe config itself is valid; these are this machine's checks. To check the config alone (on a "
+                f"laptop, before sending it to the cluster): miles-vl check --config-only {args.config}"
+                + (" with the same overrides" if args.overrides else "")
+            )
     resolved = redacted(cfg)
     sys.stdout.write(yaml.safe_dump(resolved, sort_keys=False))
     sys.stdout.write("# derived\n" + yaml.safe_dump({"derived": cfg.derived()}, sort_keys=False))

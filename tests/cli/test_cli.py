@@ -208,7 +208,7 @@ def dry_run_problems(tmp_path: Path) -> tuple[list[str], list[str]]:
         f"data.train_path: dataset file not found: {tmp_path / 'missing.parquet'}",
         f"data.eval_path: {tmp_path / 'broken.parquet'}: cannot read it as parquet",
         f"model.path='{tmp_path / 'no_model'}': no such directory, and not a hub id (owner/name)",
-        f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}: ",
+        f"checkpoint.resume='{tmp_path / 'ckpt' / 'step_00000002'}' is not a checkpoint directory (no driver.json)",
         "checkpoint.dir: the job writes /proc/miles_vl_checkpoints, but a directory cannot be created in /proc",
     ]
     return overrides, expected
@@ -230,6 +230,8 @@ def test_check_and_train_report_every_problem_of_the_machine_at_once_and_create_
     assert "Traceback" not in err and captured.out == ""
     assert not (tmp_path / "runs").exists()
     assert not ray.is_initialized()
+    config_only = f"miles-vl check --config-only {TINY} with the same overrides"
+    assert (config_only in err) == (command == "check")  # `check` says how to check the config alone
 
 
 def test_check_tests_that_the_run_and_checkpoint_directories_can_be_written_and_leaves_nothing(tmp_path, capsys):
