@@ -26,6 +26,7 @@ engines and the eval set is scored: that record, logged as step 0, is the start 
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from miles_vl.orchestration.trainer import Trainer
 
 WARMUP_TEMPLATE = "<think></think>\\boxed{{{answer}}}"  # matches the geo3k reward's default format pattern
+
+log = logging.getLogger(__name__)
 
 
 class WarmupJob(Protocol):
@@ -127,6 +130,11 @@ def format_warmup(job: WarmupJob) -> dict[str, float]:
     if warmup_lr is not None:
         job.trainer.set_lr(warmup_lr)
     job.trainer.set_vision_trainable(False)  # targets say nothing about the image: teach the tower nothing from them
+    log.info(
+        "format warm-up: %d supervised steps of %d targets that teach the answer format, not the task (the vision "
+        "tower frozen), then the eval set as step 0",
+        cfg.train.format_warmup_steps, n_prompts * n,
+    )  # fmt: skip
     for _ in range(cfg.train.format_warmup_steps):
         encoded = [job.train_set[i] for i in rng.sample(range(len(rows)), n_prompts)]
         prompts = [p for p in encoded for _ in range(n)]  # n targets per prompt, like an RL batch
@@ -135,6 +143,7 @@ def format_warmup(job: WarmupJob) -> dict[str, float]:
     job.trainer.set_vision_trainable(True)
     if warmup_lr is not None:
         job.trainer.set_lr(cfg.train.optimizer.lr)  # RL from here on
+    log.info("format warm-up: %d steps in %.1f s", cfg.train.format_warmup_steps, time.perf_counter() - t0)
     job.rollout.sync_weights("step-0")  # loop.weight_version(0): the weights RL step 1 starts from
     record = {
         "step": 0,

@@ -233,7 +233,8 @@ def test_a_warmup_step_is_sft(processor):
     assert torch.cat(backend.compute_logprobs(samples)).mean() > before + 1.0
 
 
-def test_the_driver_logs_the_warmup_as_step_0(tmp_path):
+def test_the_driver_logs_the_warmup_as_step_0(tmp_path, caplog):
+    """... and says in its log when the warm-up starts and ends (a new user saw 32 s without a line)."""
     cfg = tiny_job(
         tmp_path,
         "warm",
@@ -243,7 +244,12 @@ def test_the_driver_logs_the_warmup_as_step_0(tmp_path):
         "reward.name=geo3k",
         "eval.interval=1",
     )
-    records = metrics(run_job(cfg))
+    with caplog.at_level("INFO", logger="miles_vl.orchestration.warmup"):
+        records = metrics(run_job(cfg))
+    said = [r.getMessage() for r in caplog.records if r.name == "miles_vl.orchestration.warmup"]
+    assert said[0].startswith("format warm-up: 2 supervised steps of") and said[1].startswith(
+        "format warm-up: 2 steps in"
+    )
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["warmup/steps"] == 2.0 and "eval/accuracy" in records[0]
     assert "reward/mean" not in records[0] and "eval/accuracy" in records[1]
