@@ -115,11 +115,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.config_only:
         try:
             _preflight(cfg, args.config)
-        except ConfigError as e:  # the config itself passed: say how to check it where the job cannot run
+        except ConfigError as e:  # say how to check a config where the job cannot run
             return _bad_input(
-                f"{e}\nThe config itself is valid; these are this machine's checks. To check the config alone (on a "
-                f"laptop, before sending it to the cluster): miles-vl check --config-only {args.config}"
-                + (" with the same overrides" if args.overrides else "")
+                ValueError(
+                    f"{e}\nSome of these checks need the machine the job runs on (its packages, data files and "
+                    f"model). To validate the config without them (on a laptop, before sending it to the cluster): "
+                    f"miles-vl check --config-only {args.config}"
+                    + (" with the same overrides" if args.overrides else "")
+                )
             )
     resolved = redacted(cfg)
     sys.stdout.write(yaml.safe_dump(resolved, sort_keys=False))

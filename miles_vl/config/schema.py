@@ -510,12 +510,17 @@ class TrainConfig(_Section):
 
     @field_validator("profile_steps", mode="before")
     @classmethod
-    def _profile_step_numbers(cls, steps: Any) -> Any:
+    def _profile_steps_as_given(cls, steps: Any) -> Any:
         if isinstance(steps, int) and not isinstance(steps, bool):
             steps = [steps]  # train.profile_steps=3 on the command line: the one step
         if isinstance(steps, list) and any(isinstance(s, bool) for s in steps):
             raise ValueError(f"profile_steps are step numbers, e.g. [3], found {steps}")
-        if isinstance(steps, list) and any(isinstance(s, int) and s < 1 for s in steps):
+        return steps
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_step_numbers(cls, steps: list[int]) -> list[int]:
+        if any(s < 1 for s in steps):
             raise ValueError(f"profile_steps are step numbers (>= 1, as in metrics.jsonl), found {steps}")
         return steps
 

@@ -113,8 +113,8 @@ def profiled() -> Iterator[ProfiledBlock]:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    if not cuda:  # kineto's "gpuGetDeviceCount failed" ERROR line on a machine without a GPU
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    if not cuda:  # kineto's "gpuGetDeviceCount failed" ERROR line on a machine without a GPU (this process's
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # kineto, and those it starts; a level set before stands)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     block = ProfiledBlock(device=cuda)
     prof = profile(activities=activities)
@@ -128,7 +128,7 @@ def profiled() -> Iterator[ProfiledBlock]:
             torch.cuda.synchronize()
         block.wall_s = time.perf_counter() - start
     finally:
-        prof.stop()  # cheap (0.7 s for 255K CPU events); reading them is `summary()`'s
+        prof.__exit__(None, None, None)  # stops it (0.7 s for 255K CPU events; reading them is `summary()`'s)
     block.prof = prof
 
 

@@ -406,9 +406,11 @@ def find_resume_point(root: str | Path, resume: str, set_aside: bool = True) -> 
 
 
 def not_a_checkpoint(resume: str, root: str | Path) -> str:
-    """The error for a `checkpoint.resume` path with no driver state: the newest checkpoints under `root` to pick."""
-    near = [str(p) for _, p in list_checkpoints(root)][-3:]
-    offer = f"one of {near}" if near else f"a checkpoint directory ({root} holds none)"
+    """The error for a `checkpoint.resume` path with no driver state: the newest checkpoints to pick, from the first
+    place that holds any of the path itself (a run's checkpoints folder), its parent (a mistyped name) and `root`."""
+    places = [Path(resume), Path(resume).parent, Path(root)]
+    near = next(([str(p) for _, p in found][-3:] for place in places if (found := list_checkpoints(place))), [])
+    offer = f"one of {near}" if near else f"a checkpoint directory (none in {Path(resume).parent} or {root})"
     return (
         f"checkpoint.resume={resume!r} is not a checkpoint directory (no {DRIVER_STATE}); use 'auto', 'never' or "
         f"{offer}"

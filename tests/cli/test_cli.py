@@ -230,7 +230,10 @@ def test_check_and_train_report_every_problem_of_the_machine_at_once_and_create_
     assert "Traceback" not in err and captured.out == ""
     assert not (tmp_path / "runs").exists()
     assert not ray.is_initialized()
-    config_only = f"miles-vl check --config-only {TINY} with the same overrides"
+    config_only = (
+        "validate the config without them (on a laptop, before sending it to the cluster): "
+        f"miles-vl check --config-only {TINY} with the same overrides"
+    )
     assert (config_only in err) == (command == "check")  # `check` says how to check the config alone
 
 

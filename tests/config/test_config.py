@@ -396,7 +396,12 @@ def test_profile_steps_take_one_step_number_or_a_list_of_them_and_no_booleans(tm
     path = write(tmp_path, MINIMAL)
     assert load_config(path, ["num_steps=4", "train.profile_steps=2"]).train.profile_steps == [2]
     assert load_config(path, ["num_steps=4", "train.profile_steps=[1,3]"]).train.profile_steps == [1, 3]
-    for bad, says in [("[true]", "step numbers, e.g. [3], found [True]"), ("[0]", "(>= 1, as in metrics.jsonl)")]:
+    for bad, says in [
+        ("[true]", "step numbers, e.g. [3], found [True]"),
+        ("[0]", "(>= 1, as in metrics.jsonl)"),
+        ("[-1.0]", "(>= 1, as in metrics.jsonl)"),  # converted to an int first: still checked
+        ("['0']", "(>= 1, as in metrics.jsonl)"),
+    ]:
         (msg,) = problems(path, [f"train.profile_steps={bad}"])
         assert says in msg, msg
 

@@ -50,6 +50,7 @@ def test_a_block_that_raises_leaves_no_summary():
     except ValueError:
         pass
     assert block.summary() is None
+    assert not torch.autograd.profiler._is_profiler_enabled  # and the profiler is off again
 
 
 def test_write_profile_keeps_every_rank_and_logs_rank_0(tmp_path, caplog):

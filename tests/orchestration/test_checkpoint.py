@@ -265,7 +265,7 @@ def test_checkpoints_without_a_manifest_still_resume(tmp_path):
 
 
 def test_explicit_resume_path_must_exist(tmp_path):
-    with pytest.raises(CheckpointError, match=r"is not a checkpoint directory.*\(.* holds none\)"):
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint directory.*\(none in .* or .*\)"):
         resolve_resume(tmp_path, str(tmp_path / "nope"))
 
 
@@ -285,6 +285,11 @@ def test_a_mistyped_checkpoint_name_is_answered_with_the_names_there_in_the_job_
     job.write_text("model:\n  init: random\n  processor: offline\ndata:\n  synthetic_n: 8\n")
     cfg = load_config(job, [f"checkpoint.resume={tmp_path / 'step_4'}"])
     assert resume_problems(cfg) == [str(err.value)]
+    elsewhere = tmp_path / "other_run"  # the job's own checkpoint root holds none: the path's own place is listed
+    with pytest.raises(CheckpointError, match=re.escape(f"or one of {names}")):
+        resolve_resume(elsewhere, str(tmp_path / "step_4"))
+    with pytest.raises(CheckpointError, match=re.escape(f"or one of {names}")):  # the checkpoints folder itself
+        resolve_resume(elsewhere, str(tmp_path))
 
 
 def _truncate(path, size):

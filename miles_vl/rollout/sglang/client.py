@@ -45,7 +45,9 @@ from miles_vl.rollout.types import EngineDiedError
 log = logging.getLogger(__name__)
 # httpx logs every request at INFO: one line per weight bucket and engine, a third of the 8B run's driver log
 # (docs/gpu-runs/2026-11-27-loop-8b-tp2cp2-4xh200). This client logs its retries and raises its failures itself.
-logging.getLogger("httpx").setLevel(logging.WARNING)
+# A level the user's program set for httpx stands.
+if logging.getLogger("httpx").level == logging.NOTSET:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
