@@ -103,6 +103,11 @@ class EngineMemory:
     kv_tokens: int  # the whole engine's KV cache, tokens
     step_tokens: int  # what its share of one step's samples would hold at full length at once
 
+    @property
+    def no_share(self) -> bool:
+        """Nothing was free when the engine started (a colocated trainer's resident state filled the GPU)."""
+        return self.share <= 0
+
 
 def trainer_memory(
     shape: ModelShape,
@@ -213,7 +218,7 @@ class MemoryEstimate:
                 "train.micro_batch_max_tokens, or raise train.tp / train.cp / train.num_gpus"
             )
         generating = self.generation_phase_gib()
-        no_share = self.engine is not None and self.engine.share <= 0  # its own problem below
+        no_share = self.engine is not None and self.engine.no_share  # its own problem below
         if generating is not None and generating > self.gpu_gib and not no_share:
             out.append(
                 f"while the engines generate, a GPU holds the trainer's resident state and an engine's share: about "
@@ -256,7 +261,7 @@ class MemoryEstimate:
                 )
         if (e := self.engine) is not None:
             held = e.kv_tokens / e.step_tokens if e.step_tokens else 0.0
-            if e.share <= 0:
+            if e.no_share:
                 out.append("engine, per GPU: no free memory beside the trainer's resident state: no share")
             else:
                 out.append(
