@@ -120,7 +120,7 @@ def profiled() -> Iterator[ProfiledBlock]:
     prof = profile(activities=activities)
     with warnings.catch_warnings():  # "clears events at the end of each cycle": there is one cycle
         warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
-        prof.start()
+        prof.__enter__()  # entered and left by hand: the warning filter must not cover the profiled block
     try:
         start = time.perf_counter()
         yield block
@@ -128,7 +128,7 @@ def profiled() -> Iterator[ProfiledBlock]:
             torch.cuda.synchronize()
         block.wall_s = time.perf_counter() - start
     finally:
-        prof.__exit__(None, None, None)  # stops it (0.7 s for 255K CPU events; reading them is `summary()`'s)
+        prof.__exit__(None, None, None)  # 0.7 s for 255K CPU events; reading them is `summary()`'s
     block.prof = prof
 
 
