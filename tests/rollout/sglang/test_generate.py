@@ -229,12 +229,12 @@ def test_ids_that_disagree_with_the_grids_never_leave(tmp_path):
     frames = _with_video(make_prompt([1]), frames=2)
     frames.video_grid_thw = torch.tensor([[3, 4, 4]])  # three frame groups for two blocks
     cases = {
-        "prompt 3: its image blocks in prompt_ids hold \[4, 3\] tokens": short,
-        "image_grid_thw \[\[1, 4, 8\]\] asks for \[8\]": wide,
+        r"prompt 3: its image blocks in prompt_ids hold \[4, 3\] tokens": short,
+        r"image_grid_thw \[\[1, 4, 8\]\] asks for \[8\]": wide,
         "no pixel_values": no_pixels,
-        "pixel_values has shape \(15, 1536\)": rows,
-        "image blocks in prompt_ids hold \[1\] tokens, but image_grid_thw \[\] asks for \[\]": orphan,
-        "video blocks in prompt_ids hold \[4, 4\] tokens, but video_grid_thw \[\[3, 4, 4\]\]": frames,
+        r"pixel_values has shape \(15, 1536\)": rows,
+        r"image blocks in prompt_ids hold \[1\] tokens, but image_grid_thw \[\] asks for \[\]": orphan,
+        r"video blocks in prompt_ids hold \[4, 4\] tokens, but video_grid_thw \[\[3, 4, 4\]\]": frames,
     }
     for message, prompt in cases.items():
         with pytest.raises(ValueError, match=message):
