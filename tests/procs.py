@@ -1,5 +1,12 @@
-"""Whether a process is gone, for tests that kill one and wait: a zombie (exited, not yet reaped by its parent or
-init) counts as gone, which `os.kill(pid, 0)` does not see."""
+"""Killing for tests that kill and wait: whether a process is gone, and a Ray actor killed and seen dead.
+
+A zombie (exited, not yet reaped by its parent or init) counts as gone, which `os.kill(pid, 0)` does not see.
+`ray.kill` returns before the actor is gone: a call made at once can still be answered (the suite once counted a
+killed engine's 7), so a test that kills an actor to see what the code does next waits until a call fails."""
+
+import time
+
+import ray
 
 
 def process_gone(pid: int) -> bool:
@@ -8,3 +15,16 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # the state follows the parenthesized command name
     except FileNotFoundError:
         return True
+
+
+def kill_actor(actor, timeout_s: float = 60) -> None:
+    """`ray.kill(actor, no_restart=True)`, then return once a call to it fails with its death."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_call__.remote(lambda _: None), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answers after {timeout_s:.0f} s")

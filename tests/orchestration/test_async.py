@@ -33,6 +33,7 @@ from miles_vl.orchestration.factories import build_torch
 from miles_vl.orchestration.loop import JobInterrupted, check_start
 from miles_vl.orchestration.trainer import Trainer
 from tests.orchestration.jobs import PIXELS, metrics, tiny_job
+from tests.procs import kill_actor
 
 K = 2  # max_staleness of the runs here
 STEPS = 6
@@ -238,7 +239,7 @@ def test_an_engine_killed_during_a_generation_ahead_is_replaced_and_nothing_is_l
         if threading.current_thread().name.startswith("rollouts-ahead"):
             seen[0] += 1
             if seen[0] == 3:
-                ray.kill(engines.engines[0], no_restart=True)
+                kill_actor(engines.engines[0])
         return original(engines, prompts, params)
 
     monkeypatch.setattr(RolloutEngines, "generate", kill_then_generate)

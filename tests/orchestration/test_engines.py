@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from miles_vl.orchestration.factories import EngineKind, EngineSlot
 from miles_vl.rollout import EngineDiedError
 from miles_vl.rollout.sglang.engine import EngineStateError
 from tests.orchestration.jobs import tiny_job
+from tests.procs import kill_actor
 
 
 class PausingEngine:
@@ -74,25 +74,11 @@ def engines(tmp_path: Path, *answers: int | BaseException) -> RolloutEngines:
     return RolloutEngines(cfg, None, EngineKind(launch=launch), no_weight_sync, tmp_path)
 
 
-def kill_and_wait(actor) -> None:
-    """ray.kill returns before the actor is gone: a call made at once can still be answered (the suite once saw the
-    killed engine's 7 counted). Wait until a call fails with the actor's death."""
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.server_restarts.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the killed actor still answers after 60 s")
-
-
 def test_a_dead_engine_counts_as_paused_and_the_others_are_paused_as_usual(tmp_path, caplog):
     """Engine 1's actor is dead and engine 3's server is gone (`EngineDiedError`): the pause returns the other two
     engines' counts (2 + 3), logs each dead one by index, and the continue reaches the live ones."""
     group = engines(tmp_path, 2, 7, 3, EngineDiedError("server exited with code 1"))
-    kill_and_wait(group.engines[1])
+    kill_actor(group.engines[1])
     with caplog.at_level(logging.WARNING, logger="miles_vl.orchestration.engines"):
         assert group.pause_generation() == 2 + 3
         group.continue_generation()

@@ -48,6 +48,7 @@ from tests.orchestration.jobs import (
     tiny_job,
     wait_for,
 )
+from tests.procs import kill_actor
 
 STEPS = 5
 # saves at 2, 4 and the final 5, nothing pruned; one reward worker (the test rewards are instant)
@@ -349,7 +350,7 @@ def test_an_engine_killed_in_any_phase_is_replaced_and_nothing_is_lost(tmp_path,
             calls[method] = calls.get(method, 0) + 1
             if calls[method] == kills[method]:
                 engines = self if isinstance(self, RolloutEngines) else job_engines[0]
-                ray.kill(engines.engines[0], no_restart=True)
+                kill_actor(engines.engines[0])
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, method, wrapper)

@@ -35,6 +35,7 @@ from miles_vl.orchestration.trainer import Trainer
 from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration.jobs import metrics, stand_ins, write_checkpoint
 from tests.orchestration.test_sglang_loop import config
+from tests.procs import kill_actor
 
 SAMPLES = 4  # rollout.batch_size=2 x n_samples_per_prompt=2 (the tiny job)
 
@@ -172,7 +173,7 @@ WAIT_S = 120  # a test's own wait for the other thread: far above what it takes,
 def kill_engine(engine) -> None:
     """End engine `engine`'s actor, then its server (its process group outlives the actor: nobody would stop it)."""
     pid = ray.get(engine.__ray_call__.remote(lambda host: host.server.pid))
-    ray.kill(engine, no_restart=True)
+    kill_actor(engine)
     with suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
 
