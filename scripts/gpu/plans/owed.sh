@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU runs that issues 33 and 34 still owe, one device call each, on one 4-GPU machine (nvidia-h100-x4 or
+# nvidia-h200-x4). Written down here so that a session with device time runs them as planned, and each run's
+# commands.txt can name the call it came from (`owed.sh p1` at commit C).
+#
+# usage, in the repository root on the GPU machine:   bash scripts/gpu/plans/owed.sh [--dry-run] CALL
+#   --dry-run  print each run's GPUs, end second and loop_run.sh arguments, one line each, and run nothing (the
+#              CPU suite validates every run's overrides and GPU count this way: tests/test_gpu_plans.py)
+#   CALL   p1  #34: the 2B job disaggregated, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 6 steps each
+#          p2  #33: one profiled train phase of the 2B job (GPU 0), bench_export in bf16 (GPU 1);
+#              #34: the tiny job at staleness 1 with partial rollouts and long responses, so that a sync finds
+#              generations in flight and continues them (GPUs 2,3)
+#          p3  #32's question: the 8B job with TP=1 engines (its step-1 diff was 0.0359 with TP=2 engines)
+#          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM)
+#
+# Before the first call, the stack is staged as docs/install-gpu.md says: 10 calls `bash scripts/gpu/stack.sh
+# --stage` carrying .bundle_stack/part1..10, back to back (the machine keeps files only while warm, 30 s after a
+# call), then the first call of this plan carrying .bundle_stack/part11: it installs the stack, then drops the
+# carried bundle so that the runs' own stack.sh calls stage nothing. Later calls on the same warm machine carry
+# nothing. Every call stays inside the device tool's 600 s: BUDGET_S counts from the call's start (bash's SECONDS).
+# Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and $OUT/NAME.out (its own lines): commit them under
+# docs/gpu-runs/<date>-<name>-<machine>/ as docs/gpu-runs/README.md says.
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+dry=0
+[ "${1:-}" = "--dry-run" ] && { dry=1; shift; }
+O=${OUT:-/tmp/owed_out}
+S=scripts/gpu/stack.sh
+ts() { echo "[owed $(date +%T) +${SECONDS}s] $*"; }
+
+install_once() {  # the call that carries the last part installs; the later ones find the stack installed
+  [ "$dry" = 1 ] && return 0
+  if [ -d .bundle_stack ]; then
+    bash $S true > "$O/install.out" 2>&1 || { ts "stack install failed: $(tail -3 "$O/install.out")"; exit 1; }
+    rm -rf .bundle_stack
+  fi
+  ts "stack ready"
+}
+
+checkpoint() {  # SHAPE: written once per machine, before runs of one shape start side by side (loop_run.sh's own
+  # write would race between them)
+  local shape=$1 dir=/tmp/ckpt_loop_$1 lo hi
+  [ "$dry" = 1 ] && return 0
+  [ -f "$dir/.complete" ] && return 0
+  read -r lo hi < <(bash $S python3 scripts/gpu/loop_job.py --pixels "$shape" 2> /dev/null | tail -1)
+  bash $S python3 scripts/gpu/make_tiny_qwen3vl.py "$dir" --shape "$shape" --min-pixels "$lo" --max-pixels "$hi" \
+    >> "$O/checkpoints.log" 2>&1 && touch "$dir/.complete"
+  ts "checkpoint $shape: $([ -f "$dir/.complete" ] && echo written || echo FAILED)"
+}
+
+loop() {  # GPUS END_S SHAPE NAME STEPS [override ...]: loop_run.sh on GPUS, stopped by second END_S of this call
+  local gpus=$1 end_s=$2 name=$4
+  [ "$dry" = 1 ] && { echo "$*"; return 0; }
+  shift 2
+  CUDA_VISIBLE_DEVICES=$gpus OUT=$O BUDGET_S=$(( end_s - SECONDS )) bash $S bash scripts/gpu/loop_run.sh "$@" \
+    > "$O/$name.out" 2>&1
+}
+
+call=${1:?usage: owed.sh p1 | p2 | p3 | p4}
+case $call in p1 | p2 | p3 | p4) ;; *) echo "owed.sh: unknown call $call (p1 | p2 | p3 | p4)" >&2; exit 2 ;; esac
+install_once
+[ "$dry" = 1 ] || mkdir -p "$O"
+case $call in
+  p1)
+    checkpoint 2b
+    DIS=(ray.placement=disaggregate train.num_gpus=1)
+    loop 0,1 585 2b async-2b-sync 6 "${DIS[@]}" algo.tis.enabled=true &
+    loop 2,3 585 2b async-2b-s1 6 "${DIS[@]}" rollout.max_staleness=1 &
+    wait ;;
+  p2)
+    checkpoint 2b
+    loop 0 560 2b prof-2b 4 'train.profile_steps=[3]' &
+    [ "$dry" = 1 ] || ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 540 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
+        --device cuda --hf-dir /tmp/ckpt_loop_2b --repeats 5 > "$O/bench_export.log" 2>&1 ) &
+    loop 2,3 560 tiny async-tiny-partial 12 ray.placement=disaggregate train.num_gpus=1 rollout.max_staleness=1 \
+      rollout.partial_rollouts=true rollout.max_response_len=256 &
+    wait ;;
+  p3)
+    loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
+  p4)
+    loop 0 590 8b_1gpu 8b-1gpu 4 ;;
+esac
+[ "$dry" = 1 ] && exit 0
+ts "done"
+for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
+[ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
+exit 0
