@@ -12,6 +12,9 @@
 #              generations in flight and continues them (GPUs 2,3)
 #          p3  #32's question: the 8B job with TP=1 engines (its step-1 diff was 0.0359 with TP=2 engines)
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM)
+#          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
+#          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
+# The order is the issues' priority; a session's 30 device minutes hold the staging and about three calls.
 #
 # Before the first call, the stack is staged as docs/install-gpu.md says: 10 calls `bash scripts/gpu/stack.sh
 # --stage` carrying .bundle_stack/part1..10, back to back (the machine keeps files only while warm, 30 s after a
@@ -57,29 +60,36 @@ loop() {  # GPUS END_S SHAPE NAME STEPS [override ...]: loop_run.sh on GPUS, sto
     > "$O/$name.out" 2>&1
 }
 
-call=${1:?usage: owed.sh p1 | p2 | p3 | p4}
-case $call in p1 | p2 | p3 | p4) ;; *) echo "owed.sh: unknown call $call (p1 | p2 | p3 | p4)" >&2; exit 2 ;; esac
+calls="p1 | p2 | p3 | p4 | p5 | p6"
+call=${1:?usage: owed.sh [--dry-run] $calls}
+case $call in p[1-6]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 install_once
 [ "$dry" = 1 ] || mkdir -p "$O"
+DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
 case $call in
-  p1)
+  p1 | p6)
     checkpoint 2b
-    DIS=(ray.placement=disaggregate train.num_gpus=1)
-    loop 0,1 585 2b async-2b-sync 6 "${DIS[@]}" algo.tis.enabled=true &
-    loop 2,3 585 2b async-2b-s1 6 "${DIS[@]}" rollout.max_staleness=1 &
+    [ "$call" = p1 ] && ahead=1 || ahead=2
+    loop 0,1 585 2b "async-2b-sync-$call" 6 "${DIS[@]}" algo.tis.enabled=true &
+    loop 2,3 585 2b "async-2b-s$ahead" 6 "${DIS[@]}" rollout.max_staleness=$ahead &
     wait ;;
   p2)
     checkpoint 2b
     loop 0 560 2b prof-2b 4 'train.profile_steps=[3]' &
     [ "$dry" = 1 ] || ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 540 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
         --device cuda --hf-dir /tmp/ckpt_loop_2b --repeats 5 > "$O/bench_export.log" 2>&1 ) &
-    loop 2,3 560 tiny async-tiny-partial 12 ray.placement=disaggregate train.num_gpus=1 rollout.max_staleness=1 \
-      rollout.partial_rollouts=true rollout.max_response_len=256 &
+    loop 2,3 560 tiny async-tiny-partial 12 "${DIS[@]}" rollout.max_staleness=1 rollout.partial_rollouts=true \
+      rollout.max_response_len=256 &
     wait ;;
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
   p4)
     loop 0 590 8b_1gpu 8b-1gpu 4 ;;
+  p5)
+    checkpoint tiny
+    loop 0,1 560 tiny async-tiny-sync 20 "${DIS[@]}" algo.tis.enabled=true &
+    loop 2,3 560 tiny async-tiny-s1 20 "${DIS[@]}" rollout.max_staleness=1 &
+    wait ;;
 esac
 [ "$dry" = 1 ] && exit 0
 ts "done"
