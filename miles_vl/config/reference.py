@@ -35,6 +35,7 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 - `train.backend: megatron` needs `train.num_gpus > 0` and `model.init: pretrained` (AutoBridge loads `model.path`).
 - `train.optimizer.cpu_offload > 0` needs `train.backend: megatron` (megatron's optimizer offload).
 - `train.profile_steps` lie in `1..num_steps` (a step past the run's last would never be profiled).
+- `checkpoint.save_hf.steps` lie in `1..num_steps` (a step past the run's last would never be written).
 - `ray.placement: colocate` with GPUs: `rollout.num_engines * rollout.gpus_per_engine <= train.num_gpus`.
 - `train.sp` needs `train.tp > 1`, and refuses `train.logits_only_where_loss`.
 - `train.num_gpus` must be divisible by `tp * pp * cp`; `train.global_batch_size` by the data-parallel size,

@@ -15,15 +15,42 @@ Every float must be finite (`inf`/`nan` are refused everywhere). A field made wi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 REDACTED = "<redacted>"
 # rollout.sglang.prompts_per_request with miles_vl's SGLang plugin: a GRPO rollout batch of up to 16 prompts goes as one
 # request; larger rollouts go as several, in flight together, so the first ones decode while the tokenizer works on
 # the next.
 PLUGIN_PROMPTS_PER_REQUEST = 16
+
+
+def _one_step_or_a_list(steps: Any) -> Any:
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        steps = [steps]  # train.profile_steps=3 on the command line: the one step
+    if isinstance(steps, list) and any(isinstance(s, bool) for s in steps):
+        raise ValueError(f"step numbers, e.g. [3], found {steps}")
+    return steps
+
+
+def _from_step_1(steps: list[int]) -> list[int]:
+    if any(s < 1 for s in steps):  # after pydantic made each an int: '0' and -1.0 are checked too
+        raise ValueError(f"step numbers (>= 1, as in metrics.jsonl), found {steps}")
+    return steps
+
+
+# steps of a run by number: one number or a list of them, each >= 1 (booleans refused: [true] is not step 1)
+StepNumbers = Annotated[list[int], BeforeValidator(_one_step_or_a_list), AfterValidator(_from_step_1)]
 
 
 class _Section(BaseModel):
@@ -489,7 +516,7 @@ class TrainConfig(_Section):
         "(the n samples of a prompt share its images), and read its output at every use: the same embeddings, the "
         "tower's gradient summed over the uses.",
     )
-    profile_steps: list[int] = Field(
+    profile_steps: StepNumbers = Field(
         default_factory=list,
         description="steps (1-based; a list, or one number) whose train phase runs under torch.profiler on every "
         "train rank; the summary "
@@ -507,22 +534,6 @@ class TrainConfig(_Section):
         "limit. No effect at CP=1.",
     )
     seed: int = 1234
-
-    @field_validator("profile_steps", mode="before")
-    @classmethod
-    def _profile_steps_as_given(cls, steps: Any) -> Any:
-        if isinstance(steps, int) and not isinstance(steps, bool):
-            steps = [steps]  # train.profile_steps=3 on the command line: the one step
-        if isinstance(steps, list) and any(isinstance(s, bool) for s in steps):
-            raise ValueError(f"profile_steps are step numbers, e.g. [3], found {steps}")
-        return steps
-
-    @field_validator("profile_steps")
-    @classmethod
-    def _profile_step_numbers(cls, steps: list[int]) -> list[int]:
-        if any(s < 1 for s in steps):
-            raise ValueError(f"profile_steps are step numbers (>= 1, as in metrics.jsonl), found {steps}")
-        return steps
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -719,19 +730,14 @@ class SaveHFConfig(_Section):
     processor and chat template): what transformers' `from_pretrained` and SGLang load. `miles-vl export` writes one
     from any checkpoint afterwards."""
 
-    steps: list[int] = Field(default_factory=list, description="write one after each of these steps.")
+    steps: StepNumbers = Field(
+        default_factory=list, description="write one after each of these steps (a list, or one number)."
+    )
     interval: int = Field(0, ge=0, description="write one every N steps; 0 = not by interval.")
     final: bool = Field(False, description="write one after the last step.")
     max_shard_bytes: int = Field(
         5_000_000_000, gt=0, description="safetensors above this size are sharded with an index (5 GB)."
     )
-
-    @field_validator("steps")
-    @classmethod
-    def _positive_steps(cls, steps: list[int]) -> list[int]:
-        if any(s < 1 for s in steps):
-            raise ValueError(f"steps are completed step numbers (>= 1), found {steps}")
-        return steps
 
 
 class CheckpointConfig(_Section):
@@ -871,6 +877,12 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"train.profile_steps {past} are past the run's last step (num_steps={cfg.num_steps}): they would never "
             "be profiled; pick steps in 1..num_steps"
+        )
+    if past := [s for s in cfg.checkpoint.save_hf.steps if s > cfg.num_steps]:
+        errors.append(
+            f"checkpoint.save_hf.steps {past} are past the run's last step (num_steps={cfg.num_steps}): no Hugging "
+            "Face directory would be written for them; pick steps in 1..num_steps (or checkpoint.save_hf.final=true "
+            "for the last)"
         )
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")

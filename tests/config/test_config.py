@@ -378,6 +378,11 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "`train.profile_steps` lie in `1..num_steps`",
         ),
         (
+            ["checkpoint.save_hf.steps=[4,5]", "num_steps=4"],
+            "checkpoint.save_hf.steps [5] are past the run's last step (num_steps=4)",
+            "`checkpoint.save_hf.steps` lie in `1..num_steps`",
+        ),
+        (
             ["data.train_path=rows.parquet"],
             "data.train_path='rows.parquet' and data.synthetic_n=8 are both set",
             "`data.train_path` or `data.synthetic_n > 0`, not both",
@@ -391,19 +396,29 @@ def test_cross_field_rules_are_enforced_and_documented(tmp_path, overrides, erro
     assert documented in DOC
 
 
-def test_profile_steps_take_one_step_number_or_a_list_of_them_and_no_booleans(tmp_path):
-    """A new user wrote train.profile_steps=2 ('Input should be a valid list') and [true] (taken as step 1)."""
+@pytest.mark.parametrize("key", ["train.profile_steps", "checkpoint.save_hf.steps"])
+def test_step_numbers_are_one_number_or_a_list_of_them_and_no_booleans(tmp_path, key):
+    """A new user wrote train.profile_steps=2 ('Input should be a valid list') and [true] (taken as step 1); the
+    steps of a Hugging Face export are read the same way."""
     path = write(tmp_path, MINIMAL)
-    assert load_config(path, ["num_steps=4", "train.profile_steps=2"]).train.profile_steps == [2]
-    assert load_config(path, ["num_steps=4", "train.profile_steps=[1,3]"]).train.profile_steps == [1, 3]
+    section, field = key.rsplit(".", 1)
+
+    def steps(override: str) -> list[int]:
+        node = load_config(path, ["num_steps=4", override])
+        for part in section.split("."):
+            node = getattr(node, part)
+        return getattr(node, field)
+
+    assert steps(f"{key}=2") == [2]
+    assert steps(f"{key}=[1,3]") == [1, 3]
     for bad, says in [
         ("[true]", "step numbers, e.g. [3], found [True]"),
         ("[0]", "(>= 1, as in metrics.jsonl)"),
         ("[-1.0]", "(>= 1, as in metrics.jsonl)"),  # converted to an int first: still checked
         ("['0']", "(>= 1, as in metrics.jsonl)"),
     ]:
-        (msg,) = problems(path, [f"train.profile_steps={bad}"])
-        assert says in msg, msg
+        (msg,) = problems(path, [f"{key}={bad}"])
+        assert key in msg and says in msg, msg
 
 
 def test_run_name_default_is_the_config_stem_and_timestamped_only_for_fresh_starts(tmp_path):
