@@ -890,13 +890,13 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append("train.logits_only_where_loss=true is not supported with train.sp=true; set one of them to false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:
         errors.append(
-            f"train.num_gpus={t.num_gpus} is not divisible by tp*pp*cp={cfg.model_parallel_size}; "
-            "change the GPU count or the parallel sizes"
+            f"train.num_gpus={t.num_gpus} is not divisible by train.tp * train.pp * train.cp = "
+            f"{t.tp} * {t.pp} * {t.cp} = {cfg.model_parallel_size}; change the GPU count or the parallel sizes"
         )
     elif cfg.effective_global_batch_size % cfg.dp_size:
         errors.append(
             f"train.global_batch_size={cfg.effective_global_batch_size} is not divisible by the data-parallel size "
-            f"{cfg.dp_size} (num_gpus / (tp*pp*cp)); pick a multiple of {cfg.dp_size}"
+            f"{cfg.dp_size} (train.num_gpus / (train.tp * train.pp * train.cp)); pick a multiple of {cfg.dp_size}"
         )
     if cfg.samples_per_step % cfg.effective_global_batch_size:
         errors.append(

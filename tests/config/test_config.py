@@ -141,7 +141,9 @@ def test_share_copy_pixels_names_its_successor_and_the_launchers_defaults_are_re
 
 def test_gpus_not_divisible_by_model_parallel(tmp_path):
     found = problems(write(tmp_path, MINIMAL), ["train.backend=megatron", "train.num_gpus=6", "train.tp=4"])
-    assert any("train.num_gpus=6 is not divisible by tp*pp*cp=4" in p for p in found), found
+    (msg,) = [p for p in found if "train.num_gpus=6 is not divisible" in p]
+    assert "by train.tp * train.pp * train.cp = 4 * 1 * 1 = 4;" in msg, msg
+    assert "(train.num_gpus, train.tp from the command line; the others in" in msg, msg  # full key names: attributed
 
 
 def test_global_batch_not_divisible_by_dp(tmp_path):
