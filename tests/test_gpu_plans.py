@@ -64,3 +64,62 @@ def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
 def test_an_unknown_call_is_refused_before_anything_runs():
     result = subprocess.run(["bash", str(OWED), "p9"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2 and "unknown call p9 (p1 | p2 | p3 | p4 | p5 | p6)" in result.stderr
+
+
+def test_run_names_are_distinct_across_calls():
+    """A name run again on the same warm machine resumes the earlier run (loop_run.sh): no two calls share one."""
+    names = [run[3] for call in CALLS for run in planned_runs(call)]
+    assert len(set(names)) == len(names), names
+
+
+STACK_STAND_IN = """#!/usr/bin/env bash
+# scripts/gpu/stack.sh's stand-in: records each command (its GPUs and budget), answers it
+echo "$(date +%s.%N) start ${CUDA_VISIBLE_DEVICES:--} ${BUDGET_S:--} $*" >> "$LOG"
+case "$*" in
+  "python3 scripts/gpu/loop_job.py --pixels "*) echo "1 2" ;;
+  "python3 scripts/gpu/make_tiny_qwen3vl.py "*) [ -n "${CKPT_FAILS:-}" ] && exit 4; mkdir -p "$3" ;;
+  "bash scripts/gpu/loop_run.sh "*) sleep 1; [ "$4" = "${RUN_FAILS:-}" ] && exit 3 ;;
+  *) echo "unexpected: $*" >&2; exit 9 ;;
+esac
+echo "$(date +%s.%N) end $*" >> "$LOG"
+"""
+
+
+def run_plan(tmp_path: Path, call: str, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    stand_in = tmp_path / "stack.sh"
+    stand_in.write_text(STACK_STAND_IN)
+    log = tmp_path / "log"
+    log.unlink(missing_ok=True)
+    environ = {
+        "PATH": "/usr/bin:/bin",
+        "OWED_STACK": str(stand_in),
+        "CKPTS": str(tmp_path / "ckpts"),
+        "OUT": str(tmp_path / "out"),
+        "LOG": str(log),
+        **env,
+    }
+    result = subprocess.run(["bash", str(OWED), call], env=environ, capture_output=True, text=True, timeout=60)
+    return result, [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_call_writes_the_checkpoint_once_then_runs_side_by_side_and_fails_when_one_run_fails(tmp_path):
+    result, log = run_plan(tmp_path, "p1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = [row for row in log if row[1] == "start" and row[5] == "scripts/gpu/loop_run.sh"]
+    assert sorted((row[2], row[7]) for row in runs) == [("0,1", "async-2b-sync-p1"), ("2,3", "async-2b-s1")]
+    assert all(570 <= int(row[3]) <= 585 for row in runs)  # the call's second 585, less what has passed
+    ends = [float(row[0]) for row in log if row[1] == "end" and "scripts/gpu/loop_run.sh" in row]
+    assert max(float(row[0]) for row in runs) < min(ends)  # both started before either ended: side by side
+    ckpt_end = max(float(row[0]) for row in log if row[1] == "end" and "scripts/gpu/make_tiny_qwen3vl.py" in row)
+    assert ckpt_end < min(float(row[0]) for row in runs)
+    assert (tmp_path / "ckpts" / "ckpt_loop_2b" / ".complete").is_file()
+
+    again, log = run_plan(tmp_path, "p1", RUN_FAILS="async-2b-s1")
+    assert not [row for row in log if "make_tiny_qwen3vl.py" in " ".join(row)]  # written once per machine
+    assert again.returncode == 1 and "done (exit 1)" in again.stdout
+
+
+def test_a_checkpoint_that_fails_starts_no_run(tmp_path):
+    result, log = run_plan(tmp_path, "p5", CKPT_FAILS="1")
+    assert result.returncode == 1 and "checkpoint tiny FAILED" in result.stdout
+    assert not [row for row in log if "loop_run.sh" in " ".join(row)]

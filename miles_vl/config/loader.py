@@ -73,6 +73,23 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     return validate(raw, source=str(path), override_keys=_override_keys(overrides))
 
 
+def load_run_config(path: str | Path) -> JobConfig:
+    """A finished or stopped run's own `config.yaml`, for reading it (`miles-vl export`): every key checked as in
+    `load_config`, the rules over several keys not, since the run started under them, or under an earlier release's
+    (a rule added since, such as checkpoint.save_hf.steps <= num_steps, must not lock its checkpoints away).
+
+    Raises:
+        ConfigError: missing or malformed file, unknown key, wrong type.
+    """
+    raw = load_raw(path)
+    try:
+        return JobConfig.model_validate(raw, context={"skip_cross_checks": True})
+    except ValidationError as e:
+        raise ConfigError(
+            [line for err in e.errors() for line in _describe(err, str(path), set()).splitlines()], str(path)
+        ) from None
+
+
 def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The merged, resolved config as plain containers, before validation."""
     path = Path(path)

@@ -48,7 +48,7 @@ from typing import Any
 import yaml
 
 import miles_vl
-from miles_vl.config import JobConfig, load_config
+from miles_vl.config import JobConfig, load_run_config
 from miles_vl.data import load_processor, processor_metadata, video_settings
 from miles_vl.metrics import METRICS_FILE
 from miles_vl.models.hub import cached_model_dir
@@ -362,7 +362,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None) -> tuple[JobConfig, P
         )
         where = f"; runs in {run_dir.parent}: {', '.join(near)}" if near else ""
         raise ExportError(f"{run_dir} is not a run directory (no config.yaml){where}")
-    cfg = load_config(config_file)
+    cfg = load_run_config(config_file)
     root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     found = list_checkpoints(root)
     if not found:

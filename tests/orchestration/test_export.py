@@ -22,15 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from miles_vl import cli
-from miles_vl.config import load_config
+from miles_vl.config import ConfigError, load_config
 from miles_vl.data import load_processor
 from miles_vl.models.qwen3_vl.tokens import special_tokens
 from miles_vl.orchestration import export, run_job
 from miles_vl.orchestration.checkpoint import list_checkpoints
-from miles_vl.orchestration.export import EXPORT_MARKER, ExportError, export_run, save_hf_due
+from miles_vl.orchestration.export import EXPORT_MARKER, ExportError, export_run, find_checkpoint, save_hf_due
 from miles_vl.orchestration.factories import build_torch
 from tests.disks import with_tmpfs
 from tests.orchestration.jobs import tiny_job
@@ -185,6 +186,24 @@ def runs(run, tmp_path) -> Path:
     shutil.copytree(run / "hf" / "step_00000001", held)  # an export: it holds the marker
     shutil.copytree(run, held / "deep" / "r3", ignore=shutil.ignore_patterns("hf"))
     return tmp_path / "runs"
+
+
+def test_a_run_saved_under_an_earlier_rule_set_is_still_found_but_a_bad_key_is_named(runs):
+    """A rule over several keys added since a run started (here: checkpoint.save_hf.steps past num_steps, refused
+    since 2026-11-27) does not lock its checkpoints away: `export` reads the run's config.yaml key by key only. A key
+    that is not valid on its own is still refused, by name."""
+    config = runs / "r" / "config.yaml"
+    saved = yaml.safe_load(config.read_text())
+    saved["checkpoint"]["save_hf"]["steps"] = [1, 9]  # num_steps=2
+    config.write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match=r"checkpoint.save_hf.steps \[9\] are past"):
+        load_config(config)
+    cfg, path = find_checkpoint(runs / "r", None)
+    assert cfg.checkpoint.save_hf.steps == [1, 9] and path.name == "step_00000002"
+    saved["train"]["lr_typo"] = 1
+    config.write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="unknown key 'train.lr_typo'"):
+        find_checkpoint(runs / "r", None)
 
 
 @pytest.mark.parametrize(

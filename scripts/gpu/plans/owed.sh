@@ -22,14 +22,16 @@
 # carried bundle so that the runs' own stack.sh calls stage nothing. Later calls on the same warm machine carry
 # nothing. Every call stays inside the device tool's 600 s: BUDGET_S counts from the call's start (bash's SECONDS).
 # Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and $OUT/NAME.out (its own lines): commit them under
-# docs/gpu-runs/<date>-<name>-<machine>/ as docs/gpu-runs/README.md says.
+# docs/gpu-runs/<date>-<name>-<machine>/ as docs/gpu-runs/README.md says. The runs of a call go side by side; the
+# call exits 1 when one of them failed (or the checkpoint they share could not be written: then none starts).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 dry=0
 [ "${1:-}" = "--dry-run" ] && { dry=1; shift; }
 O=${OUT:-/tmp/owed_out}
-S=scripts/gpu/stack.sh
+S=${OWED_STACK:-scripts/gpu/stack.sh}  # OWED_STACK, CKPTS: for the tests (tests/test_gpu_plans.py)
+ckpts=${CKPTS:-/tmp}  # where loop_run.sh finds its checkpoints (its CKPTS)
 ts() { echo "[owed $(date +%T) +${SECONDS}s] $*"; }
 
 install_once() {  # the call that carries the last part installs; the later ones find the stack installed
@@ -43,25 +45,40 @@ install_once() {  # the call that carries the last part installs; the later ones
 
 checkpoint() {  # SHAPE: written once per machine, before runs of one shape start side by side (loop_run.sh's own
   # write would race between them)
-  local shape=$1 dir=/tmp/ckpt_loop_$1 lo hi
+  local shape=$1 dir=$ckpts/ckpt_loop_$1 lo hi
   [ "$dry" = 1 ] && return 0
   [ -f "$dir/.complete" ] && return 0
   read -r lo hi < <(bash $S python3 scripts/gpu/loop_job.py --pixels "$shape" 2> /dev/null | tail -1)
   bash $S python3 scripts/gpu/make_tiny_qwen3vl.py "$dir" --shape "$shape" --min-pixels "$lo" --max-pixels "$hi" \
     >> "$O/checkpoints.log" 2>&1 && touch "$dir/.complete"
-  ts "checkpoint $shape: $([ -f "$dir/.complete" ] && echo written || echo FAILED)"
+  [ -f "$dir/.complete" ] || { ts "checkpoint $shape FAILED: $(tail -3 "$O/checkpoints.log")"; exit 1; }
+  ts "checkpoint $shape written"
 }
 
-loop() {  # GPUS END_S SHAPE NAME STEPS [override ...]: loop_run.sh on GPUS, stopped by second END_S of this call
+pids=()
+loop() {  # GPUS END_S SHAPE NAME STEPS [override ...]: loop_run.sh on GPUS, stopped by second END_S of this call,
+  # in the background (the call waits for all of them: finish)
   local gpus=$1 end_s=$2 name=$4
   [ "$dry" = 1 ] && { echo "$*"; return 0; }
   shift 2
   CUDA_VISIBLE_DEVICES=$gpus OUT=$O BUDGET_S=$(( end_s - SECONDS )) bash $S bash scripts/gpu/loop_run.sh "$@" \
-    > "$O/$name.out" 2>&1
+    > "$O/$name.out" 2>&1 &
+  pids+=($!)
+}
+
+finish() {  # wait for every run; the call fails when one did, and says which
+  local rc=0 pid
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  [ "$dry" = 1 ] && exit 0
+  ts "done (exit $rc)"
+  for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
+  [ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
+  exit "$rc"
 }
 
 calls="p1 | p2 | p3 | p4 | p5 | p6"
-call=${1:?usage: owed.sh [--dry-run] $calls}
+[ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
+call=$1
 case $call in p[1-6]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 install_once
 [ "$dry" = 1 ] || mkdir -p "$O"
@@ -70,29 +87,28 @@ case $call in
   p1 | p6)
     checkpoint 2b
     [ "$call" = p1 ] && ahead=1 || ahead=2
-    loop 0,1 585 2b "async-2b-sync-$call" 6 "${DIS[@]}" algo.tis.enabled=true &
-    loop 2,3 585 2b "async-2b-s$ahead" 6 "${DIS[@]}" rollout.max_staleness=$ahead &
-    wait ;;
+    loop 0,1 585 2b "async-2b-sync-$call" 6 "${DIS[@]}" algo.tis.enabled=true
+    loop 2,3 585 2b "async-2b-s$ahead" 6 "${DIS[@]}" rollout.max_staleness=$ahead
+    ;;
   p2)
     checkpoint 2b
-    loop 0 560 2b prof-2b 4 'train.profile_steps=[3]' &
-    [ "$dry" = 1 ] || ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 540 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
-        --device cuda --hf-dir /tmp/ckpt_loop_2b --repeats 5 > "$O/bench_export.log" 2>&1 ) &
+    loop 0 560 2b prof-2b 4 'train.profile_steps=[3]'
+    if [ "$dry" = 0 ]; then  # #33: where the export's time goes, on the 2B checkpoint, bf16 as the train ranks
+      CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 540 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
+        --device cuda --hf-dir "$ckpts/ckpt_loop_2b" --repeats 5 > "$O/bench_export.log" 2>&1 &
+      pids+=($!)
+    fi
     loop 2,3 560 tiny async-tiny-partial 12 "${DIS[@]}" rollout.max_staleness=1 rollout.partial_rollouts=true \
-      rollout.max_response_len=256 &
-    wait ;;
+      rollout.max_response_len=256
+    ;;
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
   p4)
     loop 0 590 8b_1gpu 8b-1gpu 4 ;;
   p5)
     checkpoint tiny
-    loop 0,1 560 tiny async-tiny-sync 20 "${DIS[@]}" algo.tis.enabled=true &
-    loop 2,3 560 tiny async-tiny-s1 20 "${DIS[@]}" rollout.max_staleness=1 &
-    wait ;;
+    loop 0,1 560 tiny async-tiny-sync 20 "${DIS[@]}" algo.tis.enabled=true
+    loop 2,3 560 tiny async-tiny-s1 20 "${DIS[@]}" rollout.max_staleness=1
+    ;;
 esac
-[ "$dry" = 1 ] && exit 0
-ts "done"
-for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
-[ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
-exit 0
+finish
