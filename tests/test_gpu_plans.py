@@ -123,3 +123,67 @@ def test_a_checkpoint_that_fails_starts_no_run(tmp_path):
     result, log = run_plan(tmp_path, "p5", CKPT_FAILS="1")
     assert result.returncode == 1 and "checkpoint tiny FAILED" in result.stdout
     assert not [row for row in log if "loop_run.sh" in " ".join(row)]
+
+
+def _take_runs():
+    spec = importlib.util.spec_from_file_location("take_runs", REPO / "scripts" / "gpu" / "take_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tarball(files_at: Path, name: str, files: dict[str, bytes]) -> None:
+    import io
+    import tarfile
+
+    files_at.mkdir(exist_ok=True)
+    with tarfile.open(files_at / f"{name}.tar.gz", "w:gz") as tar:
+        for path, data in files.items():
+            info = tarfile.TarInfo(path)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(tmp_path):
+    import lzma
+
+    take_runs = _take_runs()
+    files_at, runs_dir = tmp_path / "files", tmp_path / "gpu-runs"
+    driver = b"step 1\n" * 4000  # 28 KB: over the tree's 16 KB for a plain log
+    _tarball(
+        files_at,
+        "async-2b-s1",
+        {
+            "async-2b-s1/metrics.jsonl": b'{"step": 1}\n',
+            "async-2b-s1/driver.log": driver,
+            "async-2b-s1/p/s.json": b"{}",
+        },
+    )
+    (files_at / "async-2b-s1.out").write_text("[loop_run +9s] train exited 0\n")
+    call = "bash scripts/gpu/plans/owed.sh p1"
+    assert take_runs.take(files_at, runs_dir, "4xh100", call, "2026-11-28", "abc1234", "staged") == 0
+    dest = runs_dir / "2026-11-28-async-2b-s1-4xh100"
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
+        "commands.txt",
+        "driver.log.xz",
+        "loop_run.out",
+        "metrics.jsonl",
+        "p/s.json",
+    ]
+    assert lzma.decompress((dest / "driver.log.xz").read_bytes()) == driver
+    commands = (dest / "commands.txt").read_text().splitlines()
+    assert commands[0] == "# machine: 4xh100; staged; commit abc1234" and commands[1] == call
+    assert commands[2] == "# this run: " + next(" ".join(r) for r in planned_runs("p1") if r[3] == "async-2b-s1")
+
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    (files_at / "async-2b-s1.out").write_text("another call\n")
+    assert take_runs.take(files_at, runs_dir, "4xh100", call, "2026-11-28", "abc1234", "staged") == 1
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before  # an earlier record stays
+
+
+def test_take_runs_refuses_a_tarball_that_writes_outside_its_folder(tmp_path):
+    take_runs = _take_runs()
+    _tarball(tmp_path / "files", "r", {"r/../../escape.txt": b"x"})
+    with pytest.raises(ValueError, match="expected plain files under r/"):
+        take_runs.take(tmp_path / "files", tmp_path / "gpu-runs", "h100", "x", "2026-11-28", "c", "s")
+    assert not (tmp_path / "escape.txt").exists()

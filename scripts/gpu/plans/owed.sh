@@ -22,7 +22,7 @@
 # carried bundle so that the runs' own stack.sh calls stage nothing. Later calls on the same warm machine carry
 # nothing. Every call stays inside the device tool's 600 s: BUDGET_S counts from the call's start (bash's SECONDS).
 # Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and $OUT/NAME.out (its own lines): commit them under
-# docs/gpu-runs/<date>-<name>-<machine>/ as docs/gpu-runs/README.md says. The runs of a call go side by side; the
+# docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py (docs/gpu-runs/README.md). The runs of a call go side by side; the
 # call exits 1 when one of them failed (or the checkpoint they share could not be written: then none starts).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
