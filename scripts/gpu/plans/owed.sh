@@ -22,8 +22,9 @@
 # carried bundle so that the runs' own stack.sh calls stage nothing. Later calls on the same warm machine carry
 # nothing. Every call stays inside the device tool's 600 s: BUDGET_S counts from the call's start (bash's SECONDS).
 # Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and $OUT/NAME.out (its own lines): commit them under
-# docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py (docs/gpu-runs/README.md). The runs of a call go side by side; the
-# call exits 1 when one of them failed (or the checkpoint they share could not be written: then none starts).
+# docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py (docs/gpu-runs/README.md). The runs of a
+# call go side by side; the call exits 1 when one of them failed (or the checkpoint they share could not be written:
+# then none starts).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -80,8 +81,8 @@ calls="p1 | p2 | p3 | p4 | p5 | p6"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
 case $call in p[1-6]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
-install_once
 [ "$dry" = 1 ] || mkdir -p "$O"
+install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
 case $call in
   p1 | p6)
