@@ -81,13 +81,7 @@ def load_run_config(path: str | Path) -> JobConfig:
     Raises:
         ConfigError: missing or malformed file, unknown key, wrong type.
     """
-    raw = load_raw(path)
-    try:
-        return JobConfig.model_validate(raw, context={"skip_cross_checks": True})
-    except ValidationError as e:
-        raise ConfigError(
-            [line for err in e.errors() for line in _describe(err, str(path), set()).splitlines()], str(path)
-        ) from None
+    return validate(load_raw(path), source=str(path), cross_checks=False)
 
 
 def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -147,15 +141,18 @@ def load_raw(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     return resolved
 
 
-def validate(raw: dict[str, Any], source: str | None = None, override_keys: set[str] | None = None) -> JobConfig:
-    """Validate plain containers into a `JobConfig`, or raise one `ConfigError` with every problem."""
+def validate(
+    raw: dict[str, Any], source: str | None = None, override_keys: set[str] | None = None, cross_checks: bool = True
+) -> JobConfig:
+    """Validate plain containers into a `JobConfig`, or raise one `ConfigError` with every problem. `cross_checks`:
+    also the rules over several keys (`cross_field_errors`)."""
     try:
-        return JobConfig.model_validate(raw)
+        return JobConfig.model_validate(raw, context=None if cross_checks else {"skip_cross_checks": True})
     except ValidationError as e:
         errors = e.errors()
     problems = [line for err in errors for line in _describe(err, source, override_keys or set()).splitlines()]
     bad = [tuple(map(str, err["loc"])) for err in errors]
-    if all(bad):  # no top-level error: the cross-field validator has not run yet
+    if cross_checks and all(bad):  # no top-level error: the cross-field validator has not run yet
         problems += _cross_field_problems_without(raw, bad, source, override_keys or set())
     raise ConfigError(problems, source)
 
