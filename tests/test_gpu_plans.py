@@ -1,7 +1,7 @@
 """scripts/gpu/plans/owed.sh: every run a planned device call makes is a job that starts, checked here on the CPU
-before device time is spent on it. Each run's overrides (loop_job.py's, the staleness ones it derives, the plan's)
-validate as the job's config; the job's GPUs are the ones the plan gives it; runs of one call use disjoint GPUs and
-distinct names; each stops inside the device tool's 600 s per call."""
+before device time is spent on it. Each run's config (loop_job.job: its file and overrides, as loop_job.py runs it)
+validates; the job's GPUs are the ones the plan gives it; runs of one call use disjoint GPUs and distinct names;
+each stops inside the device tool's 600 s per call."""
 
 import importlib.util
 import subprocess
@@ -51,13 +51,7 @@ def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
         assert not taken & set(devices), f"{name} shares GPUs {sorted(taken & set(devices))} with another run"
         taken |= set(devices)
         assert int(end_s) <= DEVICE_CALL_S - 10, f"{name} stops at {end_s} s: no room before the call's limit"
-        config = loop_job.CONFIGS.get(shape, loop_job.CONFIG)
-        overrides = [
-            *loop_job.overrides(shape, tmp_path / "ckpt", tmp_path / "runs", name, int(steps)),
-            *loop_job.staleness_overrides(extra),
-            *extra,
-        ]
-        cfg = load_config(config, overrides)
+        cfg = load_config(*loop_job.job(shape, tmp_path / "ckpt", tmp_path / "runs", name, int(steps), extra))
         assert gpus_of(cfg) == len(devices), f"{name}: the job takes {gpus_of(cfg)} GPUs, the plan gives it {gpus}"
 
 

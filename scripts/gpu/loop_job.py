@@ -206,6 +206,18 @@ def staleness_overrides(extra: list[str]) -> list[str]:
     return []
 
 
+def job(
+    shape: str, ckpt: str | Path, runs: str | Path, name: str, num_steps: int, extra: list[str]
+) -> tuple[Path, list[str]]:
+    """The job `main` runs: its config file and every override, in order (the shape's, the derived staleness ones,
+    then `extra`, which win)."""
+    return CONFIGS.get(shape, CONFIG), [
+        *overrides(shape, ckpt, runs, name, num_steps),
+        *staleness_overrides(extra),
+        *extra,
+    ]
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--pixels"] and len(argv) == 2:  # for loop_run.sh: the checkpoint's processor range
         print(*PIXELS[argv[1]])
@@ -217,11 +229,10 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     from miles_vl.cli import main as cli
 
-    config = CONFIGS.get(shape, CONFIG)
-    derived = staleness_overrides(extra)
-    if derived:
+    if derived := staleness_overrides(extra):
         print(f"loop_job: rollout.max_staleness > 0: adding {' '.join(derived)}", flush=True)
-    return cli(["train", str(config), *overrides(shape, ckpt, runs, name, int(steps)), *derived, *extra])
+    config, job_overrides = job(shape, ckpt, runs, name, int(steps), extra)
+    return cli(["train", str(config), *job_overrides])
 
 
 if __name__ == "__main__":
