@@ -3,25 +3,18 @@ before device time is spent on it. Each run's config (loop_job.job: its file and
 validates; the job's GPUs are the ones the plan gives it; runs of one call use disjoint GPUs and distinct names;
 each stops inside the device tool's 600 s per call."""
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from miles_vl.config.loader import load_config
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
 CALLS = ("p1", "p2", "p3", "p4", "p5", "p6")
 DEVICE_CALL_S = 600
-
-
-def _loop_job():
-    spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def planned_runs(call: str) -> list[list[str]]:
@@ -40,7 +33,7 @@ def gpus_of(cfg) -> int:
 
 @pytest.mark.parametrize("call", CALLS)
 def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
-    loop_job = _loop_job()
+    loop_job = load_script("scripts/gpu/loop_job.py")
     runs = planned_runs(call)
     assert runs, f"owed.sh {call} plans no run"
     taken: set[str] = set()
@@ -119,13 +112,6 @@ def test_a_checkpoint_that_fails_starts_no_run(tmp_path):
     assert not [row for row in log if "loop_run.sh" in " ".join(row)]
 
 
-def _take_runs():
-    spec = importlib.util.spec_from_file_location("take_runs", REPO / "scripts" / "gpu" / "take_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _tarball(files_at: Path, name: str, files: dict[str, bytes]) -> None:
     import io
     import tarfile
@@ -141,7 +127,7 @@ def _tarball(files_at: Path, name: str, files: dict[str, bytes]) -> None:
 def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(tmp_path):
     import lzma
 
-    take_runs = _take_runs()
+    take_runs = load_script("scripts/gpu/take_runs.py")
     files_at, runs_dir = tmp_path / "files", tmp_path / "gpu-runs"
     driver = b"step 1\n" * 4000  # 28 KB: over the tree's 16 KB for a plain log
     _tarball(
@@ -176,7 +162,7 @@ def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(
 
 
 def test_take_runs_refuses_a_tarball_that_writes_outside_its_folder(tmp_path):
-    take_runs = _take_runs()
+    take_runs = load_script("scripts/gpu/take_runs.py")
     _tarball(tmp_path / "files", "r", {"r/../../escape.txt": b"x"})
     with pytest.raises(ValueError, match="expected plain files under r/"):
         take_runs.take(tmp_path / "files", tmp_path / "gpu-runs", "h100", "x", "2026-11-28", "c", "s")

@@ -3,12 +3,13 @@
 docs cite exists; each committed timing summary follows from its compressed trace; raw traces, SGLang server logs
 and large files are committed xz-compressed."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "docs" / "gpu-runs"
@@ -18,10 +19,7 @@ LOG_LIMIT = 16 * 1024
 
 
 def _summarize_module():
-    spec = importlib.util.spec_from_file_location("timing_summarize", REPO / "benchmarks/sglang_timing/summarize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/sglang_timing/summarize.py", "timing_summarize")
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

@@ -46,6 +46,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 
@@ -75,12 +77,7 @@ EXTRA_ARGS = (
 
 
 def _writer():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_qwen3vl", REPO / "scripts" / "gpu" / "make_tiny_qwen3vl.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu/make_tiny_qwen3vl.py")
 
 
 def visible_gpus() -> list[str]:

@@ -77,6 +77,7 @@ from miles_vl.sglang_plugin import MARKER_KEY, sglang_release
 from miles_vl.sglang_plugin.settings import PluginSettings
 from miles_vl.sglang_plugin.wire import FILE_KEY
 from tests.rollout.sglang.conftest import Prompt, free_port
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -106,12 +107,7 @@ N_PROMPTS = 4
 
 
 def _writer():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_qwen3vl", REPO / "scripts" / "gpu" / "make_tiny_qwen3vl.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu/make_tiny_qwen3vl.py")
 
 
 WRITER = _writer()

@@ -14,8 +14,6 @@ budget as a ConfigError.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import ray
 
@@ -23,12 +21,11 @@ from miles_vl.config import ConfigError, load_config
 from miles_vl.data import DataError, PromptEncoder, load_processor
 from miles_vl.data.synth import many_images_count, many_images_problem_text
 from miles_vl.orchestration import run_job
-from tests.orchestration.jobs import REPO, metrics, stand_ins, write_checkpoint
+from tests.orchestration.jobs import metrics, stand_ins, write_checkpoint
 from tests.patches.harness.shims import require_bridge
+from tests.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
-loop_job = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(loop_job)
+loop_job = load_script("scripts/gpu/loop_job.py")
 
 LENGTH, TOKENS_PER_IMAGE, CP = 2048, 64, 4  # 256x256 images of 64 vision tokens; the GPU job: 65536, 1024, 4
 PIXELS = TOKENS_PER_IMAGE * 32 * 32  # patch 16, merge 2: one vision token per 32x32 pixels

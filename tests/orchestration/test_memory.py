@@ -17,6 +17,7 @@ from miles_vl.cli import main
 from miles_vl.config import load_config
 from miles_vl.models.qwen3_vl.shapes import RELEASED_SHAPES, hf_config_dict, model_shape
 from miles_vl.orchestration.memory import estimate_memory, trainer_memory
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3
@@ -150,12 +151,7 @@ def test_8b_on_eight_gpus_by_hand():
 
 def loop_job():
     """scripts/gpu/loop_job.py (a script, not a package module)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu/loop_job.py")
 
 
 def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):

@@ -13,7 +13,6 @@ The GPU run itself is the real-component check of these stand-ins (docs/gpu.md, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -28,10 +27,9 @@ from miles_vl.orchestration.checkpoint import step_dir_name
 from miles_vl.rollout.weight_sync import WeightSyncOptions
 from tests.orchestration.jobs import REPO, metrics, stand_ins, write_checkpoint
 from tests.patches.harness.shims import require_bridge
+from tests.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
-loop_job = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(loop_job)
+loop_job = load_script("scripts/gpu/loop_job.py")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,7 +7,6 @@ positions; x vocab / tp. The jobs are scripts/gpu/loop_job.py's long shapes, the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -16,11 +15,9 @@ from miles_vl.cli import main
 from miles_vl.config import load_config
 from miles_vl.models.qwen3_vl.shapes import RELEASED_SHAPES
 from miles_vl.orchestration.preflight import train_logits_problems
-from tests.orchestration.jobs import REPO
+from tests.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("loop_job", REPO / "scripts" / "gpu" / "loop_job.py")
-loop_job = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(loop_job)
+loop_job = load_script("scripts/gpu/loop_job.py")
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"  # not on this machine: the released shape of that name (vocab 151,936)
 

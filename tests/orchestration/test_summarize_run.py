@@ -6,17 +6,14 @@ expected figures can be written out."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import yaml
 
-from tests.orchestration.jobs import REPO
+from tests.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("summarize_run", REPO / "scripts" / "gpu" / "summarize_run.py")
-summarize_run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(summarize_run)
+summarize_run = load_script("scripts/gpu/summarize_run.py")
 
 PEAK = 1000.0  # TFLOP/s, a round number for the arithmetic below
 
