@@ -29,16 +29,17 @@ STAGING = (
 )
 
 
-def _plan_line(call: str, name: str) -> str | None:
-    """The run's line of `owed.sh --dry-run CALL` (GPUs, end second, loop_run.sh's arguments), if CALL is a plan."""
+def _plan_lines(call: str) -> dict[str, str]:
+    """Each run's line of `owed.sh --dry-run CALL` (GPUs, end second, loop_run.sh's arguments) by run name, if CALL
+    is a plan's; else none."""
     argv = shlex.split(call)
     at = next((i for i, arg in enumerate(argv) if arg.endswith("owed.sh")), None)
     if at is None:
-        return None
+        return {}
     out = subprocess.run(
         ["bash", argv[at], "--dry-run", *argv[at + 1 :]], capture_output=True, text=True, cwd=REPO, check=False
     ).stdout
-    return next((line for line in out.splitlines() if line.split()[3:4] == [name]), None)
+    return {line.split()[3]: line for line in out.splitlines() if len(line.split()) > 3}
 
 
 def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
@@ -55,7 +56,7 @@ def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, com
     if not tarballs:
         print(f"take_runs: no NAME.tar.gz in {files_at} (scripts/gpu/loop_run.sh leaves one per run)", file=sys.stderr)
         return 2
-    status = 0
+    status, plan = 0, _plan_lines(call)
     for tarball in tarballs:
         name = tarball.name.removesuffix(".tar.gz")
         dest = runs_dir / f"{date}-{name}-{machine}"
@@ -77,9 +78,8 @@ def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, com
         for log in [p for p in dest.rglob("*.log") if p.stat().st_size > LOG_LIMIT]:
             log.with_name(log.name + ".xz").write_bytes(lzma.compress(log.read_bytes(), preset=9))
             log.unlink()
-        line = _plan_line(call, name)
         header = f"# machine: {machine}; {staging}; commit {commit}"
-        body = [header, call] + ([f"# this run: {line}"] if line else [])
+        body = [header, call] + ([f"# this run: {plan[name]}"] if name in plan else [])
         (dest / "commands.txt").write_text("\n".join(body) + "\n")
         print(dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest)
     return status
