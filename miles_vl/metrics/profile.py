@@ -113,8 +113,10 @@ def profiled() -> Iterator[ProfiledBlock]:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    if not cuda:  # kineto's "gpuGetDeviceCount failed" ERROR line on a machine without a GPU (this process's
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # kineto, and those it starts; a level set before stands)
+    if not cuda:
+        # kineto's "gpuGetDeviceCount failed" ERROR line on a machine without a GPU, in this process's kineto and
+        # those it starts; a level set before stands
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     block = ProfiledBlock(device=cuda)
     prof = profile(activities=activities)
