@@ -22,9 +22,10 @@ exec /usr/bin/timeout "$@"
 """
 
 STAND_IN = """#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
 case "$1 $2" in
   "scripts/gpu/loop_job.py --pixels") echo "1 2" ;;
-  scripts/gpu/make_tiny_qwen3vl.py*) mkdir -p "$2" ;;
+  scripts/gpu/make_tiny_qwen3vl.py*) [ -n "${MAKE_FAILS:-}" ] && { echo "no space left" >&2; exit 1; }; mkdir -p "$2" ;;
   scripts/gpu/loop_job.py*) shift; printf '%s\\n' "$@" > "$JOB_ARGS" ;;
   scripts/gpu/summarize_run.py*) echo "{}" ;;
   *) echo "unexpected call: $*" >&2; exit 9 ;;
@@ -32,7 +33,7 @@ esac
 """
 
 
-def loop_run(tmp_path: Path, *args: str, ram_gib: int = 512, shm: Path | None = None, budget: int = 540):
+def loop_run(tmp_path: Path, *args: str, ram_gib: int = 512, shm: Path | None = None, budget: int = 540, **extra):
     stand_in = tmp_path / "python"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
@@ -50,6 +51,8 @@ def loop_run(tmp_path: Path, *args: str, ram_gib: int = 512, shm: Path | None = 
         "LOOP_RAM_GIB": str(ram_gib),
         "BUDGET_S": str(budget),
         "TIMEOUT_ARGS": str(tmp_path / "timeout_args"),
+        "CALLS": str(tmp_path / "calls"),
+        **extra,
         "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",  # the recording timeout; no nvidia-smi
     }
     result = subprocess.run(
@@ -150,3 +153,22 @@ def test_ram_must_hold_the_checkpoints_at_their_peak_keep_last_and_the_one_being
     assert job_args[5:] == [f"checkpoint.dir={shm}/miles_vl_ckpt/a"]
     result, job_args = loop_run(tmp_path, "tiny", "b", "30", shm=shm, ram_gib=67)
     assert job_args[5:] == []
+
+
+def test_checkpoint_only_writes_the_shapes_checkpoint_once_and_starts_no_job(tmp_path):
+    """`loop_run.sh --checkpoint SHAPE` (scripts/gpu/plans/owed.sh, before two runs of one shape start side by side):
+    the checkpoint the runs would write, once per machine; no job; a failed write is exit 1 and no `.complete`."""
+    failed, _ = loop_run(tmp_path, "--checkpoint", "8b_1gpu", MAKE_FAILS="1")
+    assert failed.returncode == 1 and "checkpoint FAILED: no space left" in failed.stderr, failed.stderr
+    assert not (tmp_path / "ckpts" / "ckpt_loop_8b" / ".complete").exists()
+    result, job_args = loop_run(tmp_path, "--checkpoint", "8b_1gpu")
+    assert result.returncode == 0 and job_args is None, result.stderr
+    assert (tmp_path / "ckpts" / "ckpt_loop_8b" / ".complete").is_file()  # the 8b shapes share one checkpoint
+    written = (tmp_path / "calls").read_text()
+    assert "make_tiny_qwen3vl.py" in written and "loop_job.py --pixels 8b_1gpu" in written
+    (tmp_path / "calls").unlink()
+    again, _ = loop_run(tmp_path, "--checkpoint", "8b")  # the same checkpoint: complete, nothing called
+    assert again.returncode == 0 and not (tmp_path / "calls").exists()
+    run, job_args = loop_run(tmp_path, "8b", "r", "2")  # a run finds it: no second write
+    assert run.returncode == 0 and job_args[:2] == ["8b", str(tmp_path / "ckpts" / "ckpt_loop_8b")]
+    assert "make_tiny_qwen3vl.py" not in (tmp_path / "calls").read_text()

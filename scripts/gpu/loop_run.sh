@@ -4,6 +4,8 @@
 # Run inside the GPU stack (scripts/gpu/stack.sh).
 #
 # usage: bash scripts/gpu/loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]
+#        bash scripts/gpu/loop_run.sh --checkpoint SHAPE   (only write SHAPE's checkpoint, if missing: before runs
+#                                                          of one shape start side by side, whose writes would race)
 #   --check    first: the stack's imports and a GPU probe (sglang, sgl_kernel, transformer_engine, megatron, ray)
 #   SHAPE      tiny | 2b | 8b | 8b_1gpu | 2b_long16k | 2b_long32k | 2b_long64k  (scripts/gpu/loop_job.py; the
 #              checkpoint, scripts/gpu/make_tiny_qwen3vl.py --shape tiny|2b|8b, is written once per machine to
@@ -32,18 +34,36 @@ budget=${BUDGET_S:-540}
 py=${PYTHON:-python3}
 runs=${RUNS:-/tmp/gpu_runs}
 out=${OUT:-/tmp/gpu_out}
-check=0
-[ "${1:-}" = "--check" ] && { check=1; shift; }
-shape=${1:?usage: loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...]}
-name=${2:?run name}
-steps=${3:?num_steps}
-shift 3
+check=0 ckpt_only=0
+case "${1:-}" in --check) check=1; shift ;; --checkpoint) ckpt_only=1; shift ;; esac
+shape=${1:?usage: loop_run.sh [--check] SHAPE NAME NUM_STEPS [override ...] | loop_run.sh --checkpoint SHAPE}
 case "$shape" in tiny | 2b | 8b | 8b_1gpu | 2b_long16k | 2b_long32k | 2b_long64k) ;;
   *) echo "loop_run: unknown shape $shape (tiny | 2b | 8b | 8b_1gpu | 2b_long16k | 2b_long32k | 2b_long64k)" >&2
      exit 2 ;; esac
 model_shape=${shape%%_*}      # the checkpoint's architecture: 2b_long64k -> 2b, 8b_1gpu -> 8b
 ckpt_name=${shape%[0-9][0-9]k}  # one checkpoint for the 2b_long lengths: 2b_long64k -> 2b_long
 [ "$shape" = 8b_1gpu ] && ckpt_name=8b
+ckpt=${CKPTS:-/tmp}/ckpt_loop_$ckpt_name  # CKPTS: for the tests (tests/test_loop_run.py)
+
+write_checkpoint() {  # OUTPUT_FILE: the shape's random-init checkpoint, unless one is complete
+  local min_px max_px
+  [ -f "$ckpt/.complete" ] && return 0
+  read -r min_px max_px < <("$py" scripts/gpu/loop_job.py --pixels "$shape")
+  say "checkpoint: writing $shape to $ckpt (processor pixels $min_px..$max_px)"
+  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$model_shape" --min-pixels "$min_px" --max-pixels "$max_px" \
+    >> "$1" 2>&1 && touch "$ckpt/.complete"
+}
+
+if [ "$ckpt_only" = 1 ]; then
+  say() { echo "[loop_run +$(( $(date +%s) - start ))s] $*" >&2; }
+  mkdir -p "$out"
+  ckpt_log=$out/checkpoint_$shape.log
+  write_checkpoint "$ckpt_log" || { say "checkpoint FAILED: $(tail -3 "$ckpt_log")"; exit 1; }
+  exit 0
+fi
+name=${2:?run name}
+steps=${3:?num_steps}
+shift 3
 mkdir -p "$out/$name" "$runs"
 min_run_s=60  # seconds the run needs at least, after the checkpoint is written, before the stop's grace (below)
 # Where the checkpoints go, and how long a stop may take. A stop (the budget's SIGINT below, or the job's end) finishes
@@ -118,14 +138,7 @@ EOF
   say "check: $(tail -1 "$log")"
 fi
 
-ckpt=${CKPTS:-/tmp}/ckpt_loop_$ckpt_name  # CKPTS: for the tests (tests/test_loop_run.py)
-if [ ! -f "$ckpt/.complete" ]; then
-  read -r min_px max_px < <("$py" scripts/gpu/loop_job.py --pixels "$shape")
-  say "checkpoint: writing $shape to $ckpt (processor pixels $min_px..$max_px)"
-  "$py" scripts/gpu/make_tiny_qwen3vl.py "$ckpt" --shape "$model_shape" --min-pixels "$min_px" --max-pixels "$max_px" \
-    >> "$log" 2>&1 || { say "checkpoint FAILED"; exit 1; }
-  touch "$ckpt/.complete"
-fi
+write_checkpoint "$log" || { say "checkpoint FAILED"; exit 1; }
 
 t=$(( $(left) - 25 - grace ))
 [ "$t" -lt "$min_run_s" ] && { say "only ${t}s left before the stop's ${grace}s: not starting the run" \

@@ -32,7 +32,7 @@ dry=0
 [ "${1:-}" = "--dry-run" ] && { dry=1; shift; }
 O=${OUT:-/tmp/owed_out}
 S=${OWED_STACK:-scripts/gpu/stack.sh}  # OWED_STACK, CKPTS: for the tests (tests/test_gpu_plans.py)
-ckpts=${CKPTS:-/tmp}  # where loop_run.sh finds its checkpoints (its CKPTS)
+ckpts=${CKPTS:-/tmp}  # where loop_run.sh keeps its checkpoints (its CKPTS)
 ts() { echo "[owed $(date +%T) +${SECONDS}s] $*"; }
 
 install_once() {  # the call that carries the last part installs; the later ones find the stack installed
@@ -44,16 +44,12 @@ install_once() {  # the call that carries the last part installs; the later ones
   ts "stack ready"
 }
 
-checkpoint() {  # SHAPE: written once per machine, before runs of one shape start side by side (loop_run.sh's own
-  # write would race between them)
-  local shape=$1 dir=$ckpts/ckpt_loop_$1 lo hi
+checkpoint() {  # SHAPE: written once per machine, before runs of one shape start side by side (their own writes
+  # would race)
   [ "$dry" = 1 ] && return 0
-  [ -f "$dir/.complete" ] && return 0
-  read -r lo hi < <(bash $S python3 scripts/gpu/loop_job.py --pixels "$shape" 2> /dev/null | tail -1)
-  bash $S python3 scripts/gpu/make_tiny_qwen3vl.py "$dir" --shape "$shape" --min-pixels "$lo" --max-pixels "$hi" \
-    >> "$O/checkpoints.log" 2>&1 && touch "$dir/.complete"
-  [ -f "$dir/.complete" ] || { ts "checkpoint $shape FAILED: $(tail -3 "$O/checkpoints.log")"; exit 1; }
-  ts "checkpoint $shape written"
+  OUT=$O bash $S bash scripts/gpu/loop_run.sh --checkpoint "$1" >> "$O/checkpoints.log" 2>&1 \
+    || { ts "checkpoint $1 FAILED: $(tail -3 "$O/checkpoints.log")"; exit 1; }
+  ts "checkpoint $1 ready"
 }
 
 pids=()
