@@ -65,6 +65,8 @@ echo "$(date +%s.%N) start ${CUDA_VISIBLE_DEVICES:--} ${BUDGET_S:--} $*" >> "$LO
 case "$*" in  # loop_run.sh --checkpoint fails with exit 1 (tests/test_loop_run.py, which also shows it writes once)
   "bash scripts/gpu/loop_run.sh --checkpoint "*) [ -n "${CKPT_FAILS:-}" ] && exit 1 ;;
   "bash scripts/gpu/loop_run.sh "*) sleep 1; [ "$4" = "${RUN_FAILS:-}" ] && exit 3 ;;
+  "python3 benchmarks/bench_export.py "* | "python3 -m pytest "*) sleep 1 ;;
+  true) [ -n "${INSTALL_FAILS:-}" ] && exit 1 ;;  # the install, when the call carries the bundle
   *) echo "unexpected: $*" >&2; exit 9 ;;
 esac
 echo "$(date +%s.%N) end $*" >> "$LOG"
@@ -81,6 +83,7 @@ def run_plan(tmp_path: Path, call: str, **env: str) -> tuple[subprocess.Complete
         "OWED_STACK": str(stand_in),
         "CKPTS": str(tmp_path / "ckpts"),
         "OUT": str(tmp_path / "out"),
+        "OWED_BUNDLE": str(tmp_path / "bundle"),
         "LOG": str(log),
         **env,
     }
@@ -169,3 +172,35 @@ def test_take_runs_refuses_a_tarball_that_writes_outside_its_folder(tmp_path):
     with pytest.raises(ValueError, match="expected plain files under r/"):
         take_runs.take(tmp_path / "files", tmp_path / "gpu-runs", "h100", "x", "2026-11-28", "c", "s")
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_p2_chains_each_gpu_test_after_the_work_on_its_gpus(tmp_path):
+    """p2's GPU tests follow the work on their GPUs (bench_export on GPU 1, the tiny run on GPUs 2,3), never beside
+    it; the tiny run stops early enough to leave the test its time."""
+    result, log = run_plan(tmp_path, "p2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    def when(event: str, part: str) -> float:  # the time of the one `event` row whose command contains `part`
+        (t,) = [float(row[0]) for row in log if row[1] == event and part in " ".join(row[2:])]
+        return t
+
+    gpus = {" ".join(row[4:]): row[2] for row in log if row[1] == "start"}
+    assert [g for cmd, g in gpus.items() if "bench_export" in cmd or "-k offload" in cmd] == ["1", "1"]
+    assert [g for cmd, g in gpus.items() if "max_response_len" in cmd or "-k cp2" in cmd] == ["2,3", "2,3"]
+    assert when("end", "bench_export.py") < when("start", "-k offload")
+    assert when("end", "max_response_len=256") < when("start", "-k cp2")
+    budgets = {row[-1]: int(row[3]) for row in loop_runs(log, "start")}
+    assert 400 <= budgets["rollout.max_response_len=256"] <= 440 and budgets["train.profile_steps=[3]"] <= 560
+
+
+def test_the_call_that_carries_the_bundle_installs_it_once_and_a_failed_install_starts_nothing(tmp_path):
+    (tmp_path / "bundle").mkdir()
+    result, log = run_plan(tmp_path, "p1", INSTALL_FAILS="1")
+    assert result.returncode == 1 and "stack install failed" in result.stdout
+    assert [row[-1] for row in log] == ["true"] and (tmp_path / "out" / "install.out").exists()
+
+    result, log = run_plan(tmp_path, "p1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert log[0][-1] == "true" and not (tmp_path / "bundle").exists()  # installed first, then the bundle dropped
+    assert not (tmp_path / "out" / "install.out").exists()  # kept only on failure: 8 files come back at most
+    result, log = run_plan(tmp_path, "p1")
+    assert "true" not in [row[-1] for row in log]  # the next call on the warm machine installs nothing

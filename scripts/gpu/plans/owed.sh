@@ -7,9 +7,10 @@
 #   --dry-run  print each run's GPUs, end second and loop_run.sh arguments, one line each, and run nothing (the
 #              CPU suite validates every run's overrides and GPU count this way: tests/test_gpu_plans.py)
 #   CALL   p1  #34: the 2B job disaggregated, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 6 steps each
-#          p2  #33: one profiled train phase of the 2B job (GPU 0), bench_export in bf16 (GPU 1);
-#              #34: the tiny job at staleness 1 with partial rollouts and long responses, so that a sync finds
-#              generations in flight and continues them (GPUs 2,3)
+#          p2  #33: one profiled train phase of the 2B job (GPU 0), bench_export in bf16 then the optimizer-offload
+#              GPU test (GPU 1); #34: the tiny job at staleness 1 with partial rollouts and long responses, so that
+#              a sync finds generations in flight and continues them, then #33's async-save GPU test (the cp2 case
+#              of tests/gpu/test_megatron_train_gpu.py, which saves in the background too) (GPUs 2,3)
 #          p3  #32's question: the 8B job with TP=1 engines (its step-1 diff was 0.0359 with TP=2 engines)
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM)
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
@@ -31,15 +32,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 dry=0
 [ "${1:-}" = "--dry-run" ] && { dry=1; shift; }
 O=${OUT:-/tmp/owed_out}
-S=${OWED_STACK:-scripts/gpu/stack.sh}  # OWED_STACK, CKPTS: for the tests (tests/test_gpu_plans.py)
+S=${OWED_STACK:-scripts/gpu/stack.sh}  # OWED_STACK, OWED_BUNDLE, CKPTS: for the tests (tests/test_gpu_plans.py)
+bundle=${OWED_BUNDLE:-.bundle_stack}  # the carried stack bundle's parts (docs/install-gpu.md)
 ckpts=${CKPTS:-/tmp}  # where loop_run.sh keeps its checkpoints (its CKPTS)
 ts() { echo "[owed $(date +%T) +${SECONDS}s] $*"; }
 
 install_once() {  # the call that carries the last part installs; the later ones find the stack installed
   [ "$dry" = 1 ] && return 0
-  if [ -d .bundle_stack ]; then
+  if [ -d "$bundle" ]; then
     bash $S true > "$O/install.out" 2>&1 || { ts "stack install failed: $(tail -3 "$O/install.out")"; exit 1; }
-    rm -rf .bundle_stack
+    rm -rf "$bundle" "$O/install.out"  # kept only when it failed: the device tool returns 8 files at most
   fi
   ts "stack ready"
 }
@@ -63,6 +65,13 @@ loop() {  # GPUS END_S SHAPE NAME STEPS [override ...]: loop_run.sh on GPUS, sto
   pids+=($!)
 }
 
+gpu_test() {  # GPUS END_S K: the GPU tests of tests/gpu/test_megatron_train_gpu.py matching -k K, on GPUS, stopped
+  # by second END_S of this call, in the foreground (a chain's next link), logged to gpu_test_K.log
+  [ "$dry" = 1 ] && return 0
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 $(( $2 - SECONDS )) bash $S python3 -m pytest -m gpu -s -q \
+    -p no:cacheprovider tests/gpu/test_megatron_train_gpu.py -k "$3" > "$O/gpu_test_$3.log" 2>&1
+}
+
 finish() {  # wait for every run; the call fails when one did, and says which
   local rc=0 pid
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
@@ -70,6 +79,7 @@ finish() {  # wait for every run; the call fails when one did, and says which
   ts "done (exit $rc)"
   for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
   [ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
+  for f in "$O"/gpu_test_*.log; do [ -f "$f" ] && echo "== ${f##*/}" && grep -E "^GPU-|passed|failed" "$f" | tail -4; done
   exit "$rc"
 }
 
@@ -90,13 +100,27 @@ case $call in
   p2)
     checkpoint 2b
     loop 0 560 2b prof-2b 4 'train.profile_steps=[3]'
-    if [ "$dry" = 0 ]; then  # #33: where the export's time goes, on the 2B checkpoint, bf16 as the train ranks
-      CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 540 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
-        --device cuda --hf-dir "$ckpts/ckpt_loop_2b" --repeats 5 > "$O/bench_export.log" 2>&1 &
+    if [ "$dry" = 0 ]; then  # #33: where the export's time goes, on the 2B checkpoint, bf16 as the train ranks;
+      # then the optimizer offload's GPU test (one GPU)
+      (
+        CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 300 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
+          --device cuda --hf-dir "$ckpts/ckpt_loop_2b" --repeats 5 > "$O/bench_export.log" 2>&1
+        rc=$?
+        gpu_test 1 560 offload || rc=1
+        exit $rc
+      ) &
       pids+=($!)
     fi
-    loop 2,3 560 tiny async-tiny-partial 12 "${DIS[@]}" rollout.max_staleness=1 rollout.partial_rollouts=true \
-      rollout.max_response_len=256
+    (  # the tiny run, then the async save's GPU test (cp2: 2 GPUs; the 4-GPU cases of -k cp2 skip)
+      loop 2,3 440 tiny async-tiny-partial 12 "${DIS[@]}" rollout.max_staleness=1 rollout.partial_rollouts=true \
+        rollout.max_response_len=256
+      [ "$dry" = 1 ] && exit 0
+      wait "${pids[-1]}"
+      rc=$?
+      gpu_test 2,3 560 cp2 || rc=1
+      exit $rc
+    ) &
+    pids+=($!)
     ;;
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
