@@ -179,6 +179,7 @@ def test_p2_chains_each_gpu_test_after_the_work_on_its_gpus(tmp_path):
     it; the tiny run stops early enough to leave the test its time."""
     result, log = run_plan(tmp_path, "p2")
     assert result.returncode == 0, result.stdout + result.stderr
+
     def when(event: str, part: str) -> float:  # the time of the one `event` row whose command contains `part`
         (t,) = [float(row[0]) for row in log if row[1] == event and part in " ".join(row[2:])]
         return t
