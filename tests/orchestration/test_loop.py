@@ -36,19 +36,26 @@ def local_ray():
 
 
 def test_resume_reproduces_the_straight_run(tmp_path, caplog):
-    """... and a profile step the resume has passed is named (it was skipped silently), the later one is taken."""
+    """... and a profile step the resume has passed is named (it was skipped silently), the later one is taken; so is
+    a save_hf step passed without its HF directory (the key added on resume), and the later one is written."""
     from miles_vl.orchestration.loop import describe_start
 
     straight = run_job(config(tmp_path, "straight", "num_steps=4", "checkpoint.interval=0"))
     first = run_job(config(tmp_path, "split", "num_steps=2", "checkpoint.interval=1"))
     assert [s for s, _ in list_checkpoints(first / "checkpoints")] == [1, 2]  # keep_last=2
-    cfg = config(tmp_path, "split", "num_steps=4", "train.profile_steps=[2,3]")
+    (first / "hf" / "step_2").mkdir(parents=True)  # as if the first run had written step 2's: not named below
+    cfg = config(tmp_path, "split", "num_steps=4", "train.profile_steps=[2,3]", "checkpoint.save_hf.steps=[1,2,3]")
     passed = "train.profile_steps [2] are at or before step 2, which this run resumes from"
-    assert describe_start(cfg, None)["profile_steps"].startswith(passed)
+    unsaved = "checkpoint.save_hf asks for steps [1], at or before step 2, which this run resumes from"
+    start = describe_start(cfg, None)
+    assert start["profile_steps"].startswith(passed) and start["save_hf"].startswith(unsaved)
+    assert f"miles-vl export {first} OUT_DIR --step N" in start["save_hf"]
     with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
         resumed = run_job(cfg)
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(passed)]
+    notes = [r.getMessage() for r in caplog.records]
+    assert [m for m in notes if m.startswith(passed)] and [m for m in notes if m.startswith(unsaved)]
     assert sorted(p.name for p in (resumed / "profile").iterdir()) == ["step_3.json"]
+    assert sorted(p.name for p in (resumed / "hf").iterdir()) == ["step_2", "step_3"]
     a, b = metrics(straight), metrics(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [comparable(r) for r in a] == [comparable(r) for r in b]
