@@ -22,6 +22,11 @@ Last stdout line: one JSON object with
   each GPU (by every process on it) over the run, keyed by the GPU's index, and `gpu_mem_total_gib`;
 - `train_gpus` (`train.num_gpus`) and `job_gpus` (those plus the engines' own GPUs when `ray.placement=disaggregate`;
   colocated engines share the train GPUs);
+- `step_tokens_per_s_per_gpu`: the job's end-to-end throughput, the median over the steps after the first of
+  `train/tokens` / `time/step_s` / `job_gpus` (what a synchronous and an asynchronous run compare on: issue 34);
+- disaggregated runs only, `idle_fraction`: of each step, the share the trainer's GPUs spend outside the train phase
+  (1 - train_s / step_s) and the engines' outside generation (1 - rollout_s / step_s), medians over the steps after
+  the first. Colocated, the two share their GPUs and take turns: no such figure.
 - `train_tflops_per_gpu`, `train_mfu`: useful FLOPs of the train phase over its median time, per train GPU, and over
   the dense bf16 peak of one GPU: flops / train_s / (train_gpus * peak). `step_mfu`: the same FLOPs over the median
   step time and every GPU of the job, flops / step_s / (job_gpus * peak): what the whole job gets out of its GPUs.
@@ -139,6 +144,17 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float, vision_blocks
     )  # fmt: skip
     if out["train_tokens_per_s"] is not None:
         out["train_tokens_per_s_per_gpu"] = round(out["train_tokens_per_s"] / train_gpus, 1)
+    if per_step := [
+        r["train/tokens"] / r["time/step_s"] for r in later if r.get("train/tokens") and r.get("time/step_s")
+    ]:
+        out["step_tokens_per_s_per_gpu"] = round(statistics.median(per_step) / job_gpus, 1)
+    if job_gpus > train_gpus:  # disaggregated: the trainer's GPUs and the engines' are not the same
+        shares = {"trainer": "time/train_s", "engine": "time/rollout_s"}
+        idle = {
+            side: [1 - r[key] / r["time/step_s"] for r in later if key in r and r.get("time/step_s")]
+            for side, key in shares.items()
+        }
+        out["idle_fraction"] = {side: round(statistics.median(v), 3) for side, v in idle.items() if v}
     phases = sorted({k for r in later for k in r if k.startswith("sync/") and k.endswith("_s")})
     if phases:
         out["sync_phases_s"] = {k.removeprefix("sync/").removesuffix("_s"): med(k) for k in phases}

@@ -7,6 +7,7 @@ expected figures can be written out."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import yaml
@@ -126,3 +127,23 @@ def test_vision_attention_is_counted_per_image(tmp_path, monkeypatch, recorded):
     assert out["train_flops_per_step"] == pytest.approx(per_image)
     whole = summarize_run.summarize(run, "ckpt", PEAK)  # one block a sample: what a single-image job records
     assert whole["train_flops_per_step"] == pytest.approx(per_image * (62 if not recorded else 1))
+
+
+@pytest.mark.parametrize("placement, engines, job_gpus", [("colocate", 1, 1), ("disaggregate", 1, 2)])
+def test_end_to_end_throughput_and_idle_fractions(tmp_path, placement, engines, job_gpus):
+    """Issue 34 compares a synchronous and an asynchronous run on the job's tokens/s per GPU and each side's idle
+    share; written out: steps 2 and 3 train 1000 tokens in steps of 5.0 and 4.0 s, train 2.0 s, generate 1.0 and
+    3.0 s (step 1, which compiles and allocates, is left out)."""
+    run = write_run(tmp_path / "r", train_gpus=1, placement=placement, engines=engines, gpus_per_engine=1)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row, step_s, rollout_s in zip(rows, (99.0, 5.0, 4.0), (50.0, 1.0, 3.0), strict=True):
+        row.update({"time/step_s": step_s, "time/rollout_s": rollout_s})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = summarize_run.summarize(run, None, PEAK)
+    assert out["step_tokens_per_s_per_gpu"] == round(statistics.median([1000 / 5.0, 1000 / 4.0]) / job_gpus, 1)
+    if placement == "colocate":
+        assert "idle_fraction" not in out
+    else:
+        trainer = statistics.median([1 - 2.0 / 5.0, 1 - 2.0 / 4.0])
+        engine = statistics.median([1 - 1.0 / 5.0, 1 - 3.0 / 4.0])
+        assert out["idle_fraction"] == {"trainer": round(trainer, 3), "engine": round(engine, 3)}
