@@ -62,9 +62,10 @@ def test_run_names_are_distinct_across_calls():
 STACK_STAND_IN = """#!/usr/bin/env bash
 # scripts/gpu/stack.sh's stand-in: records each command (its GPUs and budget), answers it
 echo "$(date +%s.%N) start ${CUDA_VISIBLE_DEVICES:--} ${BUDGET_S:--} $*" >> "$LOG"
+echo "$*" >> "$OUT/stack.log"  # as stack.sh logs to $OUT; loop_run.sh leaves its files there (below)
 case "$*" in  # loop_run.sh --checkpoint fails with exit 1 (tests/test_loop_run.py, which also shows it writes once)
-  "bash scripts/gpu/loop_run.sh --checkpoint "*) [ -n "${CKPT_FAILS:-}" ] && exit 1 ;;
-  "bash scripts/gpu/loop_run.sh "*) sleep 1; [ "$4" = "${RUN_FAILS:-}" ] && exit 3 ;;
+  "bash scripts/gpu/loop_run.sh --checkpoint "*) touch "$OUT/checkpoint_$4.log"; [ -n "${CKPT_FAILS:-}" ] && exit 1 ;;
+  "bash scripts/gpu/loop_run.sh "*) sleep 1; touch "$OUT/$4.tar.gz"; [ "$4" = "${RUN_FAILS:-}" ] && exit 3 ;;
   "python3 benchmarks/bench_export.py "* | "python3 -m pytest "*) sleep 1 ;;
   true) [ -n "${INSTALL_FAILS:-}" ] && exit 1 ;;  # the install, when the call carries the bundle
   *) echo "unexpected: $*" >&2; exit 9 ;;
@@ -145,9 +146,11 @@ def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(
         },
     )
     (files_at / "async-2b-s1.out").write_text("[loop_run +9s] train exited 0\n")
+    _tarball(files_at, "call_logs", {"stack.log": b"x"})  # owed.sh's logs of the call: not a run
     call = "bash scripts/gpu/plans/owed.sh p1"
     assert take_runs.take(files_at, runs_dir, "4xh100", call, "2026-11-28", "abc1234", "staged") == 0
     dest = runs_dir / "2026-11-28-async-2b-s1-4xh100"
+    assert [p.name for p in runs_dir.iterdir()] == [dest.name]
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
         "commands.txt",
         "driver.log.xz",
@@ -172,6 +175,21 @@ def test_take_runs_refuses_a_tarball_that_writes_outside_its_folder(tmp_path):
     with pytest.raises(ValueError, match="expected plain files under r/"):
         take_runs.take(tmp_path / "files", tmp_path / "gpu-runs", "h100", "x", "2026-11-28", "c", "s")
     assert not (tmp_path / "escape.txt").exists()
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_a_call_leaves_no_more_files_than_the_device_tool_returns(tmp_path, call):
+    """At most 8 files come back from $OUT (the device tool's limit; p2 once left 10 and lost a run's tarball): the
+    call's own logs go into one call_logs.tar.gz, which holds each of them."""
+    import tarfile
+
+    (tmp_path / "bundle").mkdir()  # the first call of a machine: it installs too
+    result, _ = run_plan(tmp_path, call)
+    assert result.returncode == 0, result.stdout + result.stderr
+    files = sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert len(files) <= 8, files
+    with tarfile.open(tmp_path / "out" / "call_logs.tar.gz") as tar:
+        assert "stack.log" in tar.getnames()
 
 
 def test_p2_chains_each_gpu_test_after_the_work_on_its_gpus(tmp_path):

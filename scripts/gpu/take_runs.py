@@ -42,6 +42,9 @@ def _plan_lines(call: str) -> dict[str, str]:
     return {line.split()[3]: line for line in out.splitlines() if len(line.split()) > 3}
 
 
+CALL_LOGS = "call_logs.tar.gz"  # owed.sh's own logs of a call (stack.sh's, the checkpoints'), not a run
+
+
 def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
     members = tar.getmembers()
     for m in members:
@@ -52,7 +55,7 @@ def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
 
 
 def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, commit: str, staging: str) -> int:
-    tarballs = sorted(files_at.glob("*.tar.gz"))
+    tarballs = [t for t in sorted(files_at.glob("*.tar.gz")) if t.name != CALL_LOGS]
     if not tarballs:
         print(f"take_runs: no NAME.tar.gz in {files_at} (scripts/gpu/loop_run.sh leaves one per run)", file=sys.stderr)
         return 2

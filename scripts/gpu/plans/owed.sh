@@ -77,6 +77,11 @@ finish() {  # wait for every run; the call fails when one did, and says which
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   [ "$dry" = 1 ] && exit 0
   ts "done (exit $rc)"
+  # the call's own logs in one file (stack.sh's stack*.log, the checkpoints' logs, a failed install's): the device
+  # tool returns 8 files at most, and p2 leaves 7 besides these
+  local logs=() f
+  for f in "$O"/stack*.log "$O"/checkpoint*.log "$O"/install.out; do [ -f "$f" ] && logs+=("${f##*/}"); done
+  [ ${#logs[@]} -gt 0 ] && tar czf "$O/call_logs.tar.gz" -C "$O" "${logs[@]}" && (cd "$O" && rm -f "${logs[@]}")
   for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
   [ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
   for f in "$O"/gpu_test_*.log; do [ -f "$f" ] && echo "== ${f##*/}" && grep -E "^GPU-|passed|failed" "$f" | tail -4; done
