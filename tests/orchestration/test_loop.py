@@ -15,7 +15,7 @@ import ray
 from miles_vl.config import load_config
 from miles_vl.data import PromptDataset, build_datasets, load_processor
 from miles_vl.orchestration import run_job
-from miles_vl.orchestration.checkpoint import list_checkpoints
+from miles_vl.orchestration.checkpoint import list_checkpoints, step_dir_name
 from miles_vl.orchestration.loop import Job
 from tests.orchestration.jobs import FAST, REPO, FrozenClock, metrics, stand_ins
 from tests.orchestration.jobs import tiny_job as config
@@ -43,7 +43,7 @@ def test_resume_reproduces_the_straight_run(tmp_path, caplog):
     straight = run_job(config(tmp_path, "straight", "num_steps=4", "checkpoint.interval=0"))
     first = run_job(config(tmp_path, "split", "num_steps=2", "checkpoint.interval=1"))
     assert [s for s, _ in list_checkpoints(first / "checkpoints")] == [1, 2]  # keep_last=2
-    (first / "hf" / "step_2").mkdir(parents=True)  # as if the first run had written step 2's: not named below
+    (first / "hf" / step_dir_name(2)).mkdir(parents=True)  # as if the first run had written step 2's: not named
     cfg = config(tmp_path, "split", "num_steps=4", "train.profile_steps=[2,3]", "checkpoint.save_hf.steps=[1,2,3]")
     passed = "train.profile_steps [2] are at or before step 2, which this run resumes from"
     unsaved = "checkpoint.save_hf asks for steps [1], at or before step 2, which this run resumes from"
@@ -55,7 +55,7 @@ def test_resume_reproduces_the_straight_run(tmp_path, caplog):
     notes = [r.getMessage() for r in caplog.records]
     assert [m for m in notes if m.startswith(passed)] and [m for m in notes if m.startswith(unsaved)]
     assert sorted(p.name for p in (resumed / "profile").iterdir()) == ["step_3.json"]
-    assert sorted(p.name for p in (resumed / "hf").iterdir()) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (resumed / "hf").iterdir()) == [step_dir_name(2), step_dir_name(3)]
     a, b = metrics(straight), metrics(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [comparable(r) for r in a] == [comparable(r) for r in b]
