@@ -9,7 +9,12 @@ rest.
   that overlap count twice, so a fraction over 1 means overlap) over the wall time; without CUDA, the CPU operators'
   own time;
 - `classes_s`: that time by kind of kernel (`kernel_class`): matmul, attention, communication, other;
-- `top`: the operators and kernels with the most own time (name, calls, seconds, class).
+- `top`: the operators and kernels with the most own time (name, calls, seconds, class);
+- with CUDA, the host's side of the same block: `host_top`, the CPU operators and CUDA runtime calls with the most own
+  host time (name, calls, seconds), `host_s` their sum over the host's threads (the autograd engine's backward thread
+  too, so it can exceed the wall time), and `host_waits_s`, the host's own time in the runtime calls that wait for
+  the device (`HOST_WAITS`: synchronizations and the blocking copy). A phase whose device is idle much of its wall
+  time (the 2B job: 58 %) is held back by the host; these say by what.
 
 The profiler slows what it watches (more on the host than on the device), so a profiled step's wall time is above an
 unprofiled one's; compare its parts, not its total, with other steps. `write_profile` keeps every rank's summary of a
@@ -40,6 +45,8 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
 )
 TOP = 25  # operators in `top`
+HOST_TOP = 15  # operators and runtime calls in `host_top`
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # exact names
 PROFILE_DIR = "profile"
 
 log = logging.getLogger(__name__)
@@ -59,22 +66,20 @@ def summarize(events: Any, wall_s: float, device: bool, top: int = TOP) -> dict[
     count the CUDA kernels' own time (else the CPU operators')."""
     from torch.autograd import DeviceType
 
-    rows = []
+    rows, host = [], []  # (seconds, name, calls): the counted time; with CUDA, the host's own too
     for e in events:
-        if device:
-            if e.device_type != DeviceType.CUDA:
-                continue
-            seconds = e.self_device_time_total / 1e6
-        else:
-            seconds = e.self_cpu_time_total / 1e6
-        if seconds > 0:
-            rows.append((seconds, e.key, e.count))
+        if device and e.device_type == DeviceType.CUDA:
+            if (seconds := e.self_device_time_total / 1e6) > 0:
+                rows.append((seconds, e.key, e.count))
+        elif (seconds := e.self_cpu_time_total / 1e6) > 0:
+            (host if device else rows).append((seconds, e.key, e.count))
     rows.sort(reverse=True)
+    host.sort(reverse=True)
     busy = sum(s for s, _, _ in rows)
     classes = {cls: 0.0 for cls, _ in KERNEL_CLASSES} | {"other": 0.0}
     for seconds, name, _ in rows:
         classes[kernel_class(name)] += seconds
-    return {
+    out = {
         # Seconds to the profiler's microsecond, all alike: a class's sum is never below one of its rows' figures.
         "wall_s": round(wall_s, 6),
         "device": "cuda" if device else "cpu",
@@ -86,6 +91,13 @@ def summarize(events: Any, wall_s: float, device: bool, top: int = TOP) -> dict[
             for seconds, name, calls in rows[:top]
         ],
     }
+    if device:
+        out["host_s"] = round(sum(seconds for seconds, _, _ in host), 6)
+        out["host_waits_s"] = round(sum(seconds for seconds, name, _ in host if name in HOST_WAITS), 6)
+        out["host_top"] = [
+            {"name": name, "calls": calls, "seconds": round(seconds, 6)} for seconds, name, calls in host[:HOST_TOP]
+        ]
+    return out
 
 
 @dataclass
@@ -143,9 +155,11 @@ def write_profile(run_dir: Path, step: int, summaries: Sequence[dict[str, Any]])
     if summaries:
         s = summaries[0]
         parts = ", ".join(f"{k} {v:.2f}" for k, v in s["classes_s"].items())
+        waits = f"; the host waited for it {s['host_waits_s']:.2f} s" if "host_waits_s" in s else ""
         log.info(
-            "step %d's train phase under the profiler (rank %s): %.2f s, the %s busy %.2f s (%.0f %%: %s s); "
+            "step %d's train phase under the profiler (rank %s): %.2f s, the %s busy %.2f s (%.0f %%: %s s)%s; "
             "the top operators and every rank in %s",
-            step, s.get("rank", 0), s["wall_s"], s["device"], s["busy_s"], 100 * (s["busy_fraction"] or 0), parts, path,
+            step, s.get("rank", 0), s["wall_s"], s["device"], s["busy_s"], 100 * (s["busy_fraction"] or 0), parts,
+            waits, path,
         )  # fmt: skip
     return path

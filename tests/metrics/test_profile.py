@@ -100,6 +100,40 @@ def test_on_a_gpu_the_kernels_own_time_is_counted_and_the_host_operators_are_not
     assert out["classes_s"] == {"communication": 0.1, "attention": 0.25, "matmul": 0.6, "other": 0.05}
     assert [r["name"] for r in out["top"]][:2] == ["nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "flash_fwd_kernel"]
     assert all(r["name"] != "aten::mm" for r in out["top"])
+    assert out["host_top"] == [{"name": "aten::mm", "calls": 10, "seconds": 0.9}] and out["host_s"] == 0.9
+
+
+def test_on_a_gpu_the_host_side_names_what_holds_the_device_back():
+    """The 2B job's device was idle 58 % of its profiled train phase (docs/benchmarks.md): the summary's host side
+    (stand-in events as above, the CUDA runtime calls as kineto names them) ranks the host's own time and sums the
+    calls that wait for the device; an asynchronous copy or a launch is not a wait."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from miles_vl.metrics.profile import summarize
+
+    def host(key, us, calls=1):
+        return SimpleNamespace(key=key, count=calls, device_type=DeviceType.CPU, self_cpu_time_total=us,
+                               self_device_time_total=0)  # fmt: skip
+
+    events = [
+        host("cudaLaunchKernel", 1_200_000, calls=40_000),
+        host("cudaStreamSynchronize", 700_000, calls=60),
+        host("cudaMemcpy", 200_000, calls=358),
+        host("cudaMemcpyAsync", 150_000, calls=900),
+        host("aten::copy_", 100_000, calls=900),
+        SimpleNamespace(
+            key="nvjet_tst", count=5, device_type=DeviceType.CUDA, self_cpu_time_total=0, self_device_time_total=400_000
+        ),  # fmt: skip
+    ]
+    out = summarize(events, wall_s=4.0, device=True, top=2)
+    assert out["busy_s"] == 0.4 and [r["name"] for r in out["top"]] == ["nvjet_tst"]
+    assert out["host_s"] == 2.35 and out["host_waits_s"] == 0.9
+    assert [(r["name"], r["calls"]) for r in out["host_top"][:3]] == [
+        ("cudaLaunchKernel", 40_000), ("cudaStreamSynchronize", 60), ("cudaMemcpy", 358)
+    ]  # fmt: skip
+    assert "host_top" not in summarize(events, wall_s=4.0, device=False)  # on a CPU the host's time is the count
 
 
 def test_the_figures_keep_the_profilers_microsecond_so_a_class_is_never_below_its_own_row():
