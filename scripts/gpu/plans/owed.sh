@@ -15,6 +15,10 @@
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM)
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
 #          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
+#          p7  #34's 1.6x goal: a 2B job whose rollout outlasts its train phase (1024-token responses, 4 prompts x 8
+#              samples a step: ~40K trained tokens against 63K, each response 4x longer to generate; the pairs of
+#              p1 and p6 gained 1.25x because their rollout was a quarter of their train phase), synchronous vs
+#              staleness 1, the same GPUs as p1
 # The order is the issues' priority; a session's 30 device minutes hold the staging and about three calls.
 #
 # Before the first call, the stack is staged as docs/install-gpu.md says: 10 calls `bash scripts/gpu/stack.sh
@@ -88,10 +92,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-6]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-7]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -126,6 +130,12 @@ case $call in
       exit $rc
     ) &
     pids+=($!)
+    ;;
+  p7)
+    checkpoint 2b
+    LONG=(rollout.batch_size=4 rollout.max_response_len=1024 train.global_batch_size=32)
+    loop 0,1 585 2b async-2b-long-sync 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true
+    loop 2,3 585 2b async-2b-long-s1 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1
     ;;
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
