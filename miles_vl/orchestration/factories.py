@@ -319,6 +319,7 @@ def train_options(cfg: JobConfig, tokens: SpecialTokens) -> TrainOptions:
                 "old_logprobs_from_train_forward",
                 "logits_only_where_loss",
                 "vision_once_per_image",
+                "pinned_input_copies",
             }
         ),
     )

@@ -79,6 +79,8 @@ class TrainOptions:
             states of the positions whose label carries loss only, not on prompt positions.
         vision_once_per_image: the vision tower runs once per distinct image of a micro-batch (the n samples of a
             prompt share its images) and its output is read at every use (models/qwen3_vl/vision_once.py).
+        pinned_input_copies: the megatron backend copies a micro-batch's tensors to the GPU through pinned host
+            memory, without the stream synchronization of a copy from pageable memory (megatron/batch.py to_device).
     """
 
     optimizer: OptimizerOptions
@@ -90,6 +92,7 @@ class TrainOptions:
     old_logprobs_from_train_forward: bool = False
     logits_only_where_loss: bool = False
     vision_once_per_image: bool = False
+    pinned_input_copies: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -80,12 +80,17 @@ def test_the_engine_row_gives_the_weight_sync_its_group_opener_and_timeouts(tmp_
 
 @pytest.mark.parametrize("on", [False, True])
 def test_the_train_phase_levers_reach_both_backends_options(tmp_path, on):
-    """`train.old_logprobs_from_train_forward`, `train.logits_only_where_loss`, `train.vision_once_per_image` reach
-    the TrainOptions both backends get; `train.recompute` the megatron layout."""
+    """`train.old_logprobs_from_train_forward`, `train.logits_only_where_loss`, `train.vision_once_per_image`,
+    `train.pinned_input_copies` reach the TrainOptions both backends get; `train.recompute` the megatron layout."""
     from miles_vl.orchestration.factories import parallel_options, train_options
     from tests.rollout.hf.test_engine import SPECIAL
 
-    levers = ("old_logprobs_from_train_forward", "logits_only_where_loss", "vision_once_per_image")
+    levers = (
+        "old_logprobs_from_train_forward",
+        "logits_only_where_loss",
+        "vision_once_per_image",
+        "pinned_input_copies",
+    )
     cfg = tiny_job(tmp_path, "x", *(f"train.{k}={str(on).lower()}" for k in levers), "train.recompute=vision")
     options = train_options(cfg, SPECIAL)
     assert all(getattr(options, k) is on for k in levers)

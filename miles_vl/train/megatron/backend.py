@@ -154,6 +154,7 @@ class MegatronTrainBackend:
             vocab_size=getattr(self.config, "vocab_size", None),
             token_norm=token_norm,
             logits_only_where_loss=self.options.logits_only_where_loss,
+            pinned_input_copies=self.options.pinned_input_copies,
             # bf16 logits [T/C, V/TP] stay bf16 (Float16Module would upcast them all); vocab_parallel_logprobs
             # works in fp32 chunks, as the torch backend does with its lm_head output
             model_kwargs={"fp32_output": False} if (self.config.bf16 or self.config.fp16) else {},

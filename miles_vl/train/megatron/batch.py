@@ -151,11 +151,21 @@ def attach_loss_inputs(
     return replace(mb, loss=loss)
 
 
-def thd_params(cu_seqlens: Tensor, device: torch.device | str):
+def to_device(t: Tensor, device: torch.device | str, *, pinned: bool = False) -> Tensor:
+    """`t` on `device`. `pinned` (`train.pinned_input_copies`): a CPU tensor bound for a CUDA device is copied into
+    pinned host memory and from there without waiting (non_blocking; torch's caching host allocator keeps the pinned
+    block until the copy is done). torch's plain copy from pageable memory synchronizes the stream first: the host
+    waits for every kernel queued before it, and the GPU idles while the host queues the next ones."""
+    if pinned and t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def thd_params(cu_seqlens: Tensor, device: torch.device | str, *, pinned: bool = False):
     """megatron `PackedSeqParams` of a THD row whose segments are `cu_seqlens` ([n_seg + 1], the full row's)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    cu = to_device(cu_seqlens.to(torch.int32), device, pinned=pinned)
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return PackedSeqParams(
         qkv_format="thd",
@@ -168,27 +178,31 @@ def thd_params(cu_seqlens: Tensor, device: torch.device | str):
     )
 
 
-def model_inputs(mb: MicroBatch, device: torch.device | str, *, with_vision: bool = True) -> dict:
+def model_inputs(mb: MicroBatch, device: torch.device | str, *, with_vision: bool = True, pinned: bool = False) -> dict:
     """Keyword arguments of megatron-bridge's `Qwen3VLModel.forward` for this micro-batch, on `device`.
 
-    `with_vision=False` (pipeline stages after the first) leaves the pixels on the CPU.
+    `with_vision=False` (pipeline stages after the first) leaves the pixels on the CPU; `pinned`: `to_device`'s.
     """
     shard, packed = mb.shard, mb.packed
     ids = shard.input_ids
+
+    def on(t: Tensor) -> Tensor:
+        return to_device(t, device, pinned=pinned)
+
     kwargs = dict(
-        input_ids=ids.to(device),  # [1, T/C]
-        position_ids=shard.position_ids.to(device),  # [3, 1, T/C] rank-local MRoPE positions
-        packed_seq_params=thd_params(packed.cu_seqlens, device),  # the FULL row's segments
+        input_ids=on(ids),  # [1, T/C]
+        position_ids=on(shard.position_ids),  # [3, 1, T/C] rank-local MRoPE positions
+        packed_seq_params=thd_params(packed.cu_seqlens, device, pinned=pinned),  # the FULL row's segments
     )
     if not with_vision:
         return kwargs
     vision = shard.vision_mask  # [1, T/C] media tokens inside prompt spans only
     if mb.pixel_values is not None:
-        kwargs["pixel_values"] = mb.pixel_values.to(device)
-        kwargs["image_grid_thw"] = packed.image_grid_thw.to(device)
-        kwargs["image_input_mask"] = (vision & (ids == mb.image_token_id)).to(device)
+        kwargs["pixel_values"] = on(mb.pixel_values)
+        kwargs["image_grid_thw"] = on(packed.image_grid_thw)
+        kwargs["image_input_mask"] = on(vision & (ids == mb.image_token_id))
     if mb.pixel_values_videos is not None:
-        kwargs["pixel_values_videos"] = mb.pixel_values_videos.to(device)
-        kwargs["video_grid_thw"] = packed.video_grid_thw.to(device)
-        kwargs["video_input_mask"] = (vision & (ids == mb.video_token_id)).to(device)
+        kwargs["pixel_values_videos"] = on(mb.pixel_values_videos)
+        kwargs["video_grid_thw"] = on(packed.video_grid_thw)
+        kwargs["video_input_mask"] = on(vision & (ids == mb.video_token_id))
     return kwargs

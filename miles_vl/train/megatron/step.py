@@ -35,7 +35,7 @@ from torch import Tensor
 
 from miles_vl.algo import policy_loss, sequence_mean_log_ratio
 from miles_vl.packing.distributed import gather_full_row
-from miles_vl.train.megatron.batch import MicroBatch, model_inputs
+from miles_vl.train.megatron.batch import MicroBatch, model_inputs, to_device
 from miles_vl.train.megatron.parallel import ParallelGroups
 from miles_vl.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from miles_vl.train.types import LossOptions, TrainSample, response_logprobs
@@ -96,6 +96,7 @@ class ForwardOptions:
     vocab_size: int | None = None
     token_norm: float = 1.0  # train: total full-row tokens of the optimizer step over all DP ranks (see above)
     logits_only_where_loss: bool = False  # train: the output layer runs at the loss positions only (`logits_at`)
+    pinned_input_copies: bool = False  # tensors to the GPU without a stream synchronization (batch.py `to_device`)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. fp32_output=False for megatron's Float16Module
 
 
@@ -107,7 +108,10 @@ def forward_step(options: ForwardOptions, data_iterator: Iterator[MicroBatch], m
         positions = mb.loss.positions
     with logits_at(model, positions):
         output = model(
-            **model_inputs(mb, options.device, with_vision=options.groups.first_stage), **options.model_kwargs
+            **model_inputs(
+                mb, options.device, with_vision=options.groups.first_stage, pinned=options.pinned_input_copies
+            ),
+            **options.model_kwargs,
         )
 
     def loss_func(output_tensor):
@@ -153,14 +157,16 @@ def _local_logits(output) -> Tensor:
     return logits[0]
 
 
-def _num_tokens(mb: MicroBatch, like: Tensor) -> Tensor:
+def _num_tokens(options: ForwardOptions, mb: MicroBatch, like: Tensor) -> Tensor:
+    if options.pinned_input_copies:  # filled on the device: no copy from the host
+        return like.new_full((), mb.num_local_tokens, dtype=torch.int)
     return torch.tensor(mb.num_local_tokens, dtype=torch.int, device=like.device)
 
 
 def logprobs_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
     """Label logprobs of the whole micro-batch: {"logprobs": {sample index: [response_len] fp32 CPU}}."""
     logits = _local_logits(output)
-    labels = mb.shard.labels[0].to(logits.device)
+    labels = to_device(mb.shard.labels[0], logits.device, pinned=options.pinned_input_copies)
     logp, _ = vocab_parallel_logprobs(
         logits,
         labels,
@@ -178,7 +184,7 @@ def logprobs_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple
         chosen = [options.samples[i] for i in mb.spec.samples]
         per_sample = dict(zip(mb.spec.samples, response_logprobs(full, mb.packed.cu_seqlens, chosen), strict=True))
     zero = logits.new_zeros((), dtype=torch.float32)
-    return zero, _num_tokens(mb, logits), {"logprobs": per_sample}
+    return zero, _num_tokens(options, mb, logits), {"logprobs": per_sample}
 
 
 def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Tensor, Tensor, dict]:
@@ -188,8 +194,12 @@ def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Te
     logits = _local_logits(output)
     device = logits.device
     li = mb.loss
-    pos = li.positions.to(device)
-    labels = mb.shard.labels[0].to(device)[pos]
+
+    def on(t: Tensor) -> Tensor:
+        return to_device(t, device, pinned=options.pinned_input_copies)
+
+    pos = on(li.positions)
+    labels = on(mb.shard.labels[0])[pos]
     if options.logits_only_where_loss:  # the model computed them there only (`logits_at`)
         if logits.shape[0] != pos.numel():
             raise AssertionError(f"{logits.shape[0]} logits for {pos.numel()} loss positions")
@@ -205,25 +215,25 @@ def train_loss_func(options: ForwardOptions, mb: MicroBatch, output) -> tuple[Te
         with_entropy=options.loss.entropy_coef > 0,
     )
     # None: one update per RL step, the weights are those a separate logprobs pass would score (step.py)
-    old = logp.detach() if li.old_logprobs is None else li.old_logprobs.to(device)
+    old = logp.detach() if li.old_logprobs is None else on(li.old_logprobs)
     seq_log_ratio = None
     if options.loss.policy_loss_type == "gspo":
         seq_log_ratio = sequence_mean_log_ratio(
-            logp, old, li.sample.to(device), li.seq_loss_tokens, li.weights.to(device), all_reduce=_cp_sum(options)
+            logp, old, on(li.sample), li.seq_loss_tokens, on(li.weights), all_reduce=_cp_sum(options)
         )
     out = policy_loss(
         logp,
         old,
-        li.advantages.to(device),
-        li.weights.to(device),
-        ref_logprobs=li.ref_logprobs.to(device) if li.ref_logprobs is not None else None,
+        on(li.advantages),
+        on(li.weights),
+        ref_logprobs=on(li.ref_logprobs) if li.ref_logprobs is not None else None,
         entropy=entropy,
-        rollout_logprobs=li.rollout_logprobs.to(device),
+        rollout_logprobs=on(li.rollout_logprobs),
         seq_log_ratio=seq_log_ratio,
         **options.loss.policy_loss_kwargs(),
     )
     report = {"metrics": out.metrics, "num_tokens": mb.num_local_tokens}
-    return out.loss * options.token_norm, _num_tokens(mb, logits), report
+    return out.loss * options.token_norm, _num_tokens(options, mb, logits), report
 
 
 def _cp_sum(options: ForwardOptions):

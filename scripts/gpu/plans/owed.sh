@@ -15,6 +15,9 @@
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM)
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
 #          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
+#          p8  #33: train.pinned_input_copies against today's copies, one invocation: the 2B job colocated with the
+#              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 6 steps;
+#              the profile of 2026-11-27 found the device idle 58 % of the phase
 #          p7  #34's 1.6x goal: a 2B job whose rollout outlasts its train phase (1024-token responses, 4 prompts x 8
 #              samples a step: ~40K trained tokens against 63K, each response 4x longer to generate; the pairs of
 #              p1 and p6 gained 1.25x because their rollout was a quarter of their train phase), synchronous vs
@@ -92,10 +95,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p8"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-7]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-8]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -130,6 +133,14 @@ case $call in
       exit $rc
     ) &
     pids+=($!)
+    ;;
+  p8)
+    checkpoint 2b
+    # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
+    LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
+      train.vision_once_per_image=true)
+    loop 0 585 2b copies-2b-plain 6 'train.profile_steps=[3]' "${LEVERS[@]}"
+    loop 1 585 2b copies-2b-pinned 6 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
     ;;
   p7)
     checkpoint 2b

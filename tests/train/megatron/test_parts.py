@@ -175,3 +175,96 @@ def test_gspo_over_cp_ranks_equals_the_paper_objective():
     assert sum(r["loss"] for r in ranks) == pytest.approx(total.item(), abs=1e-6)
     for i, t in enumerate(tables):
         torch.testing.assert_close(ranks[0]["grads"][i] + ranks[1]["grads"][i], t.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_to_device_pins_and_skips_the_wait_only_for_a_cuda_target(monkeypatch):
+    """`train.pinned_input_copies`: a CPU tensor bound for CUDA is pinned and copied with non_blocking=True (torch's
+    plain copy from pageable memory synchronizes the stream: the 2B train phase's device sat idle 58 % of it,
+    docs/benchmarks.md); without the key, or to the CPU, the copy is torch's plain one. Recorded on stand-ins of
+    Tensor.pin_memory and Tensor.to (this machine has no GPU; the loop's A/B is scripts/gpu/plans/owed.sh p8)."""
+    from miles_vl.train.megatron.batch import to_device
+
+    calls = []
+    real_to = torch.Tensor.to
+
+    def pin_memory(self):
+        calls.append("pin")
+        return self.clone()
+
+    def to(self, *args, **kwargs):
+        calls.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+        return real_to(self, "cpu") if str(args[0]).startswith("cuda") else real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    t = torch.arange(6)
+    for device, pinned, expected in [
+        ("cuda", True, ["pin", ("to", "cuda", True)]),
+        (torch.device("cuda", 1), True, ["pin", ("to", "cuda:1", True)]),
+        ("cuda", False, [("to", "cuda", False)]),
+        ("cpu", True, [("to", "cpu", False)]),
+    ]:
+        calls.clear()
+        assert torch.equal(to_device(t, device, pinned=pinned), t)
+        assert calls == expected, (device, pinned, calls)
+
+
+def _routed_worker(rank: int, world_size: int) -> dict:
+    """With `pinned_input_copies`, every tensor of a micro-batch that the forward and the loss take to the device
+    passes through `to_device` with pinned=True: a stand-in records each one (the CPU is the device here)."""
+    import torch.distributed as dist
+
+    from miles_vl.train.megatron import batch, step
+    from miles_vl.train.megatron.parallel import ParallelGroups
+    from miles_vl.train.types import LossOptions
+
+    me = dist.group.WORLD
+    groups = ParallelGroups(tp=me, cp=me, dp=me, dp_cp=me, pp=me)
+    samples = _samples()
+    den = loss_denominators(torch.tensor([sample_loss_tokens(s) for s in samples]))
+    mb = pack_micro_batch(
+        samples, MicroBatchSpec([0, 1, 2]), tokens=_tokens(), spatial_merge_size=2, cp_size=1, cp_rank=0
+    )
+    mb = attach_loss_inputs(mb, samples, _gspo_old(samples), None, den, reduction="seq_mean_token_mean")
+    sources, outputs = [], []
+
+    def recorder(t, device, *, pinned=False):
+        assert pinned, "a tensor went to the device without the key's pinned copy"
+        sources.append(t)
+        outputs.append(t.to(device).clone())
+        return outputs[-1]
+
+    kwargs_plain = batch.model_inputs(mb, "cpu")
+    batch.to_device = step.to_device = recorder
+    kwargs = batch.model_inputs(mb, "cpu", pinned=True)
+    tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)] + [kwargs["packed_seq_params"].cu_seqlens_q]
+    forward_routed = all(any(t is o for o in outputs) for t in tensors) and len(tensors) >= 4
+    forward_equal = all(torch.equal(kwargs[k], kwargs_plain[k]) for k in kwargs if isinstance(kwargs[k], torch.Tensor))
+    logits = torch.randn(mb.shard.input_ids.shape[1], VOCAB_GSPO, generator=torch.Generator().manual_seed(1))
+    loss = LossOptions(reduction="seq_mean_token_mean")
+    results = {}
+    for pinned in (False, True):
+        sources.clear()
+        options = step.ForwardOptions(
+            mode="train", groups=groups, device="cpu", loss=loss, vocab_size=VOCAB_GSPO, pinned_input_copies=pinned
+        )
+        if not pinned:
+            step.to_device = batch.to_device = lambda t, device, *, pinned=False: t.to(device)
+        else:
+            step.to_device = recorder
+        value, count, _ = step.train_loss_func(options, mb, logits[None])
+        results[pinned] = (value.item(), int(count))
+    li = mb.loss
+    wanted = [li.positions, mb.shard.labels[0], li.advantages, li.weights, li.rollout_logprobs, li.old_logprobs]
+    loss_routed = all(any(w.data_ptr() == s.data_ptr() and w.shape == s.shape for s in sources) for w in wanted)
+    return {"forward_routed": forward_routed, "forward_equal": forward_equal, "loss_routed": loss_routed,
+            "results": results}  # fmt: skip
+
+
+def test_with_pinned_input_copies_every_tensor_goes_through_to_device():
+    from tests.dist import run_gloo
+
+    (out,) = run_gloo(_routed_worker, 1)
+    assert out["forward_routed"] and out["forward_equal"]
+    assert out["loss_routed"]
+    assert out["results"][True] == out["results"][False]  # the same loss and token count: the count filled on device
