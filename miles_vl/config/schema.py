@@ -514,7 +514,8 @@ class TrainConfig(_Section):
         False,
         description="megatron on CUDA: each micro-batch's inputs and loss inputs go to the GPU through pinned host "
         "memory without waiting for it (non_blocking). A plain copy from pageable memory first waits for every kernel "
-        "queued before it (torch synchronizes the stream), about a dozen times a micro-batch; the same values either way.",
+        "queued before it (torch synchronizes the stream), about a dozen times a micro-batch; the same values "
+        "either way.",
     )
     vision_once_per_image: bool = Field(
         False,

@@ -167,7 +167,7 @@ def run_job(
         splits = build_datasets(cfg.data, processor, seed=cfg.seed, records=dataset)
         if resume_state:  # a cursor saved for other data fails here, before Ray starts
             splits.train.load_state_dict(resume_state["data"])
-            for note in steps_passed(cfg, resume_state["step"], run_dir).values():
+            for note in passed_step_notes(cfg, resume_state["step"], run_dir).values():
                 log.warning("%s", note)
         write_run_files(run_dir, cfg, processor_metadata(processor))
     with run_log(run_dir):  # from here on, the console's lines also go to <run dir>/driver.log
@@ -285,7 +285,7 @@ def describe_start(cfg: JobConfig, config_path: str | None) -> dict[str, Any]:
         out["start"] = "fresh" + (f" (again: the {records} logged steps' metrics.jsonl kept aside)" * bool(records))
         return out
     out |= {"start": "resume", "from_step": state["step"], "checkpoint": str(point.path)}
-    out |= steps_passed(cfg, state["step"], run_dir)
+    out |= passed_step_notes(cfg, state["step"], run_dir)
     if point.skipped:
         out["broken_checkpoints_to_set_aside"] = [str(p) for p, _ in point.skipped]
     if state["step"] == cfg.num_steps:
@@ -295,7 +295,7 @@ def describe_start(cfg: JobConfig, config_path: str | None) -> dict[str, Any]:
     return out
 
 
-def steps_passed(cfg: JobConfig, from_step: int, run_dir: Path) -> dict[str, str]:
+def passed_step_notes(cfg: JobConfig, from_step: int, run_dir: Path) -> dict[str, str]:
     """What a resume from `from_step` says of the steps it has passed that asked for something the run will not do:
     `train.profile_steps` (a passed step is not trained again) and `checkpoint.save_hf` (a passed step's HF directory
     that <run dir>/hf lacks, say because the key was added on resume, is not written). Keyed by the config key."""
@@ -308,10 +308,11 @@ def steps_passed(cfg: JobConfig, from_step: int, run_dir: Path) -> dict[str, str
     h = cfg.checkpoint.save_hf
     due = [s for s in range(1, from_step + 1) if save_hf_due(s, h.steps, h.interval, final=False, last=False)]
     if missing := [s for s in due if not (run_dir / HF_DIR / step_dir_name(s)).is_dir()]:
+        shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing)} steps)" if len(missing) > 8 else "")
         notes["save_hf"] = (
-            f"checkpoint.save_hf asks for steps {missing}, at or before step {from_step}, which this run resumes "
-            f"from, and {run_dir / HF_DIR} has none of them: they are not written now; `miles-vl export {run_dir} "
-            f"OUT_DIR --step N` writes one from step N's checkpoint while it is kept"
+            f"checkpoint.save_hf asks for steps [{shown}], at or before step {from_step}, which this run resumes "
+            f"from, and {run_dir / HF_DIR} has none of them: they are not written now; `miles-vl export RUN_DIR "
+            f"OUT_DIR --step N` writes one from step N's checkpoint, in the run whose checkpoints hold it"
         )
     return notes
 

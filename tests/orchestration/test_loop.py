@@ -49,7 +49,7 @@ def test_resume_reproduces_the_straight_run(tmp_path, caplog):
     unsaved = "checkpoint.save_hf asks for steps [1], at or before step 2, which this run resumes from"
     start = describe_start(cfg, None)
     assert start["profile_steps"].startswith(passed) and start["save_hf"].startswith(unsaved)
-    assert f"miles-vl export {first} OUT_DIR --step N" in start["save_hf"]
+    assert "miles-vl export RUN_DIR OUT_DIR --step N" in start["save_hf"]
     with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
         resumed = run_job(cfg)
     notes = [r.getMessage() for r in caplog.records]

@@ -47,7 +47,8 @@ ts() { echo "[owed $(date +%T) +${SECONDS}s] $*"; }
 install_once() {  # the call that carries the last part installs; the later ones find the stack installed
   [ "$dry" = 1 ] && return 0
   if [ -d "$bundle" ]; then
-    bash $S true > "$O/install.out" 2>&1 || { ts "stack install failed: $(tail -3 "$O/install.out")"; exit 1; }
+    STACK_BUNDLE="$bundle" bash $S true > "$O/install.out" 2>&1 \
+      || { ts "stack install failed: $(tail -3 "$O/install.out")"; exit 1; }
     rm -rf "$bundle" "$O/install.out"  # kept only when it failed: the device tool returns 8 files at most
   fi
   ts "stack ready"
@@ -72,10 +73,19 @@ loop() {  # GPUS END_S SHAPE NAME STEPS [override ...]: loop_run.sh on GPUS, sto
   pids+=($!)
 }
 
+left() {  # END_S: the seconds until second END_S of this call, for `timeout`; fails (and says so) under 5, since
+  # `timeout 0` would set no limit at all and a negative one is an error
+  local n=$(( $1 - SECONDS ))
+  [ "$n" -ge 5 ] || { ts "no time left before second $1: not started" >&2; return 1; }
+  echo "$n"
+}
+
 gpu_test() {  # GPUS END_S K: the GPU tests of tests/gpu/test_megatron_train_gpu.py matching -k K, on GPUS, stopped
   # by second END_S of this call, in the foreground (a chain's next link), logged to gpu_test_K.log
   [ "$dry" = 1 ] && return 0
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 $(( $2 - SECONDS )) bash $S python3 -m pytest -m gpu -s -q \
+  local n
+  n=$(left "$2") || return 1
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$n" bash $S python3 -m pytest -m gpu -s -q \
     -p no:cacheprovider tests/gpu/test_megatron_train_gpu.py -k "$3" > "$O/gpu_test_$3.log" 2>&1
 }
 
@@ -84,10 +94,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   [ "$dry" = 1 ] && exit 0
   ts "done (exit $rc)"
-  # the call's own logs in one file (stack.sh's stack*.log, the checkpoints' logs, a failed install's): the device
-  # tool returns 8 files at most, and p2 leaves 7 besides these
+  # the call's own logs in one file (stack.sh's stack*.log, the checkpoints' logs): the device tool returns 8 files at
+  # most, and p2 leaves 7 besides these
   local logs=() f
-  for f in "$O"/stack*.log "$O"/checkpoint*.log "$O"/install.out; do [ -f "$f" ] && logs+=("${f##*/}"); done
+  for f in "$O"/stack*.log "$O"/checkpoint*.log; do [ -f "$f" ] && logs+=("${f##*/}"); done
   [ ${#logs[@]} -gt 0 ] && tar czf "$O/call_logs.tar.gz" -C "$O" "${logs[@]}" && (cd "$O" && rm -f "${logs[@]}")
   for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
   [ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
@@ -115,21 +125,21 @@ case $call in
     if [ "$dry" = 0 ]; then  # #33: where the export's time goes, on the 2B checkpoint, bf16 as the train ranks;
       # then the optimizer offload's GPU test (one GPU)
       (
-        CUDA_VISIBLE_DEVICES=1 timeout -k 10 $(( 300 - SECONDS )) bash $S python3 benchmarks/bench_export.py \
+        n=$(left 300) && CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$n" bash $S python3 benchmarks/bench_export.py \
           --device cuda --hf-dir "$ckpts/ckpt_loop_2b" --repeats 5 > "$O/bench_export.log" 2>&1
         rc=$?
-        gpu_test 1 560 offload || rc=1
+        gpu_test 1 570 offload || rc=1
         exit $rc
       ) &
       pids+=($!)
     fi
     (  # the tiny run, then the async save's GPU test (cp2: 2 GPUs; the 4-GPU cases of -k cp2 skip)
-      loop 2,3 440 tiny async-tiny-partial 12 "${DIS[@]}" rollout.max_staleness=1 rollout.partial_rollouts=true \
+      loop 2,3 420 tiny async-tiny-partial 12 "${DIS[@]}" rollout.max_staleness=1 rollout.partial_rollouts=true \
         rollout.max_response_len=256
       [ "$dry" = 1 ] && exit 0
       wait "${pids[-1]}"
       rc=$?
-      gpu_test 2,3 560 cp2 || rc=1
+      gpu_test 2,3 570 cp2 || rc=1  # 112 s on 2026-11-27
       exit $rc
     ) &
     pids+=($!)
