@@ -8,7 +8,9 @@ Last stdout line: one JSON object with
   `reward/mean`) and `reward_slope` (least squares, per step);
 - `logprob_abs_diff_step1`: `train/train_rollout_logprob_abs_diff` of the first step (trainer vs engine, same weights);
 - per phase (rollout = generation, reward, train, sync, step): the median seconds over the steps after the first
-  (the first compiles kernels and allocates);
+  (the first compiles kernels and allocates), profiled steps left out (`time/profile_s` in their row: the profiler
+  slows the train phase and its reading adds to the step); every figure below that is a median takes the same steps;
+  `profiled_steps` lists the steps left out;
 - `sync_bytes`, `sync_tensors`, `sync_buckets` (what each sync moved) and `sync_gb_per_s`; for a group sync (NCCL or
   colocated IPC) `sync_phases_s`: the median seconds of each of its phases (`sync/<phase>_s`: export, pack, send,
   wait, check, label; miles_vl/rollout/weight_sync.py `PhaseClock`), where a sync's time goes;
@@ -103,7 +105,9 @@ def gpu_counts(cfg: dict) -> tuple[int, int]:
 def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float, vision_blocks: float = 1.0) -> dict:
     rows = read_metrics(run_dir)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    later = rows[1:] or rows
+    # the steps after the first (it compiles and allocates), less those run under the profiler (train.profile_steps:
+    # their train phase is slower and their step carries the profile's reading, `time/profile_s`)
+    later = [r for r in rows[1:] if "time/profile_s" not in r] or rows[1:] or rows
 
     def med(key: str) -> float | None:
         values = [r[key] for r in later if key in r]
@@ -142,6 +146,8 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float, vision_blocks
         train_tokens_per_s=med("perf/train_tokens_per_s"),
         sample_len_max=largest("rollout/sample_len_max"),
     )  # fmt: skip
+    if profiled := [r["step"] for r in rows if "time/profile_s" in r]:
+        out["profiled_steps"] = profiled
     if out["train_tokens_per_s"] is not None:
         out["train_tokens_per_s_per_gpu"] = round(out["train_tokens_per_s"] / train_gpus, 1)
     if per_step := [

@@ -147,3 +147,18 @@ def test_end_to_end_throughput_and_idle_fractions(tmp_path, placement, engines, 
         trainer = statistics.median([1 - 2.0 / 5.0, 1 - 2.0 / 4.0])
         engine = statistics.median([1 - 1.0 / 5.0, 1 - 3.0 / 4.0])
         assert out["idle_fraction"] == {"trainer": round(trainer, 3), "engine": round(engine, 3)}
+
+
+def test_a_profiled_step_is_left_out_of_the_medians(tmp_path):
+    """train.profile_steps=[3]: step 3's train phase ran under the profiler and its step carries the profile's reading
+    (67 s in the 2B run of 2026-11-27); the medians are over steps 2 and 4 (written out), and the summary names it."""
+    run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows.append(dict(rows[-1], step=4))
+    for row, train_s, step_s in zip(rows, (9.0, 2.0, 12.0, 3.0), (20.0, 5.0, 90.0, 6.0), strict=True):
+        row.update({"time/train_s": train_s, "time/step_s": step_s})
+    rows[2]["time/profile_s"] = 67.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = summarize_run.summarize(run, None, PEAK)
+    assert (out["train_s"], out["step_s"]) == (statistics.median([2.0, 3.0]), statistics.median([5.0, 6.0]))
+    assert out["profiled_steps"] == [3]

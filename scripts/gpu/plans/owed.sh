@@ -16,7 +16,8 @@
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
 #          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
 #          p8  #33: train.pinned_input_copies against today's copies, one invocation: the 2B job colocated with the
-#              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 6 steps;
+#              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 5 steps
+#              (summarize_run's medians leave the profiled step out: steps 2, 4, 5);
 #              the profile of 2026-11-27 found the device idle 58 % of the phase
 #          p7  #34's 1.6x goal: a 2B job whose rollout outlasts its train phase (1024-token responses, 4 prompts x 8
 #              samples a step: ~40K trained tokens against 63K, each response 4x longer to generate; the pairs of
@@ -149,8 +150,8 @@ case $call in
     # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
     LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
       train.vision_once_per_image=true)
-    loop 0 585 2b copies-2b-plain 6 'train.profile_steps=[3]' "${LEVERS[@]}"
-    loop 1 585 2b copies-2b-pinned 6 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
+    loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
+    loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
     ;;
   p7)
     checkpoint 2b
