@@ -19,6 +19,14 @@ summarize_run = load_script("scripts/gpu/summarize_run.py")
 PEAK = 1000.0  # TFLOP/s, a round number for the arithmetic below
 
 
+def read_rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_rows(run, rows: list[dict]) -> None:
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def write_run(run, *, train_gpus, placement, engines, gpus_per_engine):
     run.mkdir()
     cfg = {
@@ -34,7 +42,7 @@ def write_run(run, *, train_gpus, placement, engines, gpus_per_engine):
          "rollout/sample_len_max": 60000.0 + s}
         for s in (1, 2, 3)
     ]  # fmt: skip
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(run, rows)
     return run
 
 
@@ -100,10 +108,10 @@ def test_sync_phases_are_medians_over_the_steps_after_the_first(tmp_path):
     steps after the first (step 1's export compiles and allocates); a run without them (tensor sync) has none."""
     run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
     assert "sync_phases_s" not in summarize_run.summarize(run, None, PEAK)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(run)
     for r, (export, wait) in zip(rows, [(9.0, 5.0), (0.2, 0.1), (0.4, 0.3)], strict=True):
         r |= {"sync/export_s": export, "sync/wait_s": wait, "sync/bytes": 4.0e9}
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(run, rows)
     assert summarize_run.summarize(run, None, PEAK)["sync_phases_s"] == {"export": 0.3, "wait": 0.2}
 
 
@@ -115,12 +123,12 @@ def test_vision_attention_is_counted_per_image(tmp_path, monkeypatch, recorded):
     arch = dict(layers=0, attn_dim=0, vis_depth=2, vis_hidden=10)  # only the vision attention term is non-zero
     monkeypatch.setattr(summarize_run, "matmul_params", lambda ckpt: (0, 0, arch))
     run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(run)
     for row in rows:
         row["rollout/visual_tokens_per_sample"] = 62 * 1024.0  # 62 images of 4096 patches
         if recorded:
             row["rollout/vision_blocks_per_sample"] = 62.0
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(run, rows)
     # 4 prompts x 2 samples, 8 passes' worth (2 forward + 6 forward-backward), 2 L d P^2 per block, 62 blocks
     per_image = 8 * 2 * 2 * 10 * 4096**2 * 62 * 8
     out = summarize_run.summarize(run, "ckpt", PEAK, vision_blocks=1.0 if recorded else 62.0)
@@ -135,10 +143,10 @@ def test_end_to_end_throughput_and_idle_fractions(tmp_path, placement, engines, 
     share; written out: steps 2 and 3 train 1000 tokens in steps of 5.0 and 4.0 s, train 2.0 s, generate 1.0 and
     3.0 s (step 1, which compiles and allocates, is left out)."""
     run = write_run(tmp_path / "r", train_gpus=1, placement=placement, engines=engines, gpus_per_engine=1)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(run)
     for row, step_s, rollout_s in zip(rows, (99.0, 5.0, 4.0), (50.0, 1.0, 3.0), strict=True):
         row.update({"time/step_s": step_s, "time/rollout_s": rollout_s})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(run, rows)
     out = summarize_run.summarize(run, None, PEAK)
     assert out["step_tokens_per_s_per_gpu"] == round(statistics.median([1000 / 5.0, 1000 / 4.0]) / job_gpus, 1)
     if placement == "colocate":
@@ -153,12 +161,12 @@ def test_a_profiled_step_is_left_out_of_the_medians(tmp_path):
     """train.profile_steps=[3]: step 3's train phase ran under the profiler and its step carries the profile's reading
     (67 s in the 2B run of 2026-11-27); the medians are over steps 2 and 4 (written out), and the summary names it."""
     run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(run)
     rows.append(dict(rows[-1], step=4))
     for row, train_s, step_s in zip(rows, (9.0, 2.0, 12.0, 3.0), (20.0, 5.0, 90.0, 6.0), strict=True):
         row.update({"time/train_s": train_s, "time/step_s": step_s})
     rows[2]["time/profile_s"] = 67.0
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(run, rows)
     out = summarize_run.summarize(run, None, PEAK)
     assert (out["train_s"], out["step_s"]) == (statistics.median([2.0, 3.0]), statistics.median([5.0, 6.0]))
     assert out["profiled_steps"] == [3]
