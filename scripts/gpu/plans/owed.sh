@@ -15,15 +15,16 @@
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM)
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
 #          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
-#          p8  #33: train.pinned_input_copies against today's copies, one invocation: the 2B job colocated with the
-#              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 5 steps
-#              (summarize_run's medians leave the profiled step out: steps 2, 4, 5);
-#              the profile of 2026-11-27 found the device idle 58 % of the phase
 #          p7  #34's 1.6x goal: a 2B job whose rollout outlasts its train phase (1024-token responses, 4 prompts x 8
 #              samples a step: ~40K trained tokens against 63K, each response 4x longer to generate; the pairs of
 #              p1 and p6 gained 1.25x because their rollout was a quarter of their train phase), synchronous vs
 #              staleness 1, the same GPUs as p1
-# The order is the issues' priority; a session's 30 device minutes hold the staging and about three calls.
+#          p8  #33: train.pinned_input_copies against today's copies, one invocation: the 2B job colocated with the
+#              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 5 steps
+#              (summarize_run's medians leave the profiled step out: steps 2, 4, 5);
+#              the profile of 2026-11-27 found the device idle 58 % of the phase
+# p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
+# #34). A session's 30 device minutes hold the staging and about three calls.
 #
 # Before the first call, the stack is staged as docs/install-gpu.md says: 10 calls `bash scripts/gpu/stack.sh
 # --stage` carrying .bundle_stack/part1..10, back to back (the machine keeps files only while warm, 30 s after a
@@ -145,6 +146,12 @@ case $call in
     ) &
     pids+=($!)
     ;;
+  p7)
+    checkpoint 2b
+    LONG=(rollout.batch_size=4 rollout.max_response_len=1024 train.global_batch_size=32)
+    loop 0,1 585 2b async-2b-long-sync 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true
+    loop 2,3 585 2b async-2b-long-s1 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1
+    ;;
   p8)
     checkpoint 2b
     # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
@@ -152,12 +159,6 @@ case $call in
       train.vision_once_per_image=true)
     loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
     loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
-    ;;
-  p7)
-    checkpoint 2b
-    LONG=(rollout.batch_size=4 rollout.max_response_len=1024 train.global_batch_size=32)
-    loop 0,1 585 2b async-2b-long-sync 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true
-    loop 2,3 585 2b async-2b-long-s1 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1
     ;;
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
