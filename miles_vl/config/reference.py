@@ -34,6 +34,7 @@ Cross-field rules (`JobConfig` and its sections; checked together with the field
 - `train.backend: torch` trains on one device: `train.tp/pp/cp/ep` must be 1 and `train.num_gpus` 0 or 1.
 - `train.backend: megatron` needs `train.num_gpus > 0` and `model.init: pretrained` (AutoBridge loads `model.path`).
 - `train.optimizer.cpu_offload > 0` needs `train.backend: megatron` (megatron's optimizer offload).
+- `train.pinned_input_copies: true` needs `train.backend: megatron` (the megatron backend's copies).
 - `train.profile_steps` lie in `1..num_steps` (a step past the run's last would never be profiled).
 - `checkpoint.save_hf.steps` lie in `1..num_steps` (a step past the run's last would never be written).
 - `ray.placement: colocate` with GPUs: `rollout.num_engines * rollout.gpus_per_engine <= train.num_gpus`.

@@ -866,6 +866,11 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
             f"train.optimizer.cpu_offload={t.optimizer.cpu_offload} offloads megatron's distributed optimizer, but "
             "train.backend=torch; set train.optimizer.cpu_offload=0 or train.backend=megatron"
         )
+    if t.backend == "torch" and t.pinned_input_copies:
+        errors.append(
+            "train.pinned_input_copies=true changes how the megatron backend copies micro-batches to the GPU, but "
+            "train.backend=torch; set train.pinned_input_copies=false or train.backend=megatron"
+        )
     if t.backend == "megatron" and t.num_gpus == 0:
         errors.append("train.backend=megatron needs GPUs: set train.num_gpus (e.g. 8)")
     if t.backend == "megatron" and cfg.model.init != "pretrained":

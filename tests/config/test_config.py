@@ -375,6 +375,12 @@ DOC = (REPO / "docs" / "configs.md").read_text()
             "`train.optimizer.cpu_offload > 0` needs `train.backend: megatron`",
         ),
         (
+            ["train.pinned_input_copies=true"],
+            "train.pinned_input_copies=true changes how the megatron backend copies micro-batches to the GPU, but "
+            "train.backend=torch",
+            "`train.pinned_input_copies: true` needs `train.backend: megatron`",
+        ),
+        (
             ["train.profile_steps=[2,9]", "num_steps=4"],
             "train.profile_steps [9] are past the run's last step (num_steps=4)",
             "`train.profile_steps` lie in `1..num_steps`",
