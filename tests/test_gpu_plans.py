@@ -13,7 +13,7 @@ from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
-CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
+CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8")
 DEVICE_CALL_S = 600
 
 
@@ -50,7 +50,10 @@ def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
 
 def test_an_unknown_call_is_refused_before_anything_runs():
     result = subprocess.run(["bash", str(OWED), "p9"], capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 2 and "unknown call p9 (p1 | p2 | p3 | p4 | p5 | p6 | p7 | p8)" in result.stderr
+    assert (
+        result.returncode == 2
+        and "unknown call p9 (p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8)" in result.stderr
+    )
 
 
 def test_run_names_are_distinct_across_calls():

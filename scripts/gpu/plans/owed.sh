@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs that issues 33 and 34 still owe, one device call each, on one 4-GPU machine (nvidia-h100-x4 or
-# nvidia-h200-x4). Written down here so that a session with device time runs them as planned, and each run's
-# commands.txt can name the call it came from (`owed.sh p1` at commit C).
+# nvidia-h200-x4); p7-sync, p7-s1 and p8 use two GPUs and fit a 2-GPU machine too. Written down here so that a
+# session with device time runs them as planned, and each run's commands.txt can name the call it came from
+# (`owed.sh p1` at commit C).
 #
 # usage, in the repository root on the GPU machine:   bash scripts/gpu/plans/owed.sh [--dry-run] CALL
 #   --dry-run  print each run's GPUs, end second and loop_run.sh arguments, one line each, and run nothing (the
@@ -19,6 +20,9 @@
 #              samples a step: ~40K trained tokens against 63K, each response 4x longer to generate; the pairs of
 #              p1 and p6 gained 1.25x because their rollout was a quarter of their train phase), synchronous vs
 #              staleness 1, the same GPUs as p1
+#          p7-sync, p7-s1   p7 on a 2-GPU host (nvidia-h100-x2 / nvidia-h200-x2), one half a call, each on GPUs 0,1:
+#              the two calls back to back on one warm machine (the comparison's condition: one machine; the pair is
+#              two runs of one machine, not of one call, and its docs say so)
 #          p8  #33: train.pinned_input_copies against today's copies, one invocation: the 2B job colocated with the
 #              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 5 steps
 #              (summarize_run's medians leave the profiled step out: steps 2, 4, 5);
@@ -107,10 +111,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p8"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-8]) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-8] | p7-sync | p7-s1) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -146,11 +150,17 @@ case $call in
     ) &
     pids+=($!)
     ;;
-  p7)
+  p7 | p7-sync | p7-s1)
     checkpoint 2b
     LONG=(rollout.batch_size=4 rollout.max_response_len=1024 train.global_batch_size=32)
-    loop 0,1 585 2b async-2b-long-sync 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true
-    loop 2,3 585 2b async-2b-long-s1 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1
+    case $call in
+      p7)
+        loop 0,1 585 2b async-2b-long-sync 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true
+        loop 2,3 585 2b async-2b-long-s1 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1
+        ;;
+      p7-sync) loop 0,1 585 2b async-2b-long-sync-x2 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true ;;
+      p7-s1) loop 0,1 585 2b async-2b-long-s1-x2 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1 ;;
+    esac
     ;;
   p8)
     checkpoint 2b
