@@ -13,7 +13,7 @@ from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
-CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8")
+CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8", "p9", "p9-x2")
 DEVICE_CALL_S = 600
 
 
@@ -49,10 +49,10 @@ def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
 
 
 def test_an_unknown_call_is_refused_before_anything_runs():
-    result = subprocess.run(["bash", str(OWED), "p9"], capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(["bash", str(OWED), "p10"], capture_output=True, text=True, cwd=REPO)
     assert (
         result.returncode == 2
-        and "unknown call p9 (p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8)" in result.stderr
+        and "unknown call p10 (p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2)" in result.stderr
     )
 
 
@@ -149,8 +149,8 @@ def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(
             "async-2b-s1/p/s.json": b"{}",
         },
     )
-    (files_at / "async-2b-s1.out").write_text("[loop_run +9s] train exited 0\n")
-    _tarball(files_at, "call_logs", {"stack.log": b"x"})  # owed.sh's logs of the call: not a run
+    # owed.sh's logs of the call, not a run; with the run's own lines (NAME.out), which become loop_run.out
+    _tarball(files_at, "call_logs", {"stack.log": b"x", "async-2b-s1.out": b"[loop_run +9s] train exited 0\n"})
     call = "bash scripts/gpu/plans/owed.sh p1"
     assert take_runs.take(files_at, runs_dir, "4xh100", call, "2026-11-28", "abc1234", "staged") == 0
     dest = runs_dir / "2026-11-28-async-2b-s1-4xh100"
@@ -163,6 +163,7 @@ def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(
         "p/s.json",
     ]
     assert lzma.decompress((dest / "driver.log.xz").read_bytes()) == driver
+    assert (dest / "loop_run.out").read_text() == "[loop_run +9s] train exited 0\n"
     commands = (dest / "commands.txt").read_text().splitlines()
     assert commands[0] == "# machine: 4xh100; staged; commit abc1234" and commands[1] == call
     assert commands[2] == "# this run: " + next(" ".join(r) for r in planned_runs("p1") if r[3] == "async-2b-s1")
@@ -194,6 +195,8 @@ def test_a_call_leaves_no_more_files_than_the_device_tool_returns(tmp_path, call
     assert len(files) <= 8, files
     with tarfile.open(tmp_path / "out" / "call_logs.tar.gz") as tar:
         assert "stack.log" in tar.getnames()
+        assert {f"{run[3]}.out" for run in planned_runs(call)} <= set(tar.getnames())  # take_runs reads them there
+    assert f"== {planned_runs(call)[0][3]}.out" in result.stdout  # their tails, printed before packing
 
 
 def test_p2_chains_each_gpu_test_after_the_work_on_its_gpus(tmp_path):

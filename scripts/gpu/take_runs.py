@@ -4,10 +4,11 @@ usage: python scripts/gpu/take_runs.py FILES_AT --machine 4xh100 --call "scripts
            [--date YYYY-MM-DD] [--commit REV] [--staging TEXT] [--runs-dir docs/gpu-runs]
 
 FILES_AT is the folder the device tool copied the call's $OUT into. Each NAME.tar.gz there (scripts/gpu/loop_run.sh
-leaves one per run) becomes docs/gpu-runs/<date>-<NAME>-<machine>/: its files, the run's own lines (NAME.out, as
-loop_run.out), and commands.txt (the machine, how the stack was staged, the commit, the call, and the run's line of
-`owed.sh --dry-run`). A log over 16 KB is xz-compressed, as the tree's test asks. A folder that exists is never
-written into: the run is skipped and said so (exit 1 at the end), so that an earlier record is never replaced.
+leaves one per run) becomes docs/gpu-runs/<date>-<NAME>-<machine>/: its files, the run's own lines (NAME.out, loose or
+in owed.sh's call_logs.tar.gz, as loop_run.out), and commands.txt (the machine, how the stack was staged, the commit,
+the call, and the run's line of `owed.sh --dry-run`). A log over 16 KB is xz-compressed, as the tree's test asks. A
+folder that exists is never written into: the run is skipped and said so (exit 1 at the end), so that an earlier record
+is never replaced.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
     return members
 
 
+def _run_lines(files_at: Path, name: str) -> bytes | None:
+    """NAME.out, the run's own lines: loose in `files_at` (loop_run.sh run alone), else in the call's CALL_LOGS
+    (owed.sh packs them there: the device tool returns 8 files at most); None when neither has it."""
+    if (loose := files_at / f"{name}.out").is_file():
+        return loose.read_bytes()
+    if (logs := files_at / CALL_LOGS).is_file():
+        with tarfile.open(logs) as tar:
+            member = next((m for m in tar.getmembers() if m.isfile() and m.name == f"{name}.out"), None)
+            return tar.extractfile(member).read() if member else None
+    return None
+
+
 def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, commit: str, staging: str) -> int:
     tarballs = [t for t in sorted(files_at.glob("*.tar.gz")) if t.name != CALL_LOGS]
     if not tarballs:
@@ -75,9 +88,8 @@ def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, com
                     target = dest / Path(m.name).relative_to(name)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(tar.extractfile(m).read())
-        out = files_at / f"{name}.out"
-        if out.is_file():
-            (dest / "loop_run.out").write_bytes(out.read_bytes())
+        if (out := _run_lines(files_at, name)) is not None:
+            (dest / "loop_run.out").write_bytes(out)
         for log in [p for p in dest.rglob("*.log") if p.stat().st_size > LOG_LIMIT]:
             log.with_name(log.name + ".xz").write_bytes(lzma.compress(log.read_bytes(), preset=9))
             log.unlink()

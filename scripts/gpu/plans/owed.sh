@@ -27,6 +27,12 @@
 #              three levers on GPU 0 (off) and GPU 1 (on), step 3's train phase profiled (kernels and the host), 5 steps
 #              (summarize_run's medians leave the profiled step out: steps 2, 4, 5);
 #              the profile of 2026-11-27 found the device idle 58 % of the phase
+#          p9  #33: fewer, larger pieces of host work (p8's profile: the host busy 6.5 s of a 6.7 s train phase, the GPU
+#              a third of it): the 2B job colocated as p8 (the levers, one update a step), 6 steps, one GPU a run:
+#              today's 8,192-token micro-batches (GPU 0) beside 16,384 (GPU 1), 24,576 (GPU 2) and selective recompute
+#              (GPU 3); the summaries' train_peak_mem_gib say which fit an 80 GB card. Not 32,768: its ~16.6K loss
+#              positions x 151,936 logits pass the 2^31 elements a train forward may have (step.py refuses it)
+#          p9-x2  p9's first two runs, for a 2-GPU machine
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -35,8 +41,8 @@
 # call), then the first call of this plan carrying .bundle_stack/part11: it installs the stack, then drops the
 # carried bundle so that the runs' own stack.sh calls stage nothing. Later calls on the same warm machine carry
 # nothing. Every call stays inside the device tool's 600 s: BUDGET_S counts from the call's start (bash's SECONDS).
-# Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and $OUT/NAME.out (its own lines): commit them under
-# docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py (docs/gpu-runs/README.md). The runs of a
+# Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and NAME.out (its own lines, in call_logs.tar.gz
+# with the call's logs): commit them under docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py (docs/gpu-runs/README.md). The runs of a
 # call go side by side; the call exits 1 when one of them failed (or the checkpoint they share could not be written:
 # then none starts).
 set -uo pipefail
@@ -100,21 +106,21 @@ finish() {  # wait for every run; the call fails when one did, and says which
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   [ "$dry" = 1 ] && exit 0
   ts "done (exit $rc)"
-  # the call's own logs in one file (stack.sh's stack*.log, the checkpoints' logs): the device tool returns 8 files at
-  # most, and p2 leaves 7 besides these
   local logs=() f
-  for f in "$O"/stack*.log "$O"/checkpoint*.log; do [ -f "$f" ] && logs+=("${f##*/}"); done
-  [ ${#logs[@]} -gt 0 ] && tar czf "$O/call_logs.tar.gz" -C "$O" "${logs[@]}" && (cd "$O" && rm -f "${logs[@]}")
   for f in "$O"/*.out; do [ -f "$f" ] && echo "== ${f##*/}" && tail -2 "$f"; done
   [ -f "$O/bench_export.log" ] && tail -1 "$O/bench_export.log"
   for f in "$O"/gpu_test_*.log; do [ -f "$f" ] && echo "== ${f##*/}" && grep -E "^GPU-|passed|failed" "$f" | tail -4; done
+  # the call's own logs (stack.sh's stack*.log, the checkpoints' logs) and each run's own lines (NAME.out, which
+  # take_runs.py reads from here) in one file: the device tool returns 8 files at most; p2 leaves 5 besides it, p9 4
+  for f in "$O"/stack*.log "$O"/checkpoint*.log "$O"/*.out; do [ -f "$f" ] && logs+=("${f##*/}"); done
+  [ ${#logs[@]} -gt 0 ] && tar czf "$O/call_logs.tar.gz" -C "$O" "${logs[@]}" && (cd "$O" && rm -f "${logs[@]}")
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-8] | p7-sync | p7-s1) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p7-sync | p7-s1 | p9-x2) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -162,13 +168,22 @@ case $call in
       p7-s1) loop 0,1 585 2b async-2b-long-s1-x2 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1 ;;
     esac
     ;;
-  p8)
+  p8 | p9 | p9-x2)
     checkpoint 2b
     # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
     LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
       train.vision_once_per_image=true)
-    loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
-    loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
+    if [ "$call" = p8 ]; then
+      loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
+      loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
+    else
+      loop 0 585 2b "mb-2b-8k-$call" 6 "${LEVERS[@]}"
+      loop 1 585 2b "mb-2b-16k-$call" 6 "${LEVERS[@]}" train.micro_batch_max_tokens=16384
+      if [ "$call" = p9 ]; then
+        loop 2 585 2b mb-2b-24k 6 "${LEVERS[@]}" train.micro_batch_max_tokens=24576
+        loop 3 585 2b mb-2b-selective 6 "${LEVERS[@]}" train.recompute=selective
+      fi
+    fi
     ;;
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
