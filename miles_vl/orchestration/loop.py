@@ -25,7 +25,9 @@ Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the
 but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
 finish (train, sync, eval, log). Either way the job then waits for a checkpoint still being written in the
 background (it appears complete), writes the checkpoint of the last completed step, unless it has one, and raises
-`JobInterrupted` (CLI exit 128 + signal number). A second signal stops at once and writes nothing: the newest
+`JobInterrupted` (CLI exit 128 + signal number). A first signal once every step is done (during the final checkpoint
+or Hugging Face export) changes nothing: the run finishes as it would have, its report included, and returns
+normally (exit 0), saying so. A second signal stops at once and writes nothing: the newest
 complete checkpoint stands (a background write it cut short leaves a temporary directory, removed by the next
 save). A checkpoint is only ever written from a committed step, so it is never half-advanced (a cursor past its
 weights, or weights past its cursor), and a resume repeats the straight run.
@@ -194,9 +196,16 @@ def run_job(
                         job.commit(step + 1)
                         job.save_if_due()
                         job.save_hf_if_due()
-                with signals.deferred():
+                with signals.deferred(FINISHING, stop_after=False):  # every step is done: a stop changes nothing
                     job.save()
                     job.save_hf_if_due()
+                if signals.signum is not None:
+                    log.warning(
+                        "%s came while the run was finishing: all %d steps are done and saved, so the run ends as "
+                        "finished",
+                        signal.Signals(signals.signum).name,
+                        cfg.num_steps,
+                    )
             except BaseException as err:
                 job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
                 raise
@@ -523,19 +532,24 @@ class JobInterrupted(KeyboardInterrupt):
         super().__init__(f"{signal.Signals(signum).name}{' (again: stopping at once)' if forced else ''}")
 
 
+FINISHING_STEP = "finishing this step (its training has started), then writing its checkpoint"
+FINISHING = "every step is done: finishing the run (its final checkpoint, then any Hugging Face export)"
+
+
 class StopSignals:
     """SIGINT and SIGTERM as stop requests, for the duration of a `with` block in the main thread.
 
-    Outside `deferred()` blocks a first signal raises `JobInterrupted` at once; inside one it is remembered and
-    raised when the block ends. A second signal always raises at once (`forced`). Elsewhere than the main thread the
-    handlers are not installed (Python allows it only there) and signals keep their previous behaviour.
+    Outside `deferred()` blocks a first signal raises `JobInterrupted` at once; inside one it is remembered and raised
+    when the block ends (or, with `stop_after=False`, left to the caller: `signum`). A second signal always raises at
+    once (`forced`). Elsewhere than the main thread the handlers are not installed (Python allows it only there) and
+    signals keep their previous behaviour.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.signum: int | None = None
-        self._deferred = False
+        self._doing: str | None = None  # inside a deferred block: what the job finishes before it stops
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -553,23 +567,20 @@ class StopSignals:
         if self.signum is not None:
             raise JobInterrupted(signum, forced=True)
         self.signum = signum
-        if not self._deferred:
+        if self._doing is None:
             raise JobInterrupted(signum)
-        log.warning(
-            "%s: finishing this step (its training has started), then writing its checkpoint; send it again to stop "
-            "at once without one",
-            signal.Signals(signum).name,
-        )
+        log.warning("%s: %s; send it again to stop at once without one", signal.Signals(signum).name, self._doing)
 
     @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """A block that a first signal does not interrupt; the stop is raised when it ends."""
-        self._deferred = True
+    def deferred(self, doing: str = FINISHING_STEP, stop_after: bool = True) -> Iterator[None]:
+        """A block that a first signal does not interrupt (the signal's warning says `doing`); the stop is raised
+        when the block ends, or with `stop_after=False` only remembered (`signum`): the caller decides."""
+        self._doing = doing
         try:
             yield
         finally:
-            self._deferred = False
-        if self.signum is not None:
+            self._doing = None
+        if self.signum is not None and stop_after:
             raise JobInterrupted(self.signum)
 
 

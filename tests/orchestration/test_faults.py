@@ -206,6 +206,25 @@ def test_a_second_signal_stops_at_once_and_the_last_checkpoint_stands(tmp_path, 
     assert_nothing_lost(before, run_dir)
 
 
+def test_a_stop_once_every_step_is_done_lets_the_run_finish(tmp_path, monkeypatch, straight, caplog):
+    """SIGINT as the final checkpoint is written (every step done; on a GPU the budget's stop of a 2B run came in its
+    final save, 2026-11-27): the save completes, the run ends as finished (no JobInterrupted: exit 0, its report
+    written) and says why; it had been reported as stopped, to be resumed from the step it had already finished."""
+    run_dir = copy_of(straight, tmp_path / "finishing", steps=4)
+    before = snapshot(run_dir)
+    signal_during(monkeypatch, Trainer, "write_checkpoint", 1, signal.SIGINT)  # the final save (the others: start_)
+    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
+        assert run_job(config(tmp_path, "finishing")) == run_dir
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4, 5]
+    assert_same_state(run_dir / "checkpoints" / "step_00000005", straight / "checkpoints" / "step_00000005")
+    assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(straight)]
+    assert list((run_dir / "plots").glob("*.png"))  # the report of a finished run
+    assert_nothing_lost(before, run_dir)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("SIGINT: every step is done: finishing the run" in m for m in said), said
+    assert any("SIGINT came while the run was finishing: all 5 steps are done and saved" in m for m in said), said
+
+
 def test_a_stop_while_a_checkpoint_is_written_in_the_background_waits_for_it(tmp_path, monkeypatch, straight):
     """Issue 33.3: periodic saves are written in the background (checkpoint.async_save) while the next steps run.
     SIGINT in step 5's rollout while step 4's checkpoint is still being written (it is not visible yet, only its
