@@ -14,7 +14,8 @@ that cannot be read, a reward or dataset_fn that cannot be resolved, a model or 
 checkpoint that cannot be resumed, a run or checkpoint directory that cannot be written. `miles-vl export` refuses
 the same way an OUT_DIR it may not write (a run, anything inside one, a directory that is not an earlier export,
 even with --force: orchestration/export.py). `miles-vl train` stopped by SIGINT or SIGTERM writes the checkpoint of
-its last completed step and exits with 128 + the signal number (130, 143); the same command resumes it. A full disk
+its last completed step and exits with 128 + the signal number (130, 143); the same command resumes it (once the last
+step trains, the run finishes instead: exit 0, orchestration/loop.py). A full disk
 during a save or an export ends it with one message naming the place and the fix, exit 1.
 
 `module:function` extension points resolve from the working directory, searched after the installed packages

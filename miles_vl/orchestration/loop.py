@@ -25,9 +25,9 @@ Stopping (SIGINT, SIGTERM). A first signal during the rollout phase abandons the
 but the data cursor, which a checkpoint takes from the last committed step); from training on it lets the step
 finish (train, sync, eval, log). Either way the job then waits for a checkpoint still being written in the
 background (it appears complete), writes the checkpoint of the last completed step, unless it has one, and raises
-`JobInterrupted` (CLI exit 128 + signal number). A first signal once every step is done (during the final checkpoint
-or Hugging Face export) changes nothing: the run finishes as it would have, its report included, and returns
-normally (exit 0), saying so. A second signal stops at once and writes nothing: the newest
+`JobInterrupted` (CLI exit 128 + signal number). A first signal once the last step trains changes nothing: the run
+finishes as it would have (the step, its checkpoint, any Hugging Face export, the report, the engines stopped) and
+returns normally (exit 0), saying so. A second signal stops at once and writes nothing: the newest
 complete checkpoint stands (a background write it cut short leaves a temporary directory, removed by the next
 save). A checkpoint is only ever written from a committed step, so it is never half-advanced (a cursor past its
 weights, or weights past its cursor), and a resume repeats the straight run.
@@ -182,6 +182,7 @@ def run_job(
             StopSignals() as signals,
         ):
             job = Job(cfg, run_dir, ckpt_root, processor, tokens, splits.train, splits.eval, rewards, signals, hooks)
+            finished = False
             try:  # from here on, close() stops what the job started (sglang servers outlive their actors)
                 start = job.restore(resume, resume_state) if resume else 0
                 job.open_sinks(start)
@@ -189,14 +190,18 @@ def run_job(
                     job.log(format_warmup(job))  # supervised format steps (no image information), then eval: step 0
                 for step in range(start, cfg.num_steps):
                     batch = job.collect_batch(step)  # rollout, reward, advantages: a stop here abandons the step
-                    with signals.deferred():  # the trainer changes from here on: a stop waits for the step's end
+                    last = step + 1 == cfg.num_steps
+                    # the trainer changes from here on: a stop waits for the step's end (once the last step trains,
+                    # a stop changes nothing: the run finishes as it would have)
+                    with signals.deferred(FINISHING if last else FINISHING_STEP, stop_after=not last):
                         metrics = job.train_and_sync(step, batch)
                         metrics |= job.evaluate_if_due(step)
                         job.log(metrics)
                         job.commit(step + 1)
-                        job.save_if_due()
-                        job.save_hf_if_due()
-                with signals.deferred(FINISHING, stop_after=False):  # every step is done: a stop changes nothing
+                        if not last:  # the last step's checkpoint and export come next, whatever the intervals
+                            job.save_if_due()
+                            job.save_hf_if_due()
+                with signals.deferred(FINISHING, stop_after=False):
                     job.save()
                     job.save_hf_if_due()
                 if signals.signum is not None:
@@ -206,11 +211,16 @@ def run_job(
                         signal.Signals(signals.signum).name,
                         cfg.num_steps,
                     )
+                finished = True
             except BaseException as err:
                 job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
                 raise
             finally:
-                job.close()
+                if finished:  # a first signal while the engines and the trainer stop: the run stays finished
+                    with signals.deferred(CLOSING, stop_after=False):
+                        job.close()
+                else:
+                    job.close()
         write_report(run_dir)
         log.info("run finished: %s", run_dir)
     return run_dir
@@ -532,8 +542,16 @@ class JobInterrupted(KeyboardInterrupt):
         super().__init__(f"{signal.Signals(signum).name}{' (again: stopping at once)' if forced else ''}")
 
 
-FINISHING_STEP = "finishing this step (its training has started), then writing its checkpoint"
-FINISHING = "every step is done: finishing the run (its final checkpoint, then any Hugging Face export)"
+# what a first signal lets the job finish (its warning), in the blocks of `run_job` that defer it
+FINISHING_STEP = (
+    "finishing this step (its training has started), then writing its checkpoint; send it again to stop at once "
+    "without one"
+)
+FINISHING = (
+    "this is the run's last step: finishing the run as it would have (the step, its checkpoint, any Hugging Face "
+    "export, the report); send it again to stop at once without the final checkpoint"
+)
+CLOSING = "the run is finished: stopping its engines and trainer; send it again to stop at once"
 
 
 class StopSignals:
@@ -569,7 +587,7 @@ class StopSignals:
         self.signum = signum
         if self._doing is None:
             raise JobInterrupted(signum)
-        log.warning("%s: %s; send it again to stop at once without one", signal.Signals(signum).name, self._doing)
+        log.warning("%s: %s", signal.Signals(signum).name, self._doing)
 
     @contextlib.contextmanager
     def deferred(self, doing: str = FINISHING_STEP, stop_after: bool = True) -> Iterator[None]:

@@ -206,23 +206,46 @@ def test_a_second_signal_stops_at_once_and_the_last_checkpoint_stands(tmp_path, 
     assert_nothing_lost(before, run_dir)
 
 
-def test_a_stop_once_every_step_is_done_lets_the_run_finish(tmp_path, monkeypatch, straight, caplog):
-    """SIGINT as the final checkpoint is written (every step done; on a GPU the budget's stop of a 2B run came in its
-    final save, 2026-11-27): the save completes, the run ends as finished (no JobInterrupted: exit 0, its report
-    written) and says why; it had been reported as stopped, to be resumed from the step it had already finished."""
-    run_dir = copy_of(straight, tmp_path / "finishing", steps=4)
-    before = snapshot(run_dir)
-    signal_during(monkeypatch, Trainer, "write_checkpoint", 1, signal.SIGINT)  # the final save (the others: start_)
-    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
-        assert run_job(config(tmp_path, "finishing")) == run_dir
-    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4, 5]
-    assert_same_state(run_dir / "checkpoints" / "step_00000005", straight / "checkpoints" / "step_00000005")
+def finished_like_straight(run_dir: Path, straight: Path, before: dict[Path, bytes]) -> None:
+    """The run ended as the straight one did: every step logged alike, step 5's state equal, its report written."""
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == STEPS
+    name = f"step_{STEPS:08d}"
+    assert_same_state(run_dir / "checkpoints" / name, straight / "checkpoints" / name)
     assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(straight)]
-    assert list((run_dir / "plots").glob("*.png"))  # the report of a finished run
+    assert list((run_dir / "plots").glob("*.png"))  # the report of a finished run (copy_of leaves none)
     assert_nothing_lost(before, run_dir)
-    said = [r.getMessage() for r in caplog.records]
-    assert any("SIGINT: every step is done: finishing the run" in m for m in said), said
-    assert any("SIGINT came while the run was finishing: all 5 steps are done and saved" in m for m in said), said
+
+
+@pytest.mark.parametrize(
+    ("case", "cls", "method", "said"),
+    [
+        # the final save (the periodic saves of 2 and 4 are start_checkpoint's); on a GPU the budget's stop of a 2B run
+        # came there, 2026-11-27, and the run was reported as stopped, "resume from step 5" of 5, with no report
+        ("final-save", Trainer, "write_checkpoint", "this is the run's last step: finishing the run as it would have"),
+        # the last step's training, with a final Hugging Face export due: the step, its checkpoint and the export
+        ("last-train", Trainer, "train", "this is the run's last step: finishing the run as it would have"),
+        # the engines and the trainer stopping after the run: it was raised out of close() ("saved no checkpoint")
+        ("close", Trainer, "close", "the run is finished: stopping its engines and trainer"),
+    ],
+)
+def test_a_stop_once_the_last_step_trains_lets_the_run_finish(
+    case, cls, method, said, tmp_path, monkeypatch, straight, caplog
+):
+    """A first SIGINT once the last step trains changes nothing: the run ends as finished (no JobInterrupted: exit
+    0), as the straight run, its report written, and says why."""
+    run_dir = copy_of(straight, tmp_path / case, steps=4)
+    before = snapshot(run_dir)
+    signal_during(monkeypatch, cls, method, 1, signal.SIGINT)
+    hf = ("checkpoint.save_hf.final=true",) if case == "last-train" else ()
+    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
+        assert run_job(config(tmp_path, case, *hf)) == run_dir
+    finished_like_straight(run_dir, straight, before)
+    if hf:
+        assert [p.name for p in (run_dir / "hf").iterdir()] == [f"step_{STEPS:08d}"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"SIGINT: {said}") for m in messages), messages
+    finishing = "SIGINT came while the run was finishing: all 5 steps are done and saved"
+    assert any(finishing in m for m in messages) == (case != "close"), messages
 
 
 def test_a_stop_while_a_checkpoint_is_written_in_the_background_waits_for_it(tmp_path, monkeypatch, straight):
