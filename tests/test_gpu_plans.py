@@ -174,6 +174,22 @@ def test_take_runs_commits_each_run_once_with_its_plan_line_and_compressed_logs(
     assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before  # an earlier record stays
 
 
+def test_take_runs_takes_a_run_whose_lines_are_lost_and_says_so(tmp_path, capsys):
+    """A call_logs.tar.gz cut short in transfer (or one without the run's NAME.out): the run's folder is still made
+    whole, without loop_run.out, and the missing lines are named."""
+    take_runs = load_script("scripts/gpu/take_runs.py")
+    files_at = tmp_path / "files"
+    _tarball(files_at, "r1", {"r1/metrics.jsonl": b"{}\n"})
+    (files_at / "call_logs.tar.gz").write_bytes(b"\x1f\x8b truncated")
+    assert take_runs.take(files_at, tmp_path / "gpu-runs", "h100", "x", "2026-11-28", "c", "s") == 0
+    assert sorted(p.name for p in (tmp_path / "gpu-runs" / "2026-11-28-r1-h100").iterdir()) == [
+        "commands.txt",
+        "metrics.jsonl",
+    ]
+    err = capsys.readouterr().err
+    assert "call_logs.tar.gz unreadable" in err and "no r1.out loose or in call_logs.tar.gz" in err
+
+
 def test_take_runs_refuses_a_tarball_that_writes_outside_its_folder(tmp_path):
     take_runs = load_script("scripts/gpu/take_runs.py")
     _tarball(tmp_path / "files", "r", {"r/../../escape.txt": b"x"})

@@ -43,7 +43,7 @@ def _plan_lines(call: str) -> dict[str, str]:
     return {line.split()[3]: line for line in out.splitlines() if len(line.split()) > 3}
 
 
-CALL_LOGS = "call_logs.tar.gz"  # owed.sh's own logs of a call (stack.sh's, the checkpoints'), not a run
+CALL_LOGS = "call_logs.tar.gz"  # owed.sh's own logs of a call (stack.sh's, the checkpoints') and its runs' NAME.out
 
 
 def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
@@ -61,9 +61,13 @@ def _run_lines(files_at: Path, name: str) -> bytes | None:
     if (loose := files_at / f"{name}.out").is_file():
         return loose.read_bytes()
     if (logs := files_at / CALL_LOGS).is_file():
-        with tarfile.open(logs) as tar:
-            member = next((m for m in tar.getmembers() if m.isfile() and m.name == f"{name}.out"), None)
-            return tar.extractfile(member).read() if member else None
+        try:
+            with tarfile.open(logs) as tar:
+                member = next((m for m in tar.getmembers() if m.isfile() and m.name == f"{name}.out"), None)
+                return tar.extractfile(member).read() if member else None
+        except tarfile.TarError as e:  # a truncated transfer: the run itself is still taken
+            print(f"take_runs: {logs} unreadable ({e}): {name} taken without its loop_run.out", file=sys.stderr)
+            return None
     return None
 
 
@@ -80,6 +84,11 @@ def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, com
             print(f"take_runs: {dest} exists: {name} not taken (an earlier record is never replaced)", file=sys.stderr)
             status = 1
             continue
+        lines = _run_lines(files_at, name)  # before anything is written: a folder is made whole or not at all
+        if lines is None:
+            print(
+                f"take_runs: no {name}.out loose or in {CALL_LOGS}: {name} taken without loop_run.out", file=sys.stderr
+            )
         with tarfile.open(tarball) as tar:
             members = _safe_members(tar, name)
             dest.mkdir(parents=True)
@@ -88,8 +97,8 @@ def take(files_at: Path, runs_dir: Path, machine: str, call: str, date: str, com
                     target = dest / Path(m.name).relative_to(name)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(tar.extractfile(m).read())
-        if (out := _run_lines(files_at, name)) is not None:
-            (dest / "loop_run.out").write_bytes(out)
+        if lines is not None:
+            (dest / "loop_run.out").write_bytes(lines)
         for log in [p for p in dest.rglob("*.log") if p.stat().st_size > LOG_LIMIT]:
             log.with_name(log.name + ".xz").write_bytes(lzma.compress(log.read_bytes(), preset=9))
             log.unlink()

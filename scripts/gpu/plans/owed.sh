@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs that issues 33 and 34 still owe, one device call each, on one 4-GPU machine (nvidia-h100-x4 or
-# nvidia-h200-x4); p7-sync, p7-s1 and p8 use two GPUs and fit a 2-GPU machine too. Written down here so that a
+# nvidia-h200-x4); p7-sync, p7-s1, p8 and p9-x2 use two GPUs and fit a 2-GPU machine too. Written down here so that a
 # session with device time runs them as planned, and each run's commands.txt can name the call it came from
 # (`owed.sh p1` at commit C).
 #
@@ -28,7 +28,8 @@
 #              (summarize_run's medians leave the profiled step out: steps 2, 4, 5);
 #              the profile of 2026-11-27 found the device idle 58 % of the phase
 #          p9  #33: fewer, larger pieces of host work (p8's profile: the host busy 6.5 s of a 6.7 s train phase, the GPU
-#              a third of it): the 2B job colocated as p8 (the levers, one update a step), 6 steps, one GPU a run:
+#              a third of it): the 2B job colocated as p8 (the levers, one update a step), 5 steps, one GPU a run
+#              (not 6: p8's two final saves into /dev/shm at once took 65-69 s, four at once may take longer):
 #              today's 8,192-token micro-batches (GPU 0) beside 16,384 (GPU 1), 24,576 (GPU 2) and selective recompute
 #              (GPU 3); the summaries' train_peak_mem_gib say which fit an 80 GB card. Not 32,768: its ~16.6K loss
 #              positions x 151,936 logits pass the 2^31 elements a train forward may have (step.py refuses it)
@@ -177,11 +178,11 @@ case $call in
       loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
       loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
     else
-      loop 0 585 2b "mb-2b-8k-$call" 6 "${LEVERS[@]}"
-      loop 1 585 2b "mb-2b-16k-$call" 6 "${LEVERS[@]}" train.micro_batch_max_tokens=16384
+      loop 0 585 2b "mb-2b-8k-$call" 5 "${LEVERS[@]}"
+      loop 1 585 2b "mb-2b-16k-$call" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=16384
       if [ "$call" = p9 ]; then
-        loop 2 585 2b mb-2b-24k 6 "${LEVERS[@]}" train.micro_batch_max_tokens=24576
-        loop 3 585 2b mb-2b-selective 6 "${LEVERS[@]}" train.recompute=selective
+        loop 2 585 2b mb-2b-24k 5 "${LEVERS[@]}" train.micro_batch_max_tokens=24576
+        loop 3 585 2b mb-2b-selective 5 "${LEVERS[@]}" train.recompute=selective
       fi
     fi
     ;;
