@@ -215,11 +215,8 @@ def run_job(
             except BaseException as err:
                 job.save_after(err)  # the last completed step, if the trainer still holds it and it has no checkpoint
                 raise
-            finally:
-                if finished:  # a first signal while the engines and the trainer stop: the run stays finished
-                    with signals.deferred(CLOSING, stop_after=False):
-                        job.close()
-                else:
+            finally:  # a first signal while a finished run's engines and trainer stop: it stays finished
+                with signals.deferred(CLOSING, stop_after=False) if finished else contextlib.nullcontext():
                     job.close()
         write_report(run_dir)
         log.info("run finished: %s", run_dir)

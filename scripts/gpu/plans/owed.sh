@@ -43,9 +43,9 @@
 # carried bundle so that the runs' own stack.sh calls stage nothing. Later calls on the same warm machine carry
 # nothing. Every call stays inside the device tool's 600 s: BUDGET_S counts from the call's start (bash's SECONDS).
 # Each loop run leaves $OUT/NAME.tar.gz (loop_run.sh's header) and NAME.out (its own lines, in call_logs.tar.gz
-# with the call's logs): commit them under docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py (docs/gpu-runs/README.md). The runs of a
-# call go side by side; the call exits 1 when one of them failed (or the checkpoint they share could not be written:
-# then none starts).
+# with the call's logs): commit them under docs/gpu-runs/<date>-<name>-<machine>/ with scripts/gpu/take_runs.py
+# (docs/gpu-runs/README.md). The runs of a call go side by side; the call exits 1 when one of them failed (or the
+# checkpoint they share could not be written: then none starts).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -160,13 +160,11 @@ case $call in
   p7 | p7-sync | p7-s1)
     checkpoint 2b
     LONG=(rollout.batch_size=4 rollout.max_response_len=1024 train.global_batch_size=32)
-    case $call in
-      p7)
-        loop 0,1 585 2b async-2b-long-sync 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true
-        loop 2,3 585 2b async-2b-long-s1 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1
-        ;;
-      p7-sync) loop 0,1 585 2b async-2b-long-sync-x2 6 "${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true ;;
-      p7-s1) loop 0,1 585 2b async-2b-long-s1-x2 6 "${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1 ;;
+    SYNC=("${DIS[@]}" "${LONG[@]}" algo.tis.enabled=true) S1=("${DIS[@]}" "${LONG[@]}" rollout.max_staleness=1)
+    case $call in  # the halves run p7's two jobs, one a call
+      p7) loop 0,1 585 2b async-2b-long-sync 6 "${SYNC[@]}"; loop 2,3 585 2b async-2b-long-s1 6 "${S1[@]}" ;;
+      p7-sync) loop 0,1 585 2b async-2b-long-sync-x2 6 "${SYNC[@]}" ;;
+      p7-s1) loop 0,1 585 2b async-2b-long-s1-x2 6 "${S1[@]}" ;;
     esac
     ;;
   p8 | p9 | p9-x2)
