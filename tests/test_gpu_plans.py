@@ -13,7 +13,7 @@ from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
-CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8", "p9", "p9-x2")
+CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8", "p9", "p9-x2", "p9-x2b", "p9-x2c")
 DEVICE_CALL_S = 600
 
 
@@ -52,7 +52,7 @@ def test_an_unknown_call_is_refused_before_anything_runs():
     result = subprocess.run(["bash", str(OWED), "p10"], capture_output=True, text=True, cwd=REPO)
     assert (
         result.returncode == 2
-        and "unknown call p10 (p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2)" in result.stderr
+        and "unknown call p10 (p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c)" in result.stderr
     )
 
 

@@ -33,7 +33,10 @@
 #              today's 8,192-token micro-batches (GPU 0) beside 16,384 (GPU 1), 24,576 (GPU 2) and selective recompute
 #              (GPU 3); the summaries' train_peak_mem_gib say which fit an 80 GB card. Not 32,768: its ~16.6K loss
 #              positions x 151,936 logits pass the 2^31 elements a train forward may have (step.py refuses it)
-#          p9-x2  p9's first two runs, for a 2-GPU machine
+#          p9-x2  p9's first two runs, for a 2-GPU machine (8,192 beside 16,384 tokens, full recompute)
+#          p9-x2b  the same two sizes with selective recompute: with p9-x2, right before it on one warm 2-GPU machine,
+#              a 2 x 2 of micro-batch size and recompute (size within a call, recompute across the two calls)
+#          p9-x2c  24,576-token micro-batches, full (GPU 0) beside selective (GPU 1): the third row of that table
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -118,10 +121,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p7-sync | p7-s1 | p9-x2) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -167,7 +170,7 @@ case $call in
       p7-s1) loop 0,1 585 2b async-2b-long-s1-x2 6 "${S1[@]}" ;;
     esac
     ;;
-  p8 | p9 | p9-x2)
+  p8 | p9 | p9-x2 | p9-x2b | p9-x2c)
     checkpoint 2b
     # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
     LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
@@ -175,6 +178,13 @@ case $call in
     if [ "$call" = p8 ]; then
       loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
       loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
+    elif [ "$call" = p9-x2b ]; then
+      SEL=("${LEVERS[@]}" train.recompute=selective)
+      loop 0 585 2b mb-2b-8k-sel-x2b 5 "${SEL[@]}"
+      loop 1 585 2b mb-2b-16k-sel-x2b 5 "${SEL[@]}" train.micro_batch_max_tokens=16384
+    elif [ "$call" = p9-x2c ]; then
+      loop 0 585 2b mb-2b-24k-x2c 5 "${LEVERS[@]}" train.micro_batch_max_tokens=24576
+      loop 1 585 2b mb-2b-24k-sel-x2c 5 "${LEVERS[@]}" train.micro_batch_max_tokens=24576 train.recompute=selective
     else
       loop 0 585 2b "mb-2b-8k-$call" 5 "${LEVERS[@]}"
       loop 1 585 2b "mb-2b-16k-$call" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=16384
