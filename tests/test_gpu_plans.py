@@ -1,20 +1,26 @@
 """scripts/gpu/plans/owed.sh: every run a planned device call makes is a job that starts, checked here on the CPU
 before device time is spent on it. Each run's config (loop_job.job: its file and overrides, as loop_job.py runs it)
 validates; the job's GPUs are the ones the plan gives it; runs of one call use disjoint GPUs and distinct names;
-each stops inside the device tool's 600 s per call."""
+each stops inside the device tool's 600 s per call; the megatron trainer's logits stay under the size the preflight
+refuses, at the released model's vocabulary (p9's 16,384-token micro-batches stopped at start on 2026-11-28 for that,
+the one check this test did not make then)."""
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from miles_vl.config.loader import load_config
+from miles_vl.models.qwen3_vl.shapes import RELEASED_SHAPES
+from miles_vl.orchestration.preflight import train_logits_problems
 from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
 CALLS = ("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8", "p9", "p9-x2", "p9-x2b", "p9-x2c")
 DEVICE_CALL_S = 600
+RELEASED = {"2b": "Qwen3-VL-2B", "8b": "Qwen3-VL-8B"}  # loop_job.py's checkpoint shapes (tiny: a made-up one)
 
 
 def planned_runs(call: str) -> list[list[str]]:
@@ -44,8 +50,14 @@ def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
         assert not taken & set(devices), f"{name} shares GPUs {sorted(taken & set(devices))} with another run"
         taken |= set(devices)
         assert int(end_s) <= DEVICE_CALL_S - 10, f"{name} stops at {end_s} s: no room before the call's limit"
-        cfg = load_config(*loop_job.job(shape, tmp_path / "ckpt", tmp_path / "runs", name, int(steps), extra))
+        ckpt = tmp_path / f"ckpt_{shape}"
+        if released := RELEASED.get(shape.split("_")[0]):  # the vocabulary the preflight reads from config.json
+            ckpt.mkdir(exist_ok=True)
+            (ckpt / "config.json").write_text(json.dumps(RELEASED_SHAPES[released]))
+        cfg = load_config(*loop_job.job(shape, ckpt, tmp_path / "runs", name, int(steps), extra))
         assert gpus_of(cfg) == len(devices), f"{name}: the job takes {gpus_of(cfg)} GPUs, the plan gives it {gpus}"
+        if released:
+            assert train_logits_problems(cfg) == [], f"{name}: the preflight refuses it"
 
 
 def test_an_unknown_call_is_refused_before_anything_runs():

@@ -30,13 +30,16 @@
 #          p9  #33: fewer, larger pieces of host work (p8's profile: the host busy 6.5 s of a 6.7 s train phase, the GPU
 #              a third of it): the 2B job colocated as p8 (the levers, one update a step), 5 steps, one GPU a run
 #              (not 6: p8's two final saves into /dev/shm at once took 65-69 s, four at once may take longer):
-#              today's 8,192-token micro-batches (GPU 0) beside 16,384 (GPU 1), 24,576 (GPU 2) and selective recompute
-#              (GPU 3); the summaries' train_peak_mem_gib say which fit an 80 GB card. Not 32,768: its ~16.6K loss
-#              positions x 151,936 logits pass the 2^31 elements a train forward may have (step.py refuses it)
-#          p9-x2  p9's first two runs, for a 2-GPU machine (8,192 beside 16,384 tokens, full recompute)
-#          p9-x2b  the same two sizes with selective recompute: with p9-x2, right before it on one warm 2-GPU machine,
-#              a 2 x 2 of micro-batch size and recompute (size within a call, recompute across the two calls)
-#          p9-x2c  24,576-token micro-batches, full (GPU 0) beside selective (GPU 1): the third row of that table
+#              today's 8,192-token micro-batches (GPU 0) beside 14,080 (GPU 1), 12,288 (GPU 2) and 8,192 with
+#              selective recompute (GPU 3); the summaries' train_peak_mem_gib say which fit an 80 GB card. Not more
+#              than 14,080: the preflight counts a micro-batch's tokens as its loss positions (at most; the prompts'
+#              lengths are not known before the rollout), and 14,134 x 151,936 logits reach the 2^31 elements a train
+#              forward may have (step.py); the plan of 2026-11-27 asked for 16,384 and 24,576, refused at start
+#          p9-x2  p9's first two runs, for a 2-GPU machine (on 2026-11-28 its second run asked for 16,384 and stopped
+#              at start with the preflight's logits error; p9-x2b and p9-x2c then ran the 14,080 it allows)
+#          p9-x2b  14,080-token micro-batches (GPU 0) beside 8,192 with selective recompute (GPU 1)
+#          p9-x2c  today's 8,192 (GPU 0) beside 14,080 (GPU 1), one invocation: the before/after of the larger
+#              micro-batch (p9-x2, p9-x2b and p9-x2c ran back to back on one warm 2 x H200, 2026-11-28)
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -179,18 +182,17 @@ case $call in
       loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
       loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true
     elif [ "$call" = p9-x2b ]; then
-      SEL=("${LEVERS[@]}" train.recompute=selective)
-      loop 0 585 2b mb-2b-8k-sel-x2b 5 "${SEL[@]}"
-      loop 1 585 2b mb-2b-16k-sel-x2b 5 "${SEL[@]}" train.micro_batch_max_tokens=16384
+      loop 0 585 2b mb-2b-14k-x2b 5 "${LEVERS[@]}" train.micro_batch_max_tokens=14080
+      loop 1 585 2b mb-2b-8k-sel-x2b 5 "${LEVERS[@]}" train.recompute=selective
     elif [ "$call" = p9-x2c ]; then
-      loop 0 585 2b mb-2b-24k-x2c 5 "${LEVERS[@]}" train.micro_batch_max_tokens=24576
-      loop 1 585 2b mb-2b-24k-sel-x2c 5 "${LEVERS[@]}" train.micro_batch_max_tokens=24576 train.recompute=selective
+      loop 0 585 2b mb-2b-8k-x2c 5 "${LEVERS[@]}"
+      loop 1 585 2b mb-2b-14k-x2c 5 "${LEVERS[@]}" train.micro_batch_max_tokens=14080
     else
       loop 0 585 2b "mb-2b-8k-$call" 5 "${LEVERS[@]}"
-      loop 1 585 2b "mb-2b-16k-$call" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=16384
+      loop 1 585 2b "mb-2b-14k-$call" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=14080
       if [ "$call" = p9 ]; then
-        loop 2 585 2b mb-2b-24k 5 "${LEVERS[@]}" train.micro_batch_max_tokens=24576
-        loop 3 585 2b mb-2b-selective 5 "${LEVERS[@]}" train.recompute=selective
+        loop 2 585 2b mb-2b-12k 5 "${LEVERS[@]}" train.micro_batch_max_tokens=12288
+        loop 3 585 2b mb-2b-8k-sel 5 "${LEVERS[@]}" train.recompute=selective
       fi
     fi
     ;;
