@@ -8,6 +8,7 @@ The script runs for real (bash, coreutils' timeout) with a stand-in for Python t
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ case "$1 $2" in
   "scripts/gpu/loop_job.py --pixels") echo "1 2" ;;
   scripts/gpu/make_tiny_qwen3vl.py*) [ -n "${MAKE_FAILS:-}" ] && { echo "no space left" >&2; exit 1; }; mkdir -p "$2" ;;
   scripts/gpu/loop_job.py*) shift; printf '%s\\n' "$@" > "$JOB_ARGS" ;;
-  scripts/gpu/summarize_run.py*) echo "{}" ;;
+  scripts/gpu/summarize_run.py*) [ -n "${NO_METRICS:-}" ] && { echo "FileNotFoundError: no metrics.jsonl" >&2; exit 1; }
+    echo "{}" ;;
   *) echo "unexpected call: $*" >&2; exit 9 ;;
 esac
 """
@@ -172,3 +174,16 @@ def test_checkpoint_only_writes_the_shapes_checkpoint_once_and_starts_no_job(tmp
     run, job_args = loop_run(tmp_path, "8b", "r", "2")  # a run finds it: no second write
     assert run.returncode == 0 and job_args[:2] == ["8b", str(tmp_path / "ckpts" / "ckpt_loop_8b")]
     assert "make_tiny_qwen3vl.py" not in (tmp_path / "calls").read_text()
+
+
+def test_a_run_without_metrics_leaves_no_empty_summary_and_says_why(tmp_path):
+    """A run refused at start (2026-11-28: the preflight's logits check) has no metrics: summarize_run.py fails, and
+    its empty summary.json once sat beside the run's logs as if it were one."""
+    result, _ = loop_run(tmp_path, "tiny", "refused", "2", NO_METRICS="1")
+    assert "no summary: FileNotFoundError: no metrics.jsonl" in result.stderr
+    with tarfile.open(tmp_path / "out" / "refused.tar.gz") as tar:  # what the device tool returns of the run
+        assert "refused/summary.json" not in tar.getnames()
+    result, _ = loop_run(tmp_path, "tiny", "ran", "2")
+    assert "summary: {}" in result.stderr
+    with tarfile.open(tmp_path / "out" / "ran.tar.gz") as tar:
+        assert tar.extractfile("ran/summary.json").read() == b"{}\n"

@@ -166,8 +166,13 @@ elif [ -n "$server_log" ]; then
 fi
 mem_args=()
 [ -s "$out/$name/gpu_memory.csv" ] && mem_args=(--gpu-memory "$out/$name/gpu_memory.csv")
-"$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" "${mem_args[@]}" > "$out/$name/summary.json" 2>> "$log" \
-  && say "summary: $(cat "$out/$name/summary.json")"
+if "$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" "${mem_args[@]}" > "$out/$name/summary.json" 2>> "$log"
+then
+  say "summary: $(cat "$out/$name/summary.json")"
+else  # no empty summary.json beside the run (a run refused at start has no metrics): the log has the error
+  rm -f "$out/$name/summary.json"
+  say "no summary: $(tail -1 "$log")"
+fi
 if command -v xz > /dev/null; then  # as docs/gpu-runs commits them (its README.md)
   for f in "$out/$name"/*.log; do
     [ -f "$f" ] || continue
