@@ -508,7 +508,9 @@ class TrainConfig(_Section):
         False,
         description="the train forward's output layer (vocabulary projection) runs on the positions whose label "
         "carries loss only, not on prompt positions: the same loss and gradients, fewer FLOPs and less logit "
-        "memory. Not with sequence parallelism (megatron refuses the combination).",
+        "memory. The micro-batch plan then keeps each micro-batch's loss positions on a rank under what the logits "
+        "may hold (2^31 elements at V/TP; 14,134 at Qwen3-VL's vocabulary and TP=1), so micro_batch_max_tokens may "
+        "exceed that. Not with sequence parallelism (megatron refuses the combination).",
     )
     pinned_input_copies: bool = Field(
         False,

@@ -141,10 +141,12 @@ def model_problems(cfg: JobConfig) -> list[str]:
 def train_logits_problems(cfg: JobConfig) -> list[str]:
     """The megatron trainer's logits on one rank at their largest must stay under `MAX_TRAIN_LOGITS_ELEMENTS`
     (`train.megatron.step.train_logits_problem`, which the train step applies again to the rows it forms). A rank's rows
-    are at most `train.micro_batch_max_tokens / train.cp`; with `train.logits_only_where_loss` they are its loss
-    positions, which are also at most a DP rank's share of the mini-batch x `rollout.max_response_len`. The vocabulary
-    is the model's (`model.path`'s config.json, the cached snapshot of a hub id, or the released shape of that name);
-    where none of them is here, nothing is checked (the train step still is)."""
+    are at most `train.micro_batch_max_tokens / train.cp`. With `train.logits_only_where_loss` they are its loss
+    positions, and the train step's micro-batch plan keeps every micro-batch's under the limit (a second budget beside
+    the tokens); what no plan can split is one sample, whose loss positions on a rank are at most
+    `rollout.max_response_len` (and at most the local row). The vocabulary is the model's (`model.path`'s
+    config.json, the cached snapshot of a hub id, or the released shape of that name); where none of them is here,
+    nothing is checked (the train step still is)."""
     t = cfg.train
     if t.backend != "megatron" or not cfg.model.path:
         return []
@@ -158,15 +160,9 @@ def train_logits_problems(cfg: JobConfig) -> list[str]:
         return []
     rows = -(-t.micro_batch_max_tokens // t.cp)
     tokens_from = f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} / train.cp={t.cp}"
-    if t.logits_only_where_loss:
-        samples = -(-cfg.effective_global_batch_size // cfg.dp_size)  # a micro-batch holds some of them, whole
-        responses = samples * cfg.rollout.max_response_len
-        if responses < rows:
-            rows = responses
-            tokens_from = (
-                f"{samples} samples of a data-parallel rank's mini-batch x rollout.max_response_len="
-                f"{cfg.rollout.max_response_len}"
-            )
+    if t.logits_only_where_loss and cfg.rollout.max_response_len < rows:
+        rows = cfg.rollout.max_response_len
+        tokens_from = f"one sample's at most: rollout.max_response_len={rows}"
     problem = train_logits_problem(
         rows, vocab, t.tp, logits_only_where_loss=t.logits_only_where_loss, tokens_from=tokens_from
     )

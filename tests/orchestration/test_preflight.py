@@ -1,8 +1,9 @@
 """Contract (issue 32): `miles-vl check` and `miles-vl train` refuse, before anything starts, a megatron job whose
 train logits on one rank could reach 2^31 elements (`train.megatron.step.MAX_TRAIN_LOGITS_ELEMENTS`, whose backward
 fails with `CUDA error: invalid argument`), from the config and the model's vocabulary: `micro_batch_max_tokens / cp`
-tokens a rank, or with `logits_only_where_loss` at most a data-parallel rank's samples x `max_response_len` loss
-positions; x vocab / tp. The jobs are scripts/gpu/loop_job.py's long shapes, the ones that failed on GPUs.
+tokens a rank, or with `logits_only_where_loss` one sample's loss positions (`max_response_len`: the train step's
+micro-batch plan keeps a micro-batch's under the limit, but cannot split a sample); x vocab / tp. The jobs are
+scripts/gpu/loop_job.py's long shapes, the ones that failed on GPUs.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def job(shape: str, *extra: str, model: str = MODEL):
 @pytest.mark.parametrize(("shape", "cp"), [("2b_long32k", 2), ("2b_long64k", 4)])
 def test_the_long_jobs_that_failed_on_gpus_are_refused_without_logits_only_where_loss(shape, cp):
     """32K at CP=2 and 64K at CP=4: 16,384 tokens a rank x 151,936 = 2,489,319,424 elements, the GPU jobs that failed
-    at their first backward; the shapes now set train.logits_only_where_loss, and with it (4 samples x 128 response
-    tokens = 512 loss positions at most: 77.8M elements) they pass."""
+    at their first backward; the shapes now set train.logits_only_where_loss, and with it (a sample's 128 response
+    tokens at most: 19.4M elements) they pass."""
     layout = (f"train.num_gpus={cp}", f"train.cp={cp}")
     assert job(shape, *layout).train.logits_only_where_loss
     assert train_logits_problems(job(shape, *layout)) == []
@@ -58,22 +59,31 @@ def test_every_earlier_trained_shape_passes():
     assert train_logits_problems(job("2b")) == []
 
 
-def test_logits_only_where_loss_is_bounded_by_its_loss_positions():
-    """With the logits at the response positions only, a rank's rows are at most its tokens and at most its
-    data-parallel rank's samples x max_response_len: 16 samples x 1,024 = 16,384 loss positions is refused at CP=1,
-    8 samples (DP=2) x 1,024 = 8,192 is not; the message names the bound and offers the fixes that still apply."""
+def test_logits_only_where_loss_is_bounded_by_one_samples_loss_positions():
+    """With the logits at the response positions only, the train step's plan keeps each micro-batch's loss positions
+    under the limit (tests/train/megatron/test_logits_limit.py), so only one sample's can reach it: 16 samples x 1,024
+    response tokens (16,384 loss positions a mini-batch, refused here until 2026-11-28, and the 16,384-token
+    micro-batches of the 2B loop with it) pass; a 16,384-token response is refused whatever the micro-batch, with the
+    fixes that apply to it."""
     long_responses = ("rollout.max_response_len=1024", "train.global_batch_size=16", "rollout.batch_size=4")
-    cfg = job("2b_long32k", *long_responses, "data.max_prompt_len=31000")
-    [problem] = train_logits_problems(cfg)
+    assert train_logits_problems(job("2b_long32k", *long_responses, "data.max_prompt_len=31000")) == []
     assert (
-        "16,384 loss positions (16 samples of a data-parallel rank's mini-batch x rollout.max_response_len=1024)"
-        in (problem)
+        train_logits_problems(job("2b", "train.micro_batch_max_tokens=24576", "train.logits_only_where_loss=true"))
+        == []
+    )
+    one_long = ("rollout.max_response_len=16384", "data.max_prompt_len=1024", "train.micro_batch_max_tokens=32768")
+    [problem] = train_logits_problems(job("2b", *one_long, "train.logits_only_where_loss=true"))
+    assert (
+        "16,384 loss positions (one sample's at most: rollout.max_response_len=16384) x 151,936 vocabulary entries"
+        in problem
     )
     assert problem.split(": ")[-1] == (
-        "lower train.micro_batch_max_tokens (fewer responses per micro-batch), or raise train.tp / train.cp"
+        "lower rollout.max_response_len (the micro-batch plan keeps each micro-batch's loss positions under the limit, "
+        "but cannot split a sample), or raise train.tp / train.cp"
     )
-    two_dp = job("2b_long32k", *long_responses, "data.max_prompt_len=31000", "train.num_gpus=2")
-    assert two_dp.dp_size == 2 and train_logits_problems(two_dp) == []
+    # a sample's loss positions on a rank are also at most its local row: at CP=4, 32,768 / 4 = 8,192 pass
+    cp4 = ("train.num_gpus=4", "train.cp=4", "train.logits_only_where_loss=true")
+    assert train_logits_problems(job("2b", *one_long, *cp4)) == []
 
 
 def test_the_vocabulary_comes_from_the_models_config_json(tmp_path):

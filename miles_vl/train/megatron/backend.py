@@ -46,11 +46,23 @@ from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.models.qwen3_vl.vision_once import distinct_images
 from miles_vl.train.hf_files import DEFAULT_MAX_SHARD_BYTES, write_hf_model
 from miles_vl.train.megatron import checkpoint as ckpt
-from miles_vl.train.megatron.batch import MicroBatch, attach_loss_inputs, pack_micro_batch, sample_loss_tokens
+from miles_vl.train.megatron.batch import (
+    MicroBatch,
+    attach_loss_inputs,
+    pack_micro_batch,
+    sample_loss_rows,
+    sample_loss_tokens,
+)
 from miles_vl.train.megatron.export import ExportPlan
 from miles_vl.train.megatron.parallel import ParallelGroups, all_reduce_sum, gather_per_sample, reduce_metrics
 from miles_vl.train.megatron.plan import plan_data_parallel, split_for_data_parallel
-from miles_vl.train.megatron.step import ForwardOptions, check_token_norm, forward_step, train_logits_problem
+from miles_vl.train.megatron.step import (
+    ForwardOptions,
+    check_token_norm,
+    forward_step,
+    max_train_logits_rows,
+    train_logits_problem,
+)
 from miles_vl.train.types import Accumulated, LossOptions, MiniBatch, TrainOptions, TrainSample
 
 miles_vl.patches.install()  # megatron-bridge's Qwen3-VL module must be patched before the first forward
@@ -208,7 +220,10 @@ class MegatronTrainBackend:
         g = self.groups
         lengths = [samples[i].input_ids.numel() for i in idx]
         max_tokens = self.options.micro_batch_max_tokens
-        plans = plan_data_parallel(lengths, dp_size=g.dp_size, max_tokens=max_tokens, cp_size=g.cp_size)
+        rows, max_rows = self._loss_rows([samples[i] for i in idx])
+        plans = plan_data_parallel(
+            lengths, dp_size=g.dp_size, max_tokens=max_tokens, cp_size=g.cp_size, loss_rows=rows, max_loss_rows=max_rows
+        )
         denominators = loss_denominators(torch.tensor([sample_loss_tokens(samples[i]) for i in idx]))
         micro = []
         for spec in plans[g.dp_rank]:
@@ -228,6 +243,32 @@ class MegatronTrainBackend:
         local = combine_metrics([r["metrics"] for r in reports]) if reports else None
         metrics = reduce_metrics(local, g, self.device, template=_metrics_template(self.loss))
         return Accumulated(metrics, int(token_norm), True)
+
+    def _loss_rows(self, samples: Sequence[TrainSample]) -> tuple[list[int] | None, int | None]:
+        """With `train.logits_only_where_loss`, a train forward's logits have one row per loss position of the rank:
+        each sample's loss positions on one rank at most (`sample_loss_rows`) and the most rows the logits may have
+        (`step.max_train_logits_rows`), so that the micro-batch plan keeps every micro-batch under the limit
+        whatever `micro_batch_max_tokens` is; else (None, None): the rows are the local row, which
+        `micro_batch_max_tokens` bounds (the preflight checks it).
+
+        Raises:
+            ValueError: one sample alone would reach the limit (`step.train_logits_problem`'s message); every rank
+                plans the same samples, so every rank raises alike.
+        """
+        if not self.options.logits_only_where_loss:
+            return None, None
+        g, vocab = self.groups, self.config.vocab_size
+        rows = [sample_loss_rows(s, g.cp_size) for s in samples]
+        problem = train_logits_problem(
+            max(rows, default=0),
+            vocab,
+            g.tp_size,
+            logits_only_where_loss=True,
+            tokens_from="one sample's loss positions on a rank, which no micro-batch plan can split",
+        )
+        if problem:
+            raise ValueError(problem)
+        return rows, max_train_logits_rows(vocab, g.tp_size)
 
     def _check_train_logits(self, micro: Sequence[MicroBatch]) -> None:
         """Refuse, before any forward, a mini-batch whose train logits on some rank would reach the CUDA limit

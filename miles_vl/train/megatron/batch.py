@@ -26,7 +26,7 @@ from torch import LongTensor, Tensor
 
 from miles_vl.algo import LossDenominators, LossReduction, loss_token_weights, sequence_loss_tokens
 from miles_vl.models import SpecialTokens
-from miles_vl.packing import LocalShard, PackedBatch, cat_present, pack_thd
+from miles_vl.packing import LocalShard, PackedBatch, cat_present, pack_thd, padded_length, zigzag_index
 from miles_vl.train.megatron.plan import MicroBatchSpec
 from miles_vl.train.types import TrainSample, at_labels
 
@@ -69,6 +69,25 @@ def sample_loss_tokens(sample: TrainSample) -> int:
     if mask is None:
         return sample.response_len if sample.prompt_len > 0 else sample.response_len - 1
     return int(mask.reshape(-1)[1:].sum())
+
+
+def sample_loss_rows(sample: TrainSample, cp_size: int) -> int:
+    """The loss positions `sample` puts on the CP rank that holds the most of them: its label positions with loss
+    (position j scores token j + 1) in that rank's two zigzag chunks of its padded segment (`zigzag_index`, the
+    layout the shards are cut by); at CP=1 its loss tokens. A micro-batch's rows on any rank are at most the sum over
+    its samples (the sum of each one's largest share: exact at CP=1, an upper bound at CP > 1). What the micro-batch
+    plan adds up against the train logits' limit with `train.logits_only_where_loss` (`plan_data_parallel`'s
+    `loss_rows`)."""
+    n = sample.input_ids.numel()
+    at_label = torch.zeros(padded_length(n, cp_size), dtype=torch.bool)  # [Lp] position j: the loss of token j + 1
+    if sample.loss_mask is None:
+        at_label[max(sample.prompt_len - 1, 0) : n - 1] = True
+    else:
+        at_label[: n - 1] = sample.loss_mask.reshape(-1)[1:].bool()
+    if cp_size == 1:
+        return int(at_label.sum())
+    segment = torch.tensor([0, at_label.numel()])
+    return max(int(at_label[zigzag_index(segment, cp_size, rank)].sum()) for rank in range(cp_size))
 
 
 def pack_micro_batch(

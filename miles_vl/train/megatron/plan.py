@@ -46,7 +46,13 @@ def split_for_data_parallel(lengths: Sequence[int], dp_size: int) -> list[list[i
 
 
 def plan_data_parallel(
-    lengths: Sequence[int], *, dp_size: int, max_tokens: int, cp_size: int = 1
+    lengths: Sequence[int],
+    *,
+    dp_size: int,
+    max_tokens: int,
+    cp_size: int = 1,
+    loss_rows: Sequence[int] | None = None,
+    max_loss_rows: int | None = None,
 ) -> list[list[MicroBatchSpec]]:
     """Micro-batches of every DP rank (`[dp_rank][k]`), all ranks with the same count.
 
@@ -55,6 +61,9 @@ def plan_data_parallel(
         dp_size: data-parallel size.
         max_tokens: budget of one full THD row (one CP group's micro-batch).
         cp_size: context-parallel size (samples are padded to multiples of 2 * cp_size).
+        loss_rows, max_loss_rows: a second budget per micro-batch (`plan_micro_batches`): each sample's loss
+            positions on one rank at most, and the most a rank's train logits may have rows
+            (`train.logits_only_where_loss`); both or neither.
 
     Raises:
         ValueError: no samples, or a sample longer than the budget (from `plan_micro_batches`).
@@ -62,10 +71,19 @@ def plan_data_parallel(
     if not lengths:
         raise ValueError("plan_data_parallel needs at least one sample")
     shares = split_for_data_parallel(lengths, dp_size)
-    plans = [
-        plan_micro_batches([lengths[i] for i in share], max_tokens, cp_size=cp_size).num_micro_batches if share else 0
-        for share in shares
-    ]
+
+    def plan(share: list[int], min_micro_batches: int = 1):
+        rows = None if loss_rows is None else [loss_rows[i] for i in share]
+        return plan_micro_batches(
+            [lengths[i] for i in share],
+            max_tokens,
+            cp_size=cp_size,
+            min_micro_batches=min_micro_batches,
+            loss_rows=rows,
+            max_loss_rows=max_loss_rows,
+        )
+
+    plans = [plan(share).num_micro_batches if share else 0 for share in shares]
     count = max(plans)
     out = []
     for share in shares:
@@ -73,8 +91,7 @@ def plan_data_parallel(
             out.append([MicroBatchSpec([0], dummy=True) for _ in range(count)])
             continue
         real = min(count, len(share))
-        plan = plan_micro_batches([lengths[i] for i in share], max_tokens, cp_size=cp_size, min_micro_batches=real)
-        specs = [MicroBatchSpec([share[j] for j in mb]) for mb in plan.micro_batches]
+        specs = [MicroBatchSpec([share[j] for j in mb]) for mb in plan(share, real).micro_batches]
         specs += [MicroBatchSpec([share[0]], dummy=True) for _ in range(count - len(specs))]
         out.append(specs)
     return out

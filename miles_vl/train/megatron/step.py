@@ -49,6 +49,12 @@ from miles_vl.train.types import LossOptions, TrainSample, response_logprobs
 MAX_TRAIN_LOGITS_ELEMENTS = 2**31
 
 
+def max_train_logits_rows(vocab_size: int, tp_size: int) -> int:
+    """The most rows a rank's train logits `[rows, ceil(vocab_size / tp_size)]` may have: fewer elements than
+    `MAX_TRAIN_LOGITS_ELEMENTS` (read at the call, so that tests can lower it)."""
+    return (MAX_TRAIN_LOGITS_ELEMENTS - 1) // -(-vocab_size // tp_size)
+
+
 def train_logits_problem(
     tokens: int, vocab_size: int, tp_size: int, *, logits_only_where_loss: bool, tokens_from: str
 ) -> str | None:
@@ -70,7 +76,10 @@ def train_logits_problem(
         return None
     what = "loss positions" if logits_only_where_loss else "tokens"
     if logits_only_where_loss:
-        fixes = "lower train.micro_batch_max_tokens (fewer responses per micro-batch), or raise train.tp / train.cp"
+        fixes = (
+            "lower rollout.max_response_len (the micro-batch plan keeps each micro-batch's loss positions under the "
+            "limit, but cannot split a sample), or raise train.tp / train.cp"
+        )
     else:
         fixes = (
             "set train.logits_only_where_loss=true (logits at the response positions only), or lower "
@@ -80,7 +89,7 @@ def train_logits_problem(
         f"the train forward's logits on one rank would be {tokens:,} {what} ({tokens_from}) x {vocab:,} vocabulary "
         f"entries (vocab {vocab_size:,} / train.tp={tp_size}) = {elements:,} elements, at or past the limit of "
         f"{limit:,}: the backward of the RL loss over them fails with `CUDA error: invalid argument`. At this vocab "
-        f"a rank may hold at most {(limit - 1) // vocab:,} {what}: {fixes}"
+        f"a rank may hold at most {max_train_logits_rows(vocab_size, tp_size):,} {what}: {fixes}"
     )
 
 

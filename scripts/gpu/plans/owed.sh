@@ -44,6 +44,9 @@
 #              the card it must fit): the 2B job as main ran it before issue 33 (the sync through Ray's object store,
 #              no lever, 8,192-token micro-batches; one optimizer update a step, which only shortens its step) on
 #              GPU 0 beside everything since (the IPC sync, the three levers, 14,080-token micro-batches) on GPU 1
+#          p11  #33: micro-batches past the 14,134 tokens the preflight allowed until 2026-11-28 (the plan now keeps each
+#              micro-batch's loss positions under the logits' limit instead): the 2B job as p9-x2c's 14,080 run (GPU 0)
+#              beside 28,160-token micro-batches (GPU 1; ~3 a step instead of 5), on an 80 GB H100 pair (peak memory)
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -128,10 +131,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -177,7 +180,7 @@ case $call in
       p7-s1) loop 0,1 585 2b async-2b-long-s1-x2 6 "${S1[@]}" ;;
     esac
     ;;
-  p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10)
+  p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11)
     checkpoint 2b
     # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
     LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
@@ -185,6 +188,9 @@ case $call in
     if [ "$call" = p10 ]; then
       loop 0 585 2b final-2b-before-33 5 train.global_batch_size=128 rollout.sglang.colocated_sync=tensor
       loop 1 585 2b final-2b-after-33 5 "${LEVERS[@]}" train.micro_batch_max_tokens=14080
+    elif [ "$call" = p11 ]; then
+      loop 0 585 2b mb-2b-14k-p11 5 "${LEVERS[@]}" train.micro_batch_max_tokens=14080
+      loop 1 585 2b mb-2b-28k-p11 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160
     elif [ "$call" = p8 ]; then
       loop 0 585 2b copies-2b-plain 5 'train.profile_steps=[3]' "${LEVERS[@]}"
       loop 1 585 2b copies-2b-pinned 5 'train.profile_steps=[3]' "${LEVERS[@]}" train.pinned_input_copies=true

@@ -720,7 +720,8 @@ def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
     layer projected in training mode on this rank; first at the real limit, which measures them, then with the limit
     at exactly the largest rows over all ranks x V/TP (refused) and one element above it (trains).
     {layout: {"full" | "only": {"rows": this rank's largest, "largest": over all ranks, "vocab": V/TP,
-    "at": {"error", "train_rows"}, "above": {"error", "train_rows"}}}}"""
+    "at": {"error", "train_rows", "metrics"}, "above": {"error", "train_rows", "metrics"}}}} (metrics: `train_step`'s,
+    of a step that trained)"""
     import torch.distributed as dist
 
     from miles_vl.train.megatron import step
@@ -738,14 +739,15 @@ def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
                 backend.model[0].module.language_model.output_layer.register_forward_hook(
                     lambda m, args, out, rows=rows: rows.append(args[0].shape[0]) if m.training else None
                 )
+                metrics: dict = {}
                 try:
-                    train_step(backend, samples)
+                    metrics = train_step(backend, samples)
                     error = None
                 except ValueError as err:
                     error = str(err)
                 finally:
                     step.MAX_TRAIN_LOGITS_ELEMENTS = real
-                return {"error": error, "train_rows": rows}
+                return {"error": error, "train_rows": rows, "metrics": metrics}
 
             measured = run(real)
             assert measured["error"] is None, measured["error"]

@@ -2,7 +2,10 @@
 `step.MAX_TRAIN_LOGITS_ELEMENTS` (2^31) elements or more, before that forward runs, on every rank alike, with one
 message that names the rows, V/TP, their product, the limit, the symptom it avoids and the fixes; the rows are the
 local row T/C, or the loss positions with `logits_only_where_loss`. On the CPU harness (two gloo ranks: DP 2, CP 2,
-TP 2) with the limit lowered to exactly what a layout forms (refused) and one element above it (trains).
+TP 2) with the limit lowered to exactly what a layout forms (refused) and one element above it (trains). With
+`logits_only_where_loss` the micro-batch plan keeps each micro-batch's loss positions under the limit (a second budget
+beside the tokens, `batch.sample_loss_rows` a sample): at the limit a step whose samples each fit it trains in more,
+smaller train forwards, every one under the limit; one whose single sample reaches it is refused, naming the sample.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from miles_vl.train.megatron import step
+from miles_vl.train.megatron.batch import sample_loss_rows
 from tests.train.megatron import cpu_parts, jobs
 
 LAYOUTS = jobs.TWO_RANK_LAYOUTS
@@ -31,23 +35,34 @@ def runs() -> list[dict]:
 def test_train_logits_at_the_limit_are_refused_before_the_forward_on_every_rank(runs, layout, only):
     name = "only" if only else "full"
     largest = max(rank[layout][name]["rows"] for rank in runs)
+    # the most loss positions one sample may put on a rank (its loss tokens, at most its padded length / C)
+    one_sample = max(sample_loss_rows(s, LAYOUTS[layout]["cp"]) for s in jobs.train_samples()[:2])
+    refused = not only or one_sample >= largest  # else the plan splits the micro-batch under the limit
     for rank in runs:
         run = rank[layout][name]
         vocab = run["vocab"]
         assert run["largest"] == largest  # every rank decides on the largest rows of any rank
         at, above = run["at"], run["above"]
-        # refused on every rank (the DP ranks' own largest rows differ: the all-reduce makes them agree), before any
-        # train forward reached the output layer
-        assert at["error"] is not None and at["train_rows"] == []
         what = "loss positions" if only else "tokens"
-        limit = largest * vocab
-        assert f"{largest:,} {what}" in at["error"]
-        assert f"x {vocab:,} vocabulary entries (vocab 96 / train.tp={96 // vocab})" in at["error"]
-        assert f"= {limit:,} elements, at or past the limit of {limit:,}" in at["error"]
-        assert "`CUDA error: invalid argument`" in at["error"]
-        assert f"at most {largest - 1:,} {what}" in at["error"]
-        first_fix = "lower train.micro_batch_max_tokens" if only else "set train.logits_only_where_loss=true"
-        assert at["error"].split(": ")[-1].startswith(first_fix)
+        if refused:  # on every rank (the DP ranks' own rows differ: the all-reduce, or the shared plan, makes them
+            # agree), before any train forward reached the output layer
+            rows = one_sample if only else largest
+            assert at["error"] is not None and at["train_rows"] == []
+            assert f"{rows:,} {what}" in at["error"]
+            assert f"x {vocab:,} vocabulary entries (vocab 96 / train.tp={96 // vocab})" in at["error"]
+            assert f"= {rows * vocab:,} elements, at or past the limit of {largest * vocab:,}" in at["error"]
+            assert "`CUDA error: invalid argument`" in at["error"]
+            assert f"at most {largest - 1:,} {what}" in at["error"]
+            first_fix = "lower rollout.max_response_len" if only else "set train.logits_only_where_loss=true"
+            assert at["error"].split(": ")[-1].startswith(first_fix)
+            if only:
+                assert "one sample's loss positions on a rank, which no micro-batch plan can split" in at["error"]
+        else:  # trained, in more train forwards than at the real limit, each under the lowered one
+            assert at["error"] is None and len(at["train_rows"]) > len(above["train_rows"])
+            assert max(at["train_rows"]) < largest
+            # the same step: the loss and the gradient do not depend on how the samples are cut into micro-batches
+            for key in ("train/loss", "train/grad_norm", "train/n_loss_tokens"):
+                assert at["metrics"][key] == pytest.approx(above["metrics"][key], rel=1e-5, abs=1e-7), key
         # one element more and the same step trains, its largest train forward exactly at the measured rows
         assert above["error"] is None and above["train_rows"] and max(above["train_rows"]) == run["rows"]
     if layout == "dp2" or (layout, name) == ("cp2", "only"):  # the all-reduce's case: one rank's own rows would pass

@@ -8,7 +8,7 @@ import torch
 
 from miles_vl.algo import loss_denominators, loss_token_weights, sequence_loss_tokens
 from miles_vl.packing import pack_thd, zigzag_index
-from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_tokens
+from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_rows, sample_loss_tokens
 from miles_vl.train.megatron.plan import MicroBatchSpec, plan_data_parallel, split_for_data_parallel
 from miles_vl.train.types import TrainSample
 from tests.train.megatron.jobs import assert_vocab_parallel_matches, vocab_parallel_case
@@ -89,6 +89,39 @@ def test_loss_inputs_of_cp_shards_cover_the_full_row_once():
         (i, j - s.prompt_len) for i, s in enumerate(samples) for j in range(1, s.input_ids.numel()) if _has_loss(s, j)
     ]
     assert sorted(seen) == sorted(want)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_samples_loss_rows_are_its_largest_share_of_loss_positions_on_a_cp_rank(cp):
+    """`sample_loss_rows(s, C)`, what the micro-batch plan adds up against the train logits' limit, is the most loss
+    positions the packed shard of any CP rank holds of that sample, counted from `attach_loss_inputs`' own positions
+    of a micro-batch of four samples (one with a custom loss mask, one short with most of its tokens in the loss)."""
+    samples = _samples()
+    short = TrainSample(input_ids=torch.arange(3, 9), prompt_len=1, advantage=1.0, rollout_logprobs=torch.zeros(5))
+    samples.append(short)
+    spec = MicroBatchSpec(list(range(len(samples))))
+    counts = torch.tensor([sample_loss_tokens(s) for s in samples])
+    den = loss_denominators(counts)
+    held = torch.zeros(cp, len(samples), dtype=torch.long)
+    for rank in range(cp):
+        mb = pack_micro_batch(samples, spec, tokens=_tokens(), spatial_merge_size=2, cp_size=cp, cp_rank=rank)
+        mb = attach_loss_inputs(mb, samples, None, None, den, reduction="seq_mean_token_mean")
+        held[rank] = torch.bincount(mb.loss.sample, minlength=len(samples))
+    assert torch.equal(held.sum(0), counts)
+    assert [sample_loss_rows(s, cp) for s in samples] == held.max(0).values.tolist()
+    if cp > 1:  # shares differ between ranks: the largest is what a micro-batch must leave room for
+        assert (held.max(0).values > held.min(0).values).any()
+
+
+def test_the_plan_keeps_each_micro_batchs_loss_rows_under_the_limit_on_every_dp_rank():
+    """`plan_data_parallel` with the second budget: every DP rank's micro-batches stay under it, the counts stay
+    equal across ranks, and the limit (not the tokens) is what splits them."""
+    lengths, rows = [60, 60, 60, 60], [40, 40, 40, 40]
+    assert [len(p) for p in plan_data_parallel(lengths, dp_size=2, max_tokens=256)] == [1, 1]
+    plans = plan_data_parallel(lengths, dp_size=2, max_tokens=256, loss_rows=rows, max_loss_rows=79)
+    assert [len(p) for p in plans] == [2, 2]
+    for plan in plans:
+        assert all(sum(rows[i] for i in spec.samples) <= 79 for spec in plan)
 
 
 def _full_positions(full, mb, cp_full_pos):
