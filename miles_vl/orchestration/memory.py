@@ -23,7 +23,9 @@ cp, ep; `W` = train.num_gpus. The trainer (megatron, as `train/megatron/build.py
   layer's full set while it is recomputed. With p > 1 the first stage holds p micro-batches of L/p layers: the
   same `L` layers' worth.
 - logits: `T * vocab / t * 16` bytes (bf16 logits, their fp32 copy, the fp32 softmax, the fp32 and bf16 gradients:
-  the vocab-parallel log-prob of the sampled token and its backward).
+  the vocab-parallel log-prob of the sampled token and its backward). With `train.logits_only_where_loss` the rows are
+  the loss positions, which the micro-batch plan keeps under `step.max_train_logits_rows` (14,134 at Qwen3-VL's
+  vocabulary and t = 1): `min(T, that)` rows, an upper bound (a micro-batch's loss positions are usually fewer).
 - the colocated IPC weight sync's buffers (`rollout.sglang.colocated_sync: ipc`, rollout/sglang/weights.py): a
   rank that shares its GPU with a server's TP rank packs each bucket into one of two persistent bf16 buffers of the
   bucket bound (512 MiB), each grown for good by a tensor larger than that (the embedding or output layer, `vocab *
@@ -55,6 +57,7 @@ from dataclasses import dataclass, replace
 from miles_vl.config import JobConfig
 from miles_vl.models.qwen3_vl.shapes import ModelShape, hf_config_dict, model_shape
 from miles_vl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, IPC_SYNC_BUFFERS
+from miles_vl.train.megatron.step import max_train_logits_rows
 
 GIB = 1024**3
 FIT_FRACTION = 0.9  # of a GPU's memory: what the estimate may use; the rest is the allocator's fragmentation
@@ -124,6 +127,7 @@ def trainer_memory(
     bf16: bool = True,
     distributed_optimizer: bool = True,
     cpu_offload: float = 0.0,
+    logits_only_where_loss: bool = False,
 ) -> TrainerMemory:
     """One Megatron train rank's memory (module docstring: the formulas and what they leave out); `cpu_offload` is
     the fraction of the rank's optimizer state on the host."""
@@ -139,6 +143,7 @@ def trainer_memory(
     tokens = micro_batch_max_tokens / cp
     h_split = tp if sp else 1
     per_layer_token = 8 * shape.hidden / h_split + 6 * (shape.q_dim + shape.kv_dim + shape.mlp_dim) / tp
+    logit_rows = min(tokens, max_train_logits_rows(shape.vocab, tp)) if logits_only_where_loss else tokens
     if recompute == "full":
         layers = shape.layers * tokens * 2 * shape.hidden / h_split + tokens * per_layer_token
     else:
@@ -148,7 +153,7 @@ def trainer_memory(
         gradients=4 * trainable_local / GIB,
         optimizer=optimizer / GIB,
         activations=layers / GIB,
-        logits=tokens * shape.vocab / tp * LOGIT_BYTES / GIB,
+        logits=logit_rows * shape.vocab / tp * LOGIT_BYTES / GIB,
         host_optimizer=host_optimizer / GIB,
     )
 
@@ -318,6 +323,7 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
             freeze_vision=t.freeze_vision,
             bf16=cfg.model.dtype != "fp32",  # auto is bf16 on GPUs
             cpu_offload=t.optimizer.cpu_offload,
+            logits_only_where_loss=t.logits_only_where_loss,
         )
         if sglang and colocated and r.sglang.colocated_sync == "ipc":
             trainer = replace(trainer, sync_buffers=ipc_sync_buffers(shape) / GIB)

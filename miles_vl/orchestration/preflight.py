@@ -44,6 +44,7 @@ from miles_vl.orchestration.checkpoint import DRIVER_STATE, not_a_checkpoint, ve
 from miles_vl.orchestration.factories import build_rewards
 from miles_vl.orchestration.loop import check_backends
 from miles_vl.orchestration.placement import driver_runtime_env, job_runtime_env_problem, private_session_problem
+from miles_vl.packing import padded_length
 from miles_vl.stack import backend_problems, captured_output
 from miles_vl.train.megatron.step import train_logits_problem
 
@@ -144,9 +145,9 @@ def train_logits_problems(cfg: JobConfig) -> list[str]:
     are at most `train.micro_batch_max_tokens / train.cp`. With `train.logits_only_where_loss` they are its loss
     positions, and the train step's micro-batch plan keeps every micro-batch's under the limit (a second budget beside
     the tokens); what no plan can split is one sample, whose loss positions on a rank are at most
-    `rollout.max_response_len` (and at most the local row). The vocabulary is the model's (`model.path`'s
-    config.json, the cached snapshot of a hub id, or the released shape of that name); where none of them is here,
-    nothing is checked (the train step still is)."""
+    `rollout.max_response_len`, and at most its padded row's share on one of `train.cp` ranks. The vocabulary is the
+    model's (`model.path`'s config.json, the cached snapshot of a hub id, or the released shape of that name); where
+    none of them is here, nothing is checked (the train step still is)."""
     t = cfg.train
     if t.backend != "megatron" or not cfg.model.path:
         return []
@@ -160,9 +161,16 @@ def train_logits_problems(cfg: JobConfig) -> list[str]:
         return []
     rows = -(-t.micro_batch_max_tokens // t.cp)
     tokens_from = f"train.micro_batch_max_tokens={t.micro_batch_max_tokens} / train.cp={t.cp}"
-    if t.logits_only_where_loss and cfg.rollout.max_response_len < rows:
-        rows = cfg.rollout.max_response_len
-        tokens_from = f"one sample's at most: rollout.max_response_len={rows}"
+    if t.logits_only_where_loss:  # one sample's loss positions on a rank: its response, and its share of its row
+        share = padded_length(cfg.data.max_prompt_len + cfg.rollout.max_response_len, t.cp) // t.cp
+        one = min(cfg.rollout.max_response_len, share)
+        if one < rows:
+            rows = one
+            tokens_from = f"one sample's at most: rollout.max_response_len={cfg.rollout.max_response_len}" + (
+                f", its row of data.max_prompt_len + max_response_len on one of train.cp={t.cp} ranks"
+                if share < cfg.rollout.max_response_len
+                else ""
+            )
     problem = train_logits_problem(
         rows, vocab, t.tp, logits_only_where_loss=t.logits_only_where_loss, tokens_from=tokens_from
     )

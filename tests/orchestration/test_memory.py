@@ -87,6 +87,22 @@ def test_2b_on_one_gpu_by_hand():
     assert est.problems() == []  # measured: it ran (train peak 54.4 GiB allocated)
 
 
+def test_logits_at_the_loss_positions_count_at_most_the_rows_the_plan_allows():
+    """With train.logits_only_where_loss the micro-batch plan keeps a rank's loss positions under what the logits
+    may hold (2^31 elements: 14,134 rows of 151,936), so a 28,160-token micro-batch counts 14,134 rows of logits,
+    not 28,160; an 8,192-token one counts its 8,192 either way (every position might be a loss position)."""
+    vocab = 151936
+    rows = (2**31 - 1) // vocab
+    assert rows == 14134
+    long_mb = ("train.micro_batch_max_tokens=28160", "train.logits_only_where_loss=true")
+    est = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", *long_mb), 80.0)
+    assert est.trainer.logits == pytest.approx(rows * vocab * 16 / GIB)
+    full = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.micro_batch_max_tokens=28160"), 80.0)
+    assert full.trainer.logits == pytest.approx(28160 * vocab * 16 / GIB)
+    short = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.logits_only_where_loss=true"), 80.0)
+    assert short.trainer.logits == pytest.approx(8192 * vocab * 16 / GIB)
+
+
 def test_2b_on_one_gpu_without_recompute_does_not_fit():
     """The same job without recompute ran out of memory on an H100 (docs/gpu-runs/2026-11-23-loop-2b-oom-h100): the
     estimate says so; every layer keeps its activations."""

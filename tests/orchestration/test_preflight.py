@@ -81,9 +81,15 @@ def test_logits_only_where_loss_is_bounded_by_one_samples_loss_positions():
         "lower rollout.max_response_len (the micro-batch plan keeps each micro-batch's loss positions under the limit, "
         "but cannot split a sample), or raise train.tp / train.cp"
     )
-    # a sample's loss positions on a rank are also at most its local row: at CP=4, 32,768 / 4 = 8,192 pass
-    cp4 = ("train.num_gpus=4", "train.cp=4", "train.logits_only_where_loss=true")
-    assert train_logits_problems(job("2b", *one_long, *cp4)) == []
+    # a sample's loss positions on a rank are also at most its row's share: at CP=2, (1,024 + 16,384) / 2 = 8,704 pass
+    cp2 = ("train.num_gpus=2", "train.cp=2", "train.logits_only_where_loss=true")
+    assert train_logits_problems(job("2b", *one_long, *cp2)) == []
+    longer = ("rollout.max_response_len=30000", "data.max_prompt_len=1024", "train.micro_batch_max_tokens=32768")
+    [problem] = train_logits_problems(job("2b", *longer, *cp2))  # 31,024 tokens: 15,512 a rank, past 14,134
+    assert (
+        "15,512 loss positions (one sample's at most: rollout.max_response_len=30000, its row of data.max_prompt_len "
+        "+ max_response_len on one of train.cp=2 ranks)" in problem
+    )
 
 
 def test_the_vocabulary_comes_from_the_models_config_json(tmp_path):

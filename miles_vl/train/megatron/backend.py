@@ -55,7 +55,7 @@ from miles_vl.train.megatron.batch import (
 )
 from miles_vl.train.megatron.export import ExportPlan
 from miles_vl.train.megatron.parallel import ParallelGroups, all_reduce_sum, gather_per_sample, reduce_metrics
-from miles_vl.train.megatron.plan import plan_data_parallel, split_for_data_parallel
+from miles_vl.train.megatron.plan import forward_only_max_tokens, plan_data_parallel, split_for_data_parallel
 from miles_vl.train.megatron.step import (
     ForwardOptions,
     check_token_norm,
@@ -195,6 +195,9 @@ class MegatronTrainBackend:
         lengths = [s.input_ids.numel() for s in samples]
         g = self.groups
         max_tokens = self.options.micro_batch_max_tokens
+        if self.options.logits_only_where_loss:  # this pass's logits cover every position (`forward_only_max_tokens`)
+            max_rows = max_train_logits_rows(self.config.vocab_size, g.tp_size)
+            max_tokens = forward_only_max_tokens(max_tokens, lengths, cp_size=g.cp_size, max_rows=max_rows)
         plans = plan_data_parallel(lengths, dp_size=g.dp_size, max_tokens=max_tokens, cp_size=g.cp_size)
         micro = [self._micro_batch(samples, spec) for spec in plans[g.dp_rank]]
         for chunk in self.model:

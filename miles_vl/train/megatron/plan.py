@@ -5,6 +5,7 @@ is needed to agree on it, and global loss denominators are known everywhere (see
 
 - `split_for_data_parallel`: samples -> DP ranks, equal counts (+-1 when they do not divide), balanced tokens:
   longest first, each to the emptiest rank (by tokens) that still has room.
+- `forward_only_max_tokens`: the token budget of the forward-only logprob pass, whose logits cover every position.
 - `plan_data_parallel`: each DP rank's micro-batches (`miles_vl.packing.plan_micro_batches`), with the SAME number
   of micro-batches on every DP rank: megatron's collectives across DP (MoE expert-parallel all-to-all) and the
   pipeline schedule run once per micro-batch, so a rank with fewer would hang the others. A rank with fewer
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from miles_vl.packing import plan_micro_batches
+from miles_vl.packing import padded_length, plan_micro_batches
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ def plan_data_parallel(
             (`train.logits_only_where_loss`); both or neither.
 
     Raises:
-        ValueError: no samples, or a sample longer than the budget (from `plan_micro_batches`).
+        ValueError: no samples, or a sample longer than the budget or with more loss rows than `max_loss_rows` (from
+            `plan_micro_batches`, which numbers the sample within its DP rank's share).
     """
     if not lengths:
         raise ValueError("plan_data_parallel needs at least one sample")
@@ -95,3 +97,20 @@ def plan_data_parallel(
         specs += [MicroBatchSpec([share[0]], dummy=True) for _ in range(count - len(specs))]
         out.append(specs)
     return out
+
+
+def forward_only_max_tokens(max_tokens: int, lengths: Sequence[int], *, cp_size: int, max_rows: int) -> int:
+    """The token budget of a forward-only (logprob) pass's micro-batches when the train forward's logits cover the
+    loss positions only (`train.logits_only_where_loss`), so that `max_tokens` may pass what full logits may hold:
+    the pass forms `[T/C, V/TP]` logits, so its micro-batches stay within `max_rows` rows a rank (`cp_size *
+    max_rows` tokens), or within the longest sample's row where that is longer: a sample alone forms those logits
+    anyway (forward-only logits of 2.49e9 elements ran, issue 32; the train forward is what fails past 2^31).
+
+    Args:
+        max_tokens: `train.micro_batch_max_tokens`.
+        lengths: the pass's samples' token counts.
+        cp_size: C (samples are padded to multiples of 2C).
+        max_rows: the most rows a rank's logits may have (`step.max_train_logits_rows`).
+    """
+    longest = max((padded_length(n, cp_size) for n in lengths), default=0)
+    return min(max_tokens, max(cp_size * max_rows, longest))

@@ -33,8 +33,9 @@
 #              today's 8,192-token micro-batches (GPU 0) beside 14,080 (GPU 1), 12,288 (GPU 2) and 8,192 with
 #              selective recompute (GPU 3); the summaries' train_peak_mem_gib say which fit an 80 GB card. Not more
 #              than 14,080: the preflight counts a micro-batch's tokens as its loss positions (at most; the prompts'
-#              lengths are not known before the rollout), and 14,134 x 151,936 logits reach the 2^31 elements a train
+#              lengths are not known before the rollout), and 14,135 x 151,936 logits reach the 2^31 elements a train
 #              forward may have (step.py); the plan of 2026-11-27 asked for 16,384 and 24,576, refused at start
+#              (since 2026-11-28 the plan keeps a micro-batch's loss positions under that instead: p11)
 #          p9-x2  p9's first two runs, for a 2-GPU machine (on 2026-11-28 its second run asked for 16,384 and stopped
 #              at start with the preflight's logits error; p9-x2b and p9-x2c then ran the 14,080 it allows)
 #          p9-x2b  14,080-token micro-batches (GPU 0) beside 8,192 with selective recompute (GPU 1)

@@ -720,8 +720,8 @@ def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
     layer projected in training mode on this rank; first at the real limit, which measures them, then with the limit
     at exactly the largest rows over all ranks x V/TP (refused) and one element above it (trains).
     {layout: {"full" | "only": {"rows": this rank's largest, "largest": over all ranks, "vocab": V/TP,
-    "at": {"error", "train_rows", "metrics"}, "above": {"error", "train_rows", "metrics"}}}} (metrics: `train_step`'s,
-    of a step that trained)"""
+    "at": {"error", "train_rows", "eval_rows", "metrics"}, "above": {...}}}} (eval_rows: the forward-only logprob
+    pass's; metrics: `train_step`'s, of a step that trained)"""
     import torch.distributed as dist
 
     from miles_vl.train.megatron import step
@@ -736,8 +736,11 @@ def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
                 step.MAX_TRAIN_LOGITS_ELEMENTS = limit
                 backend = build_backend(ctx, **sizes, reduction="token_mean", logits_only_where_loss=only)
                 rows: list[int] = []  # hidden states the output layer projected in a train forward (not the scoring)
+                eval_rows: list[int] = []  # and in the forward-only logprob pass (every position's logits)
                 backend.model[0].module.language_model.output_layer.register_forward_hook(
-                    lambda m, args, out, rows=rows: rows.append(args[0].shape[0]) if m.training else None
+                    lambda m, args, out, rows=rows, eval_rows=eval_rows: (rows if m.training else eval_rows).append(
+                        args[0].shape[0]
+                    )
                 )
                 metrics: dict = {}
                 try:
@@ -747,7 +750,7 @@ def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
                     error = str(err)
                 finally:
                     step.MAX_TRAIN_LOGITS_ELEMENTS = real
-                return {"error": error, "train_rows": rows, "metrics": metrics}
+                return {"error": error, "train_rows": rows, "eval_rows": eval_rows, "metrics": metrics}
 
             measured = run(real)
             assert measured["error"] is None, measured["error"]
@@ -760,6 +763,7 @@ def job_train_logits_limit(ctx, samples, layouts: dict[str, dict]) -> dict:
                 "rows": mine,
                 "largest": int(largest),
                 "vocab": vocab,
+                "measured_eval_rows": measured["eval_rows"],
                 "at": run(limit),
                 "above": run(limit + 1),
             }

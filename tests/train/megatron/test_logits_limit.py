@@ -5,13 +5,15 @@ local row T/C, or the loss positions with `logits_only_where_loss`. On the CPU h
 TP 2) with the limit lowered to exactly what a layout forms (refused) and one element above it (trains). With
 `logits_only_where_loss` the micro-batch plan keeps each micro-batch's loss positions under the limit (a second budget
 beside the tokens, `batch.sample_loss_rows` a sample): at the limit a step whose samples each fit it trains in more,
-smaller train forwards, every one under the limit; one whose single sample reaches it is refused, naming the sample.
+smaller train forwards, every one under the limit; one whose single sample reaches it is refused, naming one sample's
+loss positions.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from miles_vl.packing import padded_length
 from miles_vl.train.megatron import step
 from miles_vl.train.megatron.batch import sample_loss_rows
 from tests.train.megatron import cpu_parts, jobs
@@ -60,6 +62,12 @@ def test_train_logits_at_the_limit_are_refused_before_the_forward_on_every_rank(
         else:  # trained, in more train forwards than at the real limit, each under the lowered one
             assert at["error"] is None and len(at["train_rows"]) > len(above["train_rows"])
             assert max(at["train_rows"]) < largest
+            # the forward-only logprob pass (every position's logits) is cut under the lowered limit too, but for a
+            # sample whose row alone is longer (`forward_only_max_tokens`)
+            cp = LAYOUTS[layout]["cp"]
+            one_row = max(padded_length(s.input_ids.numel(), cp) for s in jobs.train_samples()[:2]) // cp
+            assert at["eval_rows"] and max(at["eval_rows"]) <= max(largest - 1, one_row)
+            assert max(at["eval_rows"]) < max(run["measured_eval_rows"])  # at the real limit: one pass, both samples
             # the same step: the loss and the gradient do not depend on how the samples are cut into micro-batches
             for key in ("train/loss", "train/grad_norm", "train/n_loss_tokens"):
                 assert at["metrics"][key] == pytest.approx(above["metrics"][key], rel=1e-5, abs=1e-7), key

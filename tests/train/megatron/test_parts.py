@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_vl.algo import loss_denominators, loss_token_weights, sequence_loss_tokens
-from miles_vl.packing import pack_thd, zigzag_index
+from miles_vl.packing import pack_thd, padded_length, zigzag_index
 from miles_vl.train.megatron.batch import attach_loss_inputs, pack_micro_batch, sample_loss_rows, sample_loss_tokens
-from miles_vl.train.megatron.plan import MicroBatchSpec, plan_data_parallel, split_for_data_parallel
+from miles_vl.train.megatron.plan import (
+    MicroBatchSpec,
+    forward_only_max_tokens,
+    plan_data_parallel,
+    split_for_data_parallel,
+)
 from miles_vl.train.types import TrainSample
 from tests.train.megatron.jobs import assert_vocab_parallel_matches, vocab_parallel_case
 
@@ -95,10 +102,21 @@ def test_loss_inputs_of_cp_shards_cover_the_full_row_once():
 def test_a_samples_loss_rows_are_its_largest_share_of_loss_positions_on_a_cp_rank(cp):
     """`sample_loss_rows(s, C)`, what the micro-batch plan adds up against the train logits' limit, is the most loss
     positions the packed shard of any CP rank holds of that sample, counted from `attach_loss_inputs`' own positions
-    of a micro-batch of four samples (one with a custom loss mask, one short with most of its tokens in the loss)."""
+    of a micro-batch of six samples (custom loss masks, one short with most of its tokens in the loss, one without a
+    prompt)."""
     samples = _samples()
     short = TrainSample(input_ids=torch.arange(3, 9), prompt_len=1, advantage=1.0, rollout_logprobs=torch.zeros(5))
-    samples.append(short)
+    no_prompt = TrainSample(
+        input_ids=torch.arange(10, 22), prompt_len=0, advantage=1.0, rollout_logprobs=torch.zeros(12)
+    )
+    # loss on tokens 4 and 13 only: label positions 3 and 12, on one CP rank at C = 2 and 4 (read a
+    # position off: 4 and 13, on two ranks)
+    edges = torch.zeros(16, dtype=torch.long)
+    edges[[4, 13]] = 1
+    edge = TrainSample(
+        input_ids=torch.arange(30, 46), prompt_len=2, advantage=1.0, rollout_logprobs=torch.zeros(14), loss_mask=edges
+    )
+    samples += [short, no_prompt, edge]
     spec = MicroBatchSpec(list(range(len(samples))))
     counts = torch.tensor([sample_loss_tokens(s) for s in samples])
     den = loss_denominators(counts)
@@ -122,6 +140,24 @@ def test_the_plan_keeps_each_micro_batchs_loss_rows_under_the_limit_on_every_dp_
     assert [len(p) for p in plans] == [2, 2]
     for plan in plans:
         assert all(sum(rows[i] for i in spec.samples) <= 79 for spec in plan)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 4), st.integers(1, 200))
+def test_the_forward_only_pass_stays_within_the_logits_rows_or_one_samples_row(lengths, cp, max_rows):
+    """With `logits_only_where_loss` the forward-only logprob pass still forms every position's logits: under
+    `forward_only_max_tokens` no micro-batch has more rows a rank (its padded tokens / C) than `max_rows` or than
+    the longest sample alone forms, and the budget never passes `micro_batch_max_tokens`."""
+    mbt = 1024
+    budget = forward_only_max_tokens(mbt, lengths, cp_size=cp, max_rows=max_rows)
+    assert budget <= mbt
+    padded = [padded_length(n, cp) for n in lengths]
+    bound = max(max_rows, max(padded) // cp)
+    for plan in plan_data_parallel(lengths, dp_size=1, max_tokens=budget, cp_size=cp):
+        for spec in plan:
+            assert sum(padded[i] for i in spec.samples) // cp <= bound
+    if max(padded) // cp <= max_rows < mbt // cp:  # the rows, not micro_batch_max_tokens, bound the pass
+        assert budget == cp * max_rows
 
 
 def _full_positions(full, mb, cp_full_pos):
