@@ -79,11 +79,9 @@ def sample_loss_rows(sample: TrainSample, cp_size: int) -> int:
     plan adds up against the train logits' limit with `train.logits_only_where_loss` (`plan_data_parallel`'s
     `loss_rows`)."""
     n = sample.input_ids.numel()
+    mask = sample.loss_mask.reshape(-1) if sample.loss_mask is not None else torch.arange(n) >= sample.prompt_len
     at_label = torch.zeros(padded_length(n, cp_size), dtype=torch.bool)  # [Lp] position j: the loss of token j + 1
-    if sample.loss_mask is None:
-        at_label[max(sample.prompt_len - 1, 0) : n - 1] = True
-    else:
-        at_label[: n - 1] = sample.loss_mask.reshape(-1)[1:].bool()
+    at_label[: n - 1] = mask[1:].bool()  # pack_thd's label_mask: the loss mask shifted by one
     if cp_size == 1:
         return int(at_label.sum())
     segment = torch.tensor([0, at_label.numel()])
