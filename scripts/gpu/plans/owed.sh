@@ -48,6 +48,9 @@
 #          p11  #33: micro-batches past the 14,134 tokens the preflight allowed until 2026-11-28 (the plan now keeps each
 #              micro-batch's loss positions under the logits' limit instead): the 2B job as p9-x2c's 14,080 run (GPU 0)
 #              beside 28,160-token micro-batches (GPU 1; ~3 a step instead of 5), on an 80 GB H100 pair (peak memory)
+#          p12  #33: the tiny loop still learns with the levers and 28,160-token micro-batches, 20 steps (GPU 0), beside
+#              the 2B job with 28,160 and the levers at the shipped one-GPU config's 1,024-token responses (GPU 1:
+#              peak memory of the longest micro-batches it would form)
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -132,10 +135,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p11 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p12 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -214,6 +217,15 @@ case $call in
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
   p4)
     loop 0 590 8b_1gpu 8b-1gpu 4 ;;
+  p12)
+    checkpoint tiny
+    checkpoint 2b
+    LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
+      train.vision_once_per_image=true)
+    loop 0 585 tiny levers-tiny-28k 20 train.logits_only_where_loss=true train.vision_once_per_image=true \
+      train.micro_batch_max_tokens=28160
+    loop 1 585 2b mb-2b-28k-long 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 rollout.max_response_len=1024
+    ;;
   p5)
     checkpoint tiny
     loop 0,1 560 tiny async-tiny-sync 20 "${DIS[@]}" algo.tis.enabled=true
