@@ -48,6 +48,7 @@
 #          p11  #33: micro-batches past the 14,134 tokens the preflight allowed until 2026-11-28 (the plan now keeps each
 #              micro-batch's loss positions under the logits' limit instead): the 2B job as p9-x2c's 14,080 run (GPU 0)
 #              beside 28,160-token micro-batches (GPU 1; ~3 a step instead of 5), on an 80 GB H100 pair (peak memory)
+#          (p11, p10 and p12 ran back to back on one warm 2 x H200 asked as nvidia-h100-x2, 2026-11-28)
 #          p12  #33: the tiny loop still learns with the levers and 28,160-token micro-batches, 20 steps (GPU 0), beside
 #              the 2B job with 28,160 and the levers at the shipped one-GPU config's 1,024-token responses (GPU 1:
 #              peak memory of the longest micro-batches it would form)
