@@ -49,6 +49,10 @@
 #              micro-batch's loss positions under the logits' limit instead): the 2B job as p9-x2c's 14,080 run (GPU 0)
 #              beside 28,160-token micro-batches (GPU 1; ~3 a step instead of 5), on an 80 GB H100 pair (peak memory)
 #          (p11, p10 and p12 ran back to back on one warm 2 x H200 asked as nvidia-h100-x2, 2026-11-28)
+#          p13  #33: whether the shipped one-GPU config may take the faster setting: its own shape (responses up to 1,024
+#              tokens, two optimizer updates a step) at today's 8,192-token micro-batches (GPU 0) beside 14,080 with
+#              `logits_only_where_loss` and `vision_once_per_image` (GPU 1), on the 80 GB card it must fit
+#              (nvidia-h100-x1 does not do: two runs; ask nvidia-h100-x2 and read the reply's device)
 #          p12  #33: the tiny loop still learns with the levers and 28,160-token micro-batches, 20 steps (GPU 0), beside
 #              the 2B job with 28,160 and the levers at the shipped one-GPU config's 1,024-token responses (GPU 1:
 #              peak memory of the longest micro-batches it would form)
@@ -136,10 +140,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p11 | p12 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p12 | p13 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -226,6 +230,13 @@ case $call in
     loop 0 585 tiny levers-tiny-28k 20 train.logits_only_where_loss=true train.vision_once_per_image=true \
       train.micro_batch_max_tokens=28160
     loop 1 585 2b mb-2b-28k-long 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 rollout.max_response_len=1024
+    ;;
+  p13)
+    checkpoint 2b
+    SHIPPED=(rollout.max_response_len=1024)  # the 2b shape is the shipped config's but for its 256-token responses
+    loop 0 585 2b ship-2b-8k 5 "${SHIPPED[@]}"
+    loop 1 585 2b ship-2b-14k 5 "${SHIPPED[@]}" train.logits_only_where_loss=true train.vision_once_per_image=true \
+      train.micro_batch_max_tokens=14080
     ;;
   p5)
     checkpoint tiny
