@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs that issues 33 and 34 still owe, one device call each, on one 4-GPU machine (nvidia-h100-x4 or
-# nvidia-h200-x4); p7-sync, p7-s1, p8 and p9-x2 use two GPUs and fit a 2-GPU machine too. Written down here so that a
-# session with device time runs them as planned, and each run's commands.txt can name the call it came from
-# (`owed.sh p1` at commit C).
+# nvidia-h200-x4); p7-sync, p7-s1, p8, p9-x2, p9-x2b, p9-x2c and p10-p13 use two GPUs and fit a 2-GPU machine too.
+# Written down here so that a session with device time runs them as planned, and each run's commands.txt can name
+# the call it came from (`owed.sh p1` at commit C).
 #
 # usage, in the repository root on the GPU machine:   bash scripts/gpu/plans/owed.sh [--dry-run] CALL
 #   --dry-run  print each run's GPUs, end second and loop_run.sh arguments, one line each, and run nothing (the
@@ -48,14 +48,16 @@
 #          p11  #33: micro-batches past the 14,134 tokens the preflight allowed until 2026-11-28 (the plan now keeps each
 #              micro-batch's loss positions under the logits' limit instead): the 2B job as p9-x2c's 14,080 run (GPU 0)
 #              beside 28,160-token micro-batches (GPU 1; ~3 a step instead of 5), on an 80 GB H100 pair (peak memory)
-#          (p11, p10 and p12 ran back to back on one warm 2 x H200 asked as nvidia-h100-x2, 2026-11-28)
-#          p13  #33: whether the shipped one-GPU config may take the faster setting: its own shape (responses up to 1,024
-#              tokens, two optimizer updates a step) at today's 8,192-token micro-batches (GPU 0) beside 14,080 with
-#              `logits_only_where_loss` and `vision_once_per_image` (GPU 1), on the 80 GB card it must fit
-#              (nvidia-h100-x1 does not do: two runs; ask nvidia-h100-x2 and read the reply's device)
 #          p12  #33: the tiny loop still learns with the levers and 28,160-token micro-batches, 20 steps (GPU 0), beside
 #              the 2B job with 28,160 and the levers at the shipped one-GPU config's 1,024-token responses (GPU 1:
 #              peak memory of the longest micro-batches it would form)
+#          (p11, p10 and p12 ran back to back on one warm 2 x H200 asked as nvidia-h100-x2, 2026-11-28)
+#          p13  #33: whether the shipped one-GPU config may take a faster setting: its own shape (responses up to 1,024
+#              tokens, two optimizer updates a step) at today's 8,192-token micro-batches (GPU 0) beside 12,288 with
+#              `logits_only_where_loss` and `vision_once_per_image` (GPU 1), on the 80 GB card it must fit. 12,288 is
+#              the longest `miles-vl check` passes for that config (71.8 GiB estimated; 14,080: 76.1, past its 90 %;
+#              p12's 28,160 held 72.2 GiB on the card). nvidia-h100-x1 does not do (two runs): ask nvidia-h100-x2 and
+#              read the reply's device
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -235,8 +237,8 @@ case $call in
     checkpoint 2b
     SHIPPED=(rollout.max_response_len=1024)  # the 2b shape is the shipped config's but for its 256-token responses
     loop 0 585 2b ship-2b-8k 5 "${SHIPPED[@]}"
-    loop 1 585 2b ship-2b-14k 5 "${SHIPPED[@]}" train.logits_only_where_loss=true train.vision_once_per_image=true \
-      train.micro_batch_max_tokens=14080
+    loop 1 585 2b ship-2b-12k 5 "${SHIPPED[@]}" train.logits_only_where_loss=true train.vision_once_per_image=true \
+      train.micro_batch_max_tokens=12288
     ;;
   p5)
     checkpoint tiny
