@@ -287,7 +287,7 @@ def finish_step(backend: TorchTrainBackend) -> None:
 def packed_step(backend: TorchTrainBackend, samples: list[TrainSample]) -> StepStats:
     """One optimizer step through the backend's own packed path (as `miles_vl.train.train_step`)."""
     old = [s.rollout_logprobs for s in samples]
-    _, row_tokens, finite = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
+    _, row_tokens, finite, _ = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
     if not finite:
         raise RuntimeError("non-finite loss in the packed path")
     finish_step(backend)

@@ -41,7 +41,9 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
 
     Returns:
         Flat metrics: the policy-loss metrics (means over loss tokens), `train/grad_norm` (mean over optimizer
-        steps), `train/lr`, `train/optimizer_steps`, `train/skipped_nonfinite_steps`, `train/tokens`.
+        steps), `train/lr`, `train/optimizer_steps`, `train/skipped_nonfinite_steps`, `train/tokens`,
+        `train/micro_batches` (the packed forward-backward passes of one DP rank over every update; not the
+        old-logprob pass's).
 
     Raises:
         ValueError: no samples, rollout logprobs that do not match the responses, a loss mask on prompt tokens, or a
@@ -77,11 +79,11 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
         )
     old = None if options.old_logprobs_from_train_forward and one_update else backend.compute_logprobs(samples)
     ref = backend.compute_ref_logprobs(samples) if options.loss.kl_coef > 0 else None
-    parts, grad_norms, n_tokens, skipped = [], [], 0, 0
+    parts, grad_norms, n_tokens, skipped, n_micro = [], [], 0, 0, 0
     for _ in range(options.ppo_epochs):
         for start in range(0, len(samples), gbs):
             idx = list(range(start, start + gbs))
-            metrics, tokens, finite = backend.accumulate_gradients(MiniBatch(samples, idx, old, ref))
+            metrics, tokens, finite, micro_batches = backend.accumulate_gradients(MiniBatch(samples, idx, old, ref))
             grad_norm, stepped = backend.optimizer_step(finite)
             if not stepped:
                 skipped += 1
@@ -89,10 +91,12 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
             parts.append(metrics)
             grad_norms.append(grad_norm)
             n_tokens += tokens
+            n_micro += micro_batches
     out = {f"train/{k}": v for k, v in combine_metrics(parts).as_dict().items()}
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["train/lr"] = backend.lr()
     out["train/optimizer_steps"] = float(len(parts))
     out["train/skipped_nonfinite_steps"] = float(skipped)
     out["train/tokens"] = float(n_tokens)
+    out["train/micro_batches"] = float(n_micro)
     return out

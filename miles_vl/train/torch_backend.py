@@ -208,7 +208,7 @@ class TorchTrainBackend:
                 out.loss.backward()
             parts.append(out.metrics)
             tokens += packed.num_tokens
-        return Accumulated(combine_metrics(parts), tokens, finite)
+        return Accumulated(combine_metrics(parts), tokens, finite, len(micro))
 
     def optimizer_step(self, finite: bool) -> tuple[float, bool]:
         grad_norm = math.nan

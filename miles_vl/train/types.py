@@ -115,6 +115,7 @@ class Accumulated(NamedTuple):
     metrics: PolicyLossMetrics  # over every rank of the mini-batch
     tokens: int  # packed row tokens processed (padding included), over every DP rank
     finite: bool  # every loss was finite (a non-finite one is not back-propagated)
+    micro_batches: int  # packed forward-backward passes of one DP rank (every DP rank runs as many)
 
 
 class CheckpointWrite(Protocol):

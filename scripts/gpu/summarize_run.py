@@ -17,6 +17,8 @@ Last stdout line: one JSON object with
 - `train_peak_mem_gib` (the fullest train rank's peak allocated memory in the train phase: the trainer reports the
   maximum over ranks) and `gpu_used_gib_rollout` (everything on train rank 0's GPU while the engine and trainer are
   both resident): maxima over the steps;
+- `train_micro_batches`: the median packed forward-backward passes of one train rank a step (`train/micro_batches`,
+  over every optimizer update; absent in runs from before it was logged): the train phase's fixed cost is per pass;
 - `sample_len_max` (the longest prompt + response any step generated, `rollout/sample_len_max`) and
   `train_tokens_per_s_per_gpu` (the median `perf/train_tokens_per_s` over `train_gpus`): the long-context figures;
 - with `--gpu-memory` (the `nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,
@@ -145,6 +147,7 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float, vision_blocks
         rollout_tokens_per_s=med("perf/rollout_tokens_per_s"),
         train_tokens_per_s=med("perf/train_tokens_per_s"),
         sample_len_max=largest("rollout/sample_len_max"),
+        train_micro_batches=med("train/micro_batches"),
     )  # fmt: skip
     if profiled := [r["step"] for r in rows if "time/profile_s" in r]:
         out["profiled_steps"] = profiled

@@ -39,7 +39,7 @@ def write_run(run, *, train_gpus, placement, engines, gpus_per_engine):
     rows = [
         {"step": s, "reward/mean": 0.5, "rollout/prompts": 4, "train/tokens": 1000, "time/train_s": 2.0,
          "time/step_s": 5.0, "perf/train_tokens_per_s": 500.0 * s, "perf/train_peak_mem_gib": 10.0 + s,
-         "rollout/sample_len_max": 60000.0 + s}
+         "rollout/sample_len_max": 60000.0 + s, "train/micro_batches": 2.0 + s}
         for s in (1, 2, 3)
     ]  # fmt: skip
     write_rows(run, rows)
@@ -79,6 +79,7 @@ def test_long_context_figures(tmp_path, train_gpus):
     assert out["train_tokens_per_s"] == 1250.0  # steps 2 and 3: 1000, 1500
     assert out["train_tokens_per_s_per_gpu"] == 1250.0 / train_gpus
     assert out["train_peak_mem_gib"] == 13.0 and out["sample_len_max"] == 60003.0
+    assert out["train_micro_batches"] == 4.5  # the median of steps 2 and 3: 4, 5
 
 
 def test_gpu_memory_is_the_largest_sample_per_gpu(tmp_path):

@@ -55,7 +55,7 @@ def base_model():
 def grads(b, samples):
     old = b.compute_logprobs(samples)
     b.optimizer.zero_grad(set_to_none=True)
-    metrics, _, finite = b.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
+    metrics, _, finite, _ = b.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
     assert finite
     return metrics, {n: p.grad.clone() for n, p in b.model.named_parameters() if p.grad is not None}
 
@@ -156,6 +156,31 @@ def test_step_follows_the_advantage(base_model):
     assert after[1].sum() < before[1].sum()  # advantage -0.5
     for key in ("train/clip_frac", "train/approx_kl", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
         assert key in metrics
+
+
+@pytest.mark.parametrize(
+    ("options", "updates"),
+    [(dict(), 1), (dict(global_batch_size=2), 2), (dict(ppo_epochs=2), 2)],
+    ids=["one_update", "two_minibatches", "epochs"],
+)
+@pytest.mark.parametrize("max_tokens", [4096, 22])
+def test_the_step_reports_its_train_forwards(base_model, options, updates, max_tokens):
+    """`train/micro_batches` counts the packed forward-backward passes of every update: the text decoder's forwards
+    with autograd on, counted here by a hook (the old-logprob pass runs under no_grad). 4096 tokens hold a whole
+    mini-batch (one forward an update); 22 tokens, the longest sample padded to an even length, cannot hold the
+    48 padded tokens of all four."""
+    samples = make_samples()
+    b = backend(copy.deepcopy(base_model), micro_batch_max_tokens=max_tokens, **options)
+    train_forwards = []
+    b.model.model.language_model.register_forward_hook(
+        lambda m, args, out: train_forwards.append(1) if torch.is_grad_enabled() else None
+    )
+    metrics = train_step(b, samples)
+    assert metrics["train/micro_batches"] == len(train_forwards)
+    if max_tokens == 4096:
+        assert len(train_forwards) == updates
+    else:
+        assert len(train_forwards) > updates
 
 
 def test_nonfinite_loss_skips_the_step(base_model):

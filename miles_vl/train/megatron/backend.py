@@ -245,7 +245,7 @@ class MegatronTrainBackend:
         check_token_norm(sum(r["num_tokens"] for r in reports), token_norm, g, self.device)
         local = combine_metrics([r["metrics"] for r in reports]) if reports else None
         metrics = reduce_metrics(local, g, self.device, template=_metrics_template(self.loss))
-        return Accumulated(metrics, int(token_norm), True)
+        return Accumulated(metrics, int(token_norm), True, len(micro))
 
     def _loss_rows(self, samples: Sequence[TrainSample]) -> tuple[list[int] | None, int | None]:
         """With `train.logits_only_where_loss`, a train forward's logits have one row per loss position of the rank:

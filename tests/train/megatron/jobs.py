@@ -137,7 +137,7 @@ def _step_once(backend, samples, old, ref) -> dict:
     """Gradients and metrics of one mini-batch (all samples) with given old/ref logprobs, then one full train()."""
     for chunk in backend.model:
         chunk.zero_grad_buffer()
-    metrics, tokens, _ = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old, ref))
+    metrics, tokens, _, _ = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old, ref))
     out = {"metrics": metrics.as_dict(), "grads": _grads(backend), "tokens": tokens}
     out["grad_norm"] = backend.optimizer.grad_norm()
     for chunk in backend.model:

@@ -61,6 +61,7 @@ def test_train_logits_at_the_limit_are_refused_before_the_forward_on_every_rank(
                 assert "one sample's loss positions on a rank, which no micro-batch plan can split" in at["error"]
         else:  # trained, in more train forwards than at the real limit, each under the lowered one
             assert at["error"] is None and len(at["train_rows"]) > len(above["train_rows"])
+            assert at["metrics"]["train/micro_batches"] == len(at["train_rows"])  # the step reports its forwards
             assert max(at["train_rows"]) < largest
             # the forward-only logprob pass (every position's logits) is cut under the lowered limit too, but for a
             # sample whose row alone is longer (`forward_only_max_tokens`)
@@ -73,6 +74,7 @@ def test_train_logits_at_the_limit_are_refused_before_the_forward_on_every_rank(
                 assert at["metrics"][key] == pytest.approx(above["metrics"][key], rel=1e-5, abs=1e-7), key
         # one element more and the same step trains, its largest train forward exactly at the measured rows
         assert above["error"] is None and above["train_rows"] and max(above["train_rows"]) == run["rows"]
+        assert above["metrics"]["train/micro_batches"] == len(above["train_rows"])
     if layout == "dp2" or (layout, name) == ("cp2", "only"):  # the all-reduce's case: one rank's own rows would pass
         assert min(rank[layout][name]["rows"] for rank in runs) < largest
 
