@@ -287,13 +287,10 @@ def finish_step(backend: TorchTrainBackend) -> None:
 def packed_step(backend: TorchTrainBackend, samples: list[TrainSample]) -> StepStats:
     """One optimizer step through the backend's own packed path (as `miles_vl.train.train_step`)."""
     old = [s.rollout_logprobs for s in samples]
-    _, row_tokens, finite, _ = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
+    _, row_tokens, finite, n_micro = backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), old))
     if not finite:
         raise RuntimeError("non-finite loss in the packed path")
     finish_step(backend)
-    n_micro = plan_micro_batches(
-        [s.input_ids.numel() for s in samples], backend.options.micro_batch_max_tokens
-    ).num_micro_batches
     return StepStats(sum(s.input_ids.numel() for s in samples), row_tokens, n_micro)
 
 

@@ -42,8 +42,8 @@ def train_step(backend: TrainBackend, samples: Sequence[TrainSample]) -> dict[st
     Returns:
         Flat metrics: the policy-loss metrics (means over loss tokens), `train/grad_norm` (mean over optimizer
         steps), `train/lr`, `train/optimizer_steps`, `train/skipped_nonfinite_steps`, `train/tokens`,
-        `train/micro_batches` (the packed forward-backward passes of one DP rank over every update; not the
-        old-logprob pass's).
+        `train/micro_batches` (the packed forward-backward passes of one DP rank over every update; not the old- or
+        reference-logprob passes').
 
     Raises:
         ValueError: no samples, rollout logprobs that do not match the responses, a loss mask on prompt tokens, or a

@@ -18,7 +18,7 @@ Last stdout line: one JSON object with
   maximum over ranks) and `gpu_used_gib_rollout` (everything on train rank 0's GPU while the engine and trainer are
   both resident): maxima over the steps;
 - `train_micro_batches`: the median packed forward-backward passes of one train rank a step (`train/micro_batches`,
-  over every optimizer update; absent in runs from before it was logged): the train phase's fixed cost is per pass;
+  over every optimizer update; null for runs from before it was logged): the train phase's fixed cost is per pass;
 - `sample_len_max` (the longest prompt + response any step generated, `rollout/sample_len_max`) and
   `train_tokens_per_s_per_gpu` (the median `perf/train_tokens_per_s` over `train_gpus`): the long-context figures;
 - with `--gpu-memory` (the `nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,

@@ -82,6 +82,14 @@ def test_long_context_figures(tmp_path, train_gpus):
     assert out["train_micro_batches"] == 4.5  # the median of steps 2 and 3: 4, 5
 
 
+def test_a_run_from_before_the_micro_batch_count_summarizes_with_it_null(tmp_path):
+    """Runs committed before `train/micro_batches` was logged (docs/gpu-runs up to 2026-11-28) still summarize."""
+    run = write_run(tmp_path / "r", train_gpus=1, placement="colocate", engines=1, gpus_per_engine=1)
+    write_rows(run, [{k: v for k, v in r.items() if k != "train/micro_batches"} for r in read_rows(run)])
+    out = summarize_run.summarize(run, None, PEAK)
+    assert out["train_micro_batches"] is None and out["train_tokens_per_s"] == 1250.0
+
+
 def test_gpu_memory_is_the_largest_sample_per_gpu(tmp_path):
     """Memory per GPU (issue 32.4): nvidia-smi's samples of each GPU reduced to their maximum, in GiB, by index."""
     csv = tmp_path / "gpu_memory.csv"
