@@ -149,6 +149,9 @@ case $call in p[1-9] | p10 | p11 | p12 | p13 | p7-sync | p7-s1 | p9-x2 | p9-x2b 
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
+# the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md (p8-p12)
+LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
+  train.vision_once_per_image=true)
 case $call in
   p1 | p6)
     checkpoint 2b
@@ -193,9 +196,6 @@ case $call in
     ;;
   p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11)
     checkpoint 2b
-    # the three levers on and one optimizer update a step, as the before/after pair of docs/benchmarks.md
-    LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
-      train.vision_once_per_image=true)
     if [ "$call" = p10 ]; then
       loop 0 585 2b final-2b-before-33 5 train.global_batch_size=128 rollout.sglang.colocated_sync=tensor
       loop 1 585 2b final-2b-after-33 5 "${LEVERS[@]}" train.micro_batch_max_tokens=14080
@@ -227,8 +227,6 @@ case $call in
   p12)
     checkpoint tiny
     checkpoint 2b
-    LEVERS=(train.global_batch_size=128 train.old_logprobs_from_train_forward=true train.logits_only_where_loss=true
-      train.vision_once_per_image=true)
     loop 0 585 tiny levers-tiny-28k 20 train.logits_only_where_loss=true train.vision_once_per_image=true \
       train.micro_batch_max_tokens=28160
     loop 1 585 2b mb-2b-28k-long 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 rollout.max_response_len=1024
