@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ case "$1 $2" in
   "scripts/gpu/loop_job.py --pixels") echo "1 2" ;;
   scripts/gpu/make_tiny_qwen3vl.py*) [ -n "${MAKE_FAILS:-}" ] && { echo "no space left" >&2; exit 1; }; mkdir -p "$2" ;;
   scripts/gpu/loop_job.py*) shift; printf '%s\\n' "$@" > "$JOB_ARGS" ;;
+  scripts/gpu/cap_memory.py*) [ -n "${CAP_FAILS:-}" ] && { echo "cap_memory: no CUDA device" >&2; exit 1; }
+    echo "0, 61440" > "$3"; trap 'echo stopped >> "$CALLS"; exit 0' TERM; while :; do sleep 0.1; done ;;
   scripts/gpu/summarize_run.py*) [ -n "${NO_METRICS:-}" ] && { echo "FileNotFoundError: no metrics.jsonl" >&2; exit 1; }
     echo "{}" ;;
   *) echo "unexpected call: $*" >&2; exit 9 ;;
@@ -187,3 +190,29 @@ def test_a_run_without_metrics_leaves_no_empty_summary_and_says_why(tmp_path):
     assert "summary: {}" in result.stderr
     with tarfile.open(tmp_path / "out" / "ran.tar.gz") as tar:
         assert tar.extractfile("ran/summary.json").read() == b"{}\n"
+
+
+def test_gpu_memory_gib_holds_the_cards_for_the_run_and_the_summary_leaves_the_ballast_out(tmp_path):
+    """GPU_MEMORY_GIB=79.65: scripts/gpu/cap_memory.py holds the rest of each GPU before the job starts, until it ends,
+    and summarize_run.py gets its ballast; a ballast that cannot be held starts no job."""
+    result, job_args = loop_run(tmp_path, "tiny", "capped", "2", GPU_MEMORY_GIB="79.65")
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    cap = next(i for i, c in enumerate(calls) if c.startswith("scripts/gpu/cap_memory.py 79.65 "))
+    job = next(i for i, c in enumerate(calls) if c.startswith("scripts/gpu/loop_job.py tiny"))
+    assert cap < job and job_args is not None
+    assert "GPUs held to 79.65 GiB each: 0, 61440; (index, ballast MiB)" in result.stderr
+    for _ in range(50):  # SIGTERM'd once the job ended (its trap runs after its current sleep)
+        if "stopped" in (calls := (tmp_path / "calls").read_text().splitlines()):
+            break
+        time.sleep(0.1)
+    assert "stopped" in calls[job:]
+    summary = next(c for c in calls if c.startswith("scripts/gpu/summarize_run.py"))
+    assert summary.endswith("capped/gpu_ballast.csv")
+    with tarfile.open(tmp_path / "out" / "capped.tar.gz") as tar:
+        assert tar.extractfile("capped/gpu_ballast.csv").read() == b"0, 61440\n"
+
+    (other := tmp_path / "other").mkdir()
+    failed, job_args = loop_run(other, "tiny", "uncapped", "2", GPU_MEMORY_GIB="79.65", CAP_FAILS="1")
+    assert failed.returncode == 1 and job_args is None
+    assert "the ballast was not held within 60 s (cap_memory: no CUDA device): not starting the run" in failed.stderr

@@ -18,6 +18,9 @@
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
 #   override   more `key=value` overrides, last
+# GPU_MEMORY_GIB=79.65 (env): each of the run's GPUs held to that much memory for the run (scripts/gpu/cap_memory.py's
+#              ballast, gpu_ballast.csv beside the run's files; the summary's memory figures leave it out): an H200
+#              answers whether a run fits an 80 GB H100
 #
 # The job (scripts/gpu/loop_job.py): configs/geo3k_qwen3vl_1gpu.yaml with generated geo3k-style problems, wandb off,
 # and the learnable reward `benchmarks.learning_smoke:digit_fraction`, sized per SHAPE.
@@ -144,6 +147,16 @@ t=$(( $(left) - 25 - grace ))
 [ "$t" -lt "$min_run_s" ] && { say "only ${t}s left before the stop's ${grace}s: not starting the run" \
   "(the same command again, with a larger BUDGET_S, starts it)"; exit 1; }
 say "train: $name to step $steps (SIGINT after ${t}s, killed ${grace}s later: checkpoints of ~${ckpt_gb} GB in $ckpt_where)"
+cap_pid=""
+trap '[ -n "$cap_pid" ] && kill "$cap_pid" 2> /dev/null' EXIT  # the ballast never outlives the run
+if [ -n "${GPU_MEMORY_GIB:-}" ]; then  # a larger card held to GPU_MEMORY_GIB a GPU (an H100's 79.65 on an H200)
+  "$py" scripts/gpu/cap_memory.py "$GPU_MEMORY_GIB" "$out/$name/gpu_ballast.csv" >> "$log" 2>&1 &
+  cap_pid=$!
+  for _ in $(seq 120); do [ -f "$out/$name/gpu_ballast.csv" ] || ! kill -0 "$cap_pid" 2> /dev/null && break; sleep 0.5; done
+  [ -f "$out/$name/gpu_ballast.csv" ] || { kill "$cap_pid" 2> /dev/null; say "GPU_MEMORY_GIB=$GPU_MEMORY_GIB: the" \
+    "ballast was not held within 60 s ($(tail -1 "$log")): not starting the run"; exit 1; }
+  say "GPUs held to $GPU_MEMORY_GIB GiB each: $(tr '\n' ';' < "$out/$name/gpu_ballast.csv") (index, ballast MiB)"
+fi
 smi_pid=""
 if command -v nvidia-smi > /dev/null; then  # memory per GPU, by every process on it (the summary's maxima)
   nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 2 \
@@ -153,6 +166,7 @@ fi
 timeout -s INT -k "$grace" "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
 status=$?
 [ -n "$smi_pid" ] && kill "$smi_pid" 2> /dev/null
+[ -n "$cap_pid" ] && kill "$cap_pid" 2> /dev/null
 say "train exited $status"
 
 run_dir=$runs/$name
@@ -166,6 +180,7 @@ elif [ -n "$server_log" ]; then
 fi
 mem_args=()
 [ -s "$out/$name/gpu_memory.csv" ] && mem_args=(--gpu-memory "$out/$name/gpu_memory.csv")
+[ -s "$out/$name/gpu_ballast.csv" ] && mem_args+=(--gpu-ballast "$out/$name/gpu_ballast.csv")
 if "$py" scripts/gpu/summarize_run.py "$run_dir" --ckpt "$ckpt" "${mem_args[@]}" > "$out/$name/summary.json" 2>> "$log"
 then
   say "summary: $(cat "$out/$name/summary.json")"

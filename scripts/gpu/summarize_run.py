@@ -2,6 +2,7 @@
 metrics.jsonl and config.yaml, so that every figure can be checked against the committed run.
 
     PYTHONPATH=. python scripts/gpu/summarize_run.py RUN_DIR [--ckpt CKPT] [--peak-tflops 989.4] [--gpu-memory CSV]
+        [--gpu-ballast CSV]
 
 Last stdout line: one JSON object with
 - `steps`, `first_step`, `last_step`; `reward_first` / `reward_last` (mean of the first and last 5 steps'
@@ -24,6 +25,9 @@ Last stdout line: one JSON object with
 - with `--gpu-memory` (the `nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,
   nounits -l 2` samples loop_run.sh takes of the job's GPUs): `gpu_mem_used_gib_max`, the largest memory in use on
   each GPU (by every process on it) over the run, keyed by the GPU's index, and `gpu_mem_total_gib`;
+- with `--gpu-ballast` (loop_run.sh's GPU_MEMORY_GIB: scripts/gpu/cap_memory.py's `index, ballast MiB` lines): the
+  ballast held on each GPU, `gpu_ballast_gib`, left out of `gpu_mem_used_gib_max` and of `gpu_used_gib_rollout` (train
+  rank 0's GPU: the first line's), and `gpu_mem_total_gib` is what the ballast left the run (the card it stands for);
 - `train_gpus` (`train.num_gpus`) and `job_gpus` (those plus the engines' own GPUs when `ray.placement=disaggregate`;
   colocated engines share the train GPUs);
 - `step_tokens_per_s_per_gpu`: the job's end-to-end throughput, the median over the steps after the first of
@@ -206,12 +210,40 @@ def gpu_memory(csv_path: Path) -> dict:
     return {"gpu_mem_used_gib_max": {k: round(v, 2) for k, v in by_index.items()}, "gpu_mem_total_gib": round(total, 2)}
 
 
+def leave_out_ballast(out: dict, csv_path: Path) -> dict:
+    """`out` (the summary, with gpu_memory's figures) with the ballast of cap_memory.py's `csv_path` left out of its
+    memory figures (module docstring).
+
+    Raises:
+        ValueError: a line that is not `index, MiB`, or a ballast on a GPU the samples do not have.
+    """
+    ballast: dict[str, float] = {}
+    for n, line in enumerate(csv_path.read_text().splitlines(), start=1):
+        try:
+            index, mib = (f.strip() for f in line.split(","))
+            ballast[index] = float(mib) / 1024
+        except ValueError:
+            raise ValueError(f"{csv_path}:{n}: expected 'index, ballast MiB' (cap_memory.py), found {line!r}") from None
+    out = dict(out)
+    used = out.get("gpu_mem_used_gib_max", {})
+    if used:
+        if missing := sorted(set(ballast) - set(used)):
+            raise ValueError(f"{csv_path}: ballast on GPU {missing} but no memory samples of it (--gpu-memory)")
+        out["gpu_mem_used_gib_max"] = {k: round(v - ballast.get(k, 0.0), 2) for k, v in used.items()}
+        out["gpu_mem_total_gib"] = round(out["gpu_mem_total_gib"] - max(ballast.values(), default=0.0), 2)
+    if out.get("gpu_used_gib_rollout") is not None and ballast:
+        out["gpu_used_gib_rollout"] = round(out["gpu_used_gib_rollout"] - next(iter(ballast.values())), 2)
+    out["gpu_ballast_gib"] = {k: round(v, 2) for k, v in ballast.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--ckpt", default=None, help="the checkpoint the run started from (for the MFU)")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H100 SXM / H200)")
     ap.add_argument("--gpu-memory", type=Path, default=None, help="nvidia-smi samples of the job's GPUs (CSV)")
+    ap.add_argument("--gpu-ballast", type=Path, default=None, help="cap_memory.py's ballast per GPU (CSV)")
     ap.add_argument("--vision-blocks", type=float, default=1.0,
                     help="images + video frame groups per sample, for runs recorded before "
                     "rollout/vision_blocks_per_sample (the metric wins where a row has it)")  # fmt: skip
@@ -221,6 +253,8 @@ def main() -> None:
     out = summarize(args.run_dir, args.ckpt, args.peak_tflops, args.vision_blocks)
     if args.gpu_memory is not None:
         out.update(gpu_memory(args.gpu_memory))
+    if args.gpu_ballast is not None:
+        out = leave_out_ballast(out, args.gpu_ballast)
     print(json.dumps(out))
 
 

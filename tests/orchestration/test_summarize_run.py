@@ -105,6 +105,31 @@ def test_gpu_memory_is_the_largest_sample_per_gpu(tmp_path):
     assert list(got["gpu_mem_used_gib_max"]) == ["2", "3"]
 
 
+def test_a_ballast_is_left_out_of_the_runs_memory(tmp_path):
+    """loop_run.sh's GPU_MEMORY_GIB (an H200 held to an H100's 79.65 GiB by scripts/gpu/cap_memory.py): the ballast's
+    MiB per GPU are not the run's, and the card the run had is the total less the ballast."""
+    samples, ballast = tmp_path / "gpu_memory.csv", tmp_path / "gpu_ballast.csv"
+    samples.write_text(
+        "2026/11/28 09:00:00.000, 0, 61440, 143771\n"  # 60 GiB of ballast alone, then 60 + 70
+        "2026/11/28 09:00:00.000, 1, 61952, 143771\n"
+        "2026/11/28 09:00:02.000, 0, 133120, 143771\n"
+        "2026/11/28 09:00:02.000, 1, 62976, 143771\n"
+    )
+    ballast.write_text("0, 61440\n1, 61952\n")
+    out = summarize_run.gpu_memory(samples) | {"gpu_used_gib_rollout": 101.5}
+    got = summarize_run.leave_out_ballast(out, ballast)
+    assert got["gpu_mem_used_gib_max"] == {"0": 70.0, "1": 1.0}
+    assert got["gpu_ballast_gib"] == {"0": 60.0, "1": 60.5}
+    assert got["gpu_mem_total_gib"] == round(143771 / 1024 - 61952 / 1024, 2)  # the larger ballast: the smaller card
+    assert got["gpu_used_gib_rollout"] == 41.5  # train rank 0's GPU: the first line's
+    ballast.write_text("0, 61440\n5, 1\n")
+    with pytest.raises(ValueError, match=r"ballast on GPU \['5'\] but no memory samples"):
+        summarize_run.leave_out_ballast(out, ballast)
+    ballast.write_text("0 61440\n")
+    with pytest.raises(ValueError, match=r"gpu_ballast.csv:1: expected 'index, ballast MiB'"):
+        summarize_run.leave_out_ballast(out, ballast)
+
+
 def test_gpu_memory_names_a_bad_line(tmp_path):
     csv = tmp_path / "gpu_memory.csv"
     csv.write_text("2026/11/26 14:00:00.000, 0, 1024, 81559\nNo devices were found\n")
