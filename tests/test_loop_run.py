@@ -216,3 +216,15 @@ def test_gpu_memory_gib_holds_the_cards_for_the_run_and_the_summary_leaves_the_b
     failed, job_args = loop_run(other, "tiny", "uncapped", "2", GPU_MEMORY_GIB="79.65", CAP_FAILS="1")
     assert failed.returncode == 1 and job_args is None
     assert "the ballast was not held within 60 s (cap_memory: no CUDA device): not starting the run" in failed.stderr
+
+
+def test_8b_on_one_gpu_with_weights_only_checkpoints_keeps_them_in_a_256_gib_hosts_ram(tmp_path):
+    """checkpoint.optimizer_state=false: 8B checkpoints of ~18 GB (bf16 weights) instead of ~123, which a 2-GPU host's
+    256 GiB hold in RAM beside the 131 GiB of offloaded optimizer state; the stop's grace is sized for 18 GB."""
+    shm = shm_with(tmp_path, 20, "one 8B weights-only checkpoint (18 GB, counted 1.1)")
+    weights_only = "checkpoint.optimizer_state=false"
+    result, job_args = loop_run(tmp_path, "8b_1gpu", "one", "4", weights_only, shm=shm, ram_gib=251)
+    assert result.returncode == 0, result.stderr
+    assert f"checkpoint.dir={shm}/miles_vl_ckpt/one" in job_args and weights_only in job_args
+    assert sigint_and_grace(result.stderr)[1] == 60 + 18
+    assert "checkpoints of ~18 GB in" in result.stderr

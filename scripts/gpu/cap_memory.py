@@ -1,5 +1,5 @@
 """Make a larger GPU hold only an 80 GB card's memory: a ballast process takes the rest of each visible GPU, so that a
-run on an H200 (139.8 GiB) that fits here also fits an H100 (79.65 GiB), and one that does not runs out of memory
+run on an H200 (139.8 GiB) that fits here also fits an H100 (H100_GIB below), and one that does not runs out of memory
 here as it would there. Only the capacity is an H100's: bandwidth and clocks stay the H200's.
 
     python scripts/gpu/cap_memory.py GIB READY_CSV      (runs until killed; scripts/gpu/loop_run.sh's GPU_MEMORY_GIB)
@@ -23,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-H100_GIB = 79.65  # an H100 80GB's memory as nvidia-smi reports it (81,559 MiB)
+# What an H100 80GB leaves a process, in CUDA's count: nvidia-smi says 81,559 MiB (79.65 GiB), but held to 79.65 an H200
+# left SGLang 54.04 GiB beside the colocated 2B trainer where H100s left 53.81 (2026-11-28, docs/gpu-runs/*-ship-2b-*),
+# so 0.25 less
+H100_GIB = 79.4
 
 
 def ballast_bytes(free: int, cap: int) -> int:

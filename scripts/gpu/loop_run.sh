@@ -18,7 +18,7 @@
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
 #   override   more `key=value` overrides, last
-# GPU_MEMORY_GIB=79.65 (env): each of the run's GPUs held to that much memory for the run (scripts/gpu/cap_memory.py's
+# GPU_MEMORY_GIB=79.4 (env): each of the run's GPUs held to that much memory for the run (scripts/gpu/cap_memory.py's
 #              ballast, gpu_ballast.csv beside the run's files; the summary's memory figures leave it out): an H200
 #              answers whether a run fits an 80 GB H100
 #
@@ -80,6 +80,9 @@ min_run_s=60  # seconds the run needs at least, after the checkpoint is written,
 # 0.4 GB/s on a disk. A stop killed in its write leaves the newest complete checkpoint, never a partial one, but the
 # run's last step unsaved (the 2026-11-27 8B and 2B runs, killed 60 s after the SIGINT, lost theirs).
 case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=30 ;; *) ckpt_gb=123 ;; esac
+for arg in "$@"; do  # checkpoints of the weights alone (no optimizer state): 2 bytes a parameter
+  case $arg in checkpoint.optimizer_state=false) case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=5 ;; *) ckpt_gb=18 ;; esac ;; esac
+done
 peak=$(( steps / 10 + 1 )); [ "$peak" -gt 4 ] && peak=4  # checkpoints at once: keep_last 3 + the one being written
 host_gib=64; [ "$shape" = 8b_1gpu ] && host_gib=195
 shm=${LOOP_SHM:-/dev/shm}
@@ -110,11 +113,12 @@ fi
 if [ "$shape" = 8b_1gpu ]; then  # one GPU of the host; the host holds the optimizer's 131 GiB (loop_job.py)
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   min_run_s=300  # start (~3 min: two 8B loads), 4 steps
-  if [ "$avail_gib" -lt 150 ] || { [ "$in_ram" = 0 ] && [ "$disk_gb" -lt 130 ]; }; then
-    echo "loop_run: 8b_1gpu needs >= 150 GiB of available RAM (the offloaded optimizer state is 131 GiB) and >= 130" \
+  if [ "$avail_gib" -lt 150 ] || { [ "$in_ram" = 0 ] && [ "$disk_gb" -lt $(( ckpt_gb + 7 )) ]; }; then
+    echo "loop_run: 8b_1gpu needs >= 150 GiB of available RAM (the offloaded optimizer state is 131 GiB) and >= $ckpt_gb" \
       "GB free for its checkpoint, in /dev/shm (with >= $(( host_gib + ckpt_gb * peak )) GiB available) or in $runs" \
       "(then the stop's grace is ${grace} s); this host has ${avail_gib} GiB of RAM available, ${shm_gib} GiB free in" \
-      "/dev/shm, ${disk_gb} GB in $runs: use a larger machine (one of its GPUs)" >&2
+      "/dev/shm, ${disk_gb} GB in $runs: use a larger machine (one of its GPUs), or checkpoints of the weights alone" \
+      "(checkpoint.optimizer_state=false: ~18 GB)" >&2
     exit 2
   fi
 fi
@@ -149,7 +153,7 @@ t=$(( $(left) - 25 - grace ))
 say "train: $name to step $steps (SIGINT after ${t}s, killed ${grace}s later: checkpoints of ~${ckpt_gb} GB in $ckpt_where)"
 cap_pid=""
 trap '[ -n "$cap_pid" ] && kill "$cap_pid" 2> /dev/null' EXIT  # the ballast never outlives the run
-if [ -n "${GPU_MEMORY_GIB:-}" ]; then  # a larger card held to GPU_MEMORY_GIB a GPU (an H100's 79.65 on an H200)
+if [ -n "${GPU_MEMORY_GIB:-}" ]; then  # a larger card held to GPU_MEMORY_GIB a GPU (an H100's: cap_memory.py)
   "$py" scripts/gpu/cap_memory.py "$GPU_MEMORY_GIB" "$out/$name/gpu_ballast.csv" >> "$log" 2>&1 &
   cap_pid=$!
   for _ in $(seq 120); do [ -f "$out/$name/gpu_ballast.csv" ] || ! kill -0 "$cap_pid" 2> /dev/null && break; sleep 0.5; done

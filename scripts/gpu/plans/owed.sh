@@ -57,8 +57,8 @@
 #              `logits_only_where_loss` and `vision_once_per_image` (GPU 1), on the 80 GB card it must fit. 12,288 is
 #              the longest `miles-vl check` passes for that config (71.8 GiB estimated; 14,080: 76.1, past its 90 %;
 #              p12's 28,160 held 72.2 GiB on the card). nvidia-h100-x1 does not do (two runs): ask nvidia-h100-x2
-# p4 and p13 hold each card to an 80 GB H100's 79.65 GiB (GPU_MEMORY_GIB, loop_run.sh: a ballast on a larger card, none
-# on an H100), so that an H200 answers whether they fit one
+# p4 and p13 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
+# ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
 #
@@ -224,7 +224,7 @@ case $call in
   p3)
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
   p4)
-    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.65}  # an 80 GB H100's memory, on whatever card comes (loop_run.sh)
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # an 80 GB H100's memory on whatever card comes (cap_memory.py)
     loop 0 590 8b_1gpu 8b-1gpu 4 ;;
   p12)
     checkpoint tiny
@@ -234,7 +234,7 @@ case $call in
     loop 1 585 2b mb-2b-28k-long 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 rollout.max_response_len=1024
     ;;
   p13)
-    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.65}  # as p4
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
     checkpoint 2b
     SHIPPED=(rollout.max_response_len=1024)  # the 2b shape is the shipped config's but for its 256-token responses
     loop 0 585 2b ship-2b-8k 5 "${SHIPPED[@]}"
