@@ -301,6 +301,8 @@ def describe_start(cfg: JobConfig, config_path: str | None) -> dict[str, Any]:
         out["start"] = "fresh" + (f" (again: the {records} logged steps' metrics.jsonl kept aside)" * bool(records))
         return out
     out |= {"start": "resume", "from_step": state["step"], "checkpoint": str(point.path)}
+    if not has_optimizer_state(state) and state["step"] < cfg.num_steps:
+        out["optimizer_state"] = fresh_optimizer_note(point.path, state["step"])
     out |= passed_step_notes(cfg, state["step"], run_dir)
     if point.skipped:
         out["broken_checkpoints_to_set_aside"] = [str(p) for p, _ in point.skipped]
@@ -333,6 +335,16 @@ def passed_step_notes(cfg: JobConfig, from_step: int, run_dir: Path) -> dict[str
     return notes
 
 
+def fresh_optimizer_note(checkpoint: Path, step: int) -> str:
+    """What a resume from a checkpoint without the optimizer's state says (a warning at the resume; `miles-vl
+    check`)."""
+    return (
+        f"{checkpoint} was saved with checkpoint.optimizer_state=false: the optimizer starts afresh at step {step} "
+        "from its weights (Adam's moments zero, the fp32 main weights the checkpoint's), so the steps from here "
+        "differ from those of a run that kept its optimizer state"
+    )
+
+
 def check_start(
     cfg: JobConfig, run_dir: Path, ckpt_root: Path, resume: Path | None, dry_run: bool = False
 ) -> dict[str, Any] | None:
@@ -351,8 +363,9 @@ def check_start(
             another directory's checkpoint into one that holds metrics, a resume of a checkpoint of this run that has
             a newer one (it would drop the newer steps' records and mix two histories: resume the newest, or branch
             into a new run directory), a resume from a checkpoint past `num_steps` (its state would be saved under an
-            earlier label), a resume whose metrics.jsonl has a bad line (it is rewritten on resume), or a megatron
-            checkpoint resumed at other train.tp/pp/cp/ep (`parallel_layout_problem`).
+            earlier label), a resume whose metrics.jsonl has a bad line (it is rewritten on resume), a megatron
+            checkpoint resumed at other train.tp/pp/cp/ep (`parallel_layout_problem`), or a checkpoint without the
+            optimizer's state resumed under checkpoint.optimizer_state=true (not at num_steps, where nothing runs).
     """
     if resume is None:
         _check_fresh_start(cfg, run_dir, ckpt_root, dry_run)
@@ -372,6 +385,14 @@ def check_start(
     sizes = {k: getattr(cfg.train, k) for k in MODEL_PARALLEL_KEYS}
     if problem := parallel_layout_problem(state, cfg.train.backend, sizes):  # another train.num_gpus is fine
         raise CheckpointError(f"checkpoint.resume: {resume}: {problem}")
+    if not has_optimizer_state(state) and cfg.checkpoint.optimizer_state and state["step"] < cfg.num_steps:
+        raise CheckpointError(
+            f"checkpoint.resume: {resume} was saved with checkpoint.optimizer_state=false: it holds no optimizer "
+            "state (fp32 main weights, Adam moments), and this run sets checkpoint.optimizer_state=true. Set "
+            "checkpoint.optimizer_state=false to resume it with the optimizer started afresh from its weights (the "
+            "steps after it then differ from a straight run's), or resume an older checkpoint that has it"
+            + _older_with_optimizer_state(resume, state["step"])
+        )
     newer = [(s, p) for s, p in list_checkpoints(ckpt_root) if s > state["step"]] if same_run else []
     if newer:
         step, (last, last_path) = state["step"], newer[-1]
@@ -413,6 +434,22 @@ def check_start(
         except ValueError as err:
             raise CheckpointError(f"{err} before resuming {run_dir}, which rewrites this file") from None
     return state
+
+
+def _older_with_optimizer_state(resume: Path, step: int) -> str:
+    """How to resume the newest checkpoint beside `resume`, older than `step`, that holds the optimizer's state (a
+    branch: a new logging.run_name), as the end of a sentence; empty when there is none."""
+    for s, path in reversed(list_checkpoints(resume.parent)):
+        with contextlib.suppress(CheckpointError):
+            if s < step and has_optimizer_state(read_driver_state(path)):
+                return f" (checkpoint.resume={path} logging.run_name=<new name>)"
+    return ""
+
+
+def has_optimizer_state(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint (its driver `state`) holds the optimizer's state: false when it was saved with
+    checkpoint.optimizer_state=false; a checkpoint written before driver.json said so holds it."""
+    return state.get("optimizer_state", True) is not False
 
 
 def unaccepted_changes(cfg: JobConfig, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -917,6 +954,7 @@ class Job:
             "data": self.train_set.state_dict(),
             "engine_restarts": self.rollout.restarts(),
             "weight_resyncs": self.rollout.resyncs,
+            "optimizer_state": self.cfg.checkpoint.optimizer_state,  # whether the trainer's files hold it
             "config": redacted(self.cfg),
         }
         if self.committed_ahead:  # (step, weight version) of each batch in rollouts_ahead.pt (ahead.py)
@@ -1039,6 +1077,8 @@ class Job:
             self.committed_ahead = self.ahead.pending()
         self.committed = self.driver_state()
         log.info("resumed from %s at step %d", path, state["step"])
+        if not has_optimizer_state(state):
+            log.warning("%s", fresh_optimizer_note(path, state["step"]))
         return state["step"]
 
     def open_sinks(self, start: int) -> None:

@@ -204,21 +204,24 @@ class TrainWorker:
             group.close()
 
     def save_checkpoint(self, directory: str) -> None:
-        self.backend.save_checkpoint(Path(directory))
+        """The backend's checkpoint files, with the optimizer's state unless checkpoint.optimizer_state is false."""
+        self.backend.save_checkpoint(Path(directory), optimizer_state=self.cfg.checkpoint.optimizer_state)
 
     def start_checkpoint(self, directory: str) -> None:
         """Start writing the backend's checkpoint state as of now into `directory`, while this actor goes on
         (`wait_checkpoint` ends it): a backend with `start_checkpoint` writes it itself (megatron: megatron-core's
         async save; collective, so every rank is called), one with `checkpoint_snapshot` is written in a thread here;
-        any other writes here, before this returns."""
+        any other writes here, before this returns. The optimizer's state is in it unless checkpoint.optimizer_state
+        is false."""
         if self.saving is not None:
             raise RuntimeError("a checkpoint write is still in flight: wait_checkpoint() first")
         start = getattr(self.backend, "start_checkpoint", None)
         snapshot = getattr(self.backend, "checkpoint_snapshot", None)
+        optimizer_state = self.cfg.checkpoint.optimizer_state
         if start is not None:
-            self.saving = start(Path(directory))
+            self.saving = start(Path(directory), optimizer_state=optimizer_state)
         elif snapshot is not None:
-            self.saving = _ThreadWrite(snapshot(), Path(directory))
+            self.saving = _ThreadWrite(snapshot(optimizer_state=optimizer_state), Path(directory))
         else:
             if self.cfg.checkpoint.async_save and not self.said_sync_save:
                 self.said_sync_save = True  # once per rank: the setting is not silently ignored
@@ -227,7 +230,7 @@ class TrainWorker:
                     "before training goes on",
                     type(self.backend).__name__,
                 )
-            self.backend.save_checkpoint(Path(directory))
+            self.backend.save_checkpoint(Path(directory), optimizer_state=optimizer_state)
             self.saving = _ThreadWrite(None, Path(directory))
 
     def checkpoint_written(self) -> bool:

@@ -270,19 +270,20 @@ class TorchTrainBackend:
                 weights.append((name, t))
         write_hf_model(directory, config, weights, max_shard_bytes=max_shard_bytes)
 
-    def save_checkpoint(self, directory: Path) -> None:
-        self.checkpoint_snapshot()(Path(directory))
+    def save_checkpoint(self, directory: Path, optimizer_state: bool = True) -> None:
+        self.checkpoint_snapshot(optimizer_state)(Path(directory))
 
-    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+    def checkpoint_snapshot(self, optimizer_state: bool = True) -> Callable[[Path], None]:
         """The state `save_checkpoint` writes, copied now (weights, optimizer and scheduler state, counters, RNG), and
         the function that writes it into a directory: the write may run in another thread while training goes on,
         and what it writes is still this moment's state. Tensors that share storage (tied weights) still share it in
-        the copy, so the file is the one `save_model` writes."""
+        the copy, so the file is the one `save_model` writes. `optimizer_state=False`: AdamW's state (its moments, as
+        large as the weights twice) is left out of trainer_state.pt (checkpoint.optimizer_state)."""
         model = _copy_tensors(self.model.state_dict())
         ref = _copy_tensors(self.ref_model.state_dict()) if self.ref_model is not None else None
         state = _copy_tensors(
             {
-                "optimizer": self.optimizer.state_dict(),
+                **({"optimizer": self.optimizer.state_dict()} if optimizer_state else {}),
                 "scheduler": self.scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps,
                 "skipped_steps": self.skipped_steps,
@@ -301,7 +302,9 @@ class TorchTrainBackend:
         return write
 
     def load_checkpoint(self, directory: Path) -> None:
-        """Restore what `save_checkpoint` wrote.
+        """Restore what `save_checkpoint` wrote. A checkpoint without the optimizer's state (checkpoint.optimizer_state
+        =false) leaves the optimizer as built, its moments zero until the next step, and stepping the loaded weights;
+        the learning rate still follows the restored schedule.
 
         Raises:
             ValueError: trainer_state.pt holds anything but tensors and plain containers (a crafted pickle would run
@@ -317,8 +320,12 @@ class TorchTrainBackend:
                 f"{file}: refused to load: it holds objects other than tensors and plain containers, which only a "
                 f"crafted or foreign file does ({str(err).splitlines()[0]}); resume from a checkpoint miles-vl wrote"
             ) from None
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # the param groups' learning rate is the built one (the schedule's first): set the restored schedule's
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
         self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and torch.cuda.is_available():

@@ -184,16 +184,21 @@ class TrainBackend(Protocol):
         0 writes. The processor files are the caller's."""
         ...
 
-    def save_checkpoint(self, directory: Path) -> None:
-        """Write the trainer's checkpoint files into `directory`. A backend that can write in the background also
-        has one of (the train actor uses it when present, orchestration/trainer.py; else this, before the next step):
-        - `checkpoint_snapshot() -> write(directory)` (torch: the state copied to host memory at the call, so the next
-          step does not change what `write` writes; the actor runs `write` in a thread);
-        - `start_checkpoint(directory) -> CheckpointWrite` (megatron: the backend starts the write itself, in
-          megatron-core's writer process, and finishes it with collective calls on every rank)."""
+    def save_checkpoint(self, directory: Path, optimizer_state: bool = True) -> None:
+        """Write the trainer's checkpoint files into `directory`: the weights, counters and LR schedule, and with
+        `optimizer_state` the optimizer's state (fp32 main weights, Adam moments; checkpoint.optimizer_state). A backend
+        that can write in the background also has one of (the train actor uses it when present,
+        orchestration/trainer.py; else this, before the next step), taking `optimizer_state` alike:
+        - `checkpoint_snapshot(optimizer_state) -> write(directory)` (torch: the state copied to host memory at the
+          call, so the next step does not change what `write` writes; the actor runs `write` in a thread);
+        - `start_checkpoint(directory, optimizer_state) -> CheckpointWrite` (megatron: the backend starts the write
+          itself, in megatron-core's writer process, and finishes it with collective calls on every rank)."""
         ...
 
-    def load_checkpoint(self, directory: Path) -> None: ...
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what `save_checkpoint` wrote, into a backend as built. From files without the optimizer's state the
+        optimizer starts afresh on the loaded weights: its moments zero, its fp32 main weights the loaded ones."""
+        ...
 
 
 # ---------------------------------------------------------------------------------------------------------------------

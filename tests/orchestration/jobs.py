@@ -137,8 +137,8 @@ def build_torch_gated_save(cfg: JobConfig, tokens, *, gate: str):
     backend = build_torch(cfg, tokens)
     snapshot = backend.checkpoint_snapshot
 
-    def gated_snapshot():
-        write = snapshot()
+    def gated_snapshot(**options):
+        write = snapshot(**options)
 
         def gated_write(directory: Path) -> None:
             Path(f"{gate}.writing").touch()
@@ -157,8 +157,8 @@ def build_torch_failing_save(cfg: JobConfig, tokens):
     backend = build_torch(cfg, tokens)
     snapshot = backend.checkpoint_snapshot
 
-    def failing_snapshot():
-        write = snapshot()
+    def failing_snapshot(**options):
+        write = snapshot(**options)
 
         def failing_write(directory: Path) -> None:
             write(directory)

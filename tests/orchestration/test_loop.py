@@ -4,6 +4,7 @@
 - a rollout engine killed mid-step is replaced and its prompts retried: no sample is lost;
 - Ctrl-C writes a final checkpoint; a bad reward path fails before Ray starts.
 - the next step's batch is prepared during training, with the same prompts.
+- a checkpoint without the optimizer's state (checkpoint.optimizer_state=false) resumes only under that setting.
 """
 
 import json
@@ -11,11 +12,12 @@ import threading
 
 import pytest
 import ray
+import torch
 
 from miles_vl.config import load_config
 from miles_vl.data import PromptDataset, build_datasets, load_processor
-from miles_vl.orchestration import run_job
-from miles_vl.orchestration.checkpoint import list_checkpoints, step_dir_name
+from miles_vl.orchestration import loop, run_job
+from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints, step_dir_name
 from miles_vl.orchestration.loop import Job
 from tests.orchestration.jobs import FAST, REPO, FrozenClock, metrics, stand_ins
 from tests.orchestration.jobs import tiny_job as config
@@ -62,6 +64,55 @@ def test_resume_reproduces_the_straight_run(tmp_path, caplog):
     assert any(r["train/grad_norm"] > 0 for r in a)  # the rewards vary, so training does something
     assert (resumed / "plots" / "reward.png").is_file()
     assert "eval/reward_mean" in a[1] and "eval/reward_mean" not in a[0]
+
+
+def saved_state(checkpoint) -> tuple[bool, set[str]]:
+    """A checkpoint's driver.json `optimizer_state` and the entries of its trainer_state.pt."""
+    driver = json.loads((checkpoint / "driver.json").read_text())
+    return driver["optimizer_state"], set(torch.load(checkpoint / "trainer_state.pt", weights_only=True))
+
+
+def test_a_checkpoint_without_optimizer_state_resumes_only_under_optimizer_state_false(tmp_path, caplog, monkeypatch):
+    """checkpoint.optimizer_state: a run saved with true (step 1) resumes with false (a key a resume may change):
+    its step 2 checkpoint records `optimizer_state: false` in driver.json and its trainer_state.pt holds no optimizer
+    entry (the setting reached the train actor). Resuming step 2 under true is refused before Ray starts, naming the
+    checkpoint, why, and the two ways on (false, or step 1, which has the state, as a branch); `miles-vl check` says
+    so too. Under false it resumes, and says once that the optimizer starts afresh at step 2."""
+    from miles_vl.orchestration.loop import describe_start
+
+    run = run_job(config(tmp_path, "light", "num_steps=1", "checkpoint.interval=1"))
+    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
+        run_job(config(tmp_path, "light", "num_steps=2", "checkpoint.interval=1", "checkpoint.optimizer_state=false"))
+    assert not [r for r in caplog.records if "afresh" in r.getMessage()]  # step 1 had the optimizer's state
+    step_1, step_2 = (path for _, path in list_checkpoints(run / "checkpoints"))
+    rest = {"scheduler", "optimizer_steps", "skipped_steps", "rng_cpu", "rng_cuda"}
+    assert saved_state(step_1) == (True, {"optimizer", *rest}) and saved_state(step_2) == (False, rest)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    strict = config(tmp_path, "light", "num_steps=3")
+    with pytest.raises(CheckpointError) as refused:
+        describe_start(strict, None)
+    monkeypatch.setattr(loop, "ray_session", no_ray)
+    with pytest.raises(CheckpointError) as refused_too:
+        run_job(strict)
+    monkeypatch.undo()
+    assert str(refused.value) == str(refused_too.value)
+    message = str(refused.value)
+    assert f"{step_2} was saved with checkpoint.optimizer_state=false: it holds no optimizer state" in message
+    assert "Set checkpoint.optimizer_state=false to resume it with the optimizer started afresh" in message
+    assert f"resume an older checkpoint that has it (checkpoint.resume={step_1} logging.run_name=" in message
+
+    light = config(tmp_path, "light", "num_steps=3", "checkpoint.optimizer_state=false")
+    afresh = f"{step_2} was saved with checkpoint.optimizer_state=false: the optimizer starts afresh at step 2"
+    assert describe_start(light, None)["optimizer_state"].startswith(afresh)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="miles_vl.orchestration.loop"):
+        run_job(light)
+    assert [r.levelname for r in caplog.records if r.getMessage().startswith(afresh)] == ["WARNING"]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    assert saved_state(list_checkpoints(run / "checkpoints")[-1][1])[0] is False
 
 
 def test_killed_engine_is_replaced_and_no_sample_is_lost(tmp_path):

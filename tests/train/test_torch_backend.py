@@ -205,6 +205,55 @@ def test_checkpoint_round_trip_continues_identically(base_model, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
+def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_optimizer(base_model, tmp_path):
+    """checkpoint.optimizer_state=false: trainer_state.pt holds no optimizer entry (AdamW's moments, the size of the
+    weights twice: the file keeps the schedule, counters and RNG only) and the weights file is the full checkpoint's.
+    A backend that loads it has the saved weights and counters and an AdamW with no state; its next step equals one
+    step, written out here with a plain AdamW built on the saved weights, at the learning rate the warm-up schedule
+    gives the second optimizer step (2/3 of the peak; the freshly built optimizer holds the first's, 1/3), on the
+    clipped gradients the backend computed. A full checkpoint restores the moments, and its next step differs."""
+    samples = make_samples()
+    a = backend(copy.deepcopy(base_model), warmup_steps=3)
+    train_step(a, samples)
+    full, light = tmp_path / "full", tmp_path / "light"
+    full.mkdir(), light.mkdir()
+    a.save_checkpoint(full)
+    a.save_checkpoint(light, optimizer_state=False)
+    assert (light / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    light_state = torch.load(light / "trainer_state.pt", weights_only=True)
+    assert set(light_state) == {"scheduler", "optimizer_steps", "skipped_steps", "rng_cpu", "rng_cuda"}
+    moments = sum(t.numel() for s in a.optimizer.state.values() for t in s.values() if t.dim())
+    assert moments == 2 * sum(p.numel() for p in a.trainable)
+    assert (light / "trainer_state.pt").stat().st_size * 100 < (full / "trainer_state.pt").stat().st_size
+
+    b = backend(copy.deepcopy(base_model), warmup_steps=3)
+    b.load_checkpoint(light)
+    saved = [p.detach().clone() for p in a.trainable]
+    assert all(torch.equal(x, y) for x, y in zip(b.trainable, saved, strict=True))
+    assert len(b.optimizer.state) == 0 and (b.optimizer_steps, b.skipped_steps) == (1, 0)
+    lr = 1e-2 * (2 / 3)  # LambdaLR's base lr x the warm-up factor of the second optimizer step
+    assert b.lr() == lr and b.optimizer.param_groups[0]["lr"] == lr
+
+    clipped = []  # the gradients b's optimizer steps with (clipped by optimizer_step)
+    step = b.optimizer.step
+    b.optimizer.step = lambda: (clipped.append([p.grad.clone() for p in b.trainable]), step())[1]
+    train_step(b, samples)
+    reference = [p.clone().requires_grad_(True) for p in saved]
+    adam = torch.optim.AdamW(reference, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # `backend`'s
+    for p, g in zip(reference, clipped[0], strict=True):
+        p.grad = g
+    adam.step()
+    assert all(torch.equal(x.detach(), y.detach()) for x, y in zip(b.trainable, reference, strict=True))
+
+    c = backend(copy.deepcopy(base_model), warmup_steps=3)
+    c.load_checkpoint(full)
+    state_a, state_c = a.optimizer.state_dict()["state"], c.optimizer.state_dict()["state"]
+    assert state_a.keys() == state_c.keys() and state_a
+    assert all(torch.equal(state_a[i][k], state_c[i][k]) for i in state_a for k in state_a[i])
+    train_step(c, samples)
+    assert any(not torch.equal(x, y) for x, y in zip(b.trainable, c.trainable, strict=True))
+
+
 class _RunsCodeWhenUnpickled:
     def __init__(self, marker):
         self.marker = marker

@@ -401,22 +401,24 @@ class MegatronTrainBackend:
         if dist.is_initialized():
             dist.barrier()  # the files exist when any rank returns
 
-    def save_checkpoint(self, directory: Path) -> None:
-        ckpt.save_checkpoint(
-            Path(directory), self.model, self.optimizer, self._counters(), dp_cp_group=self.groups.dp_cp
-        )
+    def save_checkpoint(self, directory: Path, optimizer_state: bool = True) -> None:
+        """The model's and the optimizer's shards and the counters (checkpoint.py); `optimizer_state=False`: the
+        optimizer's shards (fp32 main weights, Adam moments) are left out (checkpoint.optimizer_state). Collective."""
+        optimizer = self.optimizer if optimizer_state else None
+        ckpt.save_checkpoint(Path(directory), self.model, optimizer, self._counters(), dp_cp_group=self.groups.dp_cp)
 
-    def start_checkpoint(self, directory: Path) -> ckpt.SaveInFlight:
+    def start_checkpoint(self, directory: Path, optimizer_state: bool = True) -> ckpt.SaveInFlight:
         """`save_checkpoint` in the background (megatron-core's async save, checkpoint.py): returns once the state is
         staged in host memory, so the next optimizer step does not change what is written. Collective."""
-        return ckpt.start_save(
-            Path(directory), self.model, self.optimizer, self._counters(), dp_cp_group=self.groups.dp_cp
-        )
+        optimizer = self.optimizer if optimizer_state else None
+        return ckpt.start_save(Path(directory), self.model, optimizer, self._counters(), dp_cp_group=self.groups.dp_cp)
 
     def _counters(self) -> dict[str, int]:
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
 
     def load_checkpoint(self, directory: Path) -> None:
+        """Restore what `save_checkpoint` wrote; from a checkpoint without the optimizer's shards the optimizer starts
+        afresh on the loaded weights (checkpoint.py `load_checkpoint`). Collective."""
         state = ckpt.load_checkpoint(Path(directory), self.model, self.optimizer, dp_cp_group=self.groups.dp_cp)
         self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]
 

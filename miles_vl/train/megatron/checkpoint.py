@@ -5,11 +5,15 @@
     ...                                                                    # training goes on
     write.done(); write.wait()                                             # collective; wait raises a failed write
     state = load_checkpoint(directory, model, optimizer)                   # -> {"optimizer_steps": 3}
+    save_checkpoint(directory, model, None, {"optimizer_steps": 3})        # the model only (no optimizer state)
 
 Each rank writes its shards of the model (`sharded_state_dict` of the unwrapped chunks) and of the distributed
 optimizer (fp32 main weights and Adam moments, "dp_reshardable": a checkpoint resumes on another DP size but the
 same TP/PP/CP/EP sizes). Plain values in `trainer_state` (counters) go to the common part that rank 0 writes.
-RNG states are not saved: the RL step uses no dropout.
+RNG states are not saved: the RL step uses no dropout. A save without the optimizer (checkpoint.optimizer_state=
+false: the model's shards only, 1/7 of the bytes with bf16 weights and fp32 optimizer state) says so in its content
+metadata (`"optimizer_state": false`); its load leaves the optimizer's moments as built and refreshes its fp32 main
+weights from the loaded model (megatron's `reload_model_params`).
 
 Background writes (`start_save`, checkpoint.async_save) are megatron-core 0.19's own: `dist_checkpointing.save(...,
 async_sharded_save=True, async_strategy="mcore")` plans the save (collective) and returns an `AsyncRequest`, which an
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 _MODEL_KEY = "model{}"
 _STATE_KEY = "trainer_state"
+_OPTIMIZER_STATE = "optimizer_state"  # in the content metadata: whether the optimizer's shards were saved
 
 
 def _metadata(groups_dp_cp) -> dict[str, Any]:
@@ -69,14 +74,14 @@ def save_checkpoint(
     Args:
         directory: the checkpoint folder, on storage every rank can reach.
         model: model chunks.
-        optimizer: megatron optimizer (None: model only).
+        optimizer: megatron optimizer (None: model only; `load_checkpoint` then starts the optimizer afresh).
         trainer_state: picklable counters (same on every rank).
         dp_cp_group: the DP x CP group (megatron's default when None).
     """
     from megatron.core import dist_checkpointing
 
-    state, metadata = _state_to_save(Path(directory), model, optimizer, trainer_state, dp_cp_group)
-    dist_checkpointing.save(state, str(directory), content_metadata=_content(metadata))
+    state, content = _state_to_save(Path(directory), model, optimizer, trainer_state, dp_cp_group)
+    dist_checkpointing.save(state, str(directory), content_metadata=content)
     dist.barrier()
 
 
@@ -88,7 +93,7 @@ def _state_to_save(directory: Path, model: list, optimizer, trainer_state: dict[
     metadata = _metadata(dp_cp_group)
     state = _sharded_state(model, optimizer, metadata, is_loading=False)
     state[_STATE_KEY] = dict(trainer_state)
-    return state, metadata
+    return state, _content(metadata) | {_OPTIMIZER_STATE: optimizer is not None}
 
 
 def start_save(
@@ -107,9 +112,9 @@ def start_save(
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     directory = Path(directory)
-    state, metadata = _state_to_save(directory, model, optimizer, trainer_state, dp_cp_group)
+    state, content = _state_to_save(directory, model, optimizer, trainer_state, dp_cp_group)
     request = dist_checkpointing.save(
-        state, str(directory), content_metadata=_content(metadata), async_sharded_save=True, async_strategy="mcore"
+        state, str(directory), content_metadata=content, async_sharded_save=True, async_strategy="mcore"
     )
     queue = AsyncCallsQueue(persistent=False)  # a fresh forked writer per save: one save is in flight at a time
     queue.schedule_async_request(request)
@@ -171,6 +176,11 @@ def _summary(err: BaseException) -> str:
 def load_checkpoint(directory: Path, model: list, optimizer, *, dp_cp_group=None) -> dict[str, Any]:
     """Load what `save_checkpoint` wrote into `model` (and `optimizer`); returns the trainer state.
 
+    A checkpoint saved without the optimizer (`saved_optimizer_state` False) loads the model only: the optimizer's
+    moments stay as they were built (zero until its first step) and its fp32 main weights, copied from the model when
+    it was built, are copied again from the loaded model (`reload_model_params`), or the next step would write
+    the built weights plus one update back into the model.
+
     Raises:
         FileNotFoundError: `directory` is not a megatron distributed checkpoint.
     """
@@ -183,15 +193,30 @@ def load_checkpoint(directory: Path, model: list, optimizer, *, dp_cp_group=None
             f"{directory} is not a megatron distributed checkpoint (no metadata.json); point train resume at a "
             "folder written by the megatron backend's save_checkpoint"
         )
+    with_optimizer = saved_optimizer_state(directory)
     metadata = _metadata(dp_cp_group)
-    state = _sharded_state(model, optimizer, metadata, is_loading=True)
+    state = _sharded_state(model, optimizer if with_optimizer else None, metadata, is_loading=True)
     loaded = dist_checkpointing.load(state, str(directory))
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[_MODEL_KEY.format(i)])
-    if optimizer is not None:
+    if optimizer is not None and with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         sync_offloaded_optimizer(optimizer)
+    elif optimizer is not None:
+        # a ChainedOptimizer reloads each of its optimizers; an offloaded one (HybridDeviceOptimizer) copies the model
+        # into its fp32 copies on both devices (`update_fp32_param_by_new_param`). No `sync_offloaded_optimizer`:
+        # there is no loaded state to hand to its sub-optimizers (a fresh one has none: the sync would fail on it)
+        optimizer.reload_model_params()
     return dict(loaded.get(_STATE_KEY, {}))
+
+
+def saved_optimizer_state(directory: Path) -> bool:
+    """Whether the checkpoint in `directory` holds the optimizer's shards: its content metadata says so
+    (`save_checkpoint` with an optimizer: True, without: False); a checkpoint written before it said so holds them."""
+    from megatron.core import dist_checkpointing
+
+    content = dist_checkpointing.load_content_metadata(str(directory)) or {}
+    return bool(content.get(_OPTIMIZER_STATE, True))
 
 
 _HDO_SYNC = "_sync_hdo_state_to_sub_optimizers"  # private to megatron-core; checked by require_offload_support

@@ -11,7 +11,8 @@ builds the tiny real Qwen3VLModel (tests/patches/harness/tiny.py) and a `Megatro
   see part of the work on each TP rank (q/k layernorm over heads, norms under sequence parallelism), then divide
   them by the number of tokens the loss functions reported, all-reduced over DP x CP;
 - `CpuOptimizer`: torch AdamW behind megatron's optimizer methods (`prepare_grads`, `get_grad_norm` over TP
-  shards, `step` that clips to `clip_grad` and steps);
+  shards, `step` that clips to `clip_grad` and steps, `reload_model_params`); with `main_params` it steps fp32 main
+  weights of its own and copies them into the model, as megatron's mixed-precision optimizers do;
 - `step.sequential_forward_backward`: megatron's no-pipelining schedule loop.
 """
 
@@ -138,7 +139,12 @@ def cpu_finalize(model_chunks, num_tokens: torch.Tensor, **_) -> None:
 
 
 class CpuOptimizer:
-    """torch AdamW with the subset of megatron's optimizer interface the backend calls."""
+    """torch AdamW with the subset of megatron's optimizer interface the backend calls.
+
+    `main_params`: AdamW steps fp32 copies of the model's parameters taken here (`main_params`, in `params` order)
+    and copies them into the model after each step, as megatron's mixed-precision optimizers (Float16Optimizer,
+    DistributedOptimizer) step their fp32 main weights; weights loaded into the model reach them only through
+    `reload_model_params`. Without it AdamW steps the model's parameters themselves (`main_params` is `params`)."""
 
     def __init__(
         self,
@@ -148,9 +154,11 @@ class CpuOptimizer:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        main_params: bool = False,
     ) -> None:
         self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
-        self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        self.main_params = [p.detach().clone().float() for p in self.params] if main_params else self.params
+        self.inner = torch.optim.AdamW(self.main_params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         self.clip_grad = clip_grad
 
     @property
@@ -160,6 +168,15 @@ class CpuOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        for main in self.main_params:
+            main.grad = None
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """megatron's: the main weights from the model's current ones (a no-op without `main_params`)."""
+        if self.main_params is not self.params:
+            with torch.no_grad():
+                for main, p in zip(self.main_params, self.params, strict=True):
+                    main.copy_(p)
 
     def prepare_grads(self) -> bool:
         return False
@@ -195,7 +212,14 @@ class CpuOptimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coeff)
+        if self.main_params is not self.params:
+            for main, p in zip(self.main_params, self.params, strict=True):
+                main.grad = None if p.grad is None else p.grad.float()
         self.inner.step()
+        if self.main_params is not self.params:
+            with torch.no_grad():
+                for main, p in zip(self.main_params, self.params, strict=True):
+                    p.copy_(main)
         return True, norm, None
 
     # megatron's checkpoint interface, as its FP32Optimizer has it (megatron/core/optimizer/optimizer.py): the Adam
@@ -208,7 +232,7 @@ class CpuOptimizer:
         )
 
         if is_loading:  # the state a load fills in must exist
-            for p in self.params:
+            for p in self.main_params:
                 if p not in self.inner.state:
                     self.inner.state[p] = {
                         "step": torch.zeros(()),
@@ -229,6 +253,7 @@ class CpuOptimizer:
         for param_state in state["state"].values():
             param_state["step"] = torch.tensor(step)
         self.inner.load_state_dict(state)
+        self.reload_model_params()  # this stand-in saves no main weights: the loaded (fp32) model's are theirs
 
 
 def cpu_schedule():

@@ -844,9 +844,9 @@ def job_lever_refusals(ctx) -> dict:
 
 
 def _trainer_state(backend) -> dict:
-    """This rank's weights, Adam moments and counters, copied."""
+    """This rank's weights, Adam moments (empty before the optimizer's first step) and counters, copied."""
     optim = backend.optimizer.inner.state
-    moments = [{k: v.clone() for k, v in optim[p].items()} for p in backend.optimizer.params]
+    moments = [{k: v.clone() for k, v in optim.get(p, {}).items()} for p in backend.optimizer.main_params]
     weights = {n: p.detach().clone() for n, p in backend.model[0].module.named_parameters()}
     return {"weights": weights, "moments": moments, "counters": backend._counters()}
 
@@ -955,6 +955,68 @@ def job_async_save_on_a_full_disk(ctx, disk: str) -> dict:
         return {"raised": None}
     except Exception as err:  # noqa: BLE001 - what is raised is what is checked
         return {"raised": (type(err).__name__, str(err), out_of_space(err, directory)), "files": os.listdir(directory)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints without the optimizer's state (checkpoint.optimizer_state=false)
+
+
+def _main_params_backend(ctx, weights: dict[str, torch.Tensor] | None = None):
+    """The tiny real Qwen3VLModel at TP=2 (seed 0, or `weights` copied in before the optimizer is built) in a
+    MegatronTrainBackend whose stand-in optimizer steps fp32 main weights of its own (`CpuOptimizer(main_params=
+    True)`); megatron's parallel state (TP=2) is the caller's."""
+    from miles_vl.train.megatron.backend import MegatronTrainBackend
+    from tests.patches.harness.tiny import build_tiny_qwen3vl
+    from tests.train.megatron.cpu_parts import CpuDDP, CpuOptimizer, cpu_schedule
+
+    model = build_tiny_qwen3vl(ctx.module, cp_size=1, tp_size=2, seed=0)
+    if weights is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+    chunks = [CpuDDP(model)]
+    options = train_options("token_mean", micro_batch_max_tokens=48)
+    optimizer = CpuOptimizer(chunks, lr=LR, main_params=True)
+    return MegatronTrainBackend(chunks, optimizer, tokens(), options, schedule=cpu_schedule(), device="cpu")
+
+
+def _main_weights(backend) -> list[torch.Tensor]:
+    return [m.detach().clone() for m in backend.optimizer.main_params]
+
+
+def job_model_only_checkpoint(ctx, samples, root: str) -> dict:
+    """TP=2, the optimizer stepping fp32 main weights apart from the model's: one RL step, then a save with the
+    optimizer's state (`full`) and one without (`model_only`, backend.save_checkpoint(optimizer_state=False)) of that
+    state. A fresh backend (its main weights the initial ones) loads `model_only` and trains a step; the reference is
+    a backend built on the saved weights (so its optimizer starts from them), at the saved counters, trained a step.
+    Another fresh backend loads `full`. Returns what each rank saw."""
+    from pathlib import Path
+
+    ctx.init_parallel(tp=2, cp=1)
+    trained = _main_params_backend(ctx)
+    train_step(trained, samples)
+    at_save = _trainer_state(trained)
+    trained.save_checkpoint(Path(root) / "full")
+    trained.save_checkpoint(Path(root) / "model_only", optimizer_state=False)
+    out = {"at_save": at_save}
+
+    resumed = _main_params_backend(ctx)
+    out["main_before_load"] = _main_weights(resumed)
+    resumed.load_checkpoint(Path(root) / "model_only")
+    out["loaded"] = _trainer_state(resumed) | {"main": _main_weights(resumed)}
+    train_step(resumed, samples)
+    out["resumed"] = _trainer_state(resumed)
+
+    reference = _main_params_backend(ctx, at_save["weights"])
+    reference.optimizer_steps, reference.skipped_steps = trained.optimizer_steps, trained.skipped_steps
+    reference.ref_weights = resumed.ref_weights  # the KL term's reference policy: the run's initial weights in both
+    train_step(reference, samples)
+    out["reference"] = _trainer_state(reference)
+
+    full = _main_params_backend(ctx)
+    full.load_checkpoint(Path(root) / "full")
+    out["full_loaded"] = _trainer_state(full) | {"main": _main_weights(full)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

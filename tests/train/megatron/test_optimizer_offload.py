@@ -103,9 +103,53 @@ def test_a_load_hands_the_state_to_every_offloaded_optimizer(tmp_path, monkeypat
     (tmp_path / "metadata.json").write_text("{}")
     saved = {"optimizer": {"param_state": 1}, "trainer_state": {"optimizer_steps": 3}}
     monkeypatch.setattr(dist_checkpointing, "load", lambda state, directory: saved)
+    monkeypatch.setattr(dist_checkpointing, "load_content_metadata", lambda directory: None)  # as older checkpoints
     assert checkpoint.load_checkpoint(tmp_path, [], chain) == {"optimizer_steps": 3}
     assert events == [("loaded", {"param_state": 1}), "synced"]
     assert checkpoint.sync_offloaded_optimizer(SimpleNamespace(optimizer=plain)) == 0 and len(events) == 2
+
+
+def test_a_model_only_load_reloads_the_main_weights_and_hands_no_state_to_an_offloaded_optimizer(tmp_path, monkeypatch):
+    """A checkpoint saved without the optimizer's state (checkpoint.optimizer_state=false): the load asks megatron's
+    optimizer for no shards and calls its `reload_model_params` (for an offloaded one, megatron-core 0.19.2 copies
+    the model into its fp32 copies: `update_fp32_param_by_new_param`), not `_sync_hdo_state_to_sub_optimizers`, which
+    on an optimizer that has not stepped fails (its state has no `master_param`: shown here on a hand-built one)."""
+    from types import SimpleNamespace
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from miles_vl.train.megatron import checkpoint
+
+    events = []
+    offloaded = HybridDeviceOptimizer.__new__(HybridDeviceOptimizer)  # its constructor needs CUDA
+    offloaded._sync_hdo_state_to_sub_optimizers = lambda: events.append("synced")
+    chain = SimpleNamespace(
+        chained_optimizers=[SimpleNamespace(optimizer=offloaded)],
+        sharded_state_dict=lambda state, **kw: events.append("optimizer shards asked for"),
+        load_state_dict=lambda state: events.append("loaded"),
+        reload_model_params=lambda: events.append("reloaded"),
+    )
+    (tmp_path / "metadata.json").write_text("{}")
+    monkeypatch.setattr(dist_checkpointing, "load", lambda state, directory: {"trainer_state": {"optimizer_steps": 3}})
+    monkeypatch.setattr(dist_checkpointing, "load_content_metadata", lambda directory: {"optimizer_state": False})
+    assert checkpoint.load_checkpoint(tmp_path, [], chain) == {"optimizer_steps": 3}
+    assert events == ["reloaded"]
+
+    # what the sync would meet: a HybridDeviceOptimizer (bf16 parameter, fp32 copy) that has not stepped
+    param = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    fresh = HybridDeviceOptimizer.__new__(HybridDeviceOptimizer)
+    torch.optim.Optimizer.__init__(fresh, [param], {"cpu_optimizer_cls": torch.optim.AdamW})
+    fp32 = param.detach().float()
+    fresh.param_update_in_fp32, fresh.param_to_fp32_param, fresh.inner_param_to_orig_param = True, {param: fp32}, {}
+    fresh.inner_param_to_orig_param[fp32] = param
+    fresh.cpu_optimizers, fresh.gpu_optimizer = [torch.optim.AdamW([fp32])], None  # all of it offloaded
+    with torch.no_grad():
+        param.add_(1.0)  # a load into the model
+    fresh.update_fp32_param_by_new_param()  # what reload_model_params reaches (DistributedOptimizer)
+    assert torch.equal(fp32, param.detach().float())
+    with pytest.raises(KeyError, match="master_param"):
+        fresh._sync_hdo_state_to_sub_optimizers()
 
 
 def test_a_megatron_core_without_the_sync_it_needs_is_refused_by_name(monkeypatch):
