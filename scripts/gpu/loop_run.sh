@@ -12,8 +12,8 @@
 #              /tmp/ckpt_loop_<SHAPE>, one for the three 2b_long shapes: /tmp/ckpt_loop_2b_long, whose processor keeps
 #              1024x1024 images whole, and one for 8b and 8b_1gpu; 8b runs configs/geo3k_qwen3vl_8b.yaml on 4 GPUs,
 #              8b_1gpu the same model on ONE GPU (CUDA_VISIBLE_DEVICES=0 unless set) with its optimizer state in host
-#              memory: it refuses to start on a host with less than 150 GiB of RAM or less than 130 GB free disk for
-#              its checkpoint (~123 GB))
+#              memory: it refuses to start on a host with less than 150 GiB of RAM or without room for its checkpoints
+#              (~123 GB; ~18 GB with checkpoint.optimizer_state=false, the weights alone) in /dev/shm or on the disk)
 #   NAME       run name: the run directory is $RUNS/NAME (RUNS=/tmp/gpu_runs); running NAME again with a larger
 #              NUM_STEPS resumes it from its newest checkpoint (checkpoint.resume=auto), appending to its metrics
 #   NUM_STEPS  the job's num_steps
