@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -71,6 +72,28 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]
     return metrics
 
 
+def release_build_memory() -> tuple[float, float] | None:
+    """Hand the GPU memory a backend's build freed back to the device, and log what the trainer holds then: (allocated
+    GiB, GiB returned), None without CUDA.
+
+    megatron's DDP copies every weight into its contiguous param buffer and frees the weights megatron-bridge loaded
+    (a bf16 copy of the model: 16.3 GiB at 8B), and the CPU-offloaded optimizer clones each weight on the GPU on its
+    way to the host; PyTorch's caching allocator keeps that memory reserved, where a colocated engine that starts next
+    cannot have it. On 2026-11-28 (docs/gpu-runs/2026-11-28-8b-1gpu-2xh200) the 8B trainer held 67.5 GiB of the card
+    after its build where its tensors need ~51, and SGLang found 11.27 GiB for its 16.3 GiB of weights.
+    """
+    gc.collect()  # cycles that still hold freed tensors (the offloaded optimizer's hooks form some)
+    if not torch.cuda.is_available():
+        return None
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    allocated, returned = torch.cuda.memory_allocated() / 2**30, (reserved - torch.cuda.memory_reserved()) / 2**30
+    log.info(
+        "trainer built: %.1f GiB allocated; %.1f GiB the build left cached returned to the device", allocated, returned
+    )
+    return allocated, returned
+
+
 @ray.remote
 class TrainWorker:
     """Train rank `rank` of `world_size`: `setup` forms the process group and builds the backend with `build`."""
@@ -113,6 +136,7 @@ class TrainWorker:
                 timeout=PROCESS_GROUP_TIMEOUT,
             )
         self.backend = self.build(self.cfg, self.tokens)
+        release_build_memory()
 
     def train(self, samples: Sequence) -> dict[str, float]:
         """One RL step; with CUDA also the rank's peak allocated memory during it (`perf/train_peak_mem_gib`), and
