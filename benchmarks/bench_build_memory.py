@@ -66,6 +66,7 @@ def main() -> None:
                 }
             )
         )
+        dist.destroy_process_group()  # without it the first runs (2026-11-28) did not exit after their result
 
 
 if __name__ == "__main__":
