@@ -325,3 +325,56 @@ def test_optimizer_offload_trains_and_resumes_its_fp32_state(tmp_path):
         for key in ("train/loss", "train/grad_norm"):
             saved, loaded = out["saved"][k][key], out["loaded"][k][key]
             assert _rel(loaded, saved) < 1e-3, (k, key, saved, loaded)
+
+
+def job_weights_only(ctx: RankContext, hf_dir: str, checkpoint_dir: str, hf_saved: str) -> dict:
+    """checkpoint.optimizer_state=false with the optimizer offloaded (as 8b_1gpu): a trained backend saves its weights
+    alone (and, as the reference, an HF export of the same weights); a FRESH backend built on the original weights
+    loads that checkpoint and takes two steps; a backend built from the export takes the same two."""
+    import dataclasses
+    import shutil
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    from miles_vl.train.megatron import build_megatron_backend
+
+    options = dataclasses.replace(OPTIONS, optimizer=dataclasses.replace(OPTIONS.optimizer, cpu_offload=1.0))
+    samples = make_samples()
+    out: dict = {}
+    for phase in ("trained", "loaded", "reference"):
+        source = hf_saved if phase == "reference" else hf_dir
+        backend = build_megatron_backend(
+            source, _tokens(), options, ParallelOptions(tp_size=1, cp_size=1, bf16=True, seed=0)
+        )
+        if phase == "trained":
+            train_step(backend, samples)
+            backend.save_checkpoint(checkpoint_dir, optimizer_state=False)
+            backend.save_hf(Path(hf_saved))
+            for f in Path(hf_dir).iterdir():  # the tokenizer's and processor's files the export does not write
+                if not (Path(hf_saved) / f.name).exists():
+                    shutil.copy(f, hf_saved)
+        else:
+            if phase == "loaded":
+                backend.load_checkpoint(checkpoint_dir)
+            out[phase] = [train_step(backend, samples) for _ in range(2)]
+        del backend
+        parallel_state.destroy_model_parallel()
+        torch.cuda.empty_cache()
+    return out
+
+
+def test_a_weights_only_checkpoint_resumes_as_an_optimizer_built_on_its_weights(tmp_path):
+    """The real-component check of tests/train/megatron/test_optimizer_state.py's stand-in optimizer: megatron's own
+    distributed optimizer, offloaded to the CPU (HybridDeviceOptimizer), after a load of a checkpoint without its
+    state (`reload_model_params`), steps as one built on the checkpoint's weights; without the reload it would step
+    the weights it was built on."""
+    hf_dir = str(tmp_path / "hf")
+    write_checkpoint(hf_dir)
+    args = (hf_dir, str(tmp_path / "ckpt"), str(tmp_path / "hf_saved"))
+    (out,) = run_ranks(job_weights_only, 1, args=args, timeout_s=900.0)
+    for k in range(2):
+        for key in ("train/loss", "train/grad_norm"):
+            loaded, reference = out["loaded"][k][key], out["reference"][k][key]
+            print(f"GPU-MEGATRON-WEIGHTS-ONLY step {k} {key}: loaded {loaded} reference {reference}")
+            assert _rel(loaded, reference) < 1e-3, (k, key, loaded, reference)

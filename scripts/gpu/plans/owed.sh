@@ -15,7 +15,8 @@
 #          p3  #32's question: the 8B job with TP=1 engines (its step-1 diff was 0.0359 with TP=2 engines)
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM), its
 #              checkpoints the weights alone (checkpoint.optimizer_state=false: ~18 GB, not ~123, so that a 2-GPU host's
-#              256 GiB hold one in /dev/shm beside the 131 GiB of offloaded optimizer state)
+#              256 GiB hold one in /dev/shm beside the 131 GiB of offloaded optimizer state); on GPU 1 the GPU test
+#              of a weights-only resume with megatron's own offloaded optimizer (-k weights_only)
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
 #          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
 #          p7  #34's 1.6x goal: a 2B job whose rollout outlasts its train phase (1024-token responses, 4 prompts x 8
@@ -227,7 +228,9 @@ case $call in
     loop 0,1,2,3 590 8b 8b-tp2cp2-eng-tp1 3 rollout.num_engines=4 rollout.gpus_per_engine=1 ;;
   p4)
     export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # an 80 GB H100's memory on whatever card comes (cap_memory.py)
-    loop 0 590 8b_1gpu 8b-1gpu 4 checkpoint.optimizer_state=false ;;
+    loop 0 590 8b_1gpu 8b-1gpu 4 checkpoint.optimizer_state=false
+    # beside it (a 2-GPU host's second GPU): the weights-only resume with megatron's own offloaded optimizer
+    gpu_test 1 570 weights_only ;;
   p12)
     checkpoint tiny
     checkpoint 2b
