@@ -160,6 +160,8 @@ def long_shape(length: int, tokens_per_image: int = 1024) -> tuple[str, ...]:
         # invalid argument` (issue 32: both jobs failed so at their first backward and trained with this; `miles-vl
         # check` refuses them without it, train/megatron/step.py MAX_TRAIN_LOGITS_ELEMENTS)
         "train.logits_only_where_loss=true",
+        # as the long-context runs of docs/gpu-runs ran (the one-GPU config turned it on on 2026-11-28, p13)
+        "train.vision_once_per_image=false",
         "train.optimizer.lr=1e-6",
         "train.recompute=full",
     )
