@@ -79,10 +79,9 @@ min_run_s=60  # seconds the run needs at least, after the checkpoint is written,
 # RAM (assumed; the log's "checkpoint saved: ... (N GB, S s after its write began)" of the stop's save measures it) or
 # 0.4 GB/s on a disk. A stop killed in its write leaves the newest complete checkpoint, never a partial one, but the
 # run's last step unsaved (the 2026-11-27 8B and 2B runs, killed 60 s after the SIGINT, lost theirs).
-case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=30 ;; *) ckpt_gb=123 ;; esac
-for arg in "$@"; do  # checkpoints of the weights alone (no optimizer state): 2 bytes a parameter
-  case $arg in checkpoint.optimizer_state=false) case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=5 ;; *) ckpt_gb=18 ;; esac ;; esac
-done
+weights_only=0  # checkpoint.optimizer_state=false: checkpoints of the weights alone, 2 bytes a parameter
+for arg in "$@"; do [ "$arg" = checkpoint.optimizer_state=false ] && weights_only=1; done
+case $model_shape in tiny) ckpt_gb=1 ;; 2b) ckpt_gb=$(( weights_only ? 5 : 30 )) ;; *) ckpt_gb=$(( weights_only ? 18 : 123 )) ;; esac
 peak=$(( steps / 10 + 1 )); [ "$peak" -gt 4 ] && peak=4  # checkpoints at once: keep_last 3 + the one being written
 host_gib=64; [ "$shape" = 8b_1gpu ] && host_gib=195
 shm=${LOOP_SHM:-/dev/shm}
