@@ -105,8 +105,10 @@ SHAPES = {
     # pinned fp32 gradient copy, 16 B/param = 131 GiB) lives in host memory (megatron's HybridDeviceOptimizer), so
     # the host needs ~150 GiB of RAM with the rest of the job (the 128 GiB machines do not have it: run on a larger
     # host, one of its GPUs; loop_run.sh pins CUDA_VISIBLE_DEVICES=0). The engine starts with ~28 GiB free and takes
-    # 0.8 of it: 16.3 GiB of weights + ~6 GiB of KV cache (~44K tokens of 144 KiB; a step needs 64 x 1152 at most,
-    # ~20K in practice) and leaves ~5.5 GiB for its CUDA graphs and activations. Train phase (engine released to its
+    # 0.7 of it: 16.3 GiB of weights + ~3.3 GiB of KV cache (~24K tokens of 144 KiB; a step needs 64 x 1152 at most,
+    # ~10K in practice: the 8 samples of a prompt share its prefix) and leaves ~8 GiB for its CUDA graphs, activations
+    # and what the trainer holds after its first step more than after its build (0.8 left too little: on 2026-11-28
+    # the KV cache could not resume after the first sync, docs/gpu-runs/2026-11-28-8b-1gpu-weights-only-2xh200). Train phase (engine released to its
     # 2 GiB): 52 GiB + a 4096-token micro-batch's activations (full recompute: 1.6 GiB) and logprobs (9.3 GiB) = 65
     # GiB; 8192 tokens would need 76 GiB, past the 90 % the estimate allows. The sync: the engine's weights are resumed
     # alone before it (52 + 16.3 + its runtime + the sync's buckets, ~72 GiB) and its KV cache only after it, which
@@ -122,7 +124,7 @@ SHAPES = {
         "rollout.batch_size=8",
         "rollout.n_samples_per_prompt=8",
         "rollout.max_response_len=128",
-        "rollout.sglang.mem_fraction_static=0.8",
+        "rollout.sglang.mem_fraction_static=0.7",
         'rollout.sglang.extra_args=["--cuda-graph-max-bs-decode","32","--max-running-requests","64"]',
         "train.global_batch_size=64",
         "train.micro_batch_max_tokens=4096",

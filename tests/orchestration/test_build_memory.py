@@ -10,7 +10,9 @@ its check)."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from miles_vl.orchestration import trainer
@@ -51,3 +53,40 @@ def test_the_train_actor_releases_right_after_the_build(monkeypatch):
     monkeypatch.setattr(trainer, "release_build_memory", lambda: order.append("release"))
     worker.setup(None)
     assert order == ["build", "release"] and worker.backend == "backend"
+
+
+class _Group:
+    def __init__(self, order, fail=False):
+        self.order, self.fail = order, fail
+
+    def send(self, weights, *, weight_version):
+        for _ in weights:  # the export makes (and frees) merged tensors on the GPU meanwhile
+            pass
+        self.order.append("send")
+        if self.fail:
+            raise RuntimeError("engine gone")
+        return SimpleNamespace(tensors=1, bytes=2, buckets=1, phases={})
+
+
+class _Backend:
+    def export_weights(self, on_device=False):
+        yield "w", torch.zeros(1)
+
+
+def test_the_sync_hands_the_exports_freed_memory_back_before_the_engine_resumes(monkeypatch):
+    """The colocated engine resumes its KV cache right after the sync: what the export freed must not stay cached in
+    the trainer. On 2026-11-28 the 8B job on one GPU lost its engine there (its trainer held 3-4 GiB more after the sync
+    than before the train phase), also when the send fails (the loop repairs the engine, which resumes too)."""
+    worker = trainer.TrainWorker.__ray_actor_class__.__new__(trainer.TrainWorker.__ray_actor_class__)
+    worker.backend = _Backend()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for fail in (False, True):
+        order = []
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda order=order: order.append("empty"))
+        worker.weight_group = _Group(order, fail)
+        if fail:
+            with pytest.raises(RuntimeError, match="engine gone"):
+                worker.send_weights("v1")
+        else:
+            worker.send_weights("v1")
+        assert order == ["send", "empty"]

@@ -177,7 +177,7 @@ def loop_job():
 
 def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):
     """Issue 33.5: the `8b_1gpu` shape of scripts/gpu/loop_job.py: Qwen3-VL-8B full-parameter on ONE 80 GB GPU, TP=CP=1,
-    4096-token micro-batches, full recompute, train.optimizer.cpu_offload=1.0, one colocated engine at 0.8. The
+    4096-token micro-batches, full recompute, train.optimizer.cpu_offload=1.0, one colocated engine at 0.7. The
     offloaded optimizer state leaves the GPU figures and is counted as host memory (16 B a parameter: fp32 main
     weights, two fp32 moments, a pinned fp32 gradient copy); `check` prints it and says the job fits."""
     p, _ = transformers_params("Qwen3-VL-8B")
@@ -188,7 +188,7 @@ def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):
     logits = tokens * vocab * 16
     sync = ipc_buffers(vocab, h)
     peak = (weights + grads + sync + activations + logits) / GIB + 3.0 + 2.0  # CUDA/NCCL, the released engine
-    share = 0.8 * (80 - (weights + grads) / GIB - 3.0)  # the engine starts beside the trainer's weights and grads
+    share = 0.7 * (80 - (weights + grads) / GIB - 3.0)  # the engine starts beside the trainer's weights and grads
     kv_gib = share - 2 * p / GIB
     job = loop_job()
     overrides = job.overrides("8b_1gpu", "Qwen/Qwen3-VL-8B-Instruct", "/runs", "x", 4)
@@ -200,7 +200,7 @@ def test_8b_on_one_gpu_with_the_optimizer_on_the_cpu_by_hand(capsys):
     assert est.train_phase_gib() == pytest.approx(peak)
     assert est.engine.share == pytest.approx(share) and est.engine.kv_cache == pytest.approx(kv_gib)
     assert est.engine.kv_tokens == int(kv_gib * GIB / (2 * 2 * layers * 8 * 128))
-    assert peak < 0.9 * 80 and kv_gib > 5 and est.problems() == []
+    assert peak < 0.9 * 80 and kv_gib > 3 and est.problems() == []  # ~24K tokens; a step needs ~10K (shared prompts)
     # while generating: the trainer's resident state with the sync's buffers (made after the engine sized its share)
     generating = (weights + grads + sync) / GIB + 3.0 + share + 2.0  # + the engine's processes
     assert est.generation_phase_gib() == pytest.approx(generating) and generating <= 80
