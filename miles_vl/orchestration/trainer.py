@@ -221,8 +221,8 @@ class TrainWorker:
             _drain(weights)  # the other ranks are still in the collective export
             if torch.cuda.is_available():
                 # what the export made and freed (merged and split tensors of bridge's HF names) goes back to the
-                # device: the colocated engine resumes its KV cache next. Kept cached, the 8B job on one GPU lost its
-                # engine there (docs/gpu-runs/2026-11-28-8b-1gpu-weights-only-2xh200)
+                # device, as `export_weight_buckets` does: the colocated engine resumes its KV cache next, where the
+                # 8B job on one GPU has ~2.6 GiB to spare (docs/benchmarks.md, issue 33.5)
                 torch.cuda.empty_cache()
         self.exported = ExportStats(report.tensors, report.bytes, report.buckets, dict(report.phases))
         return report

@@ -75,8 +75,8 @@ class _Backend:
 
 def test_the_sync_hands_the_exports_freed_memory_back_before_the_engine_resumes(monkeypatch):
     """The colocated engine resumes its KV cache right after the sync: what the export freed must not stay cached in
-    the trainer. On 2026-11-28 the 8B job on one GPU lost its engine there (its trainer held 3-4 GiB more after the sync
-    than before the train phase), also when the send fails (the loop repairs the engine, which resumes too)."""
+    the trainer, also when the send fails (the loop repairs the engine, which resumes too). On 2026-11-28 the 8B job on
+    one GPU lost its engine at that resume (the card full); it runs now with 2.6 GiB to spare there."""
     worker = trainer.TrainWorker.__ray_actor_class__.__new__(trainer.TrainWorker.__ray_actor_class__)
     worker.backend = _Backend()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -16,7 +16,8 @@
 #          p4  #33: the 8B shapes full-parameter on ONE GPU (8b_1gpu; needs >= 150 GiB of available RAM), its
 #              checkpoints the weights alone (checkpoint.optimizer_state=false: ~18 GB, not ~123, so that a 2-GPU host's
 #              256 GiB hold one in /dev/shm beside the 131 GiB of offloaded optimizer state); on GPU 1 the GPU test
-#              of a weights-only resume with megatron's own offloaded optimizer (-k weights_only)
+#              of a weights-only resume with megatron's own offloaded optimizer (-k weights_only); ran three times on
+#              2026-11-28 on 2 x H200, the third (7e20245) all 4 steps (docs/benchmarks.md, issue 33.5)
 #          p5  #34: the tiny job's learning pair, synchronous (GPUs 0,1) beside staleness 1 (GPUs 2,3), 20 steps each
 #          p6  #34: the 2B pair again with staleness 2 (the synchronous run is the same invocation's baseline)
 #          p7  #34's 1.6x goal: a 2B job whose rollout outlasts its train phase (1024-token responses, 4 prompts x 8
