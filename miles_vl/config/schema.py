@@ -498,6 +498,14 @@ class TrainConfig(_Section):
         "(every layer, language model and vision tower); vision (full recompute of the vision tower only, the "
         "language model keeps its activations).",
     )
+    recompute_layers: int | None = Field(
+        None,
+        ge=1,
+        description="with recompute=full: recompute only the first this many decoder layers of the language model "
+        "(megatron's block method, per pipeline stage); the others keep their activations, which costs memory "
+        "and saves their second forward. The vision tower stays fully recomputed. null = every layer. `miles-vl "
+        "check` estimates the memory of a choice.",
+    )
     old_logprobs_from_train_forward: bool = Field(
         False,
         description="when the RL step makes one optimizer update (global_batch_size null or the rollout batch, "
@@ -912,6 +920,11 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         )
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
+    if t.recompute_layers is not None and t.recompute != "full":
+        errors.append(
+            f"train.recompute_layers={t.recompute_layers} needs train.recompute=full (found {t.recompute!r}): it says "
+            "how many layers full recompute covers; set train.recompute=full or train.recompute_layers=null"
+        )
     if t.sp and t.logits_only_where_loss:  # the output layer's input is one TP rank's part of the row
         errors.append("train.logits_only_where_loss=true is not supported with train.sp=true; set one of them to false")
     if t.num_gpus > 0 and t.num_gpus % cfg.model_parallel_size:

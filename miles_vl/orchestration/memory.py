@@ -20,7 +20,8 @@ cp, ep; `W` = train.num_gpus. The trainer (megatron, as `train/megatron/build.py
   top-k experts' together). The `8h` part is split over t with sequence parallel, the rest always. `recompute`
   none or selective (with flash attention selective recompute saves nothing this formula counts): every layer
   keeps it, `L * T * that`; full (one layer a chunk): each layer keeps only its input, `2h` a token, plus one
-  layer's full set while it is recomputed. With p > 1 the first stage holds p micro-batches of L/p layers: the
+  layer's full set while it is recomputed; full with `train.recompute_layers` = N: N layers of each pipeline stage
+  keep their input, the others their full set. With p > 1 the first stage holds p micro-batches of L/p layers: the
   same `L` layers' worth.
 - logits: `T * vocab / t * 16` bytes (bf16 logits, their fp32 copy, the fp32 softmax, the fp32 and bf16 gradients:
   the vocab-parallel log-prob of the sampled token and its backward). With `train.logits_only_where_loss` the rows are
@@ -123,6 +124,7 @@ def trainer_memory(
     sp: bool,
     micro_batch_max_tokens: int,
     recompute: str,
+    recompute_layers: int | None = None,
     freeze_vision: bool = False,
     bf16: bool = True,
     distributed_optimizer: bool = True,
@@ -145,7 +147,11 @@ def trainer_memory(
     per_layer_token = 8 * shape.hidden / h_split + 6 * (shape.q_dim + shape.kv_dim + shape.mlp_dim) / tp
     logit_rows = min(tokens, max_train_logits_rows(shape.vocab, tp)) if logits_only_where_loss else tokens
     if recompute == "full":
-        layers = shape.layers * tokens * 2 * shape.hidden / h_split + tokens * per_layer_token
+        # recomputed layers (all, or recompute_layers of each of the p stages' L/p) keep their input; the rest their
+        # full set; one recomputed layer's full set while it runs again
+        recomputed = shape.layers if recompute_layers is None else min(pp * recompute_layers, shape.layers)
+        kept = shape.layers - recomputed
+        layers = tokens * (recomputed * 2 * shape.hidden / h_split + kept * per_layer_token + per_layer_token)
     else:
         layers = shape.layers * tokens * per_layer_token
     return TrainerMemory(
@@ -219,8 +225,8 @@ class MemoryEstimate:
         if self.trainer is not None and self.train_phase_gib() > limit:
             out.append(
                 f"the trainer needs about {self.train_phase_gib():.1f} GiB per GPU, more than {limit:.1f} GiB "
-                f"({FIT_FRACTION:.0%} of {self.gpu_gib:g} GiB): set train.recompute=full, lower "
-                "train.micro_batch_max_tokens, or raise train.tp / train.cp / train.num_gpus"
+                f"({FIT_FRACTION:.0%} of {self.gpu_gib:g} GiB): set train.recompute=full (train.recompute_layers "
+                "null or larger), lower train.micro_batch_max_tokens, or raise train.tp / train.cp / train.num_gpus"
             )
         generating = self.generation_phase_gib()
         no_share = self.engine is not None and self.engine.no_share  # its own problem below
@@ -320,6 +326,7 @@ def estimate_memory(cfg: JobConfig, gpu_gib: float) -> MemoryEstimate | str:
             sp=t.sp,
             micro_batch_max_tokens=t.micro_batch_max_tokens,
             recompute=t.recompute,
+            recompute_layers=t.recompute_layers,
             freeze_vision=t.freeze_vision,
             bf16=cfg.model.dtype != "fp32",  # auto is bf16 on GPUs
             cpu_offload=t.optimizer.cpu_offload,

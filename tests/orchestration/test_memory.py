@@ -88,6 +88,33 @@ def test_2b_on_one_gpu_by_hand():
     assert est.problems() == []  # measured: it ran, 71.1 GiB on an 80 GB card (docs/gpu-runs/2026-11-28-ship-2b-12k-*)
 
 
+def test_recomputing_the_first_layers_only_keeps_the_others_whole_set():
+    """train.recompute_layers = N with full recompute (megatron's block method): N layers keep their input (2h a
+    token), the other L - N their full set, plus one recomputed layer's set while it runs again; with pp = 2 each
+    stage recomputes N of its L/2 and the first stage holds 2 micro-batches: 2N recomputed layers' worth. `check`
+    says the memory of a choice; N = L is null's figure."""
+    h, q, kv, m, layers = 2048, 16 * 128, 8 * 128, 6144, 28
+    tokens = 12288
+    layer_token = 8 * h + 6 * (q + kv + m)
+    for n in (1, 20, 28):
+        est = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", f"train.recompute_layers={n}"), 80.0)
+        kept = (n * 2 * h + (layers - n) * layer_token + layer_token) * tokens
+        assert est.trainer.activations == pytest.approx(kept / GIB), n
+    every = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml"), 80.0).trainer
+    assert every.activations == pytest.approx(
+        estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute_layers=28"), 80.0).trainer.activations
+    )
+    staged = trainer_memory(
+        model_shape(RELEASED_SHAPES["Qwen3-VL-2B"]),
+        num_gpus=2, pp=2, tp=1, cp=1, ep=1, sp=False, micro_batch_max_tokens=tokens,
+        recompute="full", recompute_layers=5,
+    )  # fmt: skip
+    assert staged.activations == pytest.approx((10 * 2 * h + 18 * layer_token + layer_token) * tokens / GIB)
+    # 20 layers kept whole at 12,288 tokens: 15.5 GiB more than recomputing all, past the 90 % of an 80 GB card
+    (problem,) = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute_layers=8"), 80.0).problems()
+    assert "the trainer needs about" in problem and "train.recompute_layers null or larger" in problem
+
+
 def test_logits_at_the_loss_positions_count_at_most_the_rows_the_plan_allows():
     """With train.logits_only_where_loss the micro-batch plan keeps a rank's loss positions under what the logits
     may hold (2^31 elements: 14,134 rows of 151,936), so a 28,160-token micro-batch counts 14,134 rows of logits,

@@ -46,6 +46,7 @@ def build_provider(
     ep_size: int = 1,
     sp: bool = False,
     recompute: Recompute = "none",
+    recompute_layers: int | None = None,
     freeze_vision: bool = False,
     vision_dp_when_cp: bool = False,
     bf16: bool = True,
@@ -54,7 +55,8 @@ def build_provider(
     """(AutoBridge, finalized provider) for the checkpoint at `hf_path` with these parallel settings.
 
     Raises:
-        ValueError: inconsistent sizes (sequence parallel without TP, a size < 1, an unknown recompute mode).
+        ValueError: inconsistent sizes (sequence parallel without TP, a size < 1, an unknown recompute mode, a
+            `recompute_layers` without full recompute or past the decoder layers of a pipeline stage).
     """
     from megatron.bridge import AutoBridge
 
@@ -67,6 +69,11 @@ def build_provider(
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
     if recompute not in ("none", "selective", "full", "vision"):
         raise ValueError(f"train.recompute must be none, selective, full or vision; found {recompute!r}")
+    if recompute_layers is not None and (recompute != "full" or recompute_layers < 1):
+        raise ValueError(
+            f"train.recompute_layers={recompute_layers} needs train.recompute=full and a count >= 1 (found "
+            f"recompute={recompute!r}); set train.recompute=full or train.recompute_layers=null"
+        )
 
     bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
@@ -79,8 +86,18 @@ def build_provider(
     provider.pipeline_dtype = provider.params_dtype
     if recompute == "selective":
         provider.recompute_granularity = "selective"
-    elif recompute == "full":
+    elif recompute == "full" and recompute_layers is None:
         provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
+    elif recompute == "full":  # the first recompute_layers of each stage; the tower, which copies them, keeps all
+        stage_layers = provider.num_layers // pp_size
+        if recompute_layers > stage_layers:
+            raise ValueError(
+                f"train.recompute_layers={recompute_layers} but a pipeline stage has {stage_layers} decoder layers "
+                f"({provider.num_layers} / train.pp={pp_size}): set at most {stage_layers}, or null for every layer"
+            )
+        provider.recompute_granularity, provider.recompute_method = "full", "block"
+        provider.recompute_num_layers = recompute_layers
+        provider.register_pre_wrap_hook(keep_vision_tower_recomputed)
     elif recompute == "vision":  # the language model keeps its activations; the vision tower's are recomputed
         provider.register_pre_wrap_hook(recompute_vision_tower)
     # the torch backend's freeze_vision freezes all of `visual`: the tower, its merger and the deepstack mergers.
@@ -120,6 +137,25 @@ def build_provider(
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
+def keep_vision_tower_recomputed(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """`train.recompute_layers`: the vision tower, whose config copies the language model's block recompute of its
+    first N layers, recomputes every layer again (a pre-wrap hook, as `recompute_vision_tower`); a model without a
+    tower is left as it is."""
+    _full_recompute_in_towers(model)
+    return model
+
+
+def _full_recompute_in_towers(model: list[torch.nn.Module]) -> bool:
+    """Full recompute, one layer per checkpoint, on every config object of the chunks' vision towers; whether any
+    chunk has the attribute `vision_model` (a pipeline stage may hold None there)."""
+    towers = [chunk.vision_model for chunk in model if getattr(chunk, "vision_model", None) is not None]
+    configs = {id(m.config): m.config for tower in towers for m in tower.modules() if hasattr(m, "config")}
+    for config in configs.values():
+        for name, value in FULL_RECOMPUTE.items():
+            setattr(config, name, value)
+    return bool(towers) or any(hasattr(chunk, "vision_model") for chunk in model)
+
+
 def recompute_vision_tower(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """`train.recompute=vision`: full recompute (one layer per checkpoint) in the vision tower only (a pre-wrap hook).
 
@@ -132,13 +168,8 @@ def recompute_vision_tower(model: list[torch.nn.Module]) -> list[torch.nn.Module
     Raises:
         ValueError: no chunk has a vision tower (a pipeline stage without it is fine, but some chunk must have it).
     """
-    towers = [chunk.vision_model for chunk in model if getattr(chunk, "vision_model", None) is not None]
-    if not towers and not any(hasattr(chunk, "vision_model") for chunk in model):
+    if not _full_recompute_in_towers(model):
         raise ValueError("train.recompute=vision needs a Qwen3-VL model with a vision tower (`vision_model`)")
-    configs = {id(m.config): m.config for tower in towers for m in tower.modules() if hasattr(m, "config")}
-    for config in configs.values():
-        for name, value in FULL_RECOMPUTE.items():
-            setattr(config, name, value)
     return model
 
 

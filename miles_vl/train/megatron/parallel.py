@@ -27,6 +27,8 @@ class ParallelOptions:
             the rest of the world is data parallel).
         sp: sequence parallel (needs tp_size > 1).
         recompute: activation recompute ("none", "selective", "full", "vision": the vision tower only).
+        recompute_layers: with recompute "full", recompute only the first this many decoder layers of the language
+            model (of each pipeline stage); None: every layer.
         vision_dp_when_cp: split the vision tower's work across CP ranks.
         bf16: bf16 weights and compute (else fp32).
         seed: megatron's model-parallel RNG seed.
@@ -38,6 +40,7 @@ class ParallelOptions:
     ep_size: int = 1
     sp: bool = False
     recompute: str = "none"
+    recompute_layers: int | None = None
     vision_dp_when_cp: bool = False
     bf16: bool = True
     seed: int = 1234

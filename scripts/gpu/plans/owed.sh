@@ -61,7 +61,13 @@
 #              `logits_only_where_loss` and `vision_once_per_image` (GPU 1), on the 80 GB card it must fit. 12,288 is
 #              the longest `miles-vl check` passes for that config (71.8 GiB estimated; 14,080: 76.1, past its 90 %;
 #              p12's 28,160 held 72.2 GiB on the card). nvidia-h100-x1 does not do (two runs): ask nvidia-h100-x2
-# p4 and p13 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
+#          p14  #33's 35 % MFU: `train.recompute_layers` (full recompute of the first N of the 28 decoder layers only;
+#              the rest keep their activations and skip their second forward), the 2B job as p11's 14,080 run (GPU 0)
+#              beside the same with recompute_layers=18 (GPU 1: 10 layers kept whole, ~0.9 GiB each at 14,080 tokens,
+#              on p11's 57.2 GiB peak), each card held to an H100's memory, one invocation, 5 steps
+#          p14b  the same at p11's best, 28,160 tokens (32.4 % MFU, 72.1 GiB on the card): full (GPU 0) beside
+#              recompute_layers=26 (GPU 1: 2 layers kept whole, ~1.8 GiB each)
+# p4, p13 and p14 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
@@ -147,10 +153,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p11 | p12 | p13 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -238,6 +244,13 @@ case $call in
     loop 0 585 tiny levers-tiny-28k 20 train.logits_only_where_loss=true train.vision_once_per_image=true \
       train.micro_batch_max_tokens=28160
     loop 1 585 2b mb-2b-28k-long 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 rollout.max_response_len=1024
+    ;;
+  p14 | p14b)
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
+    checkpoint 2b
+    if [ "$call" = p14 ]; then mb=14080 n=18; else mb=28160 n=26; fi
+    loop 0 585 2b "rl-2b-$mb-full" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb
+    loop 1 585 2b "rl-2b-$mb-first$n" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb train.recompute_layers=$n
     ;;
   p13)
     export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4

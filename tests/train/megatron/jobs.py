@@ -783,8 +783,14 @@ def job_recompute(ctx, hf_dir: str) -> dict:
 
     ctx.init_parallel()
     out = {}
-    for mode in ("none", "selective", "full", "vision"):
-        _, p = build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode)
+    for key, mode, layers in (
+        ("none", "none", None),
+        ("selective", "selective", None),
+        ("full", "full", None),
+        ("vision", "vision", None),
+        ("full_first_1", "full", 1),  # train.recompute_layers=1
+    ):
+        _, p = build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode, recompute_layers=layers)
         hooks = list(getattr(p, "_pre_wrap_hooks", []))
         model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)
         for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
@@ -797,12 +803,21 @@ def job_recompute(ctx, hf_dir: str) -> dict:
             for m in model.vision_model.modules()
             if hasattr(m, "config")
         }
-        out[mode] = {
+        out[key] = {
+            "num_layers": p.num_layers,
             "provider": {f: getattr(p, f) for f in RECOMPUTE_FIELDS},
             "hooks": [getattr(h, "__name__", repr(h)) for h in hooks],
             "language": tuple(getattr(model.language_model.config, f) for f in RECOMPUTE_FIELDS),
             "vision": sorted(vision, key=repr),
         }
+    refusals = {}
+    for name, mode, layers in (("past", "full", out["full"]["num_layers"] + 1), ("not_full", "selective", 1)):
+        try:
+            build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode, recompute_layers=layers)
+            refusals[name] = None
+        except ValueError as err:
+            refusals[name] = str(err)
+    out["refusals"] = refusals
     return out
 
 

@@ -76,6 +76,22 @@ def test_recompute_maps_to_megatrons_settings(tmp_path):
     assert "recompute_vision_tower" not in out["full"]["hooks"]
     assert "recompute_vision_tower" in out["vision"]["hooks"]
     assert out["vision"]["language"] == off and out["vision"]["vision"] == [full]
+    # train.recompute_layers=1: megatron's block method on the language model's first layer only; the tower, whose
+    # config copies the language model's, recomputes all of its layers again (the pre-wrap hook)
+    first = out["full_first_1"]
+    assert first["provider"] == {
+        "recompute_granularity": "full",
+        "recompute_method": "block",
+        "recompute_num_layers": 1,
+    }
+    assert first["language"] == ("full", "block", 1) and first["vision"] == [full]
+    assert "keep_vision_tower_recomputed" in first["hooks"]
+    layers = out["full"]["num_layers"]
+    assert (
+        f"train.recompute_layers={layers + 1} but a pipeline stage has {layers} decoder layers"
+        in (out["refusals"]["past"])
+    )
+    assert "needs train.recompute=full" in out["refusals"]["not_full"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
