@@ -20,7 +20,11 @@ LOOP_RUN = REPO / "scripts" / "gpu" / "loop_run.sh"
 # coreutils' timeout, recording its arguments first (the SIGINT's time and the kill's delay)
 TIMEOUT = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$TIMEOUT_ARGS"
-exec /usr/bin/timeout "$@"
+args=("$@")
+for i in "${!args[@]}"; do  # FIRE_AFTER: the SIGINT's time, the argument after `-k GRACE`
+  [ -n "${FIRE_AFTER:-}" ] && [ "${args[$i]}" = -k ] && { args[$((i + 2))]=$FIRE_AFTER; break; }
+done
+exec /usr/bin/timeout "${args[@]}"
 """
 
 STAND_IN = """#!/usr/bin/env bash
@@ -28,7 +32,9 @@ echo "$*" >> "$CALLS"
 case "$1 $2" in
   "scripts/gpu/loop_job.py --pixels") echo "1 2" ;;
   scripts/gpu/make_tiny_qwen3vl.py*) [ -n "${MAKE_FAILS:-}" ] && { echo "no space left" >&2; exit 1; }; mkdir -p "$2" ;;
-  scripts/gpu/loop_job.py*) shift; printf '%s\\n' "$@" > "$JOB_ARGS" ;;
+  scripts/gpu/loop_job.py*) shift; printf '%s\\n' "$@" > "$JOB_ARGS"
+    # as miles-vl train: a SIGINT during the last step or its save finishes the run (0), earlier it stops it (130)
+    if [ -n "${JOB_ON_INT:-}" ]; then trap 'exit $JOB_ON_INT' INT; sleep 20 & wait $!; exit 3; fi ;;
   scripts/gpu/cap_memory.py*) [ -n "${CAP_FAILS:-}" ] && { echo "cap_memory: no CUDA device" >&2; exit 1; }
     echo "0, 61440" > "$3"; trap 'echo stopped >> "$CALLS"; exit 0' TERM; while :; do sleep 0.1; done ;;
   scripts/gpu/summarize_run.py*) [ -n "${NO_METRICS:-}" ] && { echo "FileNotFoundError: no metrics.jsonl" >&2; exit 1; }
@@ -82,7 +88,7 @@ def test_a_2b_run_on_a_disk_is_stopped_early_enough_for_its_30_gb_checkpoint(tmp
     assert "checkpoints of ~30 GB in a disk" in result.stderr
     # what the job ran under: SIGINT after `sigint` seconds, SIGKILL `grace` seconds after that
     timeout_args = (tmp_path / "timeout_args").read_text().split("\n")
-    assert timeout_args[:5] == ["-s", "INT", "-k", str(grace), str(sigint)]
+    assert timeout_args[:6] == ["--preserve-status", "-s", "INT", "-k", str(grace), str(sigint)]
     assert job_args == [
         "2b",
         str(tmp_path / "ckpts" / "ckpt_loop_2b"),
@@ -228,3 +234,13 @@ def test_8b_on_one_gpu_with_weights_only_checkpoints_keeps_them_in_a_256_gib_hos
     assert f"checkpoint.dir={shm}/miles_vl_ckpt/one" in job_args and weights_only in job_args
     assert sigint_and_grace(result.stderr)[1] == 60 + 18
     assert "checkpoints of ~18 GB in" in result.stderr
+
+
+@pytest.mark.parametrize("job_status", [0, 130])
+def test_the_script_exits_with_the_jobs_own_status_after_the_budgets_sigint(tmp_path, job_status):
+    """A run whose SIGINT came during its last step or final save finishes as it would have (miles-vl train exits 0)
+    and the script says so with 0, not timeout's 124 (on 2026-11-28 owed.sh p4 and p13 reported such finished runs as
+    failures); a run the SIGINT stopped earlier exits 130 (its last completed step saved)."""
+    result, _ = loop_run(tmp_path, "tiny", "t", "4", FIRE_AFTER="1", JOB_ON_INT=str(job_status))
+    assert result.returncode == job_status, result.stderr
+    assert f"train exited {job_status}" in result.stderr

@@ -30,6 +30,9 @@
 # server's log and a driver.log over 16 KB come xz-compressed (`.log.xz`, as docs/gpu-runs commits them: its
 # README.md). The run is stopped (SIGINT, which writes a checkpoint) early enough that the stop, its checkpoint
 # included, ends within $BUDGET_S (default 540 s from this script's start; the grace is computed below).
+# Exit status: the job's own (`timeout --preserve-status`): 0 when it ran all its steps, also when the budget's SIGINT
+# came during the last one or its final save (the run then finishes as it would have); 130 when the SIGINT stopped it
+# earlier (its last completed step saved: the same command resumes it); 137 when it was killed after the grace.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
@@ -166,7 +169,7 @@ if command -v nvidia-smi > /dev/null; then  # memory per GPU, by every process o
     ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} > "$out/$name/gpu_memory.csv" 2>> "$log" &
   smi_pid=$!
 fi
-timeout -s INT -k "$grace" "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
+timeout --preserve-status -s INT -k "$grace" "$t" "$py" scripts/gpu/loop_job.py "$shape" "$ckpt" "$runs" "$name" "$steps" "$@" >> "$log" 2>&1
 status=$?
 [ -n "$smi_pid" ] && kill "$smi_pid" 2> /dev/null
 [ -n "$cap_pid" ] && kill "$cap_pid" 2> /dev/null
