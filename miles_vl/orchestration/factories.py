@@ -333,9 +333,8 @@ def parallel_options(cfg: JobConfig) -> ParallelOptions:
         pp_size=t.pp,
         cp_size=t.cp,
         ep_size=t.ep,
-        **t.model_dump(
-            include={"sp", "recompute", "recompute_layers", "vision_dp_when_cp", "seed"}
-        ),  # same names in train.*
+        # the same names in train.*
+        **t.model_dump(include={"sp", "recompute", "recompute_layers", "vision_dp_when_cp", "seed"}),
         bf16=cfg.model.dtype != "fp32",
     )
 

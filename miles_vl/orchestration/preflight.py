@@ -71,6 +71,7 @@ def preflight_problems(cfg: JobConfig) -> list[str]:
     problems += data_problems(cfg)
     problems += model_problems(cfg)
     problems += train_logits_problems(cfg)
+    problems += recompute_layers_problems(cfg)
     problems += resume_problems(cfg)
     problems += output_problems(cfg)
     if problem := private_session_problem(cfg.ray.address):
@@ -149,14 +150,7 @@ def train_logits_problems(cfg: JobConfig) -> list[str]:
     model's (`model.path`'s config.json, the cached snapshot of a hub id, or the released shape of that name); where
     none of them is here, nothing is checked (the train step still is)."""
     t = cfg.train
-    if t.backend != "megatron" or not cfg.model.path:
-        return []
-    try:
-        where = str(local_model_dir(cfg.model.path))
-    except ModelNotFoundError:  # model_problems says so; a released shape may still give the vocabulary
-        where = cfg.model.path
-    config, _ = hf_config_dict(where)
-    vocab = (config or {}).get("text_config", config or {}).get("vocab_size")
+    vocab = _megatron_text_config(cfg).get("vocab_size")
     if not vocab:
         return []
     rows = -(-t.micro_batch_max_tokens // t.cp)
@@ -175,6 +169,33 @@ def train_logits_problems(cfg: JobConfig) -> list[str]:
         rows, vocab, t.tp, logits_only_where_loss=t.logits_only_where_loss, tokens_from=tokens_from
     )
     return [problem] if problem else []
+
+
+def recompute_layers_problems(cfg: JobConfig) -> list[str]:
+    """`train.recompute_layers` may be at most the decoder layers of a pipeline stage (the model's layers / train.pp);
+    the model's shape as `train_logits_problems` finds it (none found: unchecked here; `build_provider` refuses it
+    when the trainer builds)."""
+    t = cfg.train
+    layers = _megatron_text_config(cfg).get("num_hidden_layers") if t.recompute_layers is not None else None
+    if not layers or t.recompute_layers <= layers // t.pp:
+        return []
+    return [
+        f"train.recompute_layers={t.recompute_layers} but a pipeline stage of {cfg.model.path} has {layers // t.pp} "
+        f"decoder layers ({layers} / train.pp={t.pp}): set at most {layers // t.pp}, or null for every layer"
+    ]
+
+
+def _megatron_text_config(cfg: JobConfig) -> dict:
+    """The language model's config of a megatron job's model (`model.path`'s config.json, the cached snapshot of a
+    hub id, or the released shape of that name); {} for another backend or where none of them is here."""
+    if cfg.train.backend != "megatron" or not cfg.model.path:
+        return {}
+    try:
+        where = str(local_model_dir(cfg.model.path))
+    except ModelNotFoundError:  # model_problems says so; a released shape may still give the shape
+        where = cfg.model.path
+    config, _ = hf_config_dict(where)
+    return (config or {}).get("text_config", config or {})
 
 
 def hub_models(cfg: JobConfig) -> list[str]:

@@ -94,6 +94,14 @@ def release_build_memory() -> tuple[float, float] | None:
     return allocated, returned
 
 
+def release_export_memory() -> None:
+    """Hand what a weight export made and freed (the merged and split tensors of bridge's HF names) back to the
+    device, on every rank that exported: a colocated engine resumes its KV cache right after the sync, where the 8B
+    job on one GPU has ~2.6 GiB to spare (docs/benchmarks.md, issue 33.5)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @ray.remote
 class TrainWorker:
     """Train rank `rank` of `world_size`: `setup` forms the process group and builds the backend with `build`."""
@@ -187,8 +195,7 @@ class TrainWorker:
         for bucket in iter_buckets(self.backend.export_weights(), max_bucket_bytes):
             self.exported.add(bucket)
             yield bucket
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_export_memory()
 
     def last_export(self) -> ExportStats | None:
         """Tensors, bytes and buckets of the last `export_weight_buckets` (None before the first)."""
@@ -198,6 +205,7 @@ class TrainWorker:
         """This rank's part of a collective export whose tensors rank 0 sends (ranks > 0)."""
         for _ in self.backend.export_weights(on_device=True):  # nothing kept: no copy to the CPU either
             pass
+        release_export_memory()
 
     # NCCL weight sync (disaggregated engines whose kind has a group path): rank 0 is the group's source rank.
 
@@ -219,11 +227,7 @@ class TrainWorker:
             report = self.weight_group.send(weights, weight_version=weight_version)
         finally:
             _drain(weights)  # the other ranks are still in the collective export
-            if torch.cuda.is_available():
-                # what the export made and freed (merged and split tensors of bridge's HF names) goes back to the
-                # device, as `export_weight_buckets` does: the colocated engine resumes its KV cache next, where the
-                # 8B job on one GPU has ~2.6 GiB to spare (docs/benchmarks.md, issue 33.5)
-                torch.cuda.empty_cache()
+            release_export_memory()
         self.exported = ExportStats(report.tensors, report.bytes, report.buckets, dict(report.phases))
         return report
 

@@ -107,7 +107,7 @@ SHAPES = {
     # host, one of its GPUs; loop_run.sh pins CUDA_VISIBLE_DEVICES=0). The engine starts with ~28 GiB free and takes
     # 0.7 of it: 16.3 GiB of weights + ~3.3 GiB of KV cache (~24K tokens of 144 KiB; a step needs 64 x 1152 at most,
     # ~10K in practice: the 8 samples of a prompt share its prefix) and leaves ~8 GiB for its CUDA graphs, activations
-    # and the ~4 GiB the trainer holds from step 2 on more than after its build (0.8 left too little: on 2026-11-28
+    # and the 4.2 GiB more the trainer holds from step 2 on than before step 1 (0.8 left too little: on 2026-11-28
     # the KV cache could not resume after the first sync, docs/gpu-runs/2026-11-28-8b-1gpu-weights-only-2xh200; at
     # 0.7 the card held 76.8 GiB at most of its 79.4, docs/gpu-runs/2026-11-28-8b-1gpu-4steps-2xh200). Train phase
     # (engine released to its 2 GiB): 52 GiB + a 4096-token micro-batch's activations (full recompute: 1.6 GiB) and

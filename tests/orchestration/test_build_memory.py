@@ -75,8 +75,10 @@ class _Backend:
 
 def test_the_sync_hands_the_exports_freed_memory_back_before_the_engine_resumes(monkeypatch):
     """The colocated engine resumes its KV cache right after the sync: what the export freed must not stay cached in
-    the trainer, also when the send fails (the loop repairs the engine, which resumes too). On 2026-11-28 the 8B job on
-    one GPU lost its engine at that resume (the card full); it runs now with 2.6 GiB to spare there."""
+    the trainer, also when the send fails (the loop repairs the engine, which resumes too), and on the ranks that only
+    take part in the export. On 2026-11-28 the 8B job on one GPU lost its engine at that resume (the card full; the
+    room came from a smaller KV share, 0.7 of the free memory): it runs with 2.6 GiB to spare there, which this keeps
+    the export's leftovers out of."""
     worker = trainer.TrainWorker.__ray_actor_class__.__new__(trainer.TrainWorker.__ray_actor_class__)
     worker.backend = _Backend()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -90,3 +92,8 @@ def test_the_sync_hands_the_exports_freed_memory_back_before_the_engine_resumes(
         else:
             worker.send_weights("v1")
         assert order == ["send", "empty"]
+    order = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty"))
+    worker.backend.export_weights = lambda on_device: (order.append("export") or (n, t) for n, t in [("w", None)])
+    worker.drain_weights()  # a rank > 0 of a collective export
+    assert order == ["export", "empty"]

@@ -97,6 +97,8 @@ def test_the_train_phase_levers_reach_both_backends_options(tmp_path, on):
     options = train_options(cfg, SPECIAL)
     assert all(getattr(options, k) is on for k in levers)
     assert parallel_options(cfg).recompute == "vision"
+    full = cfg.model_copy(update={"train": cfg.train.model_copy(update={"recompute": "full", "recompute_layers": 18})})
+    assert (parallel_options(full).recompute, parallel_options(full).recompute_layers) == ("full", 18)
 
 
 def test_a_colocated_sglang_job_syncs_over_ipc_unless_the_switch_says_tensor(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from miles_vl.cli import main
 from miles_vl.config import load_config
 from miles_vl.models.qwen3_vl.shapes import RELEASED_SHAPES
-from miles_vl.orchestration.preflight import train_logits_problems
+from miles_vl.orchestration.preflight import recompute_layers_problems, train_logits_problems
 from tests.scripts import load_script
 
 loop_job = load_script("scripts/gpu/loop_job.py")
@@ -114,3 +114,18 @@ def test_check_refuses_it_with_exit_2_before_anything_starts(capsys, tmp_path):
     err = " ".join(capsys.readouterr().err.split())
     assert "= 2,489,319,424 elements, at or past the limit of 2,147,483,648" in err
     assert not (tmp_path / "runs").exists() and not ray.is_initialized()
+
+
+def test_recompute_layers_past_a_stages_layers_are_refused_before_anything_starts():
+    """train.recompute_layers counts a pipeline stage's decoder layers: the 2B model's 28, or 14 a stage at pp=2; more
+    is refused with the count that fits (the trainer's build_provider refuses it too, but only once Ray started)."""
+    assert recompute_layers_problems(job("2b", "train.recompute_layers=28")) == []
+    [problem] = recompute_layers_problems(job("2b", "train.recompute_layers=29"))
+    assert problem == (
+        f"train.recompute_layers=29 but a pipeline stage of {MODEL} has 28 decoder layers (28 / train.pp=1): set at "
+        "most 28, or null for every layer"
+    )
+    staged = ("train.num_gpus=2", "train.pp=2", "train.recompute_layers=15")
+    [problem] = recompute_layers_problems(job("2b", *staged))
+    assert "has 14 decoder layers (28 / train.pp=2): set at most 14" in problem
+    assert recompute_layers_problems(job("2b")) == []  # null: every layer

@@ -69,11 +69,13 @@ def build_provider(
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
     if recompute not in ("none", "selective", "full", "vision"):
         raise ValueError(f"train.recompute must be none, selective, full or vision; found {recompute!r}")
-    if recompute_layers is not None and (recompute != "full" or recompute_layers < 1):
+    if recompute_layers is not None and recompute != "full":
         raise ValueError(
-            f"train.recompute_layers={recompute_layers} needs train.recompute=full and a count >= 1 (found "
-            f"recompute={recompute!r}); set train.recompute=full or train.recompute_layers=null"
+            f"train.recompute_layers={recompute_layers} needs train.recompute=full (found {recompute!r}); set "
+            "train.recompute=full or train.recompute_layers=null"
         )
+    if recompute_layers is not None and recompute_layers < 1:
+        raise ValueError(f"train.recompute_layers must be >= 1 (or null for every layer), found {recompute_layers}")
 
     bridge = AutoBridge.from_hf_pretrained(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)

@@ -67,7 +67,7 @@
 #              on p11's 57.2 GiB peak), each card held to an H100's memory, one invocation, 5 steps
 #          p14b  the same at p11's best, 28,160 tokens (32.4 % MFU, 72.1 GiB on the card): full (GPU 0) beside
 #              recompute_layers=26 (GPU 1: 2 layers kept whole, ~1.8 GiB each)
-# p4, p13 and p14 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
+# p4, p13, p14 and p14b hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.

@@ -1106,3 +1106,57 @@ def job_export_plan(ctx, hf_dir: str, hf_samples) -> dict:
     out["replaced_uncached"] = read(export_hf_weights(bridge, model, skip_prefixes=FROZEN_VISION_PREFIXES))
     out["builds_after_replaced"] = plan.builds
     return out
+
+
+def job_recompute_layers(ctx, samples) -> dict:
+    """One `train_step` of the tiny model (seed 0) per recompute setting, its configs set as `build_provider` sets
+    them (the language model's, which the tower copies; then its pre-wrap hooks): the metrics, the gradients, and
+    how many layer runs each block checkpointed (megatron-bridge's Qwen3-VL blocks call `tensor_parallel.checkpoint`
+    once per recomputed layer, with one layer a chunk; counted here, and recomputed by torch's checkpoint in its
+    place, since megatron's needs CUDA: the GPU runs of `owed.sh p14` are the check with megatron's own).
+    {setting: {...}}"""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import transformer_block
+
+    from miles_vl.train.megatron.build import FULL_RECOMPUTE, keep_vision_tower_recomputed
+    from miles_vl.train.step import train_step
+
+    settings = {
+        "none": ({"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}, []),
+        "full": (FULL_RECOMPUTE, []),
+        "first_1": (
+            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+            [keep_vision_tower_recomputed],
+        ),
+    }
+    checkpoint = transformer_block.tensor_parallel.checkpoint
+    out = {}
+    for name, (fields, hooks) in settings.items():
+        backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean", micro_batch_max_tokens=4096)
+        module = backend.model[0].module
+        for config in {id(m.config): m.config for m in module.modules() if hasattr(m, "config")}.values():
+            for field, value in fields.items():
+                setattr(config, field, value)
+        for hook in hooks:
+            hook([module])
+        runs = {"language": 0, "vision": 0}
+
+        def counted(fn, distribute_saved_activations, *args, runs=runs):  # fn: the calling block's closure
+            runs["vision" if fn.__qualname__.startswith("Qwen3VLVision") else "language"] += 1
+            # megatron's CheckpointFunction needs CUDA's RNG tracker: torch's checkpoint recomputes on the CPU
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+        transformer_block.tensor_parallel.checkpoint = counted
+        try:
+            metrics = train_step(backend, samples)
+        finally:
+            transformer_block.tensor_parallel.checkpoint = checkpoint
+        out[name] = {
+            "metrics": metrics,
+            "grads": _grads(backend),
+            "checkpointed": runs,
+            "layers": {
+                "language": len(module.language_model.decoder.layers),
+                "vision": len(module.vision_model.decoder.layers),
+            },
+        }
+    return out

@@ -131,3 +131,24 @@ def test_levers_that_cannot_be_exact_are_refused():
     assert "train.logits_only_where_loss is not supported with sequence parallelism" in out["sp"]
     assert "set train.logits_only_where_loss=false or train.sp=false" in out["sp"]
     assert "train.old_logprobs_from_train_forward needs a model without dropout" in out["dropout"]
+
+
+def test_recompute_layers_checkpoints_the_first_layers_only_and_computes_the_same():
+    """train.recompute_layers=1 as build_provider sets it (megatron's block method on the language model, the tower
+    set back to full by the pre-wrap hook): the language model's block checkpoints its first layer only, the tower
+    every layer, in each forward of the step; the metrics and gradients are those of full recompute and of none."""
+    (out,) = cpu_parts.spawn(jobs.job_recompute_layers, 1, args=(jobs.group_train_samples(),))
+    none, full, first = out["none"], out["full"], out["first_1"]
+    layers = full["layers"]
+    assert layers["language"] >= 2 and layers["vision"] >= 2  # so that "the first only" differs from "all"
+    assert none["checkpointed"] == {"language": 0, "vision": 0}
+    forwards = full["checkpointed"]["language"] // layers["language"]  # the train forwards of the step
+    assert forwards >= 1 and full["checkpointed"] == {
+        "language": forwards * layers["language"],
+        "vision": forwards * layers["vision"],
+    }
+    assert first["checkpointed"] == {"language": forwards, "vision": forwards * layers["vision"]}
+    for other in (none, full):
+        for key, value in other["metrics"].items():
+            assert first["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        _close(first["grads"], other["grads"])
