@@ -16,8 +16,9 @@ Last stdout line: one JSON object with
   colocated IPC) `sync_phases_s`: the median seconds of each of its phases (`sync/<phase>_s`: export, pack, send,
   wait, check, label; miles_vl/rollout/weight_sync.py `PhaseClock`), where a sync's time goes;
 - `train_peak_mem_gib` (the fullest train rank's peak allocated memory in the train phase: the trainer reports the
-  maximum over ranks) and `gpu_used_gib_rollout` (everything on train rank 0's GPU while the engine and trainer are
-  both resident): maxima over the steps;
+  maximum over ranks), `train_resident_gib` (what the fullest train rank keeps allocated after its train phase, into
+  the rollout; null for runs from before it was logged) and `gpu_used_gib_rollout` (everything on train rank 0's GPU
+  while the engine and trainer are both resident): maxima over the steps;
 - `train_micro_batches`: the median packed forward-backward passes of one train rank a step (`train/micro_batches`,
   over every optimizer update; null for runs from before it was logged): the train phase's fixed cost is per pass;
 - `sample_len_max` (the longest prompt + response any step generated, `rollout/sample_len_max`) and
@@ -144,6 +145,7 @@ def summarize(run_dir: Path, ckpt: str | None, peak_tflops: float, vision_blocks
         sync_tensors=rows[-1].get("sync/tensors"),
         sync_buckets=rows[-1].get("sync/buckets"),
         train_peak_mem_gib=largest("perf/train_peak_mem_gib"),
+        train_resident_gib=largest("perf/train_resident_gib"),
         gpu_used_gib_rollout=largest("perf/gpu_used_gib_rollout"),
         train_gpus=train_gpus,
         job_gpus=job_gpus,
