@@ -46,6 +46,7 @@ from miles_vl.orchestration.loop import check_backends
 from miles_vl.orchestration.placement import driver_runtime_env, job_runtime_env_problem, private_session_problem
 from miles_vl.packing import padded_length
 from miles_vl.stack import backend_problems, captured_output
+from miles_vl.train.megatron.parallel import recompute_layers_problem
 from miles_vl.train.megatron.step import train_logits_problem
 
 log = logging.getLogger(__name__)
@@ -177,12 +178,8 @@ def recompute_layers_problems(cfg: JobConfig) -> list[str]:
     when the trainer builds)."""
     t = cfg.train
     layers = _megatron_text_config(cfg).get("num_hidden_layers") if t.recompute_layers is not None else None
-    if not layers or t.recompute_layers <= layers // t.pp:
-        return []
-    return [
-        f"train.recompute_layers={t.recompute_layers} but a pipeline stage of {cfg.model.path} has {layers // t.pp} "
-        f"decoder layers ({layers} / train.pp={t.pp}): set at most {layers // t.pp}, or null for every layer"
-    ]
+    problem = layers and recompute_layers_problem(t.recompute_layers, layers, t.pp, cfg.model.path)
+    return [problem] if problem else []
 
 
 def _megatron_text_config(cfg: JobConfig) -> dict:

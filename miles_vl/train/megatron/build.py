@@ -28,7 +28,7 @@ from miles_vl.models import SpecialTokens
 from miles_vl.models.qwen3_vl import MEGATRON_VISION_PREFIXES
 from miles_vl.train.megatron.backend import MegatronTrainBackend
 from miles_vl.train.megatron.checkpoint import require_offload_support
-from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions
+from miles_vl.train.megatron.parallel import ParallelGroups, ParallelOptions, recompute_layers_problem
 from miles_vl.train.types import OptimizerOptions, TrainOptions
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,8 @@ def build_provider(
     elif recompute == "full" and recompute_layers is None:
         provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
     elif recompute == "full":  # the first recompute_layers of each stage; the tower, which copies them, keeps all
-        stage_layers = provider.num_layers // pp_size
-        if recompute_layers > stage_layers:
-            raise ValueError(
-                f"train.recompute_layers={recompute_layers} but a pipeline stage has {stage_layers} decoder layers "
-                f"({provider.num_layers} / train.pp={pp_size}): set at most {stage_layers}, or null for every layer"
-            )
+        if problem := recompute_layers_problem(recompute_layers, provider.num_layers, pp_size, str(hf_path)):
+            raise ValueError(problem)
         provider.recompute_granularity, provider.recompute_method = "full", "block"
         provider.recompute_num_layers = recompute_layers
         provider.register_pre_wrap_hook(keep_vision_tower_recomputed)

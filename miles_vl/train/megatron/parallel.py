@@ -46,6 +46,18 @@ class ParallelOptions:
     seed: int = 1234
 
 
+def recompute_layers_problem(recompute_layers: int, num_layers: int, pp_size: int, model: str) -> str | None:
+    """Why `recompute_layers` (`ParallelOptions`) cannot apply to `model`'s `num_layers` decoder layers over `pp_size`
+    pipeline stages (more than a stage has), or None; `miles-vl check` and the trainer's build both ask it."""
+    stage = num_layers // pp_size
+    if recompute_layers <= stage:
+        return None
+    return (
+        f"train.recompute_layers={recompute_layers} but a pipeline stage of {model} has {stage} decoder layers "
+        f"({num_layers} / train.pp={pp_size}): set at most {stage}, or null for every layer"
+    )
+
+
 @dataclass(frozen=True)
 class ParallelGroups:
     tp: dist.ProcessGroup

@@ -88,7 +88,7 @@ def test_recompute_maps_to_megatrons_settings(tmp_path):
     assert "keep_vision_tower_recomputed" in first["hooks"]
     layers = out["full"]["num_layers"]
     assert (
-        f"train.recompute_layers={layers + 1} but a pipeline stage has {layers} decoder layers"
+        f"train.recompute_layers={layers + 1} but a pipeline stage of {tmp_path} has {layers} decoder layers"
         in (out["refusals"]["past"])
     )
     assert "needs train.recompute=full" in out["refusals"]["not_full"]
