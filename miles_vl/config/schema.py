@@ -492,19 +492,20 @@ class TrainConfig(_Section):
         description="peak learning rate of the format warm-up steps; null = train.optimizer.lr. RL runs at "
         "train.optimizer.lr after it (same AdamW state).",
     )
-    recompute: Literal["none", "selective", "full", "vision"] = Field(
+    recompute: Literal["none", "selective", "full", "vision", "language"] = Field(
         "none",
         description="activation recompute (megatron): none; selective (megatron's core-attention recompute); full "
         "(every layer, language model and vision tower); vision (full recompute of the vision tower only, the "
-        "language model keeps its activations).",
+        "language model keeps its activations); language (full recompute of the language model only: the vision "
+        "tower keeps its activations, those of one micro-batch's images, and skips its layers' second forward).",
     )
     recompute_layers: int | None = Field(
         None,
         ge=1,
-        description="with recompute=full: recompute only the first this many decoder layers of the language model "
-        "(megatron's block method, per pipeline stage); the others keep their activations, which costs memory "
-        "and saves their second forward. The vision tower stays fully recomputed. null = every layer. `miles-vl "
-        "check` estimates the memory of a choice.",
+        description="with recompute=full or language: recompute only the first this many decoder layers of the "
+        "language model (megatron's block method, per pipeline stage); the others keep their activations, which "
+        "costs memory and saves their second forward. The vision tower stays as train.recompute says (every layer "
+        "with full, none with language). null = every layer. `miles-vl check` estimates the memory of a choice.",
     )
     old_logprobs_from_train_forward: bool = Field(
         False,
@@ -920,10 +921,11 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         )
     if t.sp and t.tp == 1:
         errors.append("train.sp=true needs train.tp > 1; set train.tp or train.sp=false")
-    if t.recompute_layers is not None and t.recompute != "full":
+    if t.recompute_layers is not None and t.recompute not in ("full", "language"):
         errors.append(
-            f"train.recompute_layers={t.recompute_layers} needs train.recompute=full (found {t.recompute!r}): it says "
-            "how many layers full recompute covers; set train.recompute=full or train.recompute_layers=null"
+            f"train.recompute_layers={t.recompute_layers} needs train.recompute=full or language (found "
+            f"{t.recompute!r}): it says how many language-model layers full recompute covers; set train.recompute=full "
+            "or train.recompute_layers=null"
         )
     if t.sp and t.logits_only_where_loss:  # the output layer's input is one TP rank's part of the row
         errors.append("train.logits_only_where_loss=true is not supported with train.sp=true; set one of them to false")

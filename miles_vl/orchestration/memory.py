@@ -21,7 +21,8 @@ cp, ep; `W` = train.num_gpus. The trainer (megatron, as `train/megatron/build.py
   none or selective (with flash attention selective recompute saves nothing this formula counts): every layer
   keeps it, `L * T * that`; full (one layer a chunk): each layer keeps only its input, `2h` a token, plus one
   layer's full set while it is recomputed; full with `train.recompute_layers` = N: N layers of each pipeline stage
-  keep their input, the others their full set. With p > 1 the first stage holds p micro-batches of L/p layers: the
+  keep their input, the others their full set; language: as full (it differs in the vision tower only, which is not
+  counted). With p > 1 the first stage holds p micro-batches of L/p layers: the
   same `L` layers' worth.
 - logits: `T * vocab / t * 16` bytes (bf16 logits, their fp32 copy, the fp32 softmax, the fp32 and bf16 gradients:
   the vocab-parallel log-prob of the sampled token and its backward). With `train.logits_only_where_loss` the rows are
@@ -146,7 +147,7 @@ def trainer_memory(
     h_split = tp if sp else 1
     per_layer_token = 8 * shape.hidden / h_split + 6 * (shape.q_dim + shape.kv_dim + shape.mlp_dim) / tp
     logit_rows = min(tokens, max_train_logits_rows(shape.vocab, tp)) if logits_only_where_loss else tokens
-    if recompute == "full":
+    if recompute in ("full", "language"):  # the vision tower's activations are not counted either way
         # recomputed layers (all, or recompute_layers of each of the p stages' L/p) keep their input; the rest their
         # full set; one recomputed layer's full set while it runs again
         recomputed = shape.layers if recompute_layers is None else min(pp * recompute_layers, shape.layers)

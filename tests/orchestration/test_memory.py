@@ -104,6 +104,14 @@ def test_recomputing_the_first_layers_only_keeps_the_others_whole_set():
     assert every.activations == pytest.approx(
         estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute_layers=28"), 80.0).trainer.activations
     )
+    # recompute=language differs from full in the vision tower only, which the estimate does not count
+    language = estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", "train.recompute=language"), 80.0).trainer
+    assert language.activations == pytest.approx(every.activations)
+    language_20 = ("train.recompute=language", "train.recompute_layers=20")
+    kept_8 = (20 * 2 * h + 8 * layer_token + layer_token) * tokens / GIB
+    assert estimate_memory(config("geo3k_qwen3vl_1gpu.yaml", *language_20), 80.0).trainer.activations == (
+        pytest.approx(kept_8)
+    )
     staged = trainer_memory(
         model_shape(RELEASED_SHAPES["Qwen3-VL-2B"]),
         num_gpus=2, pp=2, tp=1, cp=1, ep=1, sp=False, micro_batch_max_tokens=tokens,

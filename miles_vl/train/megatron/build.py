@@ -33,7 +33,7 @@ from miles_vl.train.types import OptimizerOptions, TrainOptions
 
 log = logging.getLogger(__name__)
 
-Recompute = Literal["none", "selective", "full", "vision"]
+Recompute = Literal["none", "selective", "full", "vision", "language"]
 FROZEN_VISION_PREFIXES = MEGATRON_VISION_PREFIXES  # the vision tower, its merger and deepstack mergers
 
 
@@ -67,12 +67,12 @@ def build_provider(
             raise ValueError(f"train.{name} must be >= 1, found {value}")
     if sp and tp_size == 1:
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
-    if recompute not in ("none", "selective", "full", "vision"):
-        raise ValueError(f"train.recompute must be none, selective, full or vision; found {recompute!r}")
-    if recompute_layers is not None and recompute != "full":
+    if recompute not in ("none", "selective", "full", "vision", "language"):
+        raise ValueError(f"train.recompute must be none, selective, full, vision or language; found {recompute!r}")
+    if recompute_layers is not None and recompute not in ("full", "language"):
         raise ValueError(
-            f"train.recompute_layers={recompute_layers} needs train.recompute=full (found {recompute!r}); set "
-            "train.recompute=full or train.recompute_layers=null"
+            f"train.recompute_layers={recompute_layers} needs train.recompute=full or language (found {recompute!r}); "
+            "set train.recompute=full or train.recompute_layers=null"
         )
     if recompute_layers is not None and recompute_layers < 1:
         raise ValueError(f"train.recompute_layers must be >= 1 (or null for every layer), found {recompute_layers}")
@@ -88,14 +88,17 @@ def build_provider(
     provider.pipeline_dtype = provider.params_dtype
     if recompute == "selective":
         provider.recompute_granularity = "selective"
-    elif recompute == "full" and recompute_layers is None:
+    elif recompute in ("full", "language") and recompute_layers is None:
         provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
-    elif recompute == "full":  # the first recompute_layers of each stage; the tower, which copies them, keeps all
+    elif recompute in ("full", "language"):  # the first recompute_layers of each stage (the tower copies them)
         if problem := recompute_layers_problem(recompute_layers, provider.num_layers, pp_size, str(hf_path)):
             raise ValueError(problem)
         provider.recompute_granularity, provider.recompute_method = "full", "block"
         provider.recompute_num_layers = recompute_layers
+    if recompute == "full" and recompute_layers is not None:  # the tower recomputes all of its layers again
         provider.register_pre_wrap_hook(keep_vision_tower_recomputed)
+    elif recompute == "language":  # the tower keeps its activations
+        provider.register_pre_wrap_hook(no_recompute_in_vision_tower)
     elif recompute == "vision":  # the language model keeps its activations; the vision tower's are recomputed
         provider.register_pre_wrap_hook(recompute_vision_tower)
     # the torch backend's freeze_vision freezes all of `visual`: the tower, its merger and the deepstack mergers.
@@ -133,6 +136,7 @@ def build_provider(
 
 
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
 
 
 def keep_vision_tower_recomputed(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -143,13 +147,35 @@ def keep_vision_tower_recomputed(model: list[torch.nn.Module]) -> list[torch.nn.
     return model
 
 
+def no_recompute_in_vision_tower(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """`train.recompute=language`: the vision tower, whose config copies the language model's full recompute, keeps
+    its activations and runs each layer's forward once (a pre-wrap hook, as `recompute_vision_tower`); a model
+    without a tower is left as it is. The tower's activations are those of one micro-batch's images (with
+    `train.vision_once_per_image`, its distinct ones), which `miles-vl check` does not count."""
+    _set_recompute_in_towers(model, NO_RECOMPUTE)
+    return model
+
+
 def _full_recompute_in_towers(model: list[torch.nn.Module]) -> bool:
-    """Full recompute, one layer per checkpoint, on every config object of the chunks' vision towers; whether any
-    chunk has the attribute `vision_model` (a pipeline stage may hold None there)."""
+    """Full recompute, one layer per checkpoint, in the chunks' vision towers (`_set_recompute_in_towers`)."""
+    return _set_recompute_in_towers(model, FULL_RECOMPUTE)
+
+
+def _set_recompute_in_towers(model: list[torch.nn.Module], fields: dict) -> bool:
+    """`fields` (megatron's recompute settings) on every config object of the chunks' vision towers; whether any
+    chunk has the attribute `vision_model` (a pipeline stage may hold None there). A tower's config must be its own,
+    not the language model's (megatron-bridge builds it as a copy): else the language model would change too."""
     towers = [chunk.vision_model for chunk in model if getattr(chunk, "vision_model", None) is not None]
     configs = {id(m.config): m.config for tower in towers for m in tower.modules() if hasattr(m, "config")}
+    language = {id(c.language_model.config) for c in model if getattr(c, "language_model", None) is not None}
+    if shared := language & configs.keys():
+        raise RuntimeError(  # megatron-bridge's vision config is built by copying the language model's
+            f"the vision tower shares {len(shared)} config object(s) with the language model: setting its recompute "
+            "would change the language model's; this megatron-bridge builds the tower's config differently from "
+            "0.6.2 (docs/patches.md: supported releases)"
+        )
     for config in configs.values():
-        for name, value in FULL_RECOMPUTE.items():
+        for name, value in fields.items():
             setattr(config, name, value)
     return bool(towers) or any(hasattr(chunk, "vision_model") for chunk in model)
 

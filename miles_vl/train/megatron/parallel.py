@@ -26,9 +26,10 @@ class ParallelOptions:
         tp_size, pp_size, cp_size, ep_size: tensor, pipeline, context and expert parallel sizes (`train.tp/pp/cp/ep`;
             the rest of the world is data parallel).
         sp: sequence parallel (needs tp_size > 1).
-        recompute: activation recompute ("none", "selective", "full", "vision": the vision tower only).
-        recompute_layers: with recompute "full", recompute only the first this many decoder layers of the language
-            model (of each pipeline stage); None: every layer.
+        recompute: activation recompute ("none", "selective", "full", "vision": the vision tower only, "language": the
+            language model only).
+        recompute_layers: with recompute "full" or "language", recompute only the first this many decoder layers of
+            the language model (of each pipeline stage); None: every layer.
         vision_dp_when_cp: split the vision tower's work across CP ranks.
         bf16: bf16 weights and compute (else fp32).
         seed: megatron's model-parallel RNG seed.

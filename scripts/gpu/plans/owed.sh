@@ -67,7 +67,13 @@
 #              on p11's 57.2 GiB peak), each card held to an H100's memory, one invocation, 5 steps
 #          p14b  the same at p11's best, 28,160 tokens (32.4 % MFU, 72.1 GiB on the card): full (GPU 0) beside
 #              recompute_layers=26 (GPU 1: 2 layers kept whole, ~1.8 GiB each)
-# p4, p13, p14 and p14b hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
+#          p15  #33's 35 % MFU on a 4-GPU machine, four settings of the 2B job as p11's 14,080 run side by side (each
+#              card held to an H100's memory, one invocation, 5 steps): full recompute (GPU 0), recompute_layers=18
+#              (GPU 1), train.recompute=language (GPU 2: the vision tower keeps its activations and skips its 24
+#              layers' second forward, ~4 images' patches a micro-batch), language with recompute_layers=22 (GPU 3)
+#          p15b  the same at 28,160 (p11's best): full (GPU 0), recompute_layers=26 (GPU 1), language (GPU 2), and
+#              language at 20,480 (GPU 3: fewer images a micro-batch, in case 28,160's do not fit beside p11's 72.1 GiB)
+# p4, p13, p14, p14b, p15 and p15b hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
@@ -153,10 +159,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -251,6 +257,16 @@ case $call in
     if [ "$call" = p14 ]; then mb=14080 n=18; else mb=28160 n=26; fi
     loop 0 585 2b "rl-2b-$mb-full" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb
     loop 1 585 2b "rl-2b-$mb-first$n" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb train.recompute_layers=$n
+    ;;
+  p15 | p15b)
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
+    checkpoint 2b
+    if [ "$call" = p15 ]; then mb=14080 n=18 lang=(14080 22); else mb=28160 n=26 lang=(20480 ""); fi
+    loop 0 585 2b "lv-2b-$mb-full" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb
+    loop 1 585 2b "lv-2b-$mb-first$n" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb train.recompute_layers=$n
+    loop 2 585 2b "lv-2b-$mb-lang" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb train.recompute=language
+    loop 3 585 2b "lv-2b-${lang[0]}-lang${lang[1]:+-first${lang[1]}}" 5 "${LEVERS[@]}" \
+      train.micro_batch_max_tokens=${lang[0]} train.recompute=language ${lang[1]:+train.recompute_layers=${lang[1]}}
     ;;
   p13)
     export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4

@@ -789,6 +789,8 @@ def job_recompute(ctx, hf_dir: str) -> dict:
         ("full", "full", None),
         ("vision", "vision", None),
         ("full_first_1", "full", 1),  # train.recompute_layers=1
+        ("language", "language", None),
+        ("language_first_1", "language", 1),
     ):
         _, p = build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode, recompute_layers=layers)
         hooks = list(getattr(p, "_pre_wrap_hooks", []))
@@ -811,7 +813,12 @@ def job_recompute(ctx, hf_dir: str) -> dict:
             "vision": sorted(vision, key=repr),
         }
     refusals = {}
-    for name, mode, layers in (("past", "full", out["full"]["num_layers"] + 1), ("not_full", "selective", 1)):
+    past = out["full"]["num_layers"] + 1
+    for name, mode, layers in (
+        ("past", "full", past),
+        ("language_past", "language", past),
+        ("not_full", "selective", 1),
+    ):
         try:
             build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode, recompute_layers=layers)
             refusals[name] = None
@@ -1117,16 +1124,21 @@ def job_recompute_layers(ctx, samples) -> dict:
     {setting: {...}}"""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import transformer_block
 
-    from miles_vl.train.megatron.build import FULL_RECOMPUTE, keep_vision_tower_recomputed
+    from miles_vl.train.megatron.build import (
+        FULL_RECOMPUTE,
+        NO_RECOMPUTE,
+        keep_vision_tower_recomputed,
+        no_recompute_in_vision_tower,
+    )
     from miles_vl.train.step import train_step
 
+    first_1 = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
     settings = {
-        "none": ({"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}, []),
+        "none": (NO_RECOMPUTE, []),
         "full": (FULL_RECOMPUTE, []),
-        "first_1": (
-            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-            [keep_vision_tower_recomputed],
-        ),
+        "first_1": (first_1, [keep_vision_tower_recomputed]),
+        "language": (FULL_RECOMPUTE, [no_recompute_in_vision_tower]),  # train.recompute=language
+        "language_first_1": (first_1, [no_recompute_in_vision_tower]),
     }
     checkpoint = transformer_block.tensor_parallel.checkpoint
     out = {}

@@ -91,7 +91,14 @@ def test_recompute_maps_to_megatrons_settings(tmp_path):
         f"train.recompute_layers={layers + 1} but a pipeline stage of {tmp_path} has {layers} decoder layers"
         in (out["refusals"]["past"])
     )
-    assert "needs train.recompute=full" in out["refusals"]["not_full"]
+    assert "needs train.recompute=full or language" in out["refusals"]["not_full"]
+    # train.recompute=language: the language model as full (every layer, or its first recompute_layers); the
+    # tower, whose config copies it, keeps its activations (the pre-wrap hook)
+    for key, language in (("language", full), ("language_first_1", ("full", "block", 1))):
+        assert out[key]["language"] == language and out[key]["vision"] == [off], key
+        assert "no_recompute_in_vision_tower" in out[key]["hooks"], key
+        assert "keep_vision_tower_recomputed" not in out[key]["hooks"], key
+    assert f"train.recompute_layers={layers + 1} but a pipeline stage" in out["refusals"]["language_past"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -136,7 +143,8 @@ def test_levers_that_cannot_be_exact_are_refused():
 def test_recompute_layers_checkpoints_the_first_layers_only_and_computes_the_same():
     """train.recompute_layers=1 as build_provider sets it (megatron's block method on the language model, the tower
     set back to full by the pre-wrap hook): the language model's block checkpoints its first layer only, the tower
-    every layer, in each forward of the step; the metrics and gradients are those of full recompute and of none."""
+    every layer, in each forward of the step; train.recompute=language (with and without recompute_layers=1): the
+    tower checkpoints none. The metrics and gradients of each are those of full recompute and of none."""
     (out,) = cpu_parts.spawn(jobs.job_recompute_layers, 1, args=(jobs.group_train_samples(),))
     none, full, first = out["none"], out["full"], out["first_1"]
     layers = full["layers"]
@@ -148,7 +156,11 @@ def test_recompute_layers_checkpoints_the_first_layers_only_and_computes_the_sam
         "vision": forwards * layers["vision"],
     }
     assert first["checkpointed"] == {"language": forwards, "vision": forwards * layers["vision"]}
-    for other in (none, full):
-        for key, value in other["metrics"].items():
-            assert first["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-        _close(first["grads"], other["grads"])
+    # train.recompute=language: the tower checkpoints nothing, the language model every layer or its first
+    assert out["language"]["checkpointed"] == {"language": forwards * layers["language"], "vision": 0}
+    assert out["language_first_1"]["checkpointed"] == {"language": forwards, "vision": 0}
+    for setting in (first, out["language"], out["language_first_1"]):
+        for other in (none, full):
+            for key, value in other["metrics"].items():
+                assert setting["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+            _close(setting["grads"], other["grads"])
