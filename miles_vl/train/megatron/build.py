@@ -15,6 +15,7 @@ with fp32 gradient buffers, SUM reduction) -> megatron's distributed optimizer (
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import logging
@@ -163,20 +164,30 @@ def _full_recompute_in_towers(model: list[torch.nn.Module]) -> bool:
 
 def _set_recompute_in_towers(model: list[torch.nn.Module], fields: dict) -> bool:
     """`fields` (megatron's recompute settings) on every config object of the chunks' vision towers; whether any
-    chunk has the attribute `vision_model` (a pipeline stage may hold None there). A tower's config must be its own,
-    not the language model's (megatron-bridge builds it as a copy): else the language model would change too."""
+    chunk has the attribute `vision_model` (a pipeline stage may hold None there).
+
+    A tower module that holds one of the language model's config objects (megatron-bridge 0.6.2 with Transformer
+    Engine's layers builds one such, which the CPU layers do not: `owed.sh p15`'s first runs stopped on it) gets a
+    shallow copy of it first, one per shared object: the same values, so that the fields change the tower only.
+    """
     towers = [chunk.vision_model for chunk in model if getattr(chunk, "vision_model", None) is not None]
+    language = {
+        id(m.config)
+        for chunk in model
+        for m in [chunk, *(chunk.language_model.modules() if getattr(chunk, "language_model", None) else [])]
+        if hasattr(m, "config")
+    }
+    copies: dict[int, object] = {}
+    for tower in towers:
+        for name, m in tower.named_modules():
+            if hasattr(m, "config") and id(m.config) in language:
+                if id(m.config) not in copies:
+                    log.info("vision tower module %r holds the language model's config: given its own copy", name)
+                m.config = copies.setdefault(id(m.config), copy.copy(m.config))
     configs = {id(m.config): m.config for tower in towers for m in tower.modules() if hasattr(m, "config")}
-    language = {id(c.language_model.config) for c in model if getattr(c, "language_model", None) is not None}
-    if shared := language & configs.keys():
-        raise RuntimeError(  # megatron-bridge's vision config is built by copying the language model's
-            f"the vision tower shares {len(shared)} config object(s) with the language model: setting its recompute "
-            "would change the language model's; this megatron-bridge builds the tower's config differently from "
-            "0.6.2 (docs/patches.md: supported releases)"
-        )
     for config in configs.values():
-        for name, value in fields.items():
-            setattr(config, name, value)
+        for field, value in fields.items():
+            setattr(config, field, value)
     return bool(towers) or any(hasattr(chunk, "vision_model") for chunk in model)
 
 

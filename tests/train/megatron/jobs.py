@@ -791,10 +791,14 @@ def job_recompute(ctx, hf_dir: str) -> dict:
         ("full_first_1", "full", 1),  # train.recompute_layers=1
         ("language", "language", None),
         ("language_first_1", "language", 1),
+        ("language_shared", "language", None),  # a tower module holding the language model's config
+        ("first_1_shared", "full", 1),
     ):
         _, p = build_provider(hf_dir, load_weights=False, bf16=False, recompute=mode, recompute_layers=layers)
         hooks = list(getattr(p, "_pre_wrap_hooks", []))
         model = build_tiny_qwen3vl(ctx.module, cp_size=1, seed=0)
+        if key.endswith("_shared"):  # as megatron-bridge 0.6.2 builds one with Transformer Engine's layers
+            model.vision_model.decoder.config = model.language_model.config
         for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
             for name in RECOMPUTE_FIELDS:  # the configs as megatron-bridge builds them from the provider's
                 setattr(config, name, getattr(p, name))

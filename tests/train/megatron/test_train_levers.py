@@ -99,6 +99,10 @@ def test_recompute_maps_to_megatrons_settings(tmp_path):
         assert "no_recompute_in_vision_tower" in out[key]["hooks"], key
         assert "keep_vision_tower_recomputed" not in out[key]["hooks"], key
     assert f"train.recompute_layers={layers + 1} but a pipeline stage" in out["refusals"]["language_past"]
+    # a tower module holding the language model's config (megatron-bridge with Transformer Engine's layers): the
+    # tower's setting goes to its own copy, and the language model keeps its own
+    assert out["language_shared"]["language"] == full and out["language_shared"]["vision"] == [off]
+    assert out["first_1_shared"]["language"] == ("full", "block", 1) and out["first_1_shared"]["vision"] == [full]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
