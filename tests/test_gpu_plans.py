@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
 CALLS = (
     *("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8"),
-    *("p9", "p9-x2", "p9-x2b", "p9-x2c", "p10", "p11", "p12", "p13", "p14", "p14b", "p15", "p15b"),
+    *("p9", "p9-x2", "p9-x2b", "p9-x2c", "p10", "p11", "p12", "p13", "p14", "p14b", "p15", "p15b", "p16"),
 )
 DEVICE_CALL_S = 600
 RELEASED = {"2b": "Qwen3-VL-2B", "8b": "Qwen3-VL-8B"}  # loop_job.py's checkpoint shapes (tiny: a made-up one)

@@ -7,8 +7,9 @@
 One module per release family, each explaining what upstream gets wrong and how it is detected:
 `bridge_v06` (>= 0.6.0: positions when the caller passes none; images and videos in one pre-sharded micro-batch)
 and `bridge_v05` (0.5.x: per-segment positions, no double split, CP-local vision rows, the AllGatherVisionEmbeddings
-keyword shim, the empty-rank dtype, images and videos in one pre-sharded micro-batch). The same 0.5.1 fixes as a
-source patch: `patches/` at the repository root.
+keyword shim, the empty-rank dtype, images and videos in one pre-sharded micro-batch); and, for every release,
+`bridge_recompute` (the vision tower's deepstack features keep their gradients under full recompute). The same 0.5.1
+fixes as a source patch: `patches/` at the repository root.
 The megatron train backend calls `install()` when it is imported; users of other frameworks call it themselves.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from miles_vl.patches import bridge_v05, bridge_v06
+from miles_vl.patches import bridge_recompute, bridge_v05, bridge_v06
 from miles_vl.patches.core import (
     Patch,
     PatchStatus,
@@ -29,7 +30,7 @@ from miles_vl.patches.core import (
 )
 from miles_vl.patches.provider import configure_provider
 
-PATCHES: list[Patch] = [*bridge_v06.PATCHES, *bridge_v05.PATCHES]
+PATCHES: list[Patch] = [*bridge_v06.PATCHES, *bridge_v05.PATCHES, *bridge_recompute.PATCHES]
 
 
 def install(module: ModuleType | None = None) -> list[PatchStatus]:

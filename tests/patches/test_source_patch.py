@@ -136,7 +136,8 @@ def test_patched_source_presharded_cp2_matches_unpacked(patched, reference, samp
     batch, runs, extras = patched[pack]
     assert extras["versions"] == {"megatron-bridge": "0.5.1", "megatron-core": "0.18.2"}
     assert Path(extras["model_file"]).is_relative_to(trees["root"]), extras["model_file"]  # the patched copy ...
-    assert extras["miles_vl_patches"] == []  # ... and install() found every fix native there
+    # ... and install() found every THD/CP fix native there (the deepstack-gradient fix is not in the source patch)
+    assert extras["miles_vl_patches"] == ["vision_recompute_deepstack_grads"]
     pack_samples = _packs(samples)[pack][0]
     report = {}
     for mode in (m for m in _packs(samples)[pack][1] if m in GOOD_MODES):

@@ -167,8 +167,9 @@ def _set_recompute_in_towers(model: list[torch.nn.Module], fields: dict) -> bool
     chunk has the attribute `vision_model` (a pipeline stage may hold None there).
 
     A tower module that holds one of the language model's config objects (megatron-bridge 0.6.2 with Transformer
-    Engine's layers builds one such, which the CPU layers do not: `owed.sh p15`'s first runs stopped on it) gets a
-    shallow copy of it first, one per shared object: the same values, so that the fields change the tower only.
+    Engine's layers: the tower's `patch_embed.proj`; the CPU layers do not, and `owed.sh p15`'s first runs stopped on
+    it) gets a shallow copy of it first, one per shared object: the same values, so that the fields change the tower
+    only.
     """
     towers = [chunk.vision_model for chunk in model if getattr(chunk, "vision_model", None) is not None]
     language = {

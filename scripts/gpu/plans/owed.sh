@@ -73,7 +73,12 @@
 #              layers' second forward, ~4 images' patches a micro-batch), language with recompute_layers=22 (GPU 3)
 #          p15b  the same at 28,160 (p11's best): full (GPU 0), recompute_layers=26 (GPU 1), language (GPU 2), and
 #              language at 20,480 (GPU 3: fewer images a micro-batch, in case 28,160's do not fit beside p11's 72.1 GiB)
-# p4, p13, p14, p14b, p15 and p15b hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
+#              (p15 and p15b ran on 2026-11-28: docs/benchmarks.md, "Recompute less")
+#          p16  the GPU check of the `vision_recompute_deepstack_grads` patch (docs/cp_layout.md §7), on a 2-GPU
+#              machine: p15b's 28,160 full-recompute run (GPU 0) beside `recompute: language` (GPU 1), one
+#              invocation. Patched, their step-1 gradient norms agree (2026-11-28, unpatched: 1.391 vs 1.446), and
+#              the pair is the language lever's before/after with full recompute's deepstack gradients back
+# p4, p13, p14, p14b, p15, p15b and p16 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
 # #34). A session's 30 device minutes hold the staging and about three calls.
@@ -159,10 +164,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p16"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p16 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -267,6 +272,12 @@ case $call in
     loop 2 585 2b "lv-2b-$mb-lang" 5 "${LEVERS[@]}" train.micro_batch_max_tokens=$mb train.recompute=language
     loop 3 585 2b "lv-2b-${lang[0]}-lang${lang[1]:+-first${lang[1]}}" 5 "${LEVERS[@]}" \
       train.micro_batch_max_tokens=${lang[0]} train.recompute=language ${lang[1]:+train.recompute_layers=${lang[1]}}
+    ;;
+  p16)
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
+    checkpoint 2b
+    loop 0 585 2b dg-2b-28160-full 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160
+    loop 1 585 2b dg-2b-28160-lang 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 train.recompute=language
     ;;
   p13)
     export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miles_vl.train.step import train_step
@@ -143,6 +145,13 @@ def _step_once(backend, samples, old, ref) -> dict:
     for chunk in backend.model:
         chunk.zero_grad_buffer()
     return out
+
+
+def _one_mini_batch(backend, samples) -> dict:
+    """`_step_once` with the old and ref logprobs `old_and_ref` makes from the backend's own: the metrics, every
+    parameter's gradient of the one mini-batch (before any optimizer step) and the gradient norm."""
+    old, ref = old_and_ref(backend.compute_logprobs(samples))
+    return _step_once(backend, samples, old, ref)
 
 
 def old_and_ref(logprobs):
@@ -1120,21 +1129,17 @@ def job_export_plan(ctx, hf_dir: str, hf_samples) -> dict:
 
 
 def job_recompute_layers(ctx, samples) -> dict:
-    """One `train_step` of the tiny model (seed 0) per recompute setting, its configs set as `build_provider` sets
-    them (the language model's, which the tower copies; then its pre-wrap hooks): the metrics, the gradients, and
-    how many layer runs each block checkpointed (megatron-bridge's Qwen3-VL blocks call `tensor_parallel.checkpoint`
-    once per recomputed layer, with one layer a chunk; counted here, and recomputed by torch's checkpoint in its
-    place, since megatron's needs CUDA: the GPU runs of `owed.sh p14` are the check with megatron's own).
-    {setting: {...}}"""
-    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import transformer_block
-
+    """One mini-batch's gradients of the tiny model (seed 0) per recompute setting, its configs set as `build_provider`
+    sets them (the language model's, which the tower copies; then its pre-wrap hooks): the metrics, the gradients,
+    and how many layer runs each block checkpointed (megatron-bridge's Qwen3-VL blocks call
+    `tensor_parallel.checkpoint` once per recomputed layer, with one layer a chunk: counted here on the way to
+    megatron-core's own, `megatron_checkpoint_on_cpu`). {setting: {...}}"""
     from miles_vl.train.megatron.build import (
         FULL_RECOMPUTE,
         NO_RECOMPUTE,
         keep_vision_tower_recomputed,
         no_recompute_in_vision_tower,
     )
-    from miles_vl.train.step import train_step
 
     first_1 = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
     settings = {
@@ -1144,7 +1149,9 @@ def job_recompute_layers(ctx, samples) -> dict:
         "language": (FULL_RECOMPUTE, [no_recompute_in_vision_tower]),  # train.recompute=language
         "language_first_1": (first_1, [no_recompute_in_vision_tower]),
     }
-    checkpoint = transformer_block.tensor_parallel.checkpoint
+    from megatron.core import tensor_parallel
+
+    checkpoint = tensor_parallel.checkpoint  # what the blocks call, through miles_vl's bridge_recompute patch
     out = {}
     for name, (fields, hooks) in settings.items():
         backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean", micro_batch_max_tokens=4096)
@@ -1158,17 +1165,17 @@ def job_recompute_layers(ctx, samples) -> dict:
 
         def counted(fn, distribute_saved_activations, *args, runs=runs):  # fn: the calling block's closure
             runs["vision" if fn.__qualname__.startswith("Qwen3VLVision") else "language"] += 1
-            # megatron's CheckpointFunction needs CUDA's RNG tracker: torch's checkpoint recomputes on the CPU
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+            return checkpoint(fn, distribute_saved_activations, *args)
 
-        transformer_block.tensor_parallel.checkpoint = counted
+        tensor_parallel.checkpoint = counted
         try:
-            metrics = train_step(backend, samples)
+            with megatron_checkpoint_on_cpu():
+                step = _one_mini_batch(backend, samples)
         finally:
-            transformer_block.tensor_parallel.checkpoint = checkpoint
+            tensor_parallel.checkpoint = checkpoint
         out[name] = {
-            "metrics": metrics,
-            "grads": _grads(backend),
+            "metrics": step["metrics"],
+            "grads": step["grads"],
             "checkpointed": runs,
             "layers": {
                 "language": len(module.language_model.decoder.layers),
@@ -1176,3 +1183,53 @@ def job_recompute_layers(ctx, samples) -> dict:
             },
         }
     return out
+
+
+def job_vision_recompute_grads(ctx, samples) -> dict:
+    """One mini-batch's gradients of the tiny model (seed 0) with no recompute and with full recompute (every layer,
+    language model and vision tower), through megatron-core's own `CheckpointFunction` (its CUDA RNG states stubbed
+    to the CPU's: the rest of it, the no-grad forward and the backward's recompute, is megatron's), once with
+    miles_vl's `vision_recompute_deepstack_grads` patch and once with upstream's `tensor_parallel` put back: the
+    metrics and every parameter's gradient. {"none" | "full" | "full_upstream": {"metrics", "grads"}}"""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import transformer_block
+
+    from miles_vl.train.megatron.build import FULL_RECOMPUTE, NO_RECOMPUTE
+
+    patched = transformer_block.tensor_parallel
+    assert hasattr(patched, "__miles_vl_original__"), "the bridge_recompute patch is not installed"
+    out = {}
+    try:
+        for name, fields, tp in (
+            ("none", NO_RECOMPUTE, patched),
+            ("full", FULL_RECOMPUTE, patched),
+            ("full_upstream", FULL_RECOMPUTE, patched.__miles_vl_original__),
+        ):
+            transformer_block.tensor_parallel = tp
+            backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean", micro_batch_max_tokens=4096)
+            module = backend.model[0].module
+            for config in {id(m.config): m.config for m in module.modules() if hasattr(m, "config")}.values():
+                for field, value in fields.items():
+                    setattr(config, field, value)
+            with megatron_checkpoint_on_cpu():
+                step = _one_mini_batch(backend, samples)
+            out[name] = {"metrics": step["metrics"], "grads": step["grads"]}
+    finally:
+        transformer_block.tensor_parallel = patched
+    return out
+
+
+@contextlib.contextmanager
+def megatron_checkpoint_on_cpu():
+    """megatron-core's `CheckpointFunction` on the CPU: it saves and restores the CUDA RNG states around the
+    recompute (`_get_all_rng_states`, `_set_all_rng_states`), which need CUDA; inside, they save and restore the CPU's
+    only. The rest of it (the forward under no_grad, the backward's recompute and which outputs get gradients) runs
+    as megatron's."""
+    from megatron.core.tensor_parallel import random
+
+    states = random._get_all_rng_states, random._set_all_rng_states
+    random._get_all_rng_states = lambda: (torch.get_rng_state(),)
+    random._set_all_rng_states = torch.set_rng_state
+    try:
+        yield
+    finally:
+        random._get_all_rng_states, random._set_all_rng_states = states

@@ -168,3 +168,20 @@ def test_recompute_layers_checkpoints_the_first_layers_only_and_computes_the_sam
             for key, value in other["metrics"].items():
                 assert setting["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
             _close(setting["grads"], other["grads"])
+
+
+def test_full_recompute_keeps_the_vision_towers_deepstack_gradients():
+    """megatron-bridge 0.6.2's vision tower under full recompute returns its deepstack features in a list from the
+    checkpointed function, which megatron-core's CheckpointFunction (run here, its CUDA RNG stubbed) leaves without
+    gradients: upstream, the deepstack mergers get none and the tower's layers a different gradient. With miles_vl's
+    `vision_recompute_deepstack_grads` patch full recompute gives the gradients of no recompute."""
+    (out,) = cpu_parts.spawn(jobs.job_vision_recompute_grads, 1, args=(jobs.group_train_samples(),))
+    none, full, upstream = out["none"], out["full"], out["full_upstream"]
+    mergers = [n for n in none["grads"] if "deepstack_merger_list" in n]
+    assert mergers and any(float(none["grads"][n].abs().max()) > 0 for n in mergers)
+    for key, value in none["metrics"].items():  # the values are right either way: the loss, the logprobs
+        assert full["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert upstream["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    _close(full["grads"], none["grads"])
+    # upstream: no deepstack merger has a gradient (absent, or zero in the buffer)
+    assert all(n not in upstream["grads"] or float(upstream["grads"][n].abs().max()) == 0 for n in mergers)
