@@ -18,6 +18,9 @@ Each case spawns one process per GPU (world = tp * cp). In that one spawn:
    into C blocks instead of the zigzag chunks) must be off by more than 0.1; it runs in every case (cp2 on 2 GPUs,
    cp4 and tp2_cp2 on 4; a case needing more GPUs than the machine has skips).
 
+`test_full_recompute_keeps_the_vision_towers_deepstack_gradients_on_gpu` (1 GPU, not yet run on a GPU: `owed.sh
+p16`): the vision tower's gradients under full recompute with miles_vl's deepstack patch equal no recompute's.
+
 `test_optimizer_offload_trains_and_resumes_its_fp32_state` (1 GPU): train.optimizer.cpu_offload=1.0 trains, and a
 fresh backend resumed from its checkpoint repeats the two steps after the save (the fp32 state on the CPU restored).
 
@@ -378,3 +381,64 @@ def test_a_weights_only_checkpoint_resumes_as_an_optimizer_built_on_its_weights(
             loaded, reference = out["loaded"][k][key], out["reference"][k][key]
             print(f"GPU-MEGATRON-WEIGHTS-ONLY step {k} {key}: loaded {loaded} reference {reference}")
             assert _rel(loaded, reference) < 1e-3, (k, key, loaded, reference)
+
+
+def job_recompute_grads(ctx: RankContext, hf_dir: str) -> dict:
+    """One mini-batch's gradients with no recompute, with full recompute, and with full recompute through upstream's
+    `tensor_parallel` (miles_vl's `vision_recompute_deepstack_grads` patch taken out): the norm of each deepstack
+    merger parameter's and each vision layer's gradient, read from megatron DDP's `main_grad` buffers."""
+    from megatron.core import parallel_state
+
+    from miles_vl.train.megatron import build_megatron_backend  # installs miles_vl.patches
+    from miles_vl.train.types import MiniBatch
+
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import transformer_block  # isort: skip
+
+    samples = make_samples()
+    patched = transformer_block.tensor_parallel
+    out: dict = {"patched": hasattr(patched, "__miles_vl_original__")}
+    for name, recompute, tp_module in (
+        ("none", "none", patched),
+        ("full", "full", patched),
+        ("full_upstream", "full", getattr(patched, "__miles_vl_original__", patched)),
+    ):
+        transformer_block.tensor_parallel = tp_module
+        try:
+            backend = build_megatron_backend(
+                hf_dir, _tokens(), OPTIONS, ParallelOptions(recompute=recompute, bf16=True, seed=0)
+            )
+            logprobs = backend.compute_logprobs(samples)
+            for chunk in backend.model:
+                chunk.zero_grad_buffer()
+            backend.accumulate_gradients(MiniBatch(samples, list(range(len(samples))), logprobs, logprobs))
+            out[name] = {
+                n: float(p.main_grad.float().norm())
+                for n, p in backend.model[0].named_parameters()
+                if "vision_model" in n and ("deepstack_merger_list" in n or "decoder.layers." in n)
+            }
+        finally:
+            transformer_block.tensor_parallel = patched
+        del backend
+        parallel_state.destroy_model_parallel()
+        torch.cuda.empty_cache()
+    return out
+
+
+def test_full_recompute_keeps_the_vision_towers_deepstack_gradients_on_gpu(tmp_path):
+    """The real-component check of tests/train/megatron/test_train_levers.py's CPU test (megatron's CheckpointFunction
+    with its CUDA RNG stubbed, the CPU layers): with Transformer Engine's layers, CUDA's RNG and megatron's DDP,
+    full recompute with the patch gives the vision tower's gradients of no recompute (bf16), and upstream's gives
+    the deepstack mergers none."""
+    hf_dir = str(tmp_path / "hf")
+    write_checkpoint(hf_dir)
+    (out,) = run_ranks(job_recompute_grads, 1, args=(hf_dir,), timeout_s=900.0)
+    none, full, upstream = out["none"], out["full"], out["full_upstream"]
+    mergers = [n for n in none if "deepstack_merger_list" in n and n.endswith("weight")]
+    print(
+        "GPU-MEGATRON-DEEPSTACK "
+        + json.dumps({k: {n: out[k][n] for n in mergers} for k in ("none", "full", "full_upstream")})
+    )
+    assert out["patched"] and mergers and all(none[n] > 0 for n in mergers)
+    for n, value in none.items():
+        assert abs(full[n] - value) <= REL_TOL * value + 1e-6, (n, full[n], value)
+    assert all(upstream[n] == 0 for n in mergers), {n: upstream[n] for n in mergers}

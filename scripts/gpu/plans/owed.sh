@@ -74,10 +74,12 @@
 #          p15b  the same at 28,160 (p11's best): full (GPU 0), recompute_layers=26 (GPU 1), language (GPU 2), and
 #              language at 20,480 (GPU 3: fewer images a micro-batch, in case 28,160's do not fit beside p11's 72.1 GiB)
 #              (p15 and p15b ran on 2026-11-28: docs/benchmarks.md, "Recompute less")
-#          p16  the GPU check of the `vision_recompute_deepstack_grads` patch (docs/cp_layout.md §7), on a 2-GPU
+#          p16  the GPU check of the `vision_recompute_deepstack_grads` patch (docs/cp_layout.md §7), on a 4-GPU
 #              machine: p15b's 28,160 full-recompute run (GPU 0) beside `recompute: language` (GPU 1), one
 #              invocation. Patched, their step-1 gradient norms agree (2026-11-28, unpatched: 1.391 vs 1.446), and
-#              the pair is the language lever's before/after with full recompute's deepstack gradients back
+#              the pair is the language lever's before/after with full recompute's deepstack gradients back; on
+#              GPU 2 the GPU test `-k deepstack` (tests/gpu/test_megatron_train_gpu.py: the vision tower's
+#              gradients with full recompute equal no recompute's, upstream's deepstack mergers get none)
 # p4, p13, p14, p14b, p15, p15b and p16 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
@@ -278,6 +280,10 @@ case $call in
     checkpoint 2b
     loop 0 585 2b dg-2b-28160-full 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160
     loop 1 585 2b dg-2b-28160-lang 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 train.recompute=language
+    if [ "$dry" = 0 ]; then
+      ( gpu_test 2 570 deepstack ) &
+      pids+=($!)
+    fi
     ;;
   p13)
     export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
