@@ -925,7 +925,7 @@ def cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"train.recompute_layers={t.recompute_layers} needs train.recompute=full or language (found "
             f"{t.recompute!r}): it says how many language-model layers full recompute covers; set train.recompute=full "
-            "or train.recompute_layers=null"
+            "(or language) or train.recompute_layers=null"
         )
     if t.sp and t.logits_only_where_loss:  # the output layer's input is one TP rank's part of the row
         errors.append("train.logits_only_where_loss=true is not supported with train.sp=true; set one of them to false")

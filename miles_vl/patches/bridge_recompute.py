@@ -10,7 +10,8 @@ non-tensor outputs. So the deepstack features (3 of the tower's 24 layers in the
 language model's first layers) carry no gradient: the three deepstack mergers never learn, and the tower's layers
 below them miss that part of their gradient. The loss and the logprobs are right (the values are the same); only
 the gradient is not. The language model's block (`Qwen3VLTransformerBlock`) passes its deepstack inputs as separate
-tensors and is right. Measured on a GPU: the 2B job's step-1 gradient norm is 1.391 with the tower fully
+tensors and is right. Seen on a GPU, the likely cause (the patch itself is shown on the CPU, with megatron's own
+`CheckpointFunction`; its GPU test is `owed.sh p16`): the 2B job's step-1 gradient norm is 1.391 with the tower fully
 recomputed and 1.446 without (`docs/gpu-runs/2026-11-28-lv-2b-28160-full-4xh200`, `-28160-lang-4xh200`).
 
 Detection: the release's `transformer_block` module (beside the model module) has
@@ -18,12 +19,12 @@ Detection: the release's `transformer_block` module (beside the model module) ha
 calls. There is no cheaper capability test than running a tower, so the patch is applied to every release that has them;
 where a release returns flat outputs, flattening them again changes nothing.
 
-What replaces it: in that module only, `tensor_parallel` is a view of megatron-core's package whose `checkpoint`
-(and the module's `te_checkpoint`) flattens the checkpointed function's outputs to a tuple of tensors (torch's
-pytree) and rebuilds the nesting after: each deepstack feature is then an output of the `CheckpointFunction`, with
-its gradient. The language model's block returns flat outputs already and is unchanged. Upstream fix to propose:
-return the deepstack features as separate outputs of the checkpointed function, as the language model's block
-takes them as separate inputs.
+What replaces it: in that module only, `tensor_parallel` is a view of megatron-core's package whose `checkpoint` (and
+the module's `te_checkpoint`) flattens the checkpointed function's outputs to a tuple of tensors (torch's pytree; None
+leaves such as `context` stay as they are) and rebuilds the nesting after: each deepstack feature is then an output of
+the `CheckpointFunction`, with its gradient. The language model's block returns flat outputs already and is unchanged.
+Upstream fix to propose: return the deepstack features as separate outputs of the checkpointed function, as the language
+model's block takes them as separate inputs.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class FlatCheckpointTensorParallel:
     def __init__(self, package: ModuleType) -> None:
         self.__miles_vl_original__ = package
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # only for names not set on the instance
+        if name == "__miles_vl_original__":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.__miles_vl_original__, name)
 
     def checkpoint(self, function: Callable[..., Any], *args: Any) -> Any:
@@ -102,6 +105,8 @@ def _detect(module: ModuleType) -> str:
 
 def _apply(module: ModuleType) -> None:
     block = block_module(module)
+    if isinstance(block.tensor_parallel, FlatCheckpointTensorParallel):  # another model-module object applied it
+        return
     block.tensor_parallel = FlatCheckpointTensorParallel(block.tensor_parallel)
     if block.te_checkpoint is not None:
         block.te_checkpoint = with_flat_outputs(block.te_checkpoint)

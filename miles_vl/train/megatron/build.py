@@ -73,7 +73,7 @@ def build_provider(
     if recompute_layers is not None and recompute not in ("full", "language"):
         raise ValueError(
             f"train.recompute_layers={recompute_layers} needs train.recompute=full or language (found {recompute!r}); "
-            "set train.recompute=full or train.recompute_layers=null"
+            "set train.recompute=full (or language) or train.recompute_layers=null"
         )
     if recompute_layers is not None and recompute_layers < 1:
         raise ValueError(f"train.recompute_layers must be >= 1 (or null for every layer), found {recompute_layers}")
