@@ -20,7 +20,7 @@ import dataclasses
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -68,8 +68,8 @@ def build_provider(
             raise ValueError(f"train.{name} must be >= 1, found {value}")
     if sp and tp_size == 1:
         raise ValueError("train.sp (sequence parallel) needs train.tp > 1; set sp=false or raise tp")
-    if recompute not in ("none", "selective", "full", "vision", "language"):
-        raise ValueError(f"train.recompute must be none, selective, full, vision or language; found {recompute!r}")
+    if recompute not in get_args(Recompute):
+        raise ValueError(f"train.recompute must be one of {', '.join(get_args(Recompute))}; found {recompute!r}")
     if recompute_layers is not None and recompute not in ("full", "language"):
         raise ValueError(
             f"train.recompute_layers={recompute_layers} needs train.recompute=full or language (found {recompute!r}); "
@@ -184,7 +184,8 @@ def _set_recompute_in_towers(model: list[torch.nn.Module], fields: dict) -> bool
             if hasattr(m, "config") and id(m.config) in language:
                 if id(m.config) not in copies:
                     log.info("vision tower module %r holds the language model's config: given its own copy", name)
-                m.config = copies.setdefault(id(m.config), copy.copy(m.config))
+                    copies[id(m.config)] = copy.copy(m.config)
+                m.config = copies[id(m.config)]
     configs = {id(m.config): m.config for tower in towers for m in tower.modules() if hasattr(m, "config")}
     for config in configs.values():
         for field, value in fields.items():
