@@ -1128,6 +1128,14 @@ def job_export_plan(ctx, hf_dir: str, hf_samples) -> dict:
     return out
 
 
+def _set_on_every_config(module: torch.nn.Module, fields: dict) -> None:
+    """`fields` (megatron's recompute settings) on every config object of `module`, as megatron-bridge builds them
+    from the provider's (the tower's config copies the language model's)."""
+    for config in {id(m.config): m.config for m in module.modules() if hasattr(m, "config")}.values():
+        for field, value in fields.items():
+            setattr(config, field, value)
+
+
 def job_recompute_layers(ctx, samples) -> dict:
     """One mini-batch's gradients of the tiny model (seed 0) per recompute setting, its configs set as `build_provider`
     sets them (the language model's, which the tower copies; then its pre-wrap hooks): the metrics, the gradients,
@@ -1156,9 +1164,7 @@ def job_recompute_layers(ctx, samples) -> dict:
     for name, (fields, hooks) in settings.items():
         backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean", micro_batch_max_tokens=4096)
         module = backend.model[0].module
-        for config in {id(m.config): m.config for m in module.modules() if hasattr(m, "config")}.values():
-            for field, value in fields.items():
-                setattr(config, field, value)
+        _set_on_every_config(module, fields)
         for hook in hooks:
             hook([module])
         runs = {"language": 0, "vision": 0}
@@ -1206,10 +1212,7 @@ def job_vision_recompute_grads(ctx, samples) -> dict:
         ):
             transformer_block.tensor_parallel = tp
             backend = build_backend(ctx, tp=1, cp=1, reduction="token_mean", micro_batch_max_tokens=4096)
-            module = backend.model[0].module
-            for config in {id(m.config): m.config for m in module.modules() if hasattr(m, "config")}.values():
-                for field, value in fields.items():
-                    setattr(config, field, value)
+            _set_on_every_config(backend.model[0].module, fields)
             with megatron_checkpoint_on_cpu():
                 step = _one_mini_batch(backend, samples)
             out[name] = {"metrics": step["metrics"], "grads": step["grads"]}
