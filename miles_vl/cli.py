@@ -50,6 +50,10 @@ from miles_vl.logs import setup_logging  # noqa: E402
 log = logging.getLogger("miles_vl")
 
 EXIT_CONFIG = 2
+# A GPU's memory in GiB, what `check --gpu-memory-gib` compares its estimate with: an "80 GB" H100 has 81,559 MiB
+# (79.65 GiB) by nvidia-smi and leaves a process about 79.4 (scripts/gpu/cap_memory.py's H100_GIB); an H200 139.8.
+H100_80GB_GIB = 79.4
+H200_141GB_GIB = 139.8
 
 _EPILOG = """\
 quickstart:
@@ -85,9 +89,10 @@ def _add_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-memory-gib",
         type=_positive_gib,
-        default=80.0,
+        default=H100_80GB_GIB,
         metavar="GIB",
-        help="memory of the GPUs the job will run on, for the memory estimate (default 80: an H100 80GB; 141 for H200)",
+        help=f"memory of the GPUs the job will run on as CUDA counts it (GiB), for the memory estimate (default "
+        f"{H100_80GB_GIB}: an H100 80GB; {H200_141GB_GIB} for an H200 141GB)",
     )
 
 
@@ -97,7 +102,9 @@ def _positive_gib(text: str) -> float:
     except ValueError:
         value = 0.0
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB (e.g. 80 or 141), found {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of GiB (e.g. {H100_80GB_GIB} or {H200_141GB_GIB}), found {text!r}"
+        )
     return value
 
 
