@@ -698,7 +698,11 @@ class Job:
             group = kind.weight_group(self.cfg)
             check_colocated_group(self.cfg, group, self.gpus.slots if self.gpus else None)
             build = self.hooks.train_backends[self.cfg.train.backend]
-            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build, stop=self.stop_requested)
+            # the engines start while the trainer builds (each an actor that imports its stack and builds its model,
+            # a few seconds to minutes) unless they share its GPUs: a colocated engine sizes its memory beside the
+            # built trainer
+            shared_gpus = self.gpus is not None and self.cfg.ray.placement == "colocate"
+            self.trainer = Trainer(self.cfg, self.tokens, self.gpus, build, stop=self.stop_requested, wait=shared_gpus)
             weights = make_weight_sync(
                 self.trainer,
                 group=group,
@@ -709,6 +713,7 @@ class Job:
                 ),
             )
             self.rollout = RolloutEngines(self.cfg, self.tokens, kind, weights, self.run_dir / "logs", self.gpus)
+            self.trainer.wait_built()
             if self.cfg.rollout.max_staleness > 0:
                 k, n = self.cfg.rollout.max_staleness, self.cfg.num_steps
                 self.ahead = RolloutsAhead(self.produce_batch, max_staleness=k, num_steps=n)

@@ -344,9 +344,10 @@ class Trainer:
         build: builds each rank's backend (`factories.TRAIN_BACKENDS[train.backend]`).
         stop: the error to raise when the job was asked to stop (SIGINT/SIGTERM), else None; the NCCL weight sync
             looks at it while it waits (`send_weights`).
+        wait: return once every rank has built its backend (else at once: `wait_built` waits, and raises).
 
     Raises:
-        ray.exceptions.RayActorError / RayTaskError: a rank failed to start or to build its backend.
+        ray.exceptions.RayActorError / RayTaskError: a rank failed to start or to build its backend (with `wait`).
     """
 
     def __init__(
@@ -356,6 +357,7 @@ class Trainer:
         gpus: GpuPlacement | None,
         build: TrainBackendBuilder,
         stop: Callable[[], BaseException | None] | None = None,
+        wait: bool = True,
     ):
         self.cfg = cfg
         self.stop = stop
@@ -370,14 +372,31 @@ class Trainer:
             TrainWorker.options(**_rank_options(cfg, gpus, r)).remote(cfg, tokens, build, r, world)
             for r in range(world)
         ]
+        grouped = world > 1 or cfg.train.backend == "megatron"
+        # rank 0's address as a ref: every rank's setup waits for it in Ray, not here
+        init_method = self.workers[0].rendezvous.remote() if grouped else None
+        self._building: list | None = [w.setup.remote(init_method) for w in self.workers]  # the group forms here
+        if wait:
+            self.wait_built()
+
+    def wait_built(self) -> None:
+        """Wait until every rank has joined the group and built its backend (at once after the constructor unless it
+        was given `wait=False`: the caller starts something else meanwhile, `loop.Job` the engines that share no GPU
+        with the trainer).
+
+        Raises:
+            ray.exceptions.RayActorError / RayTaskError: a rank failed to start or to build its backend (the ranks
+                are closed).
+        """
+        if self._building is None:
+            return
         try:
-            grouped = world > 1 or cfg.train.backend == "megatron"
-            init_method = ray.get(self.workers[0].rendezvous.remote()) if grouped else None
-            ray.get([w.setup.remote(init_method) for w in self.workers])  # concurrently: the group forms here
+            ray.get(self._building)
         except BaseException:
             self.close()
             raise
-        log.info("trainer: %s backend on %d rank(s)", cfg.train.backend, world)
+        self._building = None
+        log.info("trainer: %s backend on %d rank(s)", self.cfg.train.backend, len(self.workers))
 
     @property
     def source(self):

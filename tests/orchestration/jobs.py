@@ -98,6 +98,23 @@ class EngineThatDiesOnce(HFRolloutEngine):
         return super().generate(prompts, params)
 
 
+class EngineThatSignalsItsStart(HFRolloutEngine):
+    """The hf engine, which creates `started` (holding its process id) as soon as its actor runs."""
+
+    def __init__(self, *args, started: str, **kwargs):
+        Path(started).write_text(str(os.getpid()))
+        super().__init__(*args, **kwargs)
+
+
+def build_torch_after(cfg: JobConfig, tokens, *, started: str, fail: bool = False):
+    """The torch backend, built only once `started` exists (an engine created it: `EngineThatSignalsItsStart`);
+    with `fail`, a build that then fails."""
+    wait_for(Path(started), timeout_s=60.0)
+    if fail:
+        raise RuntimeError("the trainer's build failed (a test's)")
+    return build_torch(cfg, tokens)
+
+
 def stand_ins(
     *,
     sglang: bool = False,

@@ -5,10 +5,16 @@
 - Ctrl-C writes a final checkpoint; a bad reward path fails before Ray starts.
 - the next step's batch is prepared during training, with the same prompts.
 - a checkpoint without the optimizer's state (checkpoint.optimizer_state=false) resumes only under that setting.
+- the engines start while the trainer builds (they share no GPU); a trainer that fails to build ends the job with
+  its error and stops the engines.
 """
 
+import dataclasses
+import functools
 import json
+import os
 import threading
+import time
 
 import pytest
 import ray
@@ -18,8 +24,17 @@ from miles_vl.config import load_config
 from miles_vl.data import PromptDataset, build_datasets, load_processor
 from miles_vl.orchestration import loop, run_job
 from miles_vl.orchestration.checkpoint import CheckpointError, list_checkpoints, step_dir_name
+from miles_vl.orchestration.factories import ENGINES, TRAIN_BACKENDS, Hooks, launch_hf
 from miles_vl.orchestration.loop import Job
-from tests.orchestration.jobs import FAST, REPO, FrozenClock, metrics, stand_ins
+from tests.orchestration.jobs import (
+    FAST,
+    REPO,
+    EngineThatSignalsItsStart,
+    FrozenClock,
+    build_torch_after,
+    metrics,
+    stand_ins,
+)
 from tests.orchestration.jobs import tiny_job as config
 
 TINY = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
@@ -332,3 +347,47 @@ def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_p
         run = run_job(config(tmp_path, "full", "num_steps=2", "train.profile_steps=[1]"))
     assert [r["step"] for r in metrics(run)] == [1, 2]
     assert any("step 1's profile was not written" in r.getMessage() for r in caplog.records)
+
+
+def _engine_first(started, fail: bool = False) -> Hooks:
+    """The hf engine, which signals its start, and a torch trainer that builds only after it (or then fails)."""
+    launch = functools.partial(launch_hf, engine=EngineThatSignalsItsStart, started=str(started))
+    return Hooks(
+        engines={**ENGINES, "hf": dataclasses.replace(ENGINES["hf"], launch=launch)},
+        train_backends={
+            **TRAIN_BACKENDS,
+            "torch": functools.partial(build_torch_after, started=str(started), fail=fail),
+        },
+    )
+
+
+def test_the_engines_start_while_the_trainer_builds(tmp_path):
+    """A job whose engines share no GPU with the trainer starts them while the trainer builds: each is an actor
+    that imports its stack and builds its model, half of a tiny job's time on 2 cores; on a cluster the SGLang
+    servers' start beside the Megatron build. Here the trainer's build waits for the engine's start: had the driver
+    waited for the build before starting the engines, the build would time out and the job fail."""
+    run = run_job(
+        config(tmp_path, "beside", "num_steps=1", "checkpoint.interval=0"), hooks=_engine_first(tmp_path / "e")
+    )
+    assert [r["step"] for r in metrics(run)] == [1]
+
+
+def test_a_trainer_that_fails_to_build_ends_the_job_with_its_error_and_stops_the_engines(tmp_path):
+    """The engines started beside the build are stopped when the build fails, and the job ends with the build's
+    error (not an engine's, not a hang)."""
+    started = tmp_path / "e"
+    with pytest.raises(ray.exceptions.RayTaskError, match="the trainer's build failed"):
+        run_job(config(tmp_path, "failed", "num_steps=1"), hooks=_engine_first(started, fail=True))
+    pid = int(started.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the engine's actor outlived the job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
