@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (--dist loadfile: a
 # module's fixtures and its Ray are built once). On CI's 2 cores, 2 workers ran it in 65 min where one worker took
-# the CI's 90 min limit (2026-11-28): much of a job test is waiting for actors to start. TEST_WORKERS=0 runs it in
+# the CI's 90 min limit (2026-11-28; one worker left a core idle about half the time). TEST_WORKERS=0 runs it in
 # this process (a debugger; -x stops at the first failure in file order).
 TEST_WORKERS ?= 2
 

@@ -12,7 +12,6 @@
 import dataclasses
 import functools
 import json
-import os
 import threading
 import time
 
@@ -36,6 +35,7 @@ from tests.orchestration.jobs import (
     stand_ins,
 )
 from tests.orchestration.jobs import tiny_job as config
+from tests.procs import process_gone
 
 TINY = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
 
@@ -380,14 +380,6 @@ def test_a_trainer_that_fails_to_build_ends_the_job_with_its_error_and_stops_the
         run_job(config(tmp_path, "failed", "num_steps=1"), hooks=_engine_first(started, fail=True))
     pid = int(started.read_text())
     deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
+    while not process_gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), "the engine's actor outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert process_gone(pid), "the engine's actor outlived the job"
