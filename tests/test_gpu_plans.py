@@ -21,7 +21,9 @@ OWED = REPO / "scripts" / "gpu" / "plans" / "owed.sh"
 CALLS = (
     *("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p7-sync", "p7-s1", "p8"),
     *("p9", "p9-x2", "p9-x2b", "p9-x2c", "p10", "p11", "p12", "p13", "p14", "p14b", "p15", "p15b", "p16"),
+    *("p16-x1", "p16-x1-full", "p16-x1-lang"),
 )
+GPU_TESTS_ONLY = {"p16-x1"}  # calls that run GPU tests and write a checkpoint, no loop run
 DEVICE_CALL_S = 600
 RELEASED = {"2b": "Qwen3-VL-2B", "8b": "Qwen3-VL-8B"}  # loop_job.py's checkpoint shapes (tiny: a made-up one)
 
@@ -44,7 +46,7 @@ def gpus_of(cfg) -> int:
 def test_each_planned_run_is_a_valid_job_on_its_own_gpus(call, tmp_path):
     loop_job = load_script("scripts/gpu/loop_job.py")
     runs = planned_runs(call)
-    assert runs, f"owed.sh {call} plans no run"
+    assert bool(runs) != (call in GPU_TESTS_ONLY), f"owed.sh {call} plans {len(runs)} runs"
     taken: set[str] = set()
     names = [run[3] for run in runs]
     assert len(set(names)) == len(names), f"two runs of {call} share a name: {names}"
@@ -224,7 +226,8 @@ def test_a_call_leaves_no_more_files_than_the_device_tool_returns(tmp_path, call
     with tarfile.open(tmp_path / "out" / "call_logs.tar.gz") as tar:
         assert "stack.log" in tar.getnames()
         assert {f"{run[3]}.out" for run in planned_runs(call)} <= set(tar.getnames())  # take_runs reads them there
-    assert f"== {planned_runs(call)[0][3]}.out" in result.stdout  # their tails, printed before packing
+    if call not in GPU_TESTS_ONLY:
+        assert f"== {planned_runs(call)[0][3]}.out" in result.stdout  # their tails, printed before packing
 
 
 def test_p2_chains_each_gpu_test_after_the_work_on_its_gpus(tmp_path):
@@ -270,3 +273,17 @@ def test_the_call_that_carries_the_bundle_installs_it_once_and_a_failed_install_
     assert not (tmp_path / "out" / "install.out").exists()  # kept only on failure: 8 files come back at most
     result, log = run_plan(tmp_path, "p1")
     assert "true" not in [row[-1] for row in log]  # the next call on the warm machine installs nothing
+
+
+def test_p16_x1_writes_the_checkpoint_then_runs_the_gpu_test_alone_on_gpu_0(tmp_path):
+    """p16's one-GPU split: its first call leaves the 2B checkpoint for the two loop calls after it, and its GPU
+    test starts after the checkpoint is written (the card is the test's alone)."""
+    result, log = run_plan(tmp_path, "p16-x1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert loop_runs(log, "start") == []
+    [ckpt_end] = [float(row[0]) for row in log if row[1] == "end" and row[-2:] == ["--checkpoint", "2b"]]
+    [test_start] = [row for row in log if row[1] == "start" and "deepstack" in row]
+    assert float(test_start[0]) >= ckpt_end and test_start[2] == "0", test_start
+
+    failed, _ = run_plan(tmp_path, "p16-x1", TEST_FAILS="deepstack")
+    assert failed.returncode == 1 and "done (exit 1)" in failed.stdout

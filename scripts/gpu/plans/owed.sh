@@ -80,6 +80,10 @@
 #              the pair is the language lever's before/after with full recompute's deepstack gradients back; on
 #              GPU 2 the GPU test `-k deepstack` (tests/gpu/test_megatron_train_gpu.py: the vision tower's
 #              gradients with full recompute equal no recompute's, upstream's deepstack mergers get none)
+#          p16-x1, p16-x1-full, p16-x1-lang   p16 on ONE GPU (nvidia-h200 / nvidia-h100), three calls back to back on one
+#              warm machine: the GPU test `-k deepstack` and the 2B checkpoint, then the full-recompute run, then the
+#              language run (each its own call: two 5-step runs of ~450 s do not fit one call's 600 s); the pair is two
+#              runs of one machine, not of one call, and its docs say so
 # p4, p13, p14, p14b, p15, p15b and p16 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
@@ -166,10 +170,10 @@ finish() {  # wait for every run; the call fails when one did, and says which
   exit "$rc"
 }
 
-calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p16"
+calls="p1 | p2 | p3 | p4 | p5 | p6 | p7 | p7-sync | p7-s1 | p8 | p9 | p9-x2 | p9-x2b | p9-x2c | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p16 | p16-x1 | p16-x1-full | p16-x1-lang"
 [ $# = 1 ] || { echo "usage: owed.sh [--dry-run] CALL, one of $calls (found: $*)" >&2; exit 2; }
 call=$1
-case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p16 | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
+case $call in p[1-9] | p10 | p11 | p12 | p13 | p14 | p14b | p15 | p15b | p16 | p16-x1 | p16-x1-full | p16-x1-lang | p7-sync | p7-s1 | p9-x2 | p9-x2b | p9-x2c) ;; *) echo "owed.sh: unknown call $call ($calls)" >&2; exit 2 ;; esac
 [ "$dry" = 1 ] || mkdir -p "$O"
 install_once
 DIS=(ray.placement=disaggregate train.num_gpus=1)  # the trainer on one GPU, the engine on the other
@@ -283,6 +287,23 @@ case $call in
     if [ "$dry" = 0 ]; then
       ( gpu_test 2 570 deepstack ) &
       pids+=($!)
+    fi
+    ;;
+  p16-x1)
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
+    checkpoint 2b  # the next two calls run from it
+    if [ "$dry" = 0 ]; then
+      ( gpu_test 0 585 deepstack ) &
+      pids+=($!)
+    fi
+    ;;
+  p16-x1-full | p16-x1-lang)
+    export GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.4}  # as p4
+    checkpoint 2b  # written by p16-x1 on this warm machine; written here if not
+    if [ "$call" = p16-x1-full ]; then
+      loop 0 585 2b dg-2b-28160-full-x1 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160
+    else
+      loop 0 585 2b dg-2b-28160-lang-x1 5 "${LEVERS[@]}" train.micro_batch_max_tokens=28160 train.recompute=language
     fi
     ;;
   p13)
