@@ -10,9 +10,11 @@ non-tensor outputs. So the deepstack features (3 of the tower's 24 layers in the
 language model's first layers) carry no gradient: the three deepstack mergers never learn, and the tower's layers
 below them miss that part of their gradient. The loss and the logprobs are right (the values are the same); only
 the gradient is not. The language model's block (`Qwen3VLTransformerBlock`) passes its deepstack inputs as separate
-tensors and is right. Seen on a GPU, the likely cause (the patch itself is shown on the CPU, with megatron's own
-`CheckpointFunction`; its GPU test is `owed.sh p16`): the 2B job's step-1 gradient norm is 1.391 with the tower fully
-recomputed and 1.446 without (`docs/gpu-runs/2026-11-28-lv-2b-28160-full-4xh200`, `-28160-lang-4xh200`).
+tensors and is right. Seen on a GPU: the 2B job's step-1 gradient norm was 1.391 with the tower fully recomputed
+and 1.446 without (`docs/gpu-runs/2026-11-28-lv-2b-28160-full-4xh200`, `-28160-lang-4xh200`); with this patch
+1.44575 and 1.44570 (2026-11-29, `docs/gpu-runs/2026-11-29-dg-2b-28160-full-x1-h200`, `-28160-lang-x1-h200`). Its
+tests: the CPU one runs megatron's own `CheckpointFunction`, the GPU one (passed on one H200, 2026-11-29)
+Transformer Engine's layers, CUDA's RNG and megatron's DDP.
 
 Detection: the release's `transformer_block` module (beside the model module) has
 `Qwen3VLVisionTransformerBlock._checkpointed_forward` and the module-level `tensor_parallel` and `te_checkpoint` it

@@ -18,8 +18,9 @@ Each case spawns one process per GPU (world = tp * cp). In that one spawn:
    into C blocks instead of the zigzag chunks) must be off by more than 0.1; it runs in every case (cp2 on 2 GPUs,
    cp4 and tp2_cp2 on 4; a case needing more GPUs than the machine has skips).
 
-`test_full_recompute_keeps_the_vision_towers_deepstack_gradients_on_gpu` (1 GPU, not yet run on a GPU: `owed.sh
-p16`): the vision tower's gradients under full recompute with miles_vl's deepstack patch equal no recompute's.
+`test_full_recompute_keeps_the_vision_towers_deepstack_gradients_on_gpu` (1 GPU, passed on one H200, 2026-11-29:
+`owed.sh p16-x1`): the vision tower's gradients under full recompute with miles_vl's deepstack patch equal no
+recompute's.
 
 `test_optimizer_offload_trains_and_resumes_its_fp32_state` (1 GPU): train.optimizer.cpu_offload=1.0 trains, and a
 fresh backend resumed from its checkpoint repeats the two steps after the save (the fp32 state on the CPU restored).
