@@ -197,3 +197,19 @@ def test_engine_imports_are_found():
     """The check itself: the sglang host imports its engine's modules and SGLang-adjacent ones, and is reported."""
     found = engine_imports("miles_vl.rollout.sglang.host")
     assert "miles_vl.rollout.sglang.host: miles_vl.rollout.sglang.weights" in found
+
+
+def test_an_actors_module_leaves_the_drivers_stack_out():
+    """A Ray actor imports its own module (a train rank `miles_vl.orchestration.trainer`, an engine
+    `miles_vl.rollout.hf.engine`) in a fresh process at every job start: neither pulls in the driver loop or the
+    plots (matplotlib), which `miles_vl.orchestration` and `miles_vl.metrics` import on first use."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, miles_vl.orchestration.trainer, miles_vl.rollout.hf.engine; "
+        "print(sorted(m for m in ('miles_vl.orchestration.loop', 'miles_vl.metrics.plots', 'matplotlib') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
