@@ -2,7 +2,7 @@
 display, PNG reports.
 
 The names below are imported on first use: a Ray actor that imports one submodule (a train rank imports `profile`)
-does not import matplotlib and the sinks with it (about 0.7 s of each actor's start on a small machine)."""
+does not import matplotlib and the sinks with it (about 0.6 s of each actor's start on a small machine)."""
 
 import importlib
 

@@ -543,7 +543,11 @@ class Trainer:
         ray.get([w.save_hf.remote(str(directory), max_shard_bytes) for w in self.workers])
 
     def close(self) -> None:
-        if not self.killed:
+        """End every rank: built ranks shut down cleanly (60 s at most), then are killed. Ranks still building (the
+        job stopped before `wait_built` returned: an engine failed to start beside the build) are killed at once:
+        their `shutdown` would wait behind the build, minutes for a large Megatron model, and they hold nothing to
+        save."""
+        if not self.killed and self._building is None:
             with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         self.kill()

@@ -115,6 +115,24 @@ def build_torch_after(cfg: JobConfig, tokens, *, started: str, fail: bool = Fals
     return build_torch(cfg, tokens)
 
 
+class EngineThatFailsToStart(HFRolloutEngine):
+    """The hf engine, whose actor fails as it starts, once `after` exists (the trainer's build began:
+    `build_torch_held`), after writing the time it did (`time.time()`) into `failed`."""
+
+    def __init__(self, *args, failed: str, after: str, **kwargs):
+        wait_for(Path(after))
+        Path(failed).write_text(repr(time.time()))
+        raise RuntimeError("the engine failed to start (a test's)")
+
+
+def build_torch_held(cfg: JobConfig, tokens, *, pid_file: str, hold_s: float = 300.0):
+    """A torch backend build that writes its process id into `pid_file`, then takes `hold_s` (a large model's build)
+    before it builds."""
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(hold_s)
+    return build_torch(cfg, tokens)
+
+
 def stand_ins(
     *,
     sglang: bool = False,

@@ -28,9 +28,11 @@ from miles_vl.orchestration.loop import Job
 from tests.orchestration.jobs import (
     FAST,
     REPO,
+    EngineThatFailsToStart,
     EngineThatSignalsItsStart,
     FrozenClock,
     build_torch_after,
+    build_torch_held,
     metrics,
     stand_ins,
 )
@@ -359,6 +361,34 @@ def _engine_first(started, fail: bool = False) -> Hooks:
             "torch": functools.partial(build_torch_after, started=str(started), fail=fail),
         },
     )
+
+
+def test_an_engine_that_fails_beside_the_build_ends_the_job_at_once_and_the_trainer_with_it(tmp_path):
+    """An engine that fails to start while the trainer builds ends the job with its error, without waiting for the
+    build (here 300 s; a large Megatron model's takes minutes): the ranks still building are killed, not asked to
+    shut down behind their build (which took Trainer.close's 60 s timeout before 2026-11-29)."""
+    failed, pid_file = tmp_path / "failed", tmp_path / "trainer_pid"
+    hooks = Hooks(
+        engines={
+            **ENGINES,
+            "hf": dataclasses.replace(
+                ENGINES["hf"],
+                launch=functools.partial(
+                    launch_hf, engine=EngineThatFailsToStart, failed=str(failed), after=str(pid_file)
+                ),
+            ),
+        },
+        train_backends={**TRAIN_BACKENDS, "torch": functools.partial(build_torch_held, pid_file=str(pid_file))},
+    )
+    with pytest.raises(ray.exceptions.RayActorError, match="the engine failed to start"):
+        run_job(config(tmp_path, "engine-fails", "num_steps=1"), hooks=hooks)
+    ended = time.time() - float(failed.read_text())
+    assert ended < 30, f"the job ended {ended:.0f} s after the engine failed"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(pid), "the trainer's rank outlived the job"
 
 
 def test_the_engines_start_while_the_trainer_builds(tmp_path):

@@ -83,7 +83,9 @@
 #          p16-x1, p16-x1-full, p16-x1-lang   p16 on ONE GPU (nvidia-h200 / nvidia-h100), three calls back to back on one
 #              warm machine: the GPU test `-k deepstack` and the 2B checkpoint, then the full-recompute run, then the
 #              language run (each its own call: two 5-step runs of ~450 s do not fit one call's 600 s); the pair is two
-#              runs of one machine, not of one call, and its docs say so
+#              runs of one machine, not of one call, and its docs say so (ran 2026-11-29 on nvidia-h200: 35.0 % and
+#              38.0 % train MFU; p16-x1-lang alone on a fresh machine installs and writes the checkpoint itself, and on
+#              an nvidia-h100 answers #33's goal as written, 35 % MFU on one H100, which no session has measured yet)
 # p4, p13, p14, p14b, p15, p15b and p16 hold each card to an 80 GB H100's memory, 79.4 GiB as CUDA counts it (GPU_MEMORY_GIB, loop_run.sh: a
 # ballast on a larger card, none on an H100), so that an H200 answers whether they fit one
 # p1-p6 follow the issues' priority; p7 and p8 were planned from the runs of 2026-11-27 (p8 first: #33 comes before
