@@ -17,6 +17,14 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def gone_within(pid: int, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Whether the process is gone (`process_gone`) by `timeout_s` from now, polling every `poll_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return process_gone(pid)
+
+
 def kill_actor(actor, timeout_s: float = 60) -> None:
     """`ray.kill(actor, no_restart=True)`, then return once a call to it fails with its death."""
     ray.kill(actor, no_restart=True)

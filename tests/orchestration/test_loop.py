@@ -37,7 +37,7 @@ from tests.orchestration.jobs import (
     stand_ins,
 )
 from tests.orchestration.jobs import tiny_job as config
-from tests.procs import process_gone
+from tests.procs import gone_within
 
 TINY = str(REPO / "configs" / "geo3k_tiny_cpu.yaml")
 
@@ -385,10 +385,7 @@ def test_an_engine_that_fails_beside_the_build_ends_the_job_at_once_and_the_trai
     ended = time.time() - float(failed.read_text())
     assert ended < 30, f"the job ended {ended:.0f} s after the engine failed"
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 30
-    while not process_gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert process_gone(pid), "the trainer's rank outlived the job"
+    assert gone_within(pid, 30), "the trainer's rank outlived the job"
 
 
 def test_the_engines_start_while_the_trainer_builds(tmp_path):
@@ -409,7 +406,4 @@ def test_a_trainer_that_fails_to_build_ends_the_job_with_its_error_and_stops_the
     with pytest.raises(ray.exceptions.RayTaskError, match="the trainer's build failed"):
         run_job(config(tmp_path, "failed", "num_steps=1"), hooks=_engine_first(started, fail=True))
     pid = int(started.read_text())
-    deadline = time.monotonic() + 30
-    while not process_gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert process_gone(pid), "the engine's actor outlived the job"
+    assert gone_within(pid, 30), "the engine's actor outlived the job"

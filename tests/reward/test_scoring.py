@@ -17,7 +17,7 @@ from miles_vl.reward import (
     score_batch,
     score_batch_async,
 )
-from tests.procs import process_gone
+from tests.procs import gone_within
 from tests.reward.helpers import async_misbehave, misbehave
 
 SAMPLES = [RewardSample(str(i), str(i if i % 2 == 0 else -1), {"index": i}) for i in range(6)]  # even ones correct
@@ -80,10 +80,7 @@ def test_a_cpu_bound_reward_is_killed_with_the_processes_it_started(pool, tmp_pa
     assert [r.error for r in results] == ["timeout after 1s", "timeout after 1s"]
     assert stats.n_workers_killed == 2
     child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while not process_gone(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert process_gone(child)
+    assert gone_within(child, 5)
     for pid in pids_before:  # the pool reaps the workers it kills at once: not even a zombie is left
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid), 0)

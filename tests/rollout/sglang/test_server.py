@@ -31,7 +31,7 @@ from miles_vl.rollout.sglang import (
 )
 from miles_vl.rollout.sglang.server import api_key_problem, check_port_free, copy_redacted, new_api_key
 from miles_vl.rollout.sglang.server import free_port as free_port_here
-from tests.procs import process_gone
+from tests.procs import gone_within
 from tests.rollout.sglang.conftest import FAKE_SERVER, fake_argv, free_port, quick_client
 from tests.rollout.sglang.fake_server import parse_args, sglang_authorizes
 
@@ -410,10 +410,7 @@ def test_stop_ends_the_whole_process_group(tmp_path):
         os.kill(child, 0)  # alive
     finally:
         process.stop()
-    deadline = time.monotonic() + 5
-    while not process_gone(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process_gone(child)
+    assert gone_within(child, 5, poll_s=0.05)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write fails with ENOSPC)")
