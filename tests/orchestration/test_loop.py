@@ -351,16 +351,19 @@ def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_p
     assert any("step 1's profile was not written" in r.getMessage() for r in caplog.records)
 
 
-def _engine_first(started, fail: bool = False) -> Hooks:
-    """The hf engine, which signals its start, and a torch trainer that builds only after it (or then fails)."""
-    launch = functools.partial(launch_hf, engine=EngineThatSignalsItsStart, started=str(started))
+def _start_hooks(engine: type, build, **engine_kwargs) -> Hooks:
+    """The driver's parts with the hf engine `engine` (given `engine_kwargs`) and the torch backend built by `build`."""
+    launch = functools.partial(launch_hf, engine=engine, **engine_kwargs)
     return Hooks(
         engines={**ENGINES, "hf": dataclasses.replace(ENGINES["hf"], launch=launch)},
-        train_backends={
-            **TRAIN_BACKENDS,
-            "torch": functools.partial(build_torch_after, started=str(started), fail=fail),
-        },
+        train_backends={**TRAIN_BACKENDS, "torch": build},
     )
+
+
+def _engine_first(started, fail: bool = False) -> Hooks:
+    """The hf engine, which signals its start, and a torch trainer that builds only after it (or then fails)."""
+    build = functools.partial(build_torch_after, started=str(started), fail=fail)
+    return _start_hooks(EngineThatSignalsItsStart, build, started=str(started))
 
 
 def test_an_engine_that_fails_beside_the_build_ends_the_job_at_once_and_the_trainer_with_it(tmp_path):
@@ -368,18 +371,8 @@ def test_an_engine_that_fails_beside_the_build_ends_the_job_at_once_and_the_trai
     build (here 300 s; a large Megatron model's takes minutes): the ranks still building are killed, not asked to
     shut down behind their build (which took Trainer.close's 60 s timeout before 2026-11-29)."""
     failed, pid_file = tmp_path / "failed", tmp_path / "trainer_pid"
-    hooks = Hooks(
-        engines={
-            **ENGINES,
-            "hf": dataclasses.replace(
-                ENGINES["hf"],
-                launch=functools.partial(
-                    launch_hf, engine=EngineThatFailsToStart, failed=str(failed), after=str(pid_file)
-                ),
-            ),
-        },
-        train_backends={**TRAIN_BACKENDS, "torch": functools.partial(build_torch_held, pid_file=str(pid_file))},
-    )
+    build = functools.partial(build_torch_held, pid_file=str(pid_file))
+    hooks = _start_hooks(EngineThatFailsToStart, build, failed=str(failed), after=str(pid_file))
     with pytest.raises(ray.exceptions.RayActorError, match="the engine failed to start"):
         run_job(config(tmp_path, "engine-fails", "num_steps=1"), hooks=hooks)
     ended = time.time() - float(failed.read_text())
