@@ -93,8 +93,12 @@ def partial_job(tmp_path: Path, checkpoint: Path, name: str, fault: Path | None 
 
 
 def hold_after_batch_0(path: Path) -> Path:
-    """The first sample after batch 0's (generated before the trainer starts) holds until an abort reaches it."""
-    path.write_text(json.dumps({"path": "/generate", "kind": "hold", "value": 2, "times": 1, "after": SAMPLES}))
+    """The first sample after batch 0's (generated before the trainer starts) with at least 4 tokens holds after 2 until
+    an abort reaches it: the abort's extra step makes 3, and the sample goes on after it (continued). The stand-in
+    samples a fresh seed per request, so which sample comes first and how long it is vary: without `min_tokens` a
+    sample ending within its first 3 tokens took the fault and none was continued (flaky)."""
+    fault = {"path": "/generate", "kind": "hold", "value": 2, "times": 1, "after": SAMPLES, "min_tokens": 4}
+    path.write_text(json.dumps(fault))
     return path
 
 

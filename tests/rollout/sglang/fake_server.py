@@ -60,8 +60,8 @@ As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or
                          [--fake-exit-file F]  (the first /generate after a weight sync deletes F and exits, if F
                                                 exists: a crash the host must recover from, once);
                          [--fake-fault-file F] (at start, if F exists: delete it and inject the fault it holds, JSON
-                                                {"path", "kind", "value", "times", "after"}: a relaunched server is
-                                                healthy);
+                                                {"path", "kind", "value", "times", "after", "min_tokens"}: a
+                                                relaunched server is healthy);
                          control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log,
                          GET /_fake/skipped.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -85,6 +86,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -217,6 +219,15 @@ class Fault:
     value: Any = None
     times: int = 1
     after: int = 0  # calls of the path answered normally before this fault applies (e.g. the 2nd bucket of a sync)
+    # "hold": the fault waits for a sample of at least this many tokens (at least `value` + 1: one that reaches its
+    # hold); a shorter one is answered normally, as a sample that ends before the abort is. E.g. `value` + 2: the sample
+    # still decodes after the abort's extra step, so it is continued (never one whose extra token was its EOS or last)
+    min_tokens: int = 0
+
+
+def _reaches_hold(tokens: int, fault: Fault) -> bool:
+    """A sample of `tokens` tokens is one the "hold" `fault` applies to."""
+    return tokens >= max(int(fault.value) + 1, fault.min_tokens)
 
 
 @dataclass
@@ -257,12 +268,18 @@ class FakeState:
     aborted: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # samples that have reached their hold (tests wait for this, under `aborted`)
 
-    def take_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
+    def take_fault(
+        self, path: str, kinds: tuple[str, ...], applies: Callable[[Fault], bool] | None = None
+    ) -> Fault | None:
+        """The first fault of `kinds` on `path` whose `after` calls are spent and that `applies` to this call (None:
+        every call); it is used up once per call it applies to."""
         with self.lock:
             for fault in self.faults.get(path, []):
                 if fault.kind in kinds and fault.times > 0:
                     if fault.after > 0:
                         fault.after -= 1
+                        continue
+                    if applies is not None and not applies(fault):
                         continue
                     fault.times -= 1
                     return fault
@@ -727,7 +744,8 @@ class Handler(BaseHTTPRequestHandler):
                     )
                 else:
                     out, logprobs, finish = fake_tokens(prompt_ids, sampling, version, deterministic=s.deterministic)
-                if (f := s.take_fault("/generate", ("hold",))) is not None and len(out) > int(f.value):
+                reaches = functools.partial(_reaches_hold, len(out))  # only a sample that reaches it uses it up
+                if (f := s.take_fault("/generate", ("hold",), reaches)) is not None:
                     out, logprobs, finish = self._hold(out, logprobs, int(f.value), arrived, rid)
                 responses.append(self._response(body, list(prompt_ids), out, logprobs, finish, version))
         self._json(200, responses if n > 1 or batched else responses[0])

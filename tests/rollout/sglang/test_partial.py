@@ -24,7 +24,7 @@ from miles_vl.rollout.sglang import EngineStateError
 from miles_vl.rollout.sglang.generate import sampling_seed
 from miles_vl.rollout.types import SamplingParams
 from tests.rollout.sglang.conftest import EOS, MAX_PIXELS, MIN_PIXELS, make_prompt
-from tests.rollout.sglang.fake_server import FakeSGLang, fake_tokens
+from tests.rollout.sglang.fake_server import FakeSGLang, Fault, fake_tokens
 from tests.rollout.sglang.test_engine import engine, generate_bodies
 
 HOLD = 3  # the stand-in stops a held sample after HOLD tokens; the abort's extra decode step makes HOLD + 1
@@ -78,6 +78,21 @@ def across_a_sync(fake, eng, prompt, params: SamplingParams, version: str = "v1"
         eng.continue_generation()
         [group] = answer.result(timeout=30)
     return group, in_flight
+
+
+def generate_in_a_daemon(eng, prompt, params: SamplingParams) -> concurrent.futures.Future:
+    """`eng.generate([prompt], params)` in a daemon thread, its answer (or error) in the future: a generation that
+    waits forever fails the test at the future's timeout instead of hanging it at exit."""
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            answer.set_result(eng.generate([prompt], params)[0])
+        except BaseException as e:  # noqa: BLE001 (handed to the test through the future)
+            answer.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return answer
 
 
 class Gate(threading.Condition):
@@ -198,6 +213,32 @@ def test_a_sample_that_ended_in_its_first_span_is_not_continued(fake, ending):
     assert len(generate_bodies(fake)) == 1
 
 
+def test_the_hold_is_used_up_only_by_a_sample_that_reaches_it(fake):
+    """The stand-in's "hold" fault (which the loop tests use to keep one sample in flight at a sync) applies to the
+    first sample of at least `min_tokens` tokens, at least HOLD + 1: a sample that ends before it (HOLD tokens with its
+    EOS; then HOLD + 1 with its EOS, below min_tokens = HOLD + 2: held, it would come back finished, not continued) is
+    answered whole, as SGLang answers a request that ended before the abort, and the fault waits for the next sample,
+    which is held and continued. Before, the first sample used the fault up (flaky in the loop test: its stand-in
+    samples a fresh seed per request, so the held sample sometimes ended early and none was continued)."""
+    prompt = make_prompt([81, 82], 1, color=9)
+    max_new = 40
+    seeds = [seed_where(prompt, max_new, lambda out, n=n: len(out) == n and out[-1] == EOS) for n in (HOLD, HOLD + 1)]
+    eng = engine(fake, deterministic=True, partial_rollouts=True)
+    with fake.state.lock:
+        fake.state.faults["/generate"] = [Fault("hold", HOLD, min_tokens=HOLD + 2)]
+    for seed in seeds:  # a sample held by mistake would wait for an abort that never comes
+        answer = generate_in_a_daemon(eng, prompt, SamplingParams(n=1, max_new_tokens=max_new, seed=seed))
+        try:
+            [g] = answer.result(timeout=30)
+        finally:
+            eng.client.post_json("/abort_request", {"abort_all": True})  # releases a sample held by mistake
+        assert g.response_ids.tolist() == drawn(prompt, seed, max_new, "base") and g.finish_reason == "stop"
+    assert fake.state.held == 0
+    long = seed_where(prompt, max_new, lambda out: len(out) >= HOLD + 2)
+    [g], in_flight = across_a_sync(fake, eng, prompt, SamplingParams(n=1, max_new_tokens=max_new, seed=long))
+    assert in_flight == 1 and [v for *_, v in g.spans] == ["base", "v1"]
+
+
 def test_requests_wait_while_paused_and_an_abort_not_asked_for_starts_over(fake):
     """A generate that starts during a pause sends nothing until continue_generation; an abort the engine did not
     ask for (the server's own) is sent again from the start, as without partial rollouts; pausing an engine built
@@ -272,15 +313,8 @@ def test_a_groups_kept_samples_are_continued_at_once(fake):
 
     seed = next(s for s in range(1000) if long_enough(s))
     fake.inject("/generate", "hold", HOLD, times=n)
-    answer: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:  # a daemon thread: were the continuations sent one after another, one would stay held
-        try:
-            answer.set_result(eng.generate([prompt], SamplingParams(n=n, max_new_tokens=max_new, seed=seed)))
-        except BaseException as e:  # noqa: BLE001 (handed to the test through the future)
-            answer.set_exception(e)
-
-    threading.Thread(target=run, daemon=True).start()
+    # were the continuations sent one after another, one would stay held
+    answer = generate_in_a_daemon(eng, prompt, SamplingParams(n=n, max_new_tokens=max_new, seed=seed))
     try:
         wait_held(fake, 1)
         assert eng.pause_generation() == 1
@@ -291,7 +325,7 @@ def test_a_groups_kept_samples_are_continued_at_once(fake):
         assert eng.pause_generation() == n
         sync(fake, eng, "v2")
         eng.continue_generation()
-        [group] = answer.result(timeout=30)
+        group = answer.result(timeout=30)
     finally:  # a failed check leaves a sample held in the engine's own threads: abort until the generation ends
         for _ in range(60):
             if answer.done():
