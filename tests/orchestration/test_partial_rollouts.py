@@ -4,7 +4,8 @@ SGLang 0.5.16's HTTP API, launched by the real host), disaggregated, `max_stalen
 
 The stand-in holds one sample of the batch generated ahead (its "hold" fault, from a fault file: it decodes 2 tokens
 and waits for an `/abort_request`): the batch cannot finish before the trainer is done with the step, so the weight
-sync that ends the step meets a generation in flight. The driver pauses the engine (abort_all), syncs, and continues:
+sync that ends the step meets a generation in flight (each test's first pause waits until the stand-in holds it:
+`wait_for_the_hold`). The driver pauses the engine (abort_all), syncs, and continues:
 the held sample comes back with its 3 tokens so far, is sent again as prompt + those tokens under the new weights, and
 is trained at the next step as one sample whose tokens carry two versions (span 1: the weights of step 0, span 2:
 those of step 1): nothing lost, nothing trained twice; the step's per-token staleness is below its per-sample one.
@@ -22,9 +23,11 @@ import json
 import os
 import signal
 import threading
+import time
 from contextlib import suppress
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 
@@ -102,12 +105,40 @@ def hold_after_batch_0(path: Path) -> Path:
     return path
 
 
+WAIT_S = 120  # a test's own wait for the other thread: far above what it takes, so that a hang fails the test
+
+
+def wait_for_the_hold(engines: RolloutEngines) -> None:
+    """Until engine 0's stand-in holds batch 1's sample and that is the engine's one request in flight (the other
+    prompt's is answered). Each test's first pause calls this: the pause raced the rollout thread before, since the
+    tiny CPU train step can end before batch 1 is sent (the pause then finds nothing in flight, and batch 1, sent after
+    the sync, holds with no abort to come)."""
+    engine = engines.engines[0]
+    url = ray.get(engine.__ray_call__.remote(lambda host: host.url))
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        held = httpx.get(f"{url}/_fake/held", timeout=10).json()["held"]
+        in_flight = ray.get(engine.__ray_call__.remote(lambda host: host.engine._sending))
+        if held >= 1 and in_flight == 1:
+            return
+        assert time.monotonic() < deadline, f"batch 1 not held at the stand-in: {held} held, {in_flight} in flight"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, checkpoint, local_ray):
     tmp_path = tmp_path_factory.mktemp("partial")
     fault = hold_after_batch_0(tmp_path / "fault.json")
+    pause = RolloutEngines.pause_generation
     with pytest.MonkeyPatch.context() as m:
         rec = Recorder(m)
+
+        def wait_then_pause(engines):
+            m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            wait_for_the_hold(engines)
+            return pause(engines)
+
+        m.setattr(RolloutEngines, "pause_generation", wait_then_pause)
         run = run_job(partial_job(tmp_path, checkpoint, "straight", fault), hooks=hooks_())
     assert not fault.exists()  # the server took the fault
     return run, rec
@@ -149,6 +180,7 @@ def test_a_stop_at_the_sync_that_continues_a_sample_resumes_with_the_same_prompt
 
         def stop_then_pause(engines):
             m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            wait_for_the_hold(engines)
             os.kill(os.getpid(), signal.SIGINT)
             return pause(engines)
 
@@ -169,9 +201,6 @@ def test_a_stop_at_the_sync_that_continues_a_sample_resumes_with_the_same_prompt
     versions = continued.token_versions.tolist()
     assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
     assert sum(was_continued(s) for ss in rec.trained for s in ss) == 1
-
-
-WAIT_S = 120  # a test's own wait for the other thread: far above what it takes, so that a hang fails the test
 
 
 def kill_engine(engine) -> None:
@@ -213,6 +242,7 @@ def test_an_engine_killed_while_paused_is_relaunched_once_by_the_sync(tmp_path, 
 
         def pause_then_kill(engines):
             m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            wait_for_the_hold(engines)
             aborted = pause(engines)
             assert aborted == 1  # the held sample was in flight
             kill_engine(engines.engines[0])
@@ -253,6 +283,7 @@ def test_an_engine_killed_just_before_the_pause_is_counted_paused_and_its_replac
 
         def kill_then_pause(engines):
             m.setattr(RolloutEngines, "pause_generation", pause)  # once
+            wait_for_the_hold(engines)
             kill_engine(engines.engines[0])
             try:
                 return pause(engines)

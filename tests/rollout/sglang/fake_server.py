@@ -63,7 +63,7 @@ As a process (supervision tests): python tests/rollout/sglang/fake_server.py (or
                                                 {"path", "kind", "value", "times", "after", "min_tokens"}: a
                                                 relaunched server is healthy);
                          control routes: POST /_fake/inject, GET /_fake/calls, GET /_fake/weights, GET /_fake/log,
-                         GET /_fake/skipped.
+                         GET /_fake/skipped, GET /_fake/held.
 Stdlib only at import time (plus PyYAML for --config and torch, imported lazily, for weights).
 """
 
@@ -1111,7 +1111,8 @@ class Handler(BaseHTTPRequestHandler):
     def fake_inject(self, body, query):
         s = self.server.state
         with s.lock:
-            fault = Fault(body["kind"], body.get("value"), body.get("times", 1), body.get("after", 0))
+            fields = ("value", "times", "after", "min_tokens")
+            fault = Fault(body["kind"], **{k: body[k] for k in fields if k in body})
             s.faults.setdefault(body["path"], []).append(fault)
         self._json(200, {"ok": True})
 
@@ -1130,6 +1131,11 @@ class Handler(BaseHTTPRequestHandler):
     def fake_skipped(self, body, query):
         with self.server.state.lock:
             self._json(200, self.server.state.skipped)
+
+    def fake_held(self, body, query):
+        """How many samples have reached a "hold" so far (`FakeState.held`): a test waits for one before it pauses."""
+        with self.server.state.aborted:
+            self._json(200, {"held": self.server.state.held})
 
 
 ROUTES = {
@@ -1155,6 +1161,7 @@ ROUTES = {
     ("GET", "/_fake/weights"): Handler.fake_weights,
     ("GET", "/_fake/log"): Handler.fake_log,
     ("GET", "/_fake/skipped"): Handler.fake_skipped,
+    ("GET", "/_fake/held"): Handler.fake_held,
     ("GET", "/get_weights_by_name"): Handler.get_weights_by_name,
     ("POST", "/get_weights_by_name"): Handler.get_weights_by_name,
     ("GET", "/weights_checker"): Handler.weights_checker,
