@@ -115,12 +115,16 @@ class ThreadExchange:
 
 class TPServer:
     """An in-process stand-in for one SGLang server of `tp` ranks: each request's payload r is rebuilt as 0.5.16's TP
-    rank r does; it records which buffer (storage) each TP rank mapped and keeps what TP rank 0 loaded."""
+    rank r does; it records which buffer (storage) each TP rank mapped and keeps what TP rank 0 loaded. `late` (a
+    tensor name): the request of its bucket is taken only after another request was, as happens when two buckets
+    are in flight together (two buffers) and the first one's thread starts last."""
 
     base_url = "http://stand-in"
 
-    def __init__(self, tp: int):
+    def __init__(self, tp: int, late: str | None = None):
         self.tp = tp
+        self.late = late
+        self.taken = threading.Event()  # a request other than the late one was recorded
         self.mapped: list[list[int]] = []  # per request: the data pointer each TP rank's payload maps
         self.calls: list[dict] = []
         self.loaded: dict[str, torch.Tensor] = {}
@@ -130,9 +134,14 @@ class TPServer:
         assert load_format == "flattened_bucket" and len(payloads) == self.tp
         decoded = [_unpickle_allowlisted(base64.b64decode(p, validate=True)) for p in payloads]
         rebuilt = [rebuild_flattened_bucket(d) for d in decoded]
+        names = [n for n, _ in rebuilt[0]]
+        if self.late in names:
+            assert self.taken.wait(20), "no other request came while the late one waited"
         with self.lock:
             self.mapped.append([d["flattened_tensor"].untyped_storage().data_ptr() for d in decoded])
-            self.calls.append({"names": [n for n, _ in rebuilt[0]], "flush": flush_cache, "version": weight_version})
+            self.calls.append({"names": names, "flush": flush_cache, "version": weight_version})
+            if self.late not in names:
+                self.taken.set()
             for name, t in rebuilt[0]:
                 self.loaded[name] = t.clone()
             assert all(torch.equal(a, b) for ranks in zip(*rebuilt, strict=True) for (_, a), (_, b) in
@@ -183,18 +192,26 @@ def _ranks(world: int, servers: list[TPServer], sources: list[list[int]], **kw) 
     ]
 
 
-def test_each_tp_rank_maps_the_buffer_of_its_source_rank_and_loads_every_weight():
+@pytest.mark.parametrize("late", [None, "layer0.weight"], ids=["in-order", "bucket-0-arrives-after-bucket-1"])
+def test_each_tp_rank_maps_the_buffer_of_its_source_rank_and_loads_every_weight(late):
     """Two engines of TP 2, four ranks: engine e's TP rank r maps rank (2e + r)'s buffer in every request (3 buckets
-    of 2 tensors); the last request of each engine carries the label and the flush."""
-    servers = [TPServer(2), TPServer(2)]
+    of 2 tensors); the last request of each engine carries the label and the flush and comes after both earlier ones.
+    Buckets 0 and 1 are in flight together (two buffers), so they may arrive in either order (a CI run saw bucket 1
+    first): the second case makes bucket 0 arrive last."""
+    servers = [TPServer(2, late), TPServer(2, late)]
     senders = _ranks(4, servers, [[0, 1], [2, 3]])
     sent = _weights(0)
+    buckets = [[n for n, _ in sent[i : i + 2]] for i in (0, 2, 4)]
     reports = _run_ranks(senders, [iter(sent) for _ in senders])
     assert not any(isinstance(r, BaseException) for r in reports), reports
     for e, server in enumerate(servers):
-        assert [c["names"] for c in server.calls] == [[n for n, _ in sent[i : i + 2]] for i in (0, 2, 4)]
+        names = [c["names"] for c in server.calls]
+        assert sorted(names[:2]) == buckets[:2] and names[2] == buckets[2]
+        if late:
+            assert names[0] == buckets[1]  # the case happened
         assert [(c["flush"], c["version"]) for c in server.calls] == [(False, None), (False, None), (True, "v1")]
-        for bucket, mapped in enumerate(server.mapped):
+        for call, mapped in zip(server.calls, server.mapped, strict=True):
+            bucket = buckets.index(call["names"])
             slot = bucket % 2
             want = [senders[2 * e + r]._buffers[slot].untyped_storage().data_ptr() for r in range(2)]
             assert mapped == want, f"engine {e} bucket {bucket}"
