@@ -6,6 +6,7 @@ refuses, at the released model's vocabulary (p9's 16,384-token micro-batches sto
 the one check this test did not make then)."""
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -82,7 +83,9 @@ echo "$(date +%s.%N) start ${CUDA_VISIBLE_DEVICES:--} ${BUDGET_S:--} $*" >> "$LO
 echo "$*" >> "$OUT/stack.log"  # as stack.sh logs to $OUT; loop_run.sh leaves its files there (below)
 case "$*" in  # loop_run.sh --checkpoint fails with exit 1 (tests/test_loop_run.py, which also shows it writes once)
   "bash scripts/gpu/loop_run.sh --checkpoint "*) touch "$OUT/checkpoint_$4.log"; [ -n "${CKPT_FAILS:-}" ] && exit 1 ;;
-  "bash scripts/gpu/loop_run.sh "*) sleep 1; touch "$OUT/$4.tar.gz"; [ "$4" = "${RUN_FAILS:-}" ] && exit 3 ;;
+  "bash scripts/gpu/loop_run.sh "*) mkdir -p "$LOG.meet"; touch "$LOG.meet/$4"  # MEET runs started before any goes on
+    for _ in $(seq 300); do [ "$(ls "$LOG.meet" | wc -l)" -ge "${MEET:-1}" ] && break; sleep 0.1; done
+    sleep 1; touch "$OUT/$4.tar.gz"; [ "$4" = "${RUN_FAILS:-}" ] && exit 3 ;;
   "python3 benchmarks/bench_export.py "*) sleep 1; [ -n "${BENCH_FAILS:-}" ] && exit 1 ;;
   "python3 -m pytest "*) sleep 1; [ "${*: -1}" = "${TEST_FAILS:-}" ] && exit 1 ;;
   true) [ -n "${INSTALL_FAILS:-}" ] && exit 1 ;;  # the install, when the call carries the bundle
@@ -97,6 +100,7 @@ def run_plan(tmp_path: Path, call: str, **env: str) -> tuple[subprocess.Complete
     stand_in.write_text(STACK_STAND_IN)
     log = tmp_path / "log"
     log.unlink(missing_ok=True)
+    shutil.rmtree(tmp_path / "log.meet", ignore_errors=True)
     environ = {
         "PATH": "/usr/bin:/bin",
         "OWED_STACK": str(stand_in),
@@ -116,7 +120,7 @@ def loop_runs(log: list[list[str]], event: str) -> list[list[str]]:
 
 
 def test_a_call_writes_the_checkpoint_first_then_runs_side_by_side_and_fails_when_one_run_fails(tmp_path):
-    result, log = run_plan(tmp_path, "p1")
+    result, log = run_plan(tmp_path, "p1", MEET="2")  # were they started one after the other, they would not meet
     assert result.returncode == 0, result.stdout + result.stderr
     runs = loop_runs(log, "start")
     assert sorted((row[2], row[7]) for row in runs) == [("0,1", "async-2b-sync-p1"), ("2,3", "async-2b-s1")]

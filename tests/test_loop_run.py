@@ -36,7 +36,7 @@ case "$1 $2" in
     # as miles-vl train: a SIGINT during the last step or its save finishes the run (0), earlier it stops it (130)
     if [ -n "${JOB_ON_INT:-}" ]; then trap 'exit $JOB_ON_INT' INT; sleep 20 & wait $!; exit 3; fi ;;
   scripts/gpu/cap_memory.py*) [ -n "${CAP_FAILS:-}" ] && { echo "cap_memory: no CUDA device" >&2; exit 1; }
-    echo "0, 61440" > "$3"; trap 'echo stopped >> "$CALLS"; exit 0' TERM; while :; do sleep 0.1; done ;;
+    trap 'echo stopped >> "$CALLS"; exit 0' TERM; echo "0, 61440" > "$3"; while :; do sleep 0.1; done ;;
   scripts/gpu/summarize_run.py*) [ -n "${NO_METRICS:-}" ] && { echo "FileNotFoundError: no metrics.jsonl" >&2; exit 1; }
     echo "{}" ;;
   *) echo "unexpected call: $*" >&2; exit 9 ;;

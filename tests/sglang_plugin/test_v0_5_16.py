@@ -274,14 +274,18 @@ class _StandInTokenizer:
 
     A prompt's tokenization takes `delays[rid]` seconds, or, for a rid in `after`, until the prefix request of the
     prompt named there has left (an event: the order then holds however loaded the machine is, where sleeps of a few
-    ms let a stalled event loop wake several prompts in one turn and merge their prefixes into one message)."""
+    ms let a stalled event loop wake several prompts in one turn and merge their prefixes into one message), or, for
+    a rid in `after_states` (rid -> (prompt, k)), until k request states of that prompt were made."""
 
     model_config = types.SimpleNamespace(dtype=torch.bfloat16)  # what the launcher casts pixel values to
     deadlock_s = 10.0  # a prefix awaited by `after` that never leaves: the handler does not pipeline (a test failure)
 
-    def __init__(self, delays, after=None):
+    def __init__(self, delays, after=None, after_states=None):
         self.delays, self.log, self.messages, self.seen_hashes = delays, [], [], {}
         self.after = after or {}
+        self.after_states = after_states or {}
+        self.states_made = collections.Counter()  # prompt rid -> request states made for it (prefix and copies)
+        self.enough_states = {rid: asyncio.Event() for rid in self.after_states}
         self.rid_to_state = {}
         self.prefix_left = collections.defaultdict(asyncio.Event)  # prompt rid -> its prefix request has been sent
 
@@ -295,6 +299,8 @@ class _StandInTokenizer:
                     f"{sub.rid} is tokenized once {waited}'s prefix has left, which it never did: the handler waits "
                     "for every prompt's tokens before it sends a prefix (not pipelined)"
                 ) from None
+        elif sub.rid in self.after_states:
+            await asyncio.wait_for(self.enough_states[sub.rid].wait(), self.deadlock_s)
         else:
             await asyncio.sleep(self.delays[sub.rid])
         if sub.ids is None:
@@ -313,6 +319,10 @@ class _StandInTokenizer:
 
     def _init_req_state(self, sub):
         self.log.append(("state", sub.rid))
+        self.states_made[sub.rid.split("+")[0]] += 1
+        for rid, (prompt, k) in self.after_states.items():
+            if self.states_made[prompt] >= k:
+                self.enough_states[rid].set()
         self.rid_to_state[sub.rid] = types.SimpleNamespace(
             time_stats=types.SimpleNamespace(set_finished_time=lambda: None), prompt_token_ids=None
         )
@@ -483,8 +493,9 @@ def test_under_a_sharing_blocker_the_copies_keep_their_pixels_and_go_one_by_one(
 
 
 def test_a_prompt_that_fails_stops_the_others_and_a_failed_send_leaves_no_state():
-    # p1 is still tokenizing when "bad" fails (0.5 s against 0.01: a loaded machine's pause can't merge the two)
-    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.5, "bad": 0.01})
+    # "bad" fails once p0's prefix and its 2 copies have request states (an event, not a delay: on a loaded machine
+    # a 10 ms sleep could end before p0 made its copies); p1 is still tokenizing then (0.5 s)
+    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.5}, after_states={"bad": ("p0", 3)})
     batch = _Batch([_Prompt("p0", [1], None), _Prompt("p1", [2], None), _Prompt("bad", None, None)], 2, None)
     for p in batch.prompts[:2]:
         p.mm_hashes = None
@@ -756,11 +767,11 @@ def test_the_tokenizer_reads_a_requests_pixel_files_before_sglang_tokenizes_it(t
 
 def test_prefixes_ready_together_leave_in_one_message():
     """Prompts that tokenize without waiting (pixel values from the engine: no image to load) have their prefixes
-    sent together, in one message (one prefill batch), then the copies in another; a prompt that waits (here a
-    delay, as an image load) still leaves as soon as it is ready. A failed prefix message fails its prompts and
-    leaves no state."""
+    sent together, in one message (one prefill batch), then the copies in another; a prompt that waits (here until
+    the others' prefixes left, as an image load might) still leaves as soon as it is ready. A failed prefix message
+    fails its prompts and leaves no state."""
     pixels = torch.randn(4, 6)
-    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.0, "p2": 0.0, "late": 0.05})
+    manager = _StandInTokenizer({"p0": 0.0, "p1": 0.0, "p2": 0.0}, after={"late": "p2"})
     batch = _Batch([_Prompt(r, [k], pixels) for k, r in enumerate(("p0", "p1", "p2", "late"))], 2,
                    [["a1"], ["b2"], ["c3"], ["d4"]])  # fmt: skip
     [answers] = _grouped(manager, batch)
