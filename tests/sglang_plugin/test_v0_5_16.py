@@ -278,7 +278,7 @@ class _StandInTokenizer:
     a rid in `after_states` (rid -> (prompt, k)), until k request states of that prompt were made."""
 
     model_config = types.SimpleNamespace(dtype=torch.bfloat16)  # what the launcher casts pixel values to
-    deadlock_s = 10.0  # a prefix awaited by `after` that never leaves: the handler does not pipeline (a test failure)
+    deadlock_s = 10.0  # what `after` or `after_states` waits for never happened (a test failure)
 
     def __init__(self, delays, after=None, after_states=None):
         self.delays, self.log, self.messages, self.seen_hashes = delays, [], [], {}
@@ -289,18 +289,27 @@ class _StandInTokenizer:
         self.rid_to_state = {}
         self.prefix_left = collections.defaultdict(asyncio.Event)  # prompt rid -> its prefix request has been sent
 
+    async def _until(self, event: asyncio.Event, never: str) -> None:
+        """Wait for `event`; one that does not come within `deadlock_s` fails the test, saying `never`."""
+        try:
+            await asyncio.wait_for(event.wait(), self.deadlock_s)
+        except TimeoutError:
+            raise AssertionError(never) from None
+
     async def _tokenize_one_request(self, sub):
         if sub.rid in self.after:
             waited = self.after[sub.rid]
-            try:
-                await asyncio.wait_for(self.prefix_left[waited].wait(), self.deadlock_s)
-            except TimeoutError:
-                raise AssertionError(
-                    f"{sub.rid} is tokenized once {waited}'s prefix has left, which it never did: the handler waits "
-                    "for every prompt's tokens before it sends a prefix (not pipelined)"
-                ) from None
+            await self._until(
+                self.prefix_left[waited],
+                f"{sub.rid} is tokenized once {waited}'s prefix has left, which it never did: the handler waits for "
+                "every prompt's tokens before it sends a prefix (not pipelined)",
+            )
         elif sub.rid in self.after_states:
-            await asyncio.wait_for(self.enough_states[sub.rid].wait(), self.deadlock_s)
+            prompt, k = self.after_states[sub.rid]
+            await self._until(
+                self.enough_states[sub.rid],
+                f"{sub.rid} is tokenized once {k} request states of {prompt} were made, which never happened",
+            )
         else:
             await asyncio.sleep(self.delays[sub.rid])
         if sub.ids is None:

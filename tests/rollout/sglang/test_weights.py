@@ -387,10 +387,9 @@ def test_the_colocated_sender_sends_one_flat_bucket_per_request_and_labels_the_v
     drain = sender._drain
     sender._fence, sender._drain = fence_then_release, drain_then_release
     report = sender.send(iter(sent), weight_version="v1")
+    buckets = [[n for n, _ in sent[i : i + 2]] for i in (0, 2, 4)]
     names = [c["names"] for c in server.calls]  # buckets 0 and 1 are in flight together: either may arrive first
-    assert sorted(names[:2]) == [[n for n, _ in sent[i : i + 2]] for i in (0, 2)] and names[2] == [
-        n for n, _ in sent[4:]
-    ]
+    assert sorted(names[:2]) == buckets[:2] and names[2] == buckets[2]
     assert [(c["flush"], c["version"]) for c in server.calls] == [(False, None), (False, None), (True, "v1")]
     assert (report.buckets, report.tensors, report.bytes, report.weight_version) == (3, 6, 6 * 256, "v1")
     assert all(torch.equal(server.loaded[n], t) for n, t in sent)
