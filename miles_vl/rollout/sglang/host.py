@@ -17,9 +17,13 @@ its key (`/server_info`), and a 401 there means the server that answers is not t
 
 Access: every server has an API key, the user's (`rollout.sglang.api_key`) or else a random one the host makes for it
 (`new_api_key`), so that no other local user can call it. The key reaches the server only through the private
-`--config` file (0600, in the host's 0700 directory), never its command line or environment; the server's log gets
-it as `<redacted>` (`ServerProcess`); every call of the engine sends it, and so do the trainer's NCCL weight calls
-(`endpoint`).
+`--config` file (0600, in a 0700 directory of the host's), never its command line or environment; the server's log
+gets it as `<redacted>` (`ServerProcess`); every call of the engine sends it, and so do the trainer's NCCL weight calls
+(`endpoint`). The file lives only while a server starts: SGLang reads it once, as it parses its arguments
+(`prepare_server_args`, before it loads the model), so the host deletes it once the server is healthy (or failed to
+start), and with it the directory when nothing else is in it, and writes both anew (a new directory) before a
+relaunch. A host killed without `shutdown` (SIGKILL, a node lost) so leaves no key on disk, unless it died while its
+server was starting.
 
 Restarts: before every call, and when a call finds the server gone, the host relaunches it (same argv, port and
 log file), at most `max_restarts` times over its life. A restarted server has `model_path`'s weights again: when
@@ -169,7 +173,8 @@ class SGLangRolloutHost(RolloutEngine):
                 "together",
                 options.prompts_per_request,
             )
-        self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))  # 0700: holds the API-key config
+        # 0700: the API-key config while a server starts (`_write_config`), and the server's log when log_path is None
+        self._dir: Path | None = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))
         self.pixel_dir: Path | None = None
         try:
             self.pixel_dir = pixel_directory() if send_pixel_values else None
@@ -227,10 +232,14 @@ class SGLangRolloutHost(RolloutEngine):
     def _launch(self) -> None:
         # a relaunch waits a little for the last server's socket to go; a first start has no such socket
         check_port_free(self.spec.host, self.spec.port, wait_s=5.0 if self.server.starts else 0.0, engine=self.name)
-        self.server.start()
-        waited = wait_until_healthy(
-            self.client, self.server, timeout_s=self.startup_timeout_s, poll_s=self.health_poll_s
-        )
+        self._write_config()
+        try:
+            self.server.start()
+            waited = wait_until_healthy(
+                self.client, self.server, timeout_s=self.startup_timeout_s, poll_s=self.health_poll_s
+            )
+        finally:  # read by now: SGLang parses its arguments before it loads the model, long before it is healthy
+            self._remove_config()
         info = self._own_server_info()
         log.info("SGLang server %s healthy after %.1fs (pid %s)", self.url, waited, self.server.pid)
         if self.spec.plugin is not None:
@@ -384,13 +393,28 @@ class SGLangRolloutHost(RolloutEngine):
         self.client.close()
         self._remove_private_files()
 
-    def _remove_private_files(self) -> None:
-        if self.pixel_dir is not None:
-            shutil.rmtree(self.pixel_dir, ignore_errors=True)
+    def _write_config(self) -> None:
+        """Write the API-key config that the server's argv names, in a new private directory when the last one was
+        removed (`_remove_config`): never in a directory of that name made since, which another local user can do."""
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))
+        path = write_server_config(self.spec, self._dir)
+        self.server.argv[self.server.argv.index("--config") + 1] = str(path)
+
+    def _remove_config(self) -> None:
+        """Delete the API-key config, and its directory when nothing else (the server's log) is in it."""
+        if self._dir is None:
+            return
         for path in self._dir.glob("*.yaml"):
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._dir.rmdir()
+            self._dir = None
+
+    def _remove_private_files(self) -> None:
+        if self.pixel_dir is not None:
+            shutil.rmtree(self.pixel_dir, ignore_errors=True)
+        self._remove_config()
 
 
 def deterministic_inference(extra_args: Sequence[str]) -> bool:

@@ -7,10 +7,13 @@ bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -61,7 +64,7 @@ def host(
         TOKENS,
         startup_timeout_s=20,
         requests=RequestPolicy(timeout_s=5, max_retries=1, backoff_s=0.01),
-        log_path=tmp_path / "server.log",
+        log_path=kwargs.pop("log_path", tmp_path / "server.log"),
         launch_module="tests.rollout.sglang.fake_server",
         env=kwargs.pop("env", {"PYTHONPATH": str(REPO_ROOT)}),
         health_poll_s=0.05,
@@ -107,7 +110,7 @@ def test_host_serves_with_the_real_argv_and_api_key(tmp_path):
         assert {c["path"] for c in calls} >= {"/health_generate", "/generate"}
         assert all(c["auth"] for c in calls)  # the key from the config file is enforced, and the client sends it
         config = Path(h.server.argv[h.server.argv.index("--config") + 1])
-        assert config.exists()
+        assert not config.exists() and not config.parent.exists()  # read at the start, deleted once healthy
         # the trainer's NCCL group is checked against the cuMem setting the server really runs with (issue 32.1)
         assert h.endpoint().nccl_cumem == h.server.env["NCCL_CUMEM_ENABLE"] == nccl_peer_env()["NCCL_CUMEM_ENABLE"]
     finally:
@@ -186,9 +189,67 @@ def test_a_relaunch_after_a_sync_refuses_to_generate_until_the_next_sync(tmp_pat
         h.shutdown()
 
 
-def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+def test_a_server_that_cannot_start_is_reported_with_its_log_and_leaves_no_key(tmp_path, monkeypatch):
+    private = _record_private_directories(monkeypatch)
     with pytest.raises(SGLangServerDiedError, match="(?s)died while starting.*scheduled exit"):
-        host(tmp_path, extra_args=("--fake-startup-delay", "30", "--fake-exit-after", "0.2"))
+        host(tmp_path, api_key="k3y-dead", extra_args=("--fake-startup-delay", "30", "--fake-exit-after", "0.2"))
+    assert len(private) == 1 and not private[0].exists()
+    assert not _files_holding("k3y-dead", tmp_path)
+
+
+def _record_private_directories(monkeypatch) -> list[Path]:
+    """The directories the host makes with `tempfile.mkdtemp` from now on, in order."""
+    from miles_vl.rollout.sglang import host as host_module
+
+    made: list[Path] = []
+    mkdtemp = host_module.tempfile.mkdtemp
+    monkeypatch.setattr(host_module.tempfile, "mkdtemp", lambda **kw: made.append(Path(mkdtemp(**kw))) or str(made[-1]))
+    return made
+
+
+def _files_holding(secret: str, *roots: Path) -> list[Path]:
+    """Files under `roots` and in the hosts' private directories of the temporary directory that contain `secret`."""
+    candidates = [p for root in roots for p in root.rglob("*")]
+    candidates += Path(tempfile.gettempdir()).glob("miles_vl_sglang_*/*")
+    found = []
+    for path in candidates:
+        with contextlib.suppress(OSError):  # another test's host may remove its files meanwhile
+            if path.is_file() and secret.encode() in path.read_bytes():
+                found.append(path)
+    return found
+
+
+def test_the_key_file_lives_only_while_a_server_starts(tmp_path, monkeypatch):
+    """SGLang reads its --config once, as it parses its arguments, before it loads the model (the stand-in too; the
+    real server: tests/gpu/test_sglang_real.py). So the host deletes the file once its server is healthy, with the
+    directory when nothing else is in it: a host killed later without `shutdown` (SIGKILL, a lost node) leaves no key
+    on disk. A relaunch writes the file again, in a new directory (never one of the old name, which another local user
+    may have made since), and the relaunched server enforces the key: it read the new file. With log_path None the
+    directory stays for the log, without the key."""
+    key = "k3y-relaunch"
+    private = _record_private_directories(monkeypatch)
+    h = host(tmp_path, api_key=key)
+    try:
+        assert len(private) == 1 and not private[0].exists() and not _files_holding(key, tmp_path)
+        kill(h)
+        assert len(h.generate([make_prompt([1])], PARAMS)) == 1 and h.restarts == 1
+        assert len(private) == 2 and private[1] != private[0] and not private[1].exists()
+        assert Path(h.server.argv[h.server.argv.index("--config") + 1]).parent == private[1]
+        assert not _files_holding(key, tmp_path)
+        with httpx.Client(base_url=h.url, trust_env=False, timeout=5) as raw:
+            assert raw.post("/generate", json={}).status_code == 401
+            assert raw.get("/model_info", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    finally:
+        h.shutdown()
+    h = host(tmp_path / "default-log", api_key=key, log_path=None)
+    try:
+        directory = private[2]
+        assert sorted(p.name for p in directory.iterdir()) == [f"sglang_{h.spec.port}.log"]
+        assert not _files_holding(key, tmp_path)
+    finally:
+        h.shutdown()
+        assert h.log_path.parent == directory and h.log_path.exists()  # kept for post-mortems, as before
+        shutil.rmtree(directory)
 
 
 def test_hosts_without_a_port_take_free_ports_of_their_own(tmp_path):
@@ -310,15 +371,13 @@ def test_a_host_that_fails_before_its_server_starts_leaves_no_directories(tmp_pa
     def broken_engine(*args, **kwargs):
         raise ValueError("bad engine settings")
 
-    private = []
-    mkdtemp = host_module.tempfile.mkdtemp
     monkeypatch.setattr(host_module, "pixel_directory", pixel_directory)
     monkeypatch.setattr(host_module, "SGLangRolloutEngine", broken_engine)
-    monkeypatch.setattr(host_module.tempfile, "mkdtemp", lambda **kw: private.append(mkdtemp(**kw)) or private[-1])
+    private = _record_private_directories(monkeypatch)
     with pytest.raises(ValueError, match="bad engine settings"):
         host(tmp_path, send_pixel_values=True)
     assert len(made) == 1 and not made[0].exists()
-    assert private and not any(Path(p).exists() for p in private)
+    assert private and not any(p.exists() for p in private)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -330,13 +389,26 @@ def _process_texts(pid: int) -> str:
     return "".join(Path(f"/proc/{pid}/{what}").read_bytes().decode(errors="replace") for what in ("cmdline", "environ"))
 
 
-def test_every_server_gets_a_key_of_its_own_that_no_argv_or_log_holds(tmp_path):
+def test_every_server_gets_a_key_of_its_own_that_no_argv_or_log_holds(tmp_path, monkeypatch):
     """Issue 30.4: without rollout.sglang.api_key a server had none, so any local account could call /generate, the
     weight routes or /release_memory_occupation. Now each host makes a random key for its server: two servers get
     different keys; a call without the key, or with another server's, is refused with 401 as 0.5.16's middleware
     refuses it (the stand-in enforces it the same way), on every route but /health*; the key is on no command line and
     in no environment of the server, and not in its log although the server logs it (0.5.16's `server_args=` line,
-    which the stand-in writes too): only the 0600 config file in the host's 0700 directory holds it."""
+    which the stand-in writes too): only the config file holds it (0600, in the host's 0700 directory), and only while
+    the server starts."""
+    from miles_vl.rollout.sglang import host as host_module
+
+    written = []
+    write = host_module.write_server_config
+
+    def write_server_config(spec, directory):
+        path = write(spec, directory)
+        modes = stat.S_IMODE(path.stat().st_mode), stat.S_IMODE(path.parent.stat().st_mode)
+        written.append((*modes, spec.api_key in path.read_text()))
+        return path
+
+    monkeypatch.setattr(host_module, "write_server_config", write_server_config)
     hosts = [host(tmp_path / f"h{i}", api_key=None) for i in range(2)]
     try:
         keys = [h.spec.api_key for h in hosts]
@@ -352,9 +424,8 @@ def test_every_server_gets_a_key_of_its_own_that_no_argv_or_log_holds(tmp_path):
                 assert raw.get("/health_generate").status_code == 200 and raw.get("/health").status_code == 200
                 assert raw.get("/model_info", headers={"Authorization": f"bearer {key}"}).status_code == 200
             assert key not in " ".join(h.server.argv) and key not in _process_texts(h.server.pid)
-            config = Path(h.server.argv[h.server.argv.index("--config") + 1])
-            assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
-            assert key in config.read_text()
+            assert not _files_holding(key, tmp_path)  # the config file was read at the start, and is gone
+        assert written == [(0o600, 0o700, True)] * 4  # each host: its __init__ and its launch
     finally:
         for h in hosts:
             h.shutdown()
