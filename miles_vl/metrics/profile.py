@@ -14,7 +14,13 @@ rest.
   host time (name, calls, seconds), `host_s` their sum over the host's threads (the autograd engine's backward thread
   too, so it can exceed the wall time), and `host_waits_s`, the host's own time in the runtime calls that wait for
   the device (`HOST_WAITS`: synchronizations and the blocking copy). A phase whose device is idle much of its wall
-  time (the 2B job: 58 %) is held back by the host; these say by what.
+  time (the 2B job: 58 %) is held back by the host; these say by what;
+- with CUDA, where the host waits: `syncs`, the synchronizing calls torch reported in the block, and `sync_sites`,
+  the Python call sites with the most (`synchronizations`: torch's sync debug mode "warn", on only for the block).
+  Python code that runs in a backward pass (a custom Function's backward, a recomputed forward) is named where it
+  runs; autograd's own C++ backward functions where that backward was called (torch replays their warnings there).
+  The profile of 2026-11-29 (docs/benchmarks.md) counted 1,002 host waits in one 2B train phase without saying whose;
+  this part has not yet run on a GPU (its CPU test feeds it torch's warning).
 
 The profiler slows what it watches (more on the host than on the device), so a profiled step's wall time is above an
 unprofiled one's; compare its parts, not its total, with other steps. `write_profile` keeps every rank's summary of a
@@ -23,11 +29,14 @@ step in `<run dir>/profile/step_N.json` and says rank 0's in the log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+import traceback
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +57,9 @@ TOP = 25  # operators in `top`
 HOST_TOP = 15  # operators and runtime calls in `host_top`
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # exact names
 PROFILE_DIR = "profile"
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's warning in sync debug mode 1 (c10/cuda)
+SYNC_SITES_TOP = 20  # call sites in `sync_sites`
+SITE_FRAMES = 3  # frames of a call site, innermost first, outside torch and this module
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +122,56 @@ class ProfiledBlock:
     device: bool  # CUDA kernels counted (else the CPU operators)
     wall_s: float | None = None  # set when the block ended normally
     prof: Any = None
+    syncs: Counter | None = None  # with CUDA: the synchronizing calls by call site (`synchronizations`)
 
     def summary(self) -> dict[str, Any] | None:
         """The summary, once; None if the block raised or the summary was taken."""
         if self.prof is None or self.wall_s is None:
             return None
         events, self.prof = self.prof.key_averages(), None
-        return summarize(events, self.wall_s, device=self.device)
+        out = summarize(events, self.wall_s, device=self.device)
+        if self.syncs is not None:
+            out["syncs"] = sum(self.syncs.values())
+            out["sync_sites"] = [{"site": site, "calls": n} for site, n in self.syncs.most_common(SYNC_SITES_TOP)]
+        return out
+
+
+def call_site(stack: Sequence[traceback.FrameSummary], frames: int = SITE_FRAMES) -> str:
+    """The innermost `frames` frames of `stack` (outermost first, as `traceback.extract_stack` gives it) that are
+    neither torch's nor this module's nor the warnings machinery's, innermost first: "path:line:function <- ...",
+    paths from the package folder on (`site-packages/` and the repository's root cut off)."""
+    own = {__file__, warnings.__file__}
+    keep = [
+        f for f in stack
+        if f.filename not in own and f"{os.sep}torch{os.sep}" not in f.filename and "<frozen" not in f.filename
+    ][-frames:]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[2]) + os.sep
+    names = [f.filename.split(f"site-packages{os.sep}")[-1].removeprefix(root) for f in keep]
+    return " <- ".join(f"{n}:{f.lineno}:{f.name}" for n, f in zip(reversed(names), reversed(keep), strict=True))
+
+
+@contextmanager
+def synchronizations(counts: Counter) -> Iterator[None]:
+    """Count in `counts`, by `call_site`, every synchronizing CUDA call torch reports in the block: its sync debug mode
+    "warn" (`torch.cuda.set_sync_debug_mode`) on for the block, each of its warnings taken here and not shown; the
+    mode, the warning filters and `warnings.showwarning` as they were afterwards. Other warnings are shown as before."""
+    before_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def take(message, category, filename, lineno, file=None, line=None):
+            if SYNC_MESSAGE in str(message):
+                counts[call_site(traceback.extract_stack())] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
+        warnings.showwarning = take
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before_mode)
 
 
 @contextmanager
@@ -130,14 +185,15 @@ def profiled() -> Iterator[ProfiledBlock]:
         # those it starts; a level set before stands
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    block = ProfiledBlock(device=cuda)
+    block = ProfiledBlock(device=cuda, syncs=Counter() if cuda else None)
     prof = profile(activities=activities)
     with warnings.catch_warnings():  # "clears events at the end of each cycle": there is one cycle
         warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
         prof.__enter__()  # entered and left by hand: the warning filter must not cover the profiled block
     try:
-        start = time.perf_counter()
-        yield block
+        with synchronizations(block.syncs) if cuda else contextlib.nullcontext():
+            start = time.perf_counter()
+            yield block
         if cuda:
             torch.cuda.synchronize()
         block.wall_s = time.perf_counter() - start

@@ -3,10 +3,21 @@ GPU's kernels on the GPU machine), the kernel classes on real kernel names, the 
 
 import json
 import logging
+import warnings
+from collections import Counter
 
 import torch
 
-from miles_vl.metrics.profile import kernel_class, profiled, write_profile
+from miles_vl.metrics.profile import (
+    SITE_FRAMES,
+    SYNC_MESSAGE,
+    ProfiledBlock,
+    call_site,
+    kernel_class,
+    profiled,
+    synchronizations,
+    write_profile,
+)
 
 
 def test_kernel_names_seen_in_h100_and_h200_traces_fall_in_their_class():
@@ -149,3 +160,72 @@ def test_the_figures_keep_the_profilers_microsecond_so_a_class_is_never_below_it
     out = summarize([mm], wall_s=0.0031234567, device=False)
     assert out["classes_s"]["matmul"] == out["top"][0]["seconds"] == out["busy_s"] == 0.002107
     assert out["wall_s"] == 0.003123
+
+
+def _sync_here():
+    warnings.warn(f"{SYNC_MESSAGE} (stand-in)", UserWarning, stacklevel=1)  # what torch's C++ raises, as Python sees it
+
+
+def _two_syncs():
+    for _ in range(2):
+        _sync_here()  # one call site, twice
+
+
+def test_synchronizations_are_counted_by_call_site_and_other_warnings_still_shown(monkeypatch):
+    """On a GPU the profiled block runs with torch's sync debug mode at "warn" (its warning on every synchronizing call:
+    `.item()`, `.tolist()`, a bool-mask index, a copy from pageable memory); `synchronizations` counts them by the
+    Python frames that made them, shows none of them, and leaves the mode, the filters and every other warning as they
+    were. On this CPU the mode is a stand-in (torch's needs a driver) and the warning is raised by hand: what the GPU
+    run shows is whether torch raises it where the docs say (the next profiled GPU run; not yet run)."""
+    from miles_vl.metrics import profile
+
+    modes = [0]
+    monkeypatch.setattr(profile.torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(profile.torch.cuda, "set_sync_debug_mode", lambda mode: modes.append(mode))
+    counts = Counter()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        showwarning = warnings.showwarning
+        with synchronizations(counts):
+            assert modes[-1] == "warn"
+            _two_syncs()
+            _sync_here()
+            warnings.warn("something else", DeprecationWarning, stacklevel=1)
+        assert warnings.showwarning is showwarning
+    assert modes == [0, "warn", 0]
+    assert [str(w.message) for w in seen] == ["something else"]
+    here = "tests/metrics/test_profile.py"
+    inner = f"{here}:{_sync_here.__code__.co_firstlineno + 1}:_sync_here"
+    assert sum(counts.values()) == 3 and len(counts) == 2
+    site, n = counts.most_common(1)[0]
+    assert n == 2 and site.startswith(f"{inner} <- {here}:") and ":_two_syncs <- " in site
+    assert all(s.count(" <- ") == SITE_FRAMES - 1 for s in counts)
+
+
+def test_call_sites_leave_out_torch_and_name_paths_from_the_package_on():
+    from traceback import FrameSummary
+
+    stack = [
+        FrameSummary("/x/site-packages/megatron/core/pipeline.py", 10, "schedule"),
+        FrameSummary("/x/site-packages/megatron/bridge/models/vision_model.py", 329, "forward"),
+        FrameSummary("/x/site-packages/torch/nn/modules/module.py", 1700, "_call_impl"),
+        FrameSummary("/x/site-packages/torch/_tensor.py", 1100, "tolist"),
+    ]
+    assert call_site(stack, frames=2) == (
+        "megatron/bridge/models/vision_model.py:329:forward <- megatron/core/pipeline.py:10:schedule"
+    )
+
+
+def test_a_profiled_blocks_summary_carries_its_synchronizations():
+    from types import SimpleNamespace
+
+    block = ProfiledBlock(device=True, wall_s=2.0, syncs=Counter({"a.py:1:f": 3, "b.py:2:g": 7}))
+    block.prof = SimpleNamespace(key_averages=lambda: [])
+    out = block.summary()
+    assert out["syncs"] == 10 and out["sync_sites"] == [
+        {"site": "b.py:2:g", "calls": 7},
+        {"site": "a.py:1:f", "calls": 3},
+    ]
+    with profiled() as cpu:  # no GPU: no sync debug mode, no such keys
+        torch.ones(2).sum().item()
+    assert "syncs" not in cpu.summary()
