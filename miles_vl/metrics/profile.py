@@ -19,8 +19,9 @@ rest.
   the Python call sites with the most (`synchronizations`: torch's sync debug mode "warn", on only for the block).
   Python code that runs in a backward pass (a custom Function's backward, a recomputed forward) is named where it
   runs; autograd's own C++ backward functions where that backward was called (torch replays their warnings there).
-  The profile of 2026-11-29 (docs/benchmarks.md) counted 1,002 host waits in one 2B train phase without saying whose;
-  this part has not yet run on a GPU (its CPU test feeds it torch's warning).
+  torch calls the mode a prototype that "does not yet detect all synchronizing operations": `syncs` below the
+  runtime's count of `cudaStreamSynchronize` calls in `host_top` says how many it missed. The profile of 2026-11-29
+  (docs/benchmarks.md) counted 1,002 host waits in one 2B train phase without saying whose.
 
 The profiler slows what it watches (more on the host than on the device), so a profiled step's wall time is above an
 unprofiled one's; compare its parts, not its total, with other steps. `write_profile` keeps every rank's summary of a
@@ -141,9 +142,10 @@ def call_site(stack: Sequence[traceback.FrameSummary], frames: int = SITE_FRAMES
     neither torch's nor this module's nor the warnings machinery's, innermost first: "path:line:function <- ...",
     paths from the package folder on (`site-packages/` and the repository's root cut off)."""
     own = {__file__, warnings.__file__}
+    torch_dir = os.path.dirname(torch.__file__) + os.sep  # not any path with a "torch" folder: /opt/torch/.venv/...
     keep = [
         f for f in stack
-        if f.filename not in own and f"{os.sep}torch{os.sep}" not in f.filename and "<frozen" not in f.filename
+        if f.filename not in own and not f.filename.startswith(torch_dir) and "<frozen" not in f.filename
     ][-frames:]  # fmt: skip
     root = str(Path(__file__).resolve().parents[2]) + os.sep
     names = [f.filename.split(f"site-packages{os.sep}")[-1].removeprefix(root) for f in keep]
@@ -166,6 +168,7 @@ def synchronizations(counts: Counter) -> Iterator[None]:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # said at every turn-on
         warnings.showwarning = take
         torch.cuda.set_sync_debug_mode("warn")
         try:
