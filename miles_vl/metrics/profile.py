@@ -20,7 +20,8 @@ rest.
   Python code that runs in a backward pass (a custom Function's backward, a recomputed forward) is named where it
   runs; autograd's own C++ backward functions where that backward was called (torch replays their warnings there).
   torch calls the mode a prototype that "does not yet detect all synchronizing operations": `syncs` below the
-  runtime's count of `cudaStreamSynchronize` calls in `host_top` says how many it missed. The profile of 2026-11-29
+  runtime's count of waiting calls (`HOST_WAITS`' rows in `host_top`, which lists the 15 costliest) says how many it
+  missed. The profile of 2026-11-29
   (docs/benchmarks.md) counted 1,002 host waits in one 2B train phase without saying whose.
 
 The profiler slows what it watches (more on the host than on the device), so a profiled step's wall time is above an
@@ -34,8 +35,8 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -133,42 +134,63 @@ class ProfiledBlock:
         out = summarize(events, self.wall_s, device=self.device)
         if self.syncs is not None:
             out["syncs"] = sum(self.syncs.values())
-            out["sync_sites"] = [{"site": site, "calls": n} for site, n in self.syncs.most_common(SYNC_SITES_TOP)]
+            out["sync_sites"] = [
+                {"site": call_site(frames), "calls": n} for frames, n in self.syncs.most_common(SYNC_SITES_TOP)
+            ]
         return out
 
 
-def call_site(stack: Sequence[traceback.FrameSummary], frames: int = SITE_FRAMES) -> str:
-    """The innermost `frames` frames of `stack` (outermost first, as `traceback.extract_stack` gives it) that are
-    neither torch's nor this module's nor the warnings machinery's, innermost first: "path:line:function <- ...",
-    paths from the package folder on (`site-packages/` and the repository's root cut off)."""
-    own = {__file__, warnings.__file__}
-    torch_dir = os.path.dirname(torch.__file__) + os.sep  # not any path with a "torch" folder: /opt/torch/.venv/...
-    keep = [
-        f for f in stack
-        if f.filename not in own and not f.filename.startswith(torch_dir) and "<frozen" not in f.filename
-    ][-frames:]  # fmt: skip
-    root = str(Path(__file__).resolve().parents[2]) + os.sep
-    names = [f.filename.split(f"site-packages{os.sep}")[-1].removeprefix(root) for f in keep]
-    return " <- ".join(f"{n}:{f.lineno}:{f.name}" for n, f in zip(reversed(names), reversed(keep), strict=True))
+Frame = tuple[str, int, str]  # (file, line, function)
+_NOT_SITES = (os.path.dirname(torch.__file__) + os.sep, "<frozen")  # path prefixes: torch itself, frozen modules
+_OWN_FILES = {__file__, warnings.__file__}  # this module and the warnings machinery
+_ROOT = str(Path(__file__).resolve().parents[2]) + os.sep
+
+
+def caller_frames(frame: Any, frames: int = SITE_FRAMES) -> tuple[Frame, ...]:
+    """The innermost `frames` frames from `frame` outwards (a `sys._getframe()`) that are neither torch's (its package
+    folder, not any path with a folder named torch: the GPU machine's /opt/torch/.venv holds pytest and more) nor this
+    module's nor the warnings machinery's. A walk of frame objects, not `traceback.extract_stack`: the host runs this
+    once per synchronization, while the device waits for it, so it must cost microseconds, not a read of every
+    frame's source line."""
+    out: list[Frame] = []
+    while frame is not None and len(out) < frames:
+        code = frame.f_code
+        if code.co_filename not in _OWN_FILES and not code.co_filename.startswith(_NOT_SITES):
+            out.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def call_site(frames: Sequence[Frame]) -> str:
+    """`caller_frames`' frames, innermost first, as "path:line:function <- ...", paths from the package folder on
+    (`site-packages/` and the repository's root cut off)."""
+    names = [f.split(f"site-packages{os.sep}")[-1].removeprefix(_ROOT) for f, _, _ in frames]
+    return " <- ".join(f"{n}:{line}:{fn}" for n, (_, line, fn) in zip(names, frames, strict=True))
 
 
 @contextmanager
 def synchronizations(counts: Counter) -> Iterator[None]:
-    """Count in `counts`, by `call_site`, every synchronizing CUDA call torch reports in the block: its sync debug mode
-    "warn" (`torch.cuda.set_sync_debug_mode`) on for the block, each of its warnings taken here and not shown; the
-    mode, the warning filters and `warnings.showwarning` as they were afterwards. Other warnings are shown as before."""
+    """Count in `counts`, by `caller_frames`, every synchronizing CUDA call torch reports in the block: its sync debug
+    mode "warn" (`torch.cuda.set_sync_debug_mode`) on for the block, each of its warnings taken here and not shown; the
+    mode, the warning filters and `warnings.showwarning` as they were afterwards. Other warnings are shown as before.
+
+    Python's warning filters and `showwarning` are the process's, not the block's thread's: a warning another thread
+    raises meanwhile (a checkpoint's writer) passes here too, a `catch_warnings` of another thread that ends inside
+    the block restores the filters it found, and code in the block that turns warnings into errors
+    (`simplefilter("error")`) would turn a synchronization into one. A diagnostic for a profiled step, not for every
+    step."""
     before_mode = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         shown = warnings.showwarning
 
         def take(message, category, filename, lineno, file=None, line=None):
             if SYNC_MESSAGE in str(message):
-                counts[call_site(traceback.extract_stack())] += 1
+                counts[caller_frames(sys._getframe(1))] += 1
             else:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
-        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # said at every turn-on
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # once a process
         warnings.showwarning = take
         torch.cuda.set_sync_debug_mode("warn")
         try:

@@ -13,6 +13,7 @@ from miles_vl.metrics.profile import (
     SYNC_MESSAGE,
     ProfiledBlock,
     call_site,
+    caller_frames,
     kernel_class,
     profiled,
     synchronizations,
@@ -198,39 +199,46 @@ def test_synchronizations_are_counted_by_call_site_and_other_warnings_still_show
     here = "tests/metrics/test_profile.py"
     inner = f"{here}:{_sync_here.__code__.co_firstlineno + 1}:_sync_here"
     assert sum(counts.values()) == 3 and len(counts) == 2
-    site, n = counts.most_common(1)[0]
+    frames, n = counts.most_common(1)[0]
+    site = call_site(frames)
     assert n == 2 and site.startswith(f"{inner} <- {here}:") and ":_two_syncs <- " in site
-    assert all(s.count(" <- ") == SITE_FRAMES - 1 for s in counts)
+    assert all(len(frames) == SITE_FRAMES for frames in counts)
 
 
 def test_call_sites_leave_out_torch_and_name_paths_from_the_package_on():
+    """Frames of torch's package folder are left out, and only they: the GPU machine's pytest lives in
+    /opt/torch/.venv/lib/python3.12/site-packages/_pytest, under a folder named torch."""
     import os
-    from traceback import FrameSummary
+    from types import SimpleNamespace
 
     torch_dir = os.path.dirname(torch.__file__)
-    stack = [
-        FrameSummary("/opt/torch/.venv/lib/python3.12/site-packages/_pytest/python.py", 187, "pytest_pyfunc_call"),
-        FrameSummary("/x/site-packages/megatron/core/pipeline.py", 10, "schedule"),
-        FrameSummary("/x/site-packages/megatron/bridge/models/vision_model.py", 329, "forward"),
-        FrameSummary(f"{torch_dir}/nn/modules/module.py", 1700, "_call_impl"),
-        FrameSummary(f"{torch_dir}/_tensor.py", 1100, "tolist"),
-    ]
-    assert call_site(stack, frames=2) == (
+
+    def frame(filename, line, name, back):
+        return SimpleNamespace(f_code=SimpleNamespace(co_filename=filename, co_name=name), f_lineno=line, f_back=back)
+
+    outer = frame("/opt/torch/.venv/lib/python3.12/site-packages/_pytest/python.py", 187, "pytest_pyfunc_call", None)
+    pipeline = frame("/x/site-packages/megatron/core/pipeline.py", 10, "schedule", outer)
+    vision = frame("/x/site-packages/megatron/bridge/models/vision_model.py", 329, "forward", pipeline)
+    module = frame(f"{torch_dir}/nn/modules/module.py", 1700, "_call_impl", vision)
+    inner = frame(f"{torch_dir}/_tensor.py", 1100, "tolist", module)
+    assert call_site(caller_frames(inner, frames=2)) == (
         "megatron/bridge/models/vision_model.py:329:forward <- megatron/core/pipeline.py:10:schedule"
     )
-    # a folder named torch above a package is not torch (the GPU machine's /opt/torch/.venv holds pytest)
-    assert call_site(stack, frames=3).endswith(" <- _pytest/python.py:187:pytest_pyfunc_call")
+    assert call_site(caller_frames(inner)).endswith(" <- _pytest/python.py:187:pytest_pyfunc_call")
+    assert caller_frames(outer, frames=5) == ((outer.f_code.co_filename, 187, "pytest_pyfunc_call"),)
 
 
 def test_a_profiled_blocks_summary_carries_its_synchronizations():
     from types import SimpleNamespace
 
-    block = ProfiledBlock(device=True, wall_s=2.0, syncs=Counter({"a.py:1:f": 3, "b.py:2:g": 7}))
+    a, b = (("/r/a.py", 1, "f"),), (("/r/b.py", 2, "g"), ("/r/c.py", 3, "h"))
+    block = ProfiledBlock(device=True, wall_s=2.0, syncs=Counter({a: 3, b: 7}))
     block.prof = SimpleNamespace(key_averages=lambda: [])
     out = block.summary()
-    assert out["syncs"] == 10 and out["sync_sites"] == [
-        {"site": "b.py:2:g", "calls": 7},
-        {"site": "a.py:1:f", "calls": 3},
+    assert out["syncs"] == 10
+    assert out["sync_sites"] == [
+        {"site": "/r/b.py:2:g <- /r/c.py:3:h", "calls": 7},
+        {"site": "/r/a.py:1:f", "calls": 3},
     ]
     with profiled() as cpu:  # no GPU: no sync debug mode, no such keys
         torch.ones(2).sum().item()

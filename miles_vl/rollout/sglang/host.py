@@ -21,14 +21,15 @@ Access: every server has an API key, the user's (`rollout.sglang.api_key`) or el
 gets it as `<redacted>` (`ServerProcess`); every call of the engine sends it, and so do the trainer's NCCL weight calls
 (`endpoint`). The file lives only while a server starts: SGLang reads it once, as it parses its arguments
 (`prepare_server_args`, before it loads the model), so the host deletes it once the server is healthy (or failed to
-start), and with it the directory when nothing else is in it, and writes both anew (a new directory) before a
-relaunch. A host killed without `shutdown` (SIGKILL, a node lost) so leaves no key on disk, unless it died while its
-server was starting.
+start), and with it the directory when nothing else is in it (when the server's log is elsewhere), and writes it
+again before a relaunch, in a new directory when the last one went. A host killed without `shutdown` (SIGKILL, a node
+lost) so leaves no key on disk, unless it died while its server was starting.
 
-Restarts: before every call, and when a call finds the server gone, the host relaunches it (same argv, port and
-log file), at most `max_restarts` times over its life. A restarted server has `model_path`'s weights again: when
-weights had been synced, the engine then refuses to generate until they are synced again (and an NCCL weight-update
-group must be formed again), so a crash can cost a sync but never silently yields samples from stale weights.
+Restarts: before every call, and when a call finds the server gone, the host relaunches it (the same argv but for the
+config file's path, the same port and log file), at most `max_restarts` times over its life. A restarted server has
+`model_path`'s weights again: when weights had been synced, the engine then refuses to generate until they are synced
+again (and an NCCL weight-update group must be formed again), so a crash can cost a sync but never silently yields
+samples from stale weights.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -395,26 +397,38 @@ class SGLangRolloutHost(RolloutEngine):
 
     def _write_config(self) -> None:
         """Write the API-key config that the server's argv names, in a new private directory when the last one was
-        removed (`_remove_config`): never in a directory of that name made since, which another local user can do."""
-        if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))
-        path = write_server_config(self.spec, self._dir)
+        removed (`_remove_config`) or is no longer this user's 0700 directory (a cleaner of /tmp removed it, and another
+        local user may have made one of that name since): never into a directory this host did not make."""
+        directory = self._dir
+        if directory is None or not _private_directory(directory):
+            directory = self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))
+        path = write_server_config(self.spec, directory)
         self.server.argv[self.server.argv.index("--config") + 1] = str(path)
 
     def _remove_config(self) -> None:
         """Delete the API-key config, and its directory when nothing else (the server's log) is in it."""
-        if self._dir is None:
+        directory = self._dir
+        if directory is None:
             return
-        for path in self._dir.glob("*.yaml"):
+        for path in directory.glob("*.yaml"):
             path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self._dir.rmdir()
+        with contextlib.suppress(OSError):  # not empty: the log stays in it
+            directory.rmdir()
             self._dir = None
 
     def _remove_private_files(self) -> None:
         if self.pixel_dir is not None:
             shutil.rmtree(self.pixel_dir, ignore_errors=True)
         self._remove_config()
+
+
+def _private_directory(path: Path) -> bool:
+    """Whether `path` is a directory (not a link to one) of this user's, mode 0700."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
 
 
 def deterministic_inference(extra_args: Sequence[str]) -> bool:

@@ -405,7 +405,7 @@ def write_server_config(spec: ServerSpec, directory: str | Path) -> Path | None:
         return None
     _require_port(spec)
     path = Path(directory) / f"sglang_{spec.port}.yaml"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # never through a link
     with os.fdopen(fd, "w") as f:
         f.write(f"api-key: {json.dumps(spec.api_key)}\n")  # a JSON string is a valid YAML scalar
     return path

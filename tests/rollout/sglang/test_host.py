@@ -246,10 +246,35 @@ def test_the_key_file_lives_only_while_a_server_starts(tmp_path, monkeypatch):
         directory = private[2]
         assert sorted(p.name for p in directory.iterdir()) == [f"sglang_{h.spec.port}.log"]
         assert not _files_holding(key, tmp_path)
+        # the directory is no longer this user's 0700 one (as if a cleaner of /tmp removed it and another account
+        # made one of that name): the relaunch writes the key into a new directory of its own, not into that one
+        directory.chmod(0o755)
+        kill(h)
+        assert len(h.generate([make_prompt([1])], PARAMS)) == 1 and h.restarts == 1
+        assert len(private) == 4 and not private[3].exists() and not _files_holding(key, tmp_path)
+        assert not list(directory.glob("*.yaml"))
     finally:
         h.shutdown()
         assert h.log_path.parent == directory and h.log_path.exists()  # kept for post-mortems, as before
         shutil.rmtree(directory)
+
+
+def test_a_relaunch_that_fails_leaves_no_key_though_the_host_lives_on(tmp_path, monkeypatch):
+    """The config file goes when the server fails to start as when it starts: a relaunch whose server dies while
+    starting (here: the stand-in told to exit before it is healthy) raises, and the host, not shut down, holds no
+    key on disk."""
+    key = "k3y-relaunch-fails"
+    private = _record_private_directories(monkeypatch)
+    h = host(tmp_path, api_key=key, max_restarts=1)
+    try:
+        h.server.argv += ["--fake-startup-delay", "30", "--fake-exit-after", "0.2"]  # the next start fails
+        kill(h)
+        with pytest.raises(SGLangServerDiedError, match="(?s)died while starting.*scheduled exit"):
+            h.ensure_running()
+        assert len(private) == 2 and not any(p.exists() for p in private)
+        assert not _files_holding(key, tmp_path)
+    finally:
+        h.shutdown()
 
 
 def test_hosts_without_a_port_take_free_ports_of_their_own(tmp_path):
