@@ -198,12 +198,20 @@ def test_a_server_that_cannot_start_is_reported_with_its_log_and_leaves_no_key(t
 
 
 def _record_private_directories(monkeypatch) -> list[Path]:
-    """The directories the host makes with `tempfile.mkdtemp` from now on, in order."""
+    """The private directories hosts make (`tempfile.mkdtemp` with their prefix) from now on, in order; another
+    thread's temporary directory meanwhile is not one of them."""
     from miles_vl.rollout.sglang import host as host_module
 
     made: list[Path] = []
     mkdtemp = host_module.tempfile.mkdtemp
-    monkeypatch.setattr(host_module.tempfile, "mkdtemp", lambda **kw: made.append(Path(mkdtemp(**kw))) or str(made[-1]))
+
+    def record(*args, **kw):
+        path = mkdtemp(*args, **kw)
+        if kw.get("prefix") == "miles_vl_sglang_":
+            made.append(Path(path))
+        return path
+
+    monkeypatch.setattr(host_module.tempfile, "mkdtemp", record)
     return made
 
 
