@@ -21,8 +21,8 @@ rest.
   runs; autograd's own C++ backward functions where that backward was called (torch replays their warnings there).
   torch calls the mode a prototype that "does not yet detect all synchronizing operations": `syncs` below the
   runtime's count of waiting calls (`HOST_WAITS`' rows in `host_top`, which lists the 15 costliest) says how many it
-  missed. The profile of 2026-11-29
-  (docs/benchmarks.md) counted 1,002 host waits in one 2B train phase without saying whose.
+  missed. The profile of 2026-11-29 (docs/benchmarks.md) counted 1,002 host waits in one 2B train phase without
+  saying whose.
 
 The profiler slows what it watches (more on the host than on the device), so a profiled step's wall time is above an
 unprofiled one's; compare its parts, not its total, with other steps. `write_profile` keeps every rank's summary of a

@@ -57,6 +57,14 @@ def _why_not_private(st, kind: str) -> str | None:
     return None
 
 
+def private_directory_problem(directory: str | os.PathLike) -> str | None:
+    """Why `directory` is not a private directory of this user (0700 or stricter, not a symbolic link), or None."""
+    try:
+        return _why_not_private(os.lstat(directory), "directory")
+    except OSError as e:
+        return str(e)
+
+
 def check_pixel_directory(directory: str) -> None:
     """Raise unless `directory` is a private directory of this user (0700 or stricter, not a symbolic link), as the
     engine's host makes it (`pixel_directory`): a directory others can write to (/dev/shm itself) could hold their
@@ -65,10 +73,7 @@ def check_pixel_directory(directory: str) -> None:
     Raises:
         ValueError: naming the directory, what is wrong and the fix.
     """
-    try:
-        problem = _why_not_private(os.lstat(directory), "directory")
-    except OSError as e:
-        problem = str(e)
+    problem = private_directory_problem(directory)
     if problem:
         raise ValueError(
             f"{PIXEL_DIR_ENV}={directory} is not a private pixel directory: {problem}. The server reads pixel files "

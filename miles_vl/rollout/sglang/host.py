@@ -39,7 +39,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -81,7 +80,7 @@ from miles_vl.rollout.sglang.weights import EngineAddress
 from miles_vl.rollout.types import Generation, RolloutEngine, SamplingParams
 from miles_vl.rollout.weight_sync import SyncReport
 from miles_vl.sglang_plugin.marker import marker_problem
-from miles_vl.sglang_plugin.wire import PIXEL_DIR_ENV
+from miles_vl.sglang_plugin.wire import PIXEL_DIR_ENV, private_directory_problem
 
 log = logging.getLogger(__name__)
 
@@ -397,10 +396,11 @@ class SGLangRolloutHost(RolloutEngine):
 
     def _write_config(self) -> None:
         """Write the API-key config that the server's argv names, in a new private directory when the last one was
-        removed (`_remove_config`) or is no longer this user's 0700 directory (a cleaner of /tmp removed it, and another
-        local user may have made one of that name since): never into a directory this host did not make."""
+        removed (`_remove_config`) or is no longer a private directory of this user (`private_directory_problem`: a
+        cleaner of /tmp removed it, and another local user may have made one of that name since): never into a
+        directory this host did not make."""
         directory = self._dir
-        if directory is None or not _private_directory(directory):
+        if directory is None or private_directory_problem(directory) is not None:
             directory = self._dir = Path(tempfile.mkdtemp(prefix="miles_vl_sglang_"))
         path = write_server_config(self.spec, directory)
         self.server.argv[self.server.argv.index("--config") + 1] = str(path)
@@ -420,15 +420,6 @@ class SGLangRolloutHost(RolloutEngine):
         if self.pixel_dir is not None:
             shutil.rmtree(self.pixel_dir, ignore_errors=True)
         self._remove_config()
-
-
-def _private_directory(path: Path) -> bool:
-    """Whether `path` is a directory (not a link to one) of this user's, mode 0700."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
 
 
 def deterministic_inference(extra_args: Sequence[str]) -> bool:
