@@ -11,6 +11,12 @@ PYTEST_ARGS ?=
 # the CI's 90 min limit (2026-11-28; one worker left a core idle about half the time). TEST_WORKERS=0 runs it in
 # this process (a debugger; -x stops at the first failure in file order).
 TEST_WORKERS ?= 2
+# A worker that dies (a segfault, the OOM killer, a test past pyproject.toml's faulthandler_timeout) is not replaced:
+# pytest-xdist 3.8 under --dist loadfile can wait forever once it replaces one (its issues #784, #1378: the dead
+# worker's finished files come back as empty work), which turned a red run into CI's 90-minute timeout with no names
+# (2026-11-29). Without a replacement the run goes on in the other worker, then ends red naming the test the worker
+# died in ("worker 'gw0' crashed while running ..."); the rest of that worker's file is not run.
+XDIST_ARGS := --dist loadfile --max-worker-restart=0
 
 .PHONY: setup run test lint gpu-test clean
 
@@ -31,7 +37,7 @@ run: setup
 	$(VENV)/bin/miles-vl train configs/vision_tiny_cpu.yaml
 
 test: setup
-	@$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	@$(VENV)/bin/pytest -n $(TEST_WORKERS) $(XDIST_ARGS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests; that is a failure here" >&2; fi; \
 	exit $$rc
 
