@@ -44,7 +44,8 @@ def test_a_worker_that_dies_ends_make_test_red_naming_its_test_instead_of_hangin
     """CI of 2026-11-29 ran into its 90-minute limit: a worker died, pytest-xdist 3.8 (--dist loadfile) replaced it,
     and then waited forever with idle workers (its issues #784, #1378). This is #784's case, run through the Makefile's
     own command: two of three files kill their worker. It hangs with the replacement (checked: `--max-worker-restart`
-    taken out of XDIST_ARGS, it ran into the timeout) and ends at once without it, red, naming the test."""
+    taken out of XDIST_ARGS, it ran into the timeout) and ends at once without it, red, naming the test and saying how
+    the worker died (its exit status: tests/conftest.py)."""
     for name, body in (
         ("test_1_kill", "os.kill(os.getpid(), 9)"),
         ("test_2_lives", "pass"),
@@ -52,13 +53,15 @@ def test_a_worker_that_dies_ends_make_test_red_naming_its_test_instead_of_hangin
     ):
         (tmp_path / f"{name}.py").write_text(f"import os\n\n\ndef test_fn():\n    {body}\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    args = f"-c {tmp_path / 'pytest.ini'} --rootdir {tmp_path} -p no:cacheprovider {tmp_path}"
+    # the suite's own hooks (tests/conftest.py) as a plugin: these files are outside tests/
+    args = f"-c {tmp_path / 'pytest.ini'} --rootdir {tmp_path} -p no:cacheprovider -p tests.conftest {tmp_path}"
     make = subprocess.Popen(
         ["make", "-s", "-C", str(REPO), "test", f"PYTEST_ARGS={args}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # on a hang: its pytest and workers go with it (below)
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
         out, _ = make.communicate(timeout=180)
@@ -67,4 +70,5 @@ def test_a_worker_that_dies_ends_make_test_red_naming_its_test_instead_of_hangin
         raise AssertionError(f"make test hung after a worker died:\n{make.communicate()[0][-3000:]}") from None
     assert make.returncode != 0 and "test] Error 1" in out, out[-3000:]
     assert "crashed and worker restarting disabled" in out
+    assert re.search(r"\[gw\d\] the worker process \d+ killed by SIGKILL", out), out[-3000:]  # how it died
     assert re.search(r"worker 'gw\d' crashed while running 'test_[13]_kill.py::test_fn'", out), out[-3000:]
